@@ -1,0 +1,1 @@
+//! Axum and Tower integration for relaybus.

@@ -1,0 +1,1 @@
+//! Procedural macros for relaybus. Use them through the `relaybus` crate.
