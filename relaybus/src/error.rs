@@ -1,0 +1,265 @@
+//! Errors returned by relaybus.
+
+use std::time::Duration;
+
+/// A boxed error of any kind, as returned by user code (handlers, transaction bodies).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The result type of relaybus operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every error a relaybus operation can return.
+///
+/// Each variant wraps a more specific error type that says what went wrong and what to do about
+/// it. Match on the variant when the caller can act on the cause, for example retry later after a
+/// [`TransactionTimeout`](Error::TransactionTimeout).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store, the bus or a call was configured in a way that cannot work: a standalone
+    /// server, an invalid database name, a session without a started transaction, and so on.
+    ///
+    /// Nothing was written.
+    #[error(transparent)]
+    Configuration(#[from] ConfigurationError),
+
+    /// An event was refused before anything was written: a malformed type name, an ordering key
+    /// that is too long, a document over MongoDB's size limit, a payload that does not serialize.
+    #[error(transparent)]
+    EventValidation(#[from] EventValidationError),
+
+    /// A transaction ran past its time budget and was aborted with all its writes.
+    #[error(transparent)]
+    TransactionTimeout(#[from] TransactionTimeoutError),
+
+    /// The database returned an error, or could not be reached.
+    ///
+    /// Errors labelled `TransientTransactionError` inside [`transaction`](crate::MongoEventStore::transaction)
+    /// are retried there and only reach the caller once the retry time is used up.
+    #[error("database error: {0}")]
+    Database(#[from] mongodb::error::Error),
+
+    /// An error raised by user code inside a transaction body, passed through unchanged.
+    #[error(transparent)]
+    Custom(BoxError),
+}
+
+impl Error {
+    /// Wraps an error of user code so that it can be returned from a transaction body.
+    ///
+    /// The transaction is aborted and the error reaches the caller unchanged.
+    pub fn custom(error: impl Into<BoxError>) -> Self {
+        Error::Custom(error.into())
+    }
+
+    /// Whether the error carries the given server or driver label, such as
+    /// `TransientTransactionError`.
+    pub fn contains_label(&self, label: &str) -> bool {
+        match self {
+            Error::Database(e) => e.contains_label(label),
+            _ => false,
+        }
+    }
+
+    /// Whether the whole transaction that raised this error may be run again: a write conflict,
+    /// a lost connection or a primary that stepped down.
+    pub fn is_transient_transaction_error(&self) -> bool {
+        self.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR)
+    }
+}
+
+/// A configuration that cannot work. Nothing was written.
+///
+/// The message says what is wrong and how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigurationError {
+    /// The server is a standalone `mongod`, which has no multi-document transactions.
+    #[error(
+        "relaybus needs multi-document transactions, and the server at {address} is a standalone mongod; \
+         run it as a replica set (`mongod --replSet rs0`, then `rs.initiate()` or the `replSetInitiate` command) \
+         or connect to a sharded cluster"
+    )]
+    NotReplicaSet {
+        /// The address of the server that answered.
+        address: String,
+    },
+
+    /// A session was handed to an operation that must run in a transaction, but the session has
+    /// no started transaction: each write would commit on its own.
+    #[error(
+        "{operation} needs a ClientSession inside a started transaction; start one with \
+         `session.start_transaction()` or use `transaction(..)` of the bus or store"
+    )]
+    NoTransaction {
+        /// The operation that was refused.
+        operation: &'static str,
+    },
+
+    /// The database name cannot be used.
+    #[error(
+        "invalid database name {name:?}: {reason}; use 1 to 63 characters of ASCII letters, digits, `_` and `-`"
+    )]
+    InvalidDatabaseName {
+        /// The name given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// The client has no default database and none was given.
+    #[error(
+        "no database given and the connection string names none; call `.database(\"name\")` on the store builder"
+    )]
+    MissingDatabase,
+
+    /// The collection prefix cannot be used.
+    #[error(
+        "invalid collection prefix {prefix:?}: {reason}; use up to 32 characters of ASCII letters, digits, `_`, `-` and `.`"
+    )]
+    InvalidCollectionPrefix {
+        /// The prefix given.
+        prefix: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// A numeric or duration option is out of range.
+    #[error("invalid option `{option}`: {reason}")]
+    InvalidOption {
+        /// The option's name.
+        option: &'static str,
+        /// What is wrong and what is accepted.
+        reason: String,
+    },
+
+    /// A handler id cannot be used.
+    #[error(
+        "invalid handler id {id:?}: {reason}; use 1 to 128 characters of ASCII letters, digits, `_`, `-`, `.` and `:`"
+    )]
+    InvalidHandlerId {
+        /// The id given.
+        id: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// Two subscriptions share one handler id.
+    #[error(
+        "handler id {id:?} is subscribed twice ({first} and {second}); give each handler its own id"
+    )]
+    DuplicateHandlerId {
+        /// The id both use.
+        id: String,
+        /// What the first subscription handles.
+        first: String,
+        /// What the second subscription handles.
+        second: String,
+    },
+}
+
+/// An event that cannot be stored as it is. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EventValidationError {
+    /// The event type name does not follow the naming rule.
+    #[error(
+        "invalid event type name {name:?}: {reason}; use dot-separated lowercase segments of ASCII letters, \
+         digits, `_` and `-`, each starting with a letter or digit, 128 bytes at most (for example \"order.placed.v1\")"
+    )]
+    InvalidTypeName {
+        /// The name given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// The event id is empty, too long or not text.
+    #[error("invalid event id {id:?}: {reason}; use 1 to {max} bytes without control characters", max = crate::event::MAX_ID_BYTES)]
+    InvalidId {
+        /// The id given.
+        id: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// The ordering key is empty or too long.
+    #[error("invalid ordering key {key:?}: {reason}; use 1 to {max} bytes", max = crate::event::MAX_KEY_BYTES)]
+    InvalidKey {
+        /// The key given, cut to its first 64 characters.
+        key: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// A correlation or causation id, or a header name, is empty or too long.
+    #[error("invalid {field}: {reason}")]
+    InvalidField {
+        /// Which field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The payload could not be serialized to JSON.
+    #[error("the payload of {event_type} could not be serialized: {source}")]
+    Payload {
+        /// The event type.
+        event_type: String,
+        /// The serializer's error.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// The payload is not a JSON object.
+    #[error(
+        "the payload of {event_type} serializes to {found}, not an object; make the event a struct or a \
+         map-like enum, or wrap the value in a struct"
+    )]
+    PayloadNotObject {
+        /// The event type.
+        event_type: String,
+        /// What JSON kind it serializes to.
+        found: &'static str,
+    },
+
+    /// The stored event document would exceed MongoDB's document size limit.
+    #[error(
+        "event {id} would be stored as {size} bytes, over MongoDB's limit of {limit} bytes; store large \
+         data elsewhere and put a reference in the payload"
+    )]
+    TooLarge {
+        /// The event id.
+        id: String,
+        /// The size of the document in bytes.
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+}
+
+/// A transaction ran past its time budget and was aborted with all its writes.
+///
+/// Nothing the transaction wrote is visible. Run it again, make it shorter, or give it a larger
+/// budget (`transaction_timeout` on the bus builder).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "transaction aborted after {elapsed:?}, over its time budget of {budget:?}; nothing was committed \
+     (raise `transaction_timeout` or do less work per transaction)"
+)]
+pub struct TransactionTimeoutError {
+    pub(crate) budget: Duration,
+    pub(crate) elapsed: Duration,
+}
+
+impl TransactionTimeoutError {
+    /// The time budget the transaction had.
+    pub fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    /// How long the transaction ran before it was aborted.
+    pub fn elapsed(&self) -> Duration {
+        self.elapsed
+    }
+}

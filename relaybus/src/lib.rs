@@ -1,0 +1,82 @@
+//! relaybus is a reliable event bus on the transactional outbox, with a MongoDB event store.
+//!
+//! An event is written in the **same MongoDB transaction** as the business data that caused it:
+//! a committed change always has its event, and a rolled-back one never leaks one. Every handler
+//! subscribed to the event's type gets a delivery of its own.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use mongodb::bson::doc;
+//! use relaybus::{BoxError, Event, HandlerContext, MongoEventStore, RelayBus, Subscription};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Serialize, Deserialize)]
+//! struct OrderPlaced {
+//!     order_id: String,
+//! }
+//!
+//! impl Event for OrderPlaced {
+//!     const TYPE: &'static str = "order.placed.v1";
+//! }
+//!
+//! # async fn example() -> Result<(), relaybus::Error> {
+//! let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:27117/?replicaSet=relaybus-dev").await?;
+//! let store = MongoEventStore::builder(client.clone()).database("shop").build()?;
+//! store.setup().await?;
+//!
+//! let bus = RelayBus::builder(store)
+//!     .subscribe(Subscription::new(
+//!         "send-confirmation",
+//!         |event: OrderPlaced, _: HandlerContext| async move {
+//!             println!("confirming {}", event.order_id);
+//!             Ok::<(), BoxError>(())
+//!         },
+//!     ))
+//!     .build()?;
+//!
+//! let orders = client.database("shop").collection("orders");
+//! bus.transaction(async |session| {
+//!     orders.insert_one(doc! { "_id": "o-1" }).session(&mut *session).await?;
+//!     bus.publish(&OrderPlaced { order_id: "o-1".into() })
+//!         .key("o-1")
+//!         .session(session)
+//!         .await?;
+//!     Ok(())
+//! })
+//! .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Requirements
+//!
+//! MongoDB 6.0 or newer running as a replica set or a sharded cluster: MongoDB has
+//! multi-document transactions only there. A single-node replica set is enough for development.
+//! A standalone `mongod` is refused with [`ConfigurationError::NotReplicaSet`].
+//!
+//! # Transactions and retries
+//!
+//! [`RelayBus::transaction`] and [`MongoEventStore::transaction`] run the whole body again after
+//! a transient error such as a write conflict, so the body may run more than once. Keep side
+//! effects that do not go through the session out of it: publishing an event is how to make them
+//! happen once the data is committed.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod bus;
+pub mod error;
+pub mod event;
+mod handler;
+pub mod store;
+
+pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
+pub use error::{
+    BoxError, ConfigurationError, Error, EventValidationError, Result, TransactionTimeoutError,
+};
+pub use event::{Event, EventEnvelope};
+pub use handler::{Handler, HandlerContext, Subscription, validate_handler_id};
+pub use store::mongo::{AppendRequest, Appended, MongoEventStore, MongoEventStoreBuilder};
+
+/// The MongoDB driver relaybus is built on, for its `ClientSession` and `bson` types.
+pub use mongodb;

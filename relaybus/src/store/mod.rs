@@ -1,0 +1,3 @@
+//! Event stores. relaybus ships one, on MongoDB.
+
+pub mod mongo;

@@ -1,0 +1,333 @@
+//! The MongoDB event store.
+
+mod append;
+mod bson_json;
+mod setup;
+mod transaction;
+
+use std::sync::Arc;
+
+use mongodb::{
+    Client, Collection, Database,
+    bson::Document,
+    options::{
+        CollectionOptions, ReadConcern, SelectionCriteria, TransactionOptions, WriteConcern,
+    },
+};
+use tokio::sync::OnceCell;
+
+pub use append::{AppendRequest, Appended};
+
+use crate::error::ConfigurationError;
+
+/// The default collection prefix.
+pub const DEFAULT_COLLECTION_PREFIX: &str = "relaybus_";
+/// The default number of documents deleted per purge step.
+pub const DEFAULT_PURGE_BATCH_SIZE: u32 = 500;
+
+/// The MongoDB event store: the transactional outbox and the delivery queue of relaybus, kept in
+/// four collections of one database.
+///
+/// Events are appended in the caller's own multi-document transaction, together with the business
+/// data, so a committed change always has its events and an aborted one never leaks one. MongoDB
+/// has such transactions on replica sets and sharded clusters only: a standalone `mongod` is
+/// refused with [`ConfigurationError::NotReplicaSet`].
+///
+/// The store is cheap to clone; clones share one set of collection handles.
+///
+/// # Collections
+///
+/// With the default prefix `relaybus_`: `relaybus_events` (one document per event),
+/// `relaybus_deliveries` (one per unfinished event and handler), `relaybus_key_sequences` (one
+/// counter per ordering key), `relaybus_lanes` (256 lane documents) and, with
+/// [`completion_history`](MongoEventStoreBuilder::completion_history),
+/// `relaybus_completed_deliveries`.
+///
+/// # Example
+///
+/// ```no_run
+/// # async fn example() -> Result<(), relaybus::Error> {
+/// use relaybus::MongoEventStore;
+///
+/// let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:27017/?replicaSet=rs0").await?;
+/// let store = MongoEventStore::builder(client).database("shop").build()?;
+/// store.setup().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct MongoEventStore {
+    pub(crate) inner: Arc<StoreInner>,
+}
+
+pub(crate) struct StoreInner {
+    pub(crate) client: Client,
+    pub(crate) db: Database,
+    pub(crate) prefix: String,
+    pub(crate) completion_history: bool,
+    pub(crate) transaction_options: TransactionOptions,
+    pub(crate) purge_batch_size: u32,
+    pub(crate) events: Collection<Document>,
+    pub(crate) deliveries: Collection<Document>,
+    pub(crate) key_sequences: Collection<Document>,
+    pub(crate) lanes: Collection<Document>,
+    pub(crate) completed: Collection<Document>,
+    /// Set once the server was seen to support transactions.
+    pub(crate) topology_checked: OnceCell<()>,
+}
+
+impl std::fmt::Debug for MongoEventStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MongoEventStore")
+            .field("database", &self.inner.db.name())
+            .field("collection_prefix", &self.inner.prefix)
+            .field("completion_history", &self.inner.completion_history)
+            .field("purge_batch_size", &self.inner.purge_batch_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MongoEventStore {
+    /// Starts building a store on a connected client. The store never closes the client.
+    pub fn builder(client: Client) -> MongoEventStoreBuilder {
+        MongoEventStoreBuilder {
+            client,
+            database: None,
+            collection_prefix: DEFAULT_COLLECTION_PREFIX.to_owned(),
+            completion_history: false,
+            transaction_options: None,
+            purge_batch_size: DEFAULT_PURGE_BATCH_SIZE,
+        }
+    }
+
+    /// The client the store was built with.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// The database holding the store's collections.
+    pub fn database(&self) -> &Database {
+        &self.inner.db
+    }
+
+    /// The full name of one of the store's collections, such as `relaybus_events`.
+    pub fn collection_name(&self, suffix: &str) -> String {
+        format!("{}{}", self.inner.prefix, suffix)
+    }
+
+    /// Whether completed deliveries are kept in `<prefix>completed_deliveries`.
+    pub fn completion_history(&self) -> bool {
+        self.inner.completion_history
+    }
+
+    /// The number of documents deleted per purge step.
+    pub fn purge_batch_size(&self) -> u32 {
+        self.inner.purge_batch_size
+    }
+}
+
+/// Builds a [`MongoEventStore`]; made by [`MongoEventStore::builder`].
+#[must_use]
+#[derive(Debug)]
+pub struct MongoEventStoreBuilder {
+    client: Client,
+    database: Option<String>,
+    collection_prefix: String,
+    completion_history: bool,
+    transaction_options: Option<TransactionOptions>,
+    purge_batch_size: u32,
+}
+
+impl MongoEventStoreBuilder {
+    /// The database for the collections. Defaults to the connection string's default database.
+    ///
+    /// 1 to 63 characters of ASCII letters, digits, `_` and `-`.
+    pub fn database(mut self, name: impl Into<String>) -> Self {
+        self.database = Some(name.into());
+        self
+    }
+
+    /// The prefix of the collection names, `relaybus_` by default.
+    pub fn collection_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.collection_prefix = prefix.into();
+        self
+    }
+
+    /// Keep an append-only record of completed deliveries in `<prefix>completed_deliveries`.
+    /// Off by default. Every process sharing the store must use the same value.
+    pub fn completion_history(mut self, enabled: bool) -> Self {
+        self.completion_history = enabled;
+        self
+    }
+
+    /// The options of the store's transactions. The default reads with snapshot read concern,
+    /// commits with write concern `majority` and runs on the primary.
+    pub fn transaction_options(mut self, options: TransactionOptions) -> Self {
+        self.transaction_options = Some(options);
+        self
+    }
+
+    /// How many documents a purge deletes per step, 500 by default (1 to 100,000).
+    pub fn purge_batch_size(mut self, size: u32) -> Self {
+        self.purge_batch_size = size;
+        self
+    }
+
+    /// Validates the options and builds the store. Makes no database call.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigurationError`] for an invalid database name or collection prefix, a missing
+    /// database, or a purge batch size out of range.
+    pub fn build(self) -> Result<MongoEventStore, ConfigurationError> {
+        let database = match self.database {
+            Some(name) => name,
+            None => self
+                .client
+                .default_database()
+                .map(|db| db.name().to_owned())
+                .ok_or(ConfigurationError::MissingDatabase)?,
+        };
+        validate_database_name(&database)?;
+        validate_prefix(&self.collection_prefix)?;
+        if !(1..=100_000).contains(&self.purge_batch_size) {
+            return Err(ConfigurationError::InvalidOption {
+                option: "purge_batch_size",
+                reason: format!("{} is out of range; use 1 to 100000", self.purge_batch_size),
+            });
+        }
+        let transaction_options = self.transaction_options.unwrap_or_else(|| {
+            TransactionOptions::builder()
+                .read_concern(ReadConcern::snapshot())
+                .write_concern(WriteConcern::majority())
+                .selection_criteria(SelectionCriteria::ReadPreference(
+                    mongodb::options::ReadPreference::Primary,
+                ))
+                .build()
+        });
+        // Writes outside transactions (claims, renewals, setup) always use majority write concern
+        // and read from the primary, whatever the client's defaults are.
+        let db = self.client.database_with_options(
+            &database,
+            mongodb::options::DatabaseOptions::builder()
+                .write_concern(WriteConcern::majority())
+                .read_concern(ReadConcern::majority())
+                .selection_criteria(SelectionCriteria::ReadPreference(
+                    mongodb::options::ReadPreference::Primary,
+                ))
+                .build(),
+        );
+        let prefix = self.collection_prefix;
+        let collection = |suffix: &str| {
+            db.collection_with_options::<Document>(
+                &format!("{prefix}{suffix}"),
+                CollectionOptions::builder().build(),
+            )
+        };
+        let inner = StoreInner {
+            events: collection("events"),
+            deliveries: collection("deliveries"),
+            key_sequences: collection("key_sequences"),
+            lanes: collection("lanes"),
+            completed: collection("completed_deliveries"),
+            client: self.client,
+            db,
+            prefix,
+            completion_history: self.completion_history,
+            transaction_options,
+            purge_batch_size: self.purge_batch_size,
+            topology_checked: OnceCell::new(),
+        };
+        Ok(MongoEventStore {
+            inner: Arc::new(inner),
+        })
+    }
+}
+
+fn validate_database_name(name: &str) -> Result<(), ConfigurationError> {
+    let reason = if name.is_empty() {
+        Some("it is empty")
+    } else if name.len() > 63 {
+        Some("it is longer than 63 characters")
+    } else if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        Some("it contains a character other than ASCII letters, digits, `_` and `-`")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(ConfigurationError::InvalidDatabaseName {
+            name: name.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
+    }
+}
+
+fn validate_prefix(prefix: &str) -> Result<(), ConfigurationError> {
+    let reason = if prefix.len() > 32 {
+        Some("it is longer than 32 characters")
+    } else if !prefix
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    {
+        Some("it contains a character other than ASCII letters, digits, `_`, `-` and `.`")
+    } else if prefix.starts_with("system.") {
+        Some("collections named `system.*` are reserved by MongoDB")
+    } else if prefix.starts_with('.') {
+        Some("a collection name cannot start with `.`")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(ConfigurationError::InvalidCollectionPrefix {
+            prefix: prefix.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The server error code of a driver error, if it has one.
+pub(crate) fn error_code(error: &mongodb::error::Error) -> Option<i32> {
+    use mongodb::error::{ErrorKind, WriteFailure};
+    match error.kind.as_ref() {
+        ErrorKind::Command(e) => Some(e.code),
+        ErrorKind::Write(WriteFailure::WriteError(e)) => Some(e.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(e)) => Some(e.code),
+        ErrorKind::InsertMany(e) => e
+            .write_errors
+            .as_ref()
+            .and_then(|errors| errors.first().map(|e| e.code))
+            .or_else(|| e.write_concern_error.as_ref().map(|e| e.code)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_names() {
+        assert!(validate_database_name("shop").is_ok());
+        assert!(validate_database_name("a-b_C9").is_ok());
+        assert!(validate_database_name(&"a".repeat(63)).is_ok());
+        for bad in ["", "a.b", "a b", "a$", "é"] {
+            assert!(validate_database_name(bad).is_err(), "{bad}");
+        }
+        assert!(validate_database_name(&"a".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn prefixes() {
+        assert!(validate_prefix("").is_ok());
+        assert!(validate_prefix("relaybus_").is_ok());
+        assert!(validate_prefix("app.rb_").is_ok());
+        for bad in ["a$", "system.x", ".a", "a b"] {
+            assert!(validate_prefix(bad).is_err(), "{bad}");
+        }
+    }
+}

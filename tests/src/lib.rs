@@ -1,0 +1,1 @@
+//! End-to-end tests of relaybus against a real MongoDB replica set.
