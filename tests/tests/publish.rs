@@ -905,3 +905,41 @@ async fn payload_keys_with_dots_and_dollars_are_stored_as_they_are() {
     // No subscribers: the event is kept, with no delivery.
     assert_eq!(count(&db, "relaybus_deliveries").await, 0);
 }
+
+#[tokio::test]
+async fn a_known_event_in_a_keyed_batch_leaves_no_gap_in_the_sequence() {
+    let db = test_db("gapless_batch").await;
+    let store = store(&db).await;
+    let bus = bus(&store, &["a"]);
+    let keyed = |order: &str| {
+        EventEnvelope::new(&placed(order))
+            .unwrap()
+            .with_key("k")
+            .unwrap()
+    };
+    let known = keyed("known");
+    assert_eq!(bus.publish_envelope(known.clone()).await.unwrap().sequence, Some(1));
+
+    let batch = vec![keyed("first"), known, keyed("last")];
+    let appended = bus.publish_all(batch).await.unwrap();
+    let sequences: Vec<(bool, Option<i64>)> =
+        appended.iter().map(|a| (a.created, a.sequence)).collect();
+    assert_eq!(sequences, [(true, Some(2)), (false, Some(1)), (true, Some(3))]);
+
+    let stored: Vec<i64> = all(&db.db().collection("relaybus_events"))
+        .await
+        .iter()
+        .map(|e| e.get_i64("sequence").unwrap())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(stored, [1, 2, 3]);
+    let delivery_sequences: Vec<i64> = all(&db.db().collection("relaybus_deliveries"))
+        .await
+        .iter()
+        .map(|d| d.get_i64("sequence").unwrap())
+        .collect();
+    assert_eq!(delivery_sequences, [1, 2, 3]);
+    let counter = &all(&db.db().collection("relaybus_key_sequences")).await[0];
+    assert_eq!(counter.get("value").unwrap(), &Bson::Int64(3));
+}

@@ -54,6 +54,7 @@ struct Item<'a> {
     event: &'a EventEnvelope,
     handlers: Vec<&'a str>,
     document: Document,
+    sequence: Option<i64>,
 }
 
 /// What the store already holds of an event.
@@ -110,7 +111,7 @@ impl MongoEventStore {
     async fn append_prepared(
         &self,
         session: &mut ClientSession,
-        items: Vec<Item<'_>>,
+        mut items: Vec<Item<'_>>,
         now: DateTime,
     ) -> Result<Vec<Appended>> {
         if items.is_empty() {
@@ -118,46 +119,11 @@ impl MongoEventStore {
         }
         let inner = &self.inner;
 
-        // 1. What exists already, read inside the transaction.
-        let ids: Vec<&str> = items.iter().map(|item| item.event.id.as_str()).collect();
-        let mut stored: HashMap<String, Stored> = HashMap::new();
-        let mut cursor = inner
-            .events
-            .find(doc! { "_id": { "$in": &ids } })
-            .projection(doc! { "handlers": 1, "type": 1, "key": 1, "sequence": 1 })
-            .session(&mut *session)
-            .await?;
-        while let Some(found) = cursor.next(&mut *session).await.transpose()? {
-            let id = match found.get("_id") {
-                Some(Bson::String(id)) => id.clone(),
-                _ => continue,
-            };
-            let handlers = found
-                .get_array("handlers")
-                .map(|list| {
-                    list.iter()
-                        .filter_map(|h| h.as_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default();
-            stored.insert(
-                id,
-                Stored {
-                    handlers,
-                    event_type: found.get_str("type").unwrap_or_default().to_owned(),
-                    key: found.get_str("key").ok().map(str::to_owned),
-                    sequence: found.get("sequence").and_then(bson_i64),
-                },
-            );
-        }
-        drop(cursor);
-
-        // 2. Sequences of the new keyed events, from each key's counter.
+        // 1. Sequences for every keyed event, taken from each key's counter. An event that turns
+        //    out to exist gives its number back below, so the common path (new events) costs no
+        //    read before the writes.
         let mut per_key: Vec<(&str, i64)> = Vec::new();
         for item in &items {
-            if stored.contains_key(&item.event.id) {
-                continue;
-            }
             if let Some(key) = item.event.key.as_deref() {
                 match per_key.iter_mut().find(|(k, _)| *k == key) {
                     Some((_, n)) => *n += 1,
@@ -165,118 +131,125 @@ impl MongoEventStore {
                 }
             }
         }
-        let mut next_sequence: HashMap<&str, i64> = HashMap::new();
-        if per_key.len() == 1 {
-            let (key, count) = per_key[0];
-            let counter = inner
-                .key_sequences
-                .find_one_and_update(doc! { "_id": key }, doc! { "$inc": { "value": count } })
-                .upsert(true)
-                .return_document(ReturnDocument::After)
-                .session(&mut *session)
-                .await?;
-            let last = counter
-                .as_ref()
-                .and_then(|c| c.get("value").and_then(bson_i64))
-                .unwrap_or(count);
-            next_sequence.insert(key, last - count + 1);
-        } else if !per_key.is_empty() {
-            let updates: Vec<Document> = per_key
-                .iter()
-                .map(|(key, count)| {
-                    doc! { "q": { "_id": *key }, "u": { "$inc": { "value": *count } }, "upsert": true }
-                })
-                .collect();
-            let reply = inner
-                .db
-                .run_command(doc! { "update": inner.key_sequences.name(), "updates": updates })
-                .session(&mut *session)
-                .await?;
-            check_write_reply(&reply)?;
-            let keys: Vec<&str> = per_key.iter().map(|(k, _)| *k).collect();
-            let counters: Vec<Document> = inner
-                .key_sequences
-                .find(doc! { "_id": { "$in": &keys } })
-                .session(&mut *session)
-                .await?
-                .stream(&mut *session)
-                .try_collect()
-                .await?;
-            for (key, count) in &per_key {
-                let last = counters
-                    .iter()
-                    .find(|c| c.get_str("_id") == Ok(*key))
-                    .and_then(|c| c.get("value").and_then(bson_i64))
-                    .unwrap_or(*count);
-                next_sequence.insert(key, last - count + 1);
+        let base = self.take_sequences(session, &per_key).await?;
+        let mut last: HashMap<&str, i64> = base.clone();
+        for item in &mut items {
+            if let Some(key) = item.event.key.as_deref() {
+                let slot = last.get_mut(key).expect("every key was counted");
+                *slot += 1;
+                item.sequence = Some(*slot);
+                insert_after(&mut item.document, "key", "sequence", Bson::Int64(*slot));
             }
         }
 
-        // 3. Event documents: new ones upserted, known ones extended with their new handlers.
-        let mut event_updates = Vec::with_capacity(items.len());
+        // 2. Every event upserted in one command. An id that exists is left as it is; one
+        //    inserted meanwhile by a concurrent transaction makes this a write conflict, which
+        //    restarts the transaction, instead of a duplicate-key error, which would not.
+        let upserts: Vec<Document> = items
+            .iter()
+            .map(|item| {
+                doc! {
+                    "q": { "_id": &item.event.id },
+                    "u": { "$setOnInsert": &item.document },
+                    "upsert": true,
+                }
+            })
+            .collect();
+        let reply = inner
+            .db
+            .run_command(doc! { "update": inner.events.name(), "updates": upserts, "ordered": true })
+            .session(&mut *session)
+            .await?;
+        check_write_reply(&reply)?;
+        let mut created = vec![false; items.len()];
+        if let Ok(upserted) = reply.get_array("upserted") {
+            for entry in upserted {
+                if let Some(index) = entry.as_document().and_then(|e| e.get("index")).and_then(bson_i64) {
+                    if let Some(flag) = created.get_mut(index as usize) {
+                        *flag = true;
+                    }
+                }
+            }
+        }
+
+        // 3. Events the store held already: read them, give back the sequence numbers they took,
+        //    and extend them with the handlers they never had.
+        let mut stored: HashMap<String, Stored> = HashMap::new();
+        if created.iter().any(|c| !c) {
+            let known: Vec<&str> = items
+                .iter()
+                .zip(&created)
+                .filter(|(_, created)| !**created)
+                .map(|(item, _)| item.event.id.as_str())
+                .collect();
+            stored = self.read_stored(session, &known).await?;
+            self.give_back_sequences(session, &mut items, &created, &per_key, &base)
+                .await?;
+            let extend: Vec<Document> = items
+                .iter()
+                .zip(&created)
+                .filter(|(_, created)| !**created)
+                .filter_map(|(item, _)| {
+                    let known = stored.get(&item.event.id)?;
+                    let fresh: Vec<&str> = item
+                        .handlers
+                        .iter()
+                        .copied()
+                        .filter(|h| !known.handlers.contains(*h))
+                        .collect();
+                    (!fresh.is_empty()).then(|| {
+                        doc! {
+                            "q": { "_id": &item.event.id },
+                            "u": {
+                                "$addToSet": { "handlers": { "$each": fresh } },
+                                "$inc": { "revision": 1_i64 },
+                            },
+                        }
+                    })
+                })
+                .collect();
+            if !extend.is_empty() {
+                let reply = inner
+                    .db
+                    .run_command(doc! { "update": inner.events.name(), "updates": extend })
+                    .session(&mut *session)
+                    .await?;
+                check_write_reply(&reply)?;
+            }
+        }
+
+        // 4. The deliveries, in one insert.
         let mut deliveries = Vec::new();
         let mut outcomes = Vec::with_capacity(items.len());
-        for mut item in items {
+        for (item, created) in items.iter().zip(created) {
             let event = item.event;
-            let (created, sequence, new_handlers, event_type, key) = match stored.get(&event.id) {
-                Some(known) => {
-                    let fresh: Vec<String> = item
-                        .handlers
+            let (sequence, handlers, event_type, key) = match stored.get(&event.id) {
+                Some(known) if !created => (
+                    known.sequence,
+                    item.handlers
                         .iter()
                         .filter(|h| !known.handlers.contains(**h))
                         .map(|h| (*h).to_owned())
-                        .collect();
-                    if !fresh.is_empty() {
-                        event_updates.push(doc! {
-                            "q": { "_id": &event.id },
-                            "u": {
-                                "$addToSet": { "handlers": { "$each": &fresh } },
-                                "$inc": { "revision": 1_i64 },
-                            },
-                        });
-                    }
-                    (
-                        false,
-                        known.sequence,
-                        fresh,
-                        known.event_type.clone(),
-                        known.key.clone(),
-                    )
-                }
-                None => {
-                    let sequence = event.key.as_deref().map(|key| {
-                        let slot = next_sequence.get_mut(key).expect("counted above");
-                        let sequence = *slot;
-                        *slot += 1;
-                        sequence
-                    });
-                    if let Some(sequence) = sequence {
-                        insert_after(&mut item.document, "key", "sequence", Bson::Int64(sequence));
-                    }
-                    event_updates.push(doc! {
-                        "q": { "_id": &event.id },
-                        "u": { "$setOnInsert": item.document },
-                        "upsert": true,
-                    });
-                    let handlers = item.handlers.iter().map(|h| (*h).to_owned()).collect();
-                    (
-                        true,
-                        sequence,
-                        handlers,
-                        event.event_type.clone(),
-                        event.key.clone(),
-                    )
-                }
+                        .collect::<Vec<_>>(),
+                    known.event_type.as_str(),
+                    known.key.as_deref(),
+                ),
+                _ => (
+                    item.sequence,
+                    item.handlers.iter().map(|h| (*h).to_owned()).collect(),
+                    event.event_type.as_str(),
+                    event.key.as_deref(),
+                ),
             };
-            let lane = lane_of(key.as_deref(), &event.id) as i32;
-            for handler in &new_handlers {
+            let lane = lane_of(key, &event.id) as i32;
+            for handler in &handlers {
                 let mut delivery = doc! {
                     "_id": ObjectId::new(),
                     "eventId": &event.id,
                     "handler": handler,
-                    "eventType": &event_type,
+                    "eventType": event_type,
                 };
-                if let Some(key) = &key {
+                if let Some(key) = key {
                     delivery.insert("key", key);
                 }
                 if let Some(sequence) = sequence {
@@ -294,24 +267,9 @@ impl MongoEventStore {
                 event_id: event.id.clone(),
                 created,
                 sequence,
-                new_deliveries: new_handlers,
+                new_deliveries: handlers,
             });
         }
-
-        if !event_updates.is_empty() {
-            let reply = inner
-                .db
-                .run_command(doc! {
-                    "update": inner.events.name(),
-                    "updates": event_updates,
-                    "ordered": true,
-                })
-                .session(&mut *session)
-                .await?;
-            check_write_reply(&reply)?;
-        }
-
-        // 4. The deliveries, in one insert.
         if !deliveries.is_empty() {
             inner
                 .deliveries
@@ -320,6 +278,161 @@ impl MongoEventStore {
                 .await?;
         }
         Ok(outcomes)
+    }
+
+    /// Takes `count` sequence numbers from the counter of each key, returning the value each
+    /// counter had before: the numbers taken are `base + 1 ..= base + count`.
+    async fn take_sequences<'k>(
+        &self,
+        session: &mut ClientSession,
+        per_key: &[(&'k str, i64)],
+    ) -> Result<HashMap<&'k str, i64>> {
+        let inner = &self.inner;
+        let mut base = HashMap::with_capacity(per_key.len());
+        match per_key {
+            [] => {}
+            [(key, count)] => {
+                let counter = inner
+                    .key_sequences
+                    .find_one_and_update(doc! { "_id": *key }, doc! { "$inc": { "value": *count } })
+                    .upsert(true)
+                    .return_document(ReturnDocument::After)
+                    .session(&mut *session)
+                    .await?;
+                let value = counter
+                    .as_ref()
+                    .and_then(|c| c.get("value").and_then(bson_i64))
+                    .unwrap_or(*count);
+                base.insert(*key, value - count);
+            }
+            _ => {
+                let updates: Vec<Document> = per_key
+                    .iter()
+                    .map(|(key, count)| {
+                        doc! { "q": { "_id": *key }, "u": { "$inc": { "value": *count } }, "upsert": true }
+                    })
+                    .collect();
+                let reply = inner
+                    .db
+                    .run_command(doc! { "update": inner.key_sequences.name(), "updates": updates })
+                    .session(&mut *session)
+                    .await?;
+                check_write_reply(&reply)?;
+                let keys: Vec<&str> = per_key.iter().map(|(k, _)| *k).collect();
+                let counters: Vec<Document> = inner
+                    .key_sequences
+                    .find(doc! { "_id": { "$in": &keys } })
+                    .session(&mut *session)
+                    .await?
+                    .stream(&mut *session)
+                    .try_collect()
+                    .await?;
+                for (key, count) in per_key {
+                    let value = counters
+                        .iter()
+                        .find(|c| c.get_str("_id") == Ok(*key))
+                        .and_then(|c| c.get("value").and_then(bson_i64))
+                        .unwrap_or(*count);
+                    base.insert(*key, value - count);
+                }
+            }
+        }
+        Ok(base)
+    }
+
+    /// Reads what the store holds of the events with these ids.
+    async fn read_stored(
+        &self,
+        session: &mut ClientSession,
+        ids: &[&str],
+    ) -> Result<HashMap<String, Stored>> {
+        let mut stored = HashMap::with_capacity(ids.len());
+        let mut cursor = self
+            .inner
+            .events
+            .find(doc! { "_id": { "$in": ids } })
+            .projection(doc! { "handlers": 1, "type": 1, "key": 1, "sequence": 1 })
+            .session(&mut *session)
+            .await?;
+        while let Some(found) = cursor.next(&mut *session).await.transpose()? {
+            let Some(Bson::String(id)) = found.get("_id") else {
+                continue;
+            };
+            let handlers = found
+                .get_array("handlers")
+                .map(|list| {
+                    list.iter()
+                        .filter_map(|h| h.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default();
+            stored.insert(
+                id.clone(),
+                Stored {
+                    handlers,
+                    event_type: found.get_str("type").unwrap_or_default().to_owned(),
+                    key: found.get_str("key").ok().map(str::to_owned),
+                    sequence: found.get("sequence").and_then(bson_i64),
+                },
+            );
+        }
+        Ok(stored)
+    }
+
+    /// Events that existed already took sequence numbers they do not use: number the new events
+    /// of those keys again from the counter's old value and set the counter back, so that
+    /// duplicates leave no gap. This transaction holds the counters, so nobody took a number
+    /// meanwhile.
+    async fn give_back_sequences(
+        &self,
+        session: &mut ClientSession,
+        items: &mut [Item<'_>],
+        created: &[bool],
+        per_key: &[(&str, i64)],
+        base: &HashMap<&str, i64>,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let mut counter_updates = Vec::new();
+        let mut event_updates = Vec::new();
+        for (key, count) in per_key {
+            let mut next = base[key];
+            let mut used = 0;
+            for (item, created) in items.iter_mut().zip(created) {
+                if !*created || item.event.key.as_deref() != Some(*key) {
+                    continue;
+                }
+                next += 1;
+                used += 1;
+                if item.sequence != Some(next) {
+                    item.sequence = Some(next);
+                    event_updates.push(doc! {
+                        "q": { "_id": &item.event.id },
+                        "u": { "$set": { "sequence": next } },
+                    });
+                }
+            }
+            if used < *count {
+                counter_updates.push(doc! {
+                    "q": { "_id": *key },
+                    "u": { "$inc": { "value": used - count } },
+                });
+            }
+        }
+        for (collection, updates) in [
+            (inner.key_sequences.name(), counter_updates),
+            (inner.events.name(), event_updates),
+        ] {
+            if updates.is_empty() {
+                continue;
+            }
+            let reply = inner
+                .db
+                .run_command(doc! { "update": collection, "updates": updates })
+                .session(&mut *session)
+                .await?;
+            check_write_reply(&reply)?;
+        }
+        Ok(())
     }
 }
 
@@ -352,6 +465,7 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
             event: request.event,
             handlers,
             document: Document::new(),
+            sequence: None,
         });
     }
     for item in &mut items {

@@ -1,0 +1,274 @@
+//! Publish throughput: events per second committed with their business documents, next to the
+//! raw driver doing the same transaction with one plain outbox document per event.
+//!
+//! Run with `cargo bench -p relaybus --bench publish`. It uses the replica set at
+//! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_SECONDS` sets the length
+//! of each measured run (default 2); `RELAYBUS_BENCH_ROUNDS` the number of alternating rounds
+//! (default 3; the median is reported).
+
+use std::{
+    sync::Arc,
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use mongodb::{
+    Client, Collection,
+    bson::{Document, doc},
+    options::{ReadConcern, TransactionOptions, WriteConcern},
+};
+use relaybus::{BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    total_cents: u64,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "order.placed.v1";
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Subject {
+    Relaybus,
+    Baseline,
+}
+
+impl Subject {
+    fn name(self) -> &'static str {
+        match self {
+            Subject::Relaybus => "relaybus",
+            Subject::Baseline => "baseline",
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Target {
+    bus: RelayBus,
+    client: Client,
+    orders: Collection<Document>,
+    outbox: Collection<Document>,
+}
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let seconds = env_number("RELAYBUS_BENCH_SECONDS", 2);
+    let rounds = env_number("RELAYBUS_BENCH_ROUNDS", 3).max(1);
+    let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
+    let client = Client::with_uri_str(&uri).await?;
+    let db_name = format!("bench_publish_{}", std::process::id());
+    let db = client.database(&db_name);
+    db.drop().await?;
+    let store = MongoEventStore::builder(client.clone())
+        .database(&db_name)
+        .build()?;
+    store.setup().await?;
+    db.create_collection("orders").await?;
+    db.create_collection("outbox").await?;
+    let bus = RelayBus::builder(store)
+        .subscribe(Subscription::new(
+            "send-confirmation",
+            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
+        ))
+        .build()?;
+    let target = Target {
+        bus,
+        client: client.clone(),
+        orders: db.collection("orders"),
+        outbox: db.collection("outbox"),
+    };
+
+    println!(
+        "publish benchmark: {seconds} s per run, {rounds} alternating rounds, median reported"
+    );
+    println!(
+        "{:<10} {:>8} {:>10} {:>14} {:>14} {:>7}",
+        "subject", "per tx", "publishers", "events/s", "baseline/s", "ratio"
+    );
+    let mut results = Vec::new();
+    for per_tx in [1_usize, 100] {
+        for publishers in [1_usize, 8] {
+            let mut ours = Vec::new();
+            let mut theirs = Vec::new();
+            for _ in 0..rounds {
+                theirs.push(
+                    run(&target, Subject::Baseline, per_tx, publishers, seconds).await?,
+                );
+                ours.push(run(&target, Subject::Relaybus, per_tx, publishers, seconds).await?);
+            }
+            let ours = median(ours);
+            let theirs = median(theirs);
+            let ratio = ours / theirs;
+            println!(
+                "{:<10} {:>8} {:>10} {:>14.0} {:>14.0} {:>7.2}",
+                Subject::Relaybus.name(),
+                per_tx,
+                publishers,
+                ours,
+                theirs,
+                ratio
+            );
+            results.push((per_tx, publishers, ours, theirs, ratio));
+        }
+    }
+    db.drop().await?;
+
+    let headline = results
+        .iter()
+        .find(|r| r.0 == 1 && r.1 == 8)
+        .map(|r| r.4)
+        .unwrap_or(f64::NAN);
+    let runs: Vec<serde_json::Value> = results
+        .iter()
+        .map(|(per_tx, publishers, ours, theirs, ratio)| {
+            serde_json::json!({
+                "events_per_transaction": per_tx,
+                "publishers": publishers,
+                "relaybus_events_per_sec": ours.round(),
+                "baseline_events_per_sec": theirs.round(),
+                "ratio": (ratio * 1000.0).round() / 1000.0,
+            })
+        })
+        .collect();
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "publish",
+            "seconds_per_run": seconds,
+            "rounds": rounds,
+            "runs": runs,
+            "ratio": (headline * 1000.0).round() / 1000.0,
+        })
+    );
+    Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+/// Runs `publishers` concurrent loops for `seconds` and returns committed events per second.
+async fn run(
+    target: &Target,
+    subject: Subject,
+    per_tx: usize,
+    publishers: usize,
+    seconds: u64,
+) -> Result<f64, BoxError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let committed = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for publisher in 0..publishers {
+        let target = target.clone();
+        let stop = Arc::clone(&stop);
+        let committed = Arc::clone(&committed);
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0_u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let prefix = format!("{}-{publisher}-{n}-{}", subject.name(), uuid_ish());
+                match subject {
+                    Subject::Relaybus => relaybus_tx(&target, &prefix, per_tx).await?,
+                    Subject::Baseline => baseline_tx(&target, &prefix, per_tx).await?,
+                }
+                committed.fetch_add(per_tx as u64, Ordering::Relaxed);
+            }
+            Ok::<(), BoxError>(())
+        }));
+    }
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    let count_at_stop = committed.load(Ordering::Relaxed);
+    let elapsed = started.elapsed();
+    for task in tasks {
+        task.await??;
+    }
+    Ok(count_at_stop as f64 / elapsed.as_secs_f64())
+}
+
+fn uuid_ish() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default()
+}
+
+fn orders_for(prefix: &str, per_tx: usize) -> Vec<Document> {
+    (0..per_tx)
+        .map(|i| doc! { "_id": format!("{prefix}-{i}"), "total_cents": 1250 })
+        .collect()
+}
+
+async fn relaybus_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), BoxError> {
+    let orders = orders_for(prefix, per_tx);
+    let envelopes = (0..per_tx)
+        .map(|i| {
+            EventEnvelope::new(&OrderPlaced {
+                order_id: format!("{prefix}-{i}"),
+                total_cents: 1250,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let body = {
+        let (bus, collection) = (target.bus.clone(), target.orders.clone());
+        async move |session: &mut mongodb::ClientSession| {
+            collection
+                .insert_many(orders.clone())
+                .session(&mut *session)
+                .await?;
+            bus.publish_all(envelopes.clone()).session(session).await?;
+            Ok(())
+        }
+    };
+    target.bus.transaction(body).await?;
+    Ok(())
+}
+
+/// The same transaction with the raw driver: the business documents plus one plain outbox
+/// document per event, committed with the same options relaybus uses.
+async fn baseline_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), BoxError> {
+    let orders = orders_for(prefix, per_tx);
+    let outbox: Vec<Document> = (0..per_tx)
+        .map(|i| {
+            doc! {
+                "type": "order.placed.v1",
+                "payload": { "order_id": format!("{prefix}-{i}"), "total_cents": 1250 },
+                "createdAt": mongodb::bson::DateTime::now(),
+            }
+        })
+        .collect();
+    let mut session = target.client.start_session().await?;
+    let options = TransactionOptions::builder()
+        .read_concern(ReadConcern::snapshot())
+        .write_concern(WriteConcern::majority())
+        .build();
+    let (orders_coll, outbox_coll) = (target.orders.clone(), target.outbox.clone());
+    session
+        .start_transaction()
+        .with_options(options)
+        .and_run2(async move |session| {
+            orders_coll
+                .insert_many(orders.clone())
+                .session(&mut *session)
+                .await?;
+            outbox_coll
+                .insert_many(outbox.clone())
+                .session(&mut *session)
+                .await?;
+            Ok(())
+        })
+        .await?;
+    Ok(())
+}
