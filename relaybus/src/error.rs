@@ -39,6 +39,16 @@ pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] mongodb::error::Error),
 
+    /// A lease token or delivery id that the store cannot have issued: malformed, or naming a
+    /// lane that does not exist. Refused before any database call; nothing was written.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+
+    /// An argument of a store call is out of range (a claim limit of 0, an empty owner name, a
+    /// zero lease duration, ...). Refused before any database call; nothing was written.
+    #[error(transparent)]
+    InvalidArgument(#[from] InvalidArgumentError),
+
     /// An error raised by user code inside a transaction body, passed through unchanged.
     #[error(transparent)]
     Custom(BoxError),
@@ -262,4 +272,74 @@ impl TransactionTimeoutError {
     pub fn elapsed(&self) -> Duration {
         self.elapsed
     }
+}
+
+/// A lease or delivery id that the store cannot have issued. Nothing was sent to the database.
+///
+/// Leases come from [`claim`](crate::MongoEventStore::claim); one that was stored as text and
+/// read back goes through [`Lease::parse`](crate::Lease::parse), which refuses what no claim can
+/// have produced.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// The token is not three decimal numbers `<lane>:<epoch>:<claims>`, or one of them is out of
+    /// range.
+    #[error(
+        "malformed lease token {token:?}: {reason}; pass the token a claim returned, unchanged \
+         (`<lane>:<epoch>:<claims>`)"
+    )]
+    MalformedToken {
+        /// The token given, cut to its first 64 characters.
+        token: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// The token names a lane that does not exist.
+    #[error(
+        "lease token names lane {lane}, and lanes are numbered 0 to 255; the token was not issued by a claim"
+    )]
+    LaneOutOfRange {
+        /// The lane the token names.
+        lane: u64,
+    },
+
+    /// The delivery id is not the 24 hexadecimal digits of an ObjectId.
+    #[error("invalid delivery id {id:?}: use the 24 hexadecimal digits of the id a claim returned")]
+    InvalidDeliveryId {
+        /// The id given, cut to its first 64 characters.
+        id: String,
+    },
+}
+
+/// An argument of a store call is out of range. Nothing was sent to the database.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid argument `{argument}`: {reason}")]
+pub struct InvalidArgumentError {
+    pub(crate) argument: &'static str,
+    pub(crate) reason: String,
+}
+
+impl InvalidArgumentError {
+    pub(crate) fn new(argument: &'static str, reason: impl Into<String>) -> Self {
+        InvalidArgumentError {
+            argument,
+            reason: reason.into(),
+        }
+    }
+
+    /// The name of the argument that was refused.
+    pub fn argument(&self) -> &'static str {
+        self.argument
+    }
+
+    /// What is wrong with it and what is accepted.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+/// The first `max` characters of `text`, for error messages that echo input.
+pub(crate) fn truncate_for_message(text: &str, max: usize) -> String {
+    text.chars().take(max).collect()
 }

@@ -72,11 +72,15 @@ pub mod store;
 
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
 pub use error::{
-    BoxError, ConfigurationError, Error, EventValidationError, Result, TransactionTimeoutError,
+    BoxError, ConfigurationError, Error, EventValidationError, InvalidArgumentError, LeaseError,
+    Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
 pub use handler::{Handler, HandlerContext, Subscription, validate_handler_id};
-pub use store::mongo::{AppendRequest, Appended, MongoEventStore, MongoEventStoreBuilder};
+pub use store::mongo::{
+    AppendRequest, Appended, ClaimedDelivery, DeliveryQuery, DeliveryRecord, DeliveryStatus, Lease,
+    MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,
+};
 
 /// The MongoDB driver relaybus is built on, for its `ClientSession` and `bson` types.
 pub use mongodb;

@@ -3,7 +3,7 @@
 //! Payloads are stored as the JSON value serde makes of them. Extended JSON is deliberately not
 //! interpreted: an object `{"$oid": "..."}` in a payload stays an object with a `$oid` key.
 
-use mongodb::bson::{Bson, Document};
+use mongodb::bson::{Bson, Document, RawBsonRef, RawDocument};
 
 /// Converts a JSON value to BSON: integers that fit 32 bits become `Int32`, other integers
 /// `Int64`, integers beyond `i64` and fractions `Double`; objects keep their keys as they are.
@@ -37,7 +37,6 @@ pub(crate) fn object_to_document(map: &serde_json::Map<String, serde_json::Value
 
 /// Converts stored BSON back to JSON. Values that JSON cannot hold natively (dates, object ids,
 /// binary) become their relaxed extended-JSON form.
-#[allow(dead_code)]
 pub(crate) fn bson_to_json(value: &Bson) -> serde_json::Value {
     use serde_json::Value;
     match value {
@@ -57,6 +56,47 @@ pub(crate) fn bson_to_json(value: &Bson) -> serde_json::Value {
         ),
         other => other.clone().into_relaxed_extjson(),
     }
+}
+
+/// Converts a stored value to JSON straight from its raw bytes, as [`bson_to_json`] does.
+///
+/// Stored payloads are read raw because decoding them into a [`Document`] would interpret a
+/// user's `{"$oid": ...}` object as extended JSON and fail or change it.
+pub(crate) fn raw_to_json(value: RawBsonRef<'_>) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        RawBsonRef::Null | RawBsonRef::Undefined => Value::Null,
+        RawBsonRef::Boolean(b) => Value::Bool(b),
+        RawBsonRef::Int32(i) => Value::from(i),
+        RawBsonRef::Int64(i) => Value::from(i),
+        RawBsonRef::Double(f) => serde_json::Number::from_f64(f)
+            .map(Value::Number)
+            .unwrap_or(Value::Null),
+        RawBsonRef::String(s) => Value::String(s.to_owned()),
+        RawBsonRef::Array(items) => Value::Array(
+            items
+                .into_iter()
+                .filter_map(Result::ok)
+                .map(raw_to_json)
+                .collect(),
+        ),
+        RawBsonRef::Document(doc) => Value::Object(raw_document_to_json(doc)),
+        other => match other.to_raw_bson().try_into() {
+            Ok(bson) => bson_to_json(&bson),
+            Err(_) => Value::Null,
+        },
+    }
+}
+
+/// Converts a stored document to a JSON object straight from its raw bytes. Elements that do
+/// not parse (a corrupted document) are left out.
+pub(crate) fn raw_document_to_json(
+    doc: &RawDocument,
+) -> serde_json::Map<String, serde_json::Value> {
+    doc.into_iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| (k.to_owned(), raw_to_json(v)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -81,6 +121,8 @@ mod tests {
         assert_eq!(doc.get("big"), Some(&Bson::Int64(5_000_000_000)));
         assert!(matches!(doc.get("huge"), Some(Bson::Double(_))));
         let back = bson_to_json(&bson);
+        let raw = mongodb::bson::RawDocumentBuf::from_document(doc).unwrap();
+        assert_eq!(serde_json::Value::Object(raw_document_to_json(&raw)), back);
         assert_eq!(back["a"], value["a"]);
         assert_eq!(back["small"], value["small"]);
         assert_eq!(back["frac"], value["frac"]);

@@ -2,6 +2,14 @@
 
 mod append;
 mod bson_json;
+mod claim;
+mod complete;
+mod lane;
+mod lease;
+mod operator;
+mod park;
+mod purge;
+mod settle;
 mod setup;
 mod transaction;
 
@@ -17,6 +25,10 @@ use mongodb::{
 use tokio::sync::OnceCell;
 
 pub use append::{AppendRequest, Appended};
+pub use claim::ClaimedDelivery;
+pub use lease::Lease;
+pub use operator::{DeliveryQuery, DeliveryRecord, DeliveryStatus, Requeued, Statistics};
+pub use purge::{PurgeOptions, Purged};
 
 use crate::error::ConfigurationError;
 
@@ -74,6 +86,8 @@ pub(crate) struct StoreInner {
     pub(crate) completed: Collection<Document>,
     /// Set once the server was seen to support transactions.
     pub(crate) topology_checked: OnceCell<()>,
+    /// This instance's identity and what it remembers of the claims it handed out.
+    pub(crate) claims: lease::ClaimRegistry,
 }
 
 impl std::fmt::Debug for MongoEventStore {
@@ -237,6 +251,7 @@ impl MongoEventStoreBuilder {
             transaction_options,
             purge_batch_size: self.purge_batch_size,
             topology_checked: OnceCell::new(),
+            claims: lease::ClaimRegistry::default(),
         };
         Ok(MongoEventStore {
             inner: Arc::new(inner),

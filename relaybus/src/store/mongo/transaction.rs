@@ -112,6 +112,13 @@ impl MongoEventStore {
     /// Any other error aborts the transaction and is returned. To abort with an error of your
     /// own, return [`Error::custom`].
     ///
+    /// # `Send`
+    ///
+    /// Where the calling future must be `Send` (a spawned task, an axum handler), write `work` as
+    /// an `async move` closure that owns clones of what it uses. An async closure that borrows
+    /// from its surroundings can trip the compiler's "implementation of `Send` is not general
+    /// enough" error there.
+    ///
     /// # Errors
     ///
     /// [`ConfigurationError::NotReplicaSet`] on a standalone server, the error of `work`, or a
@@ -174,6 +181,20 @@ impl MongoEventStore {
             events,
             DateTime::now()
         ))
+    }
+
+    /// Runs one of the store's own operations in a transaction, with the same retries as
+    /// [`transaction`](Self::transaction). What `work` borrows travels in `context`, so that the
+    /// future it returns can borrow it for as long as the session (the driver's `and_run` does
+    /// the same), and the whole call stays `Send`.
+    pub(crate) async fn own_transaction<C, R, F>(&self, mut context: C, mut work: F) -> Result<R>
+    where
+        F: for<'b> FnMut(
+            &'b mut ClientSession,
+            &'b mut C,
+        ) -> futures::future::BoxFuture<'b, Result<R>>,
+    {
+        transaction_loop!(self, None, |session| work(session, &mut context))
     }
 
     /// Refuses a standalone server once, then remembers that the server is fine.

@@ -1,0 +1,1115 @@
+//! Claiming deliveries.
+//!
+//! Workers lease lanes, not deliveries. A claim
+//!
+//! 1. moves parked deliveries whose predecessors finished back to the ready lane;
+//! 2. claims from the lanes its owner already holds on this store instance, after charging any
+//!    lost claims an earlier holder left there;
+//! 3. if it needs more, takes free lanes (no holder, or an expired lease) that have due
+//!    deliveries of its handlers, 4, then 8, 16, ... per round, the lane with the oldest due
+//!    delivery first, each with one conditional `findAndModify` that increments the lane epoch
+//!    and moves the previous holder's in-flight list to `lost`, which it then charges before
+//!    reading anything from the lane;
+//! 4. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
+//!    ones it already runs, and applies the per-key rules until it has `limit`;
+//! 5. reads the events of its picks, then records the batch with one conditional write per lane,
+//!    all in one `update` command, handing back the lanes that yielded nothing and run nothing.
+//!
+//! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes (see
+//! [`reconcile`](MongoEventStore::reconcile)).
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    time::Duration,
+};
+
+use futures::{StreamExt, TryStreamExt, future, stream};
+use mongodb::{
+    ClientSession,
+    bson::{Bson, DateTime, Document, RawDocumentBuf, doc, oid::ObjectId},
+    options::{Hint, ReturnDocument},
+};
+
+use super::{
+    MongoEventStore,
+    append::check_write_reply,
+    bson_json::{raw_document_to_json, raw_to_json},
+    lane::{
+        Lane, MAX_CLAIM_LIMIT, STATEMENTS_PER_COMMAND, add, check_lease_duration, check_owner, int,
+        reply_count, string,
+    },
+    lease::{Issued, Lease},
+    park::{LOOKUP_CONCURRENCY, PARK_THRESHOLD},
+};
+use crate::{
+    error::{Error, InvalidArgumentError, Result},
+    event::{EventEnvelope, LANE_COUNT},
+    handler::validate_handler_id,
+};
+
+/// Lanes one query reads at most: the query planner merges at most 200 index scans.
+const LANES_PER_QUERY: usize = 128;
+/// Free lanes taken in the first round; every further round takes twice as many.
+const FIRST_ROUND: usize = 4;
+/// Index entries one free-lane discovery query reads per group of lanes.
+const DISCOVERY_WINDOW: i64 = 512;
+/// Deliveries read per batch once the first page did not yield enough.
+const SCAN_BATCH: u32 = 500;
+/// The most handlers one claim serves.
+const MAX_HANDLERS: usize = 1_000;
+
+/// A delivery handed out by [`MongoEventStore::claim`]: the event, which handler should run it,
+/// which attempt this is, and the lease to settle it with.
+#[derive(Debug, Clone)]
+pub struct ClaimedDelivery {
+    lease: Lease,
+    lease_expires_at: DateTime,
+    handler: String,
+    attempt: u32,
+    sequence: Option<i64>,
+    event: EventEnvelope,
+}
+
+impl ClaimedDelivery {
+    /// The delivery id.
+    pub fn delivery_id(&self) -> ObjectId {
+        self.lease.delivery_id()
+    }
+
+    /// The lease to settle the delivery with.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// When the lane lease expires unless it is extended. An expired lease nobody took over is
+    /// still honoured.
+    pub fn lease_expires_at(&self) -> DateTime {
+        self.lease_expires_at
+    }
+
+    /// The handler that should run the delivery.
+    pub fn handler(&self) -> &str {
+        &self.handler
+    }
+
+    /// Which attempt this is, from 1: the attempts that ended before it plus one.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The event's sequence within its ordering key, if it has a key.
+    pub fn sequence(&self) -> Option<i64> {
+        self.sequence
+    }
+
+    /// The event: id, type, payload, key, correlation and causation ids, headers, creation time.
+    pub fn event(&self) -> &EventEnvelope {
+        &self.event
+    }
+
+    /// The event id.
+    pub fn event_id(&self) -> &str {
+        self.event.id()
+    }
+
+    /// The event type name.
+    pub fn event_type(&self) -> &str {
+        self.event.event_type()
+    }
+
+    /// The ordering key, if the event has one.
+    pub fn key(&self) -> Option<&str> {
+        self.event.key()
+    }
+
+    /// Takes the event out, for handing it to a handler.
+    pub fn into_event(self) -> EventEnvelope {
+        self.event
+    }
+}
+
+/// A due, ready delivery seen by a claim.
+#[derive(Debug, Clone)]
+struct Candidate {
+    id: ObjectId,
+    lane: i32,
+    event_id: String,
+    handler: String,
+    key: Option<String>,
+    sequence: Option<i64>,
+    attempts: i64,
+    claims: i64,
+    due_at: DateTime,
+}
+
+impl Candidate {
+    fn from_document(doc: &Document) -> Option<Candidate> {
+        Some(Candidate {
+            id: doc.get_object_id("_id").ok()?,
+            lane: int(doc, "laneId").and_then(|l| i32::try_from(l).ok())?,
+            event_id: string(doc, "eventId")?,
+            handler: string(doc, "handler")?,
+            key: string(doc, "key"),
+            sequence: int(doc, "sequence"),
+            attempts: int(doc, "attempts").unwrap_or(0),
+            claims: int(doc, "claims").unwrap_or(0),
+            due_at: *doc.get_datetime("dueAt").ok()?,
+        })
+    }
+}
+
+type KeyOf = (String, String);
+
+/// What one claim learns as it goes.
+#[derive(Debug, Default)]
+struct Scan {
+    limit: usize,
+    /// Deliveries listed by the owner's lanes whose documents exist: they run.
+    running: HashSet<ObjectId>,
+    /// Keys with a running delivery.
+    running_keys: HashSet<KeyOf>,
+    /// The lowest pending delivery of each key looked up so far (`None`: nothing pending).
+    heads: HashMap<KeyOf, Option<ObjectId>>,
+    /// Keys of which this claim picked a delivery.
+    picked_keys: HashSet<KeyOf>,
+    picks: Vec<Candidate>,
+    /// Deliveries found waiting behind an unfinished predecessor, per key.
+    waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
+}
+
+impl Scan {
+    fn full(&self) -> bool {
+        self.picks.len() >= self.limit
+    }
+}
+
+impl MongoEventStore {
+    /// Claims up to `limit` due deliveries of `handlers` for `owner`, leasing their lanes for
+    /// `lease_duration` from `now`.
+    ///
+    /// Deliveries come in `(dueAt, id)` order within each group of lanes, from the lanes the
+    /// owner already holds first. A keyed delivery is handed out only when no earlier delivery
+    /// of its handler and key is pending and none of them runs, and one claim never hands out
+    /// two deliveries of one key; the claim looks past blocked keys until it has `limit`.
+    /// Deliveries a claim finds waiting behind a slow predecessor may be parked, and come back
+    /// once the predecessor finished (see the crate documentation).
+    ///
+    /// `owner` names the worker. Lanes are held per owner **and per store instance** (one
+    /// [`build`](crate::MongoEventStoreBuilder::build), shared by clones): a restarted process
+    /// with the same owner name takes its predecessor's lanes over once their leases expired,
+    /// and is charged for what the predecessor left running. Claims of one owner on one store
+    /// instance run one after the other.
+    ///
+    /// The store compares lease expiries with `now` and never reads the server clock, so keep
+    /// worker clocks synchronised.
+    ///
+    /// # Cost
+    ///
+    /// With its lanes already held, an unkeyed claim costs the same six commands whatever
+    /// `limit` is (one more per extra handler), and writes no delivery document. Taking lanes
+    /// costs one command per lane and per round; a keyed claim adds one lookup per key, in
+    /// parallel.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidArgument`] for an empty or over-long `owner`, a `limit` outside 1 to
+    ///   10,000, a `lease_duration` outside 1 ms to 7 days, or no handlers;
+    ///   [`Error::Configuration`] for a malformed handler id. Nothing is sent to the database.
+    /// - [`Error::Database`]. The owner's lanes on this instance are then reconciled: nothing
+    ///   this failed claim recorded stays listed as running, and no lease of it can match.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a claim dropped half-way may have recorded deliveries nobody received.
+    /// The next claim of the same owner on the same instance notices and reconciles first; if
+    /// there is none, the deliveries wait for the lane lease to expire and are charged one
+    /// attempt when the lane is taken over.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn example(store: relaybus::MongoEventStore) -> Result<(), relaybus::Error> {
+    /// use std::time::Duration;
+    /// use relaybus::mongodb::bson::DateTime;
+    ///
+    /// let batch = store
+    ///     .claim("worker-1", &["send-confirmation"], 50, Duration::from_secs(30), DateTime::now())
+    ///     .await?;
+    /// for delivery in &batch {
+    ///     // run the handler, then:
+    ///     store.complete(delivery.lease(), DateTime::now()).await?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn claim<H: AsRef<str>>(
+        &self,
+        owner: &str,
+        handlers: &[H],
+        limit: u32,
+        lease_duration: Duration,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>> {
+        check_owner(owner)?;
+        let mut wanted: Vec<&str> = Vec::with_capacity(handlers.len());
+        for handler in handlers {
+            let handler = handler.as_ref();
+            validate_handler_id(handler)?;
+            if !wanted.contains(&handler) {
+                wanted.push(handler);
+            }
+        }
+        if wanted.is_empty() || wanted.len() > MAX_HANDLERS {
+            return Err(InvalidArgumentError::new(
+                "handlers",
+                format!(
+                    "{} handlers given; claim for 1 to 1000 handlers",
+                    wanted.len()
+                ),
+            )
+            .into());
+        }
+        if !(1..=MAX_CLAIM_LIMIT).contains(&limit) {
+            return Err(InvalidArgumentError::new(
+                "limit",
+                format!("{limit} is out of range; claim 1 to 10000 deliveries at a time"),
+            )
+            .into());
+        }
+        check_lease_duration(lease_duration)?;
+        let expires_at = add(now, lease_duration)?;
+
+        let lock = self.inner.claims.owner(owner);
+        let mut state = lock.lock().await;
+        if state.interrupted {
+            // The previous claim of this owner was dropped half-way.
+            self.reconcile(owner, now).await?;
+            state.interrupted = false;
+        }
+        state.interrupted = true;
+        let outcome = self
+            .claim_locked(owner, &wanted, limit as usize, expires_at, now)
+            .await;
+        match outcome {
+            Ok(claimed) => {
+                state.interrupted = false;
+                Ok(claimed)
+            }
+            Err(error) => {
+                match self.reconcile(owner, now).await {
+                    Ok(()) => state.interrupted = false,
+                    Err(reconcile_error) => tracing::warn!(
+                        owner,
+                        error = %reconcile_error,
+                        "relaybus: reconciling the lanes of a failed claim failed; \
+                         the next claim of this owner tries again"
+                    ),
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn claim_locked(
+        &self,
+        owner: &str,
+        handlers: &[&str],
+        limit: usize,
+        expires_at: DateTime,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>> {
+        let inner = &self.inner;
+        let instance = inner.claims.instance;
+
+        // 1. Level-triggered unparking, one aggregation per handler. Never fails the claim.
+        for handler in handlers {
+            if let Err(error) = self.unpark(handler).await {
+                tracing::warn!(handler, %error, "relaybus: unparking deliveries failed");
+            }
+        }
+
+        // 2. The lanes this owner holds on this instance, and what runs in them.
+        let mut lanes: Vec<Lane> = inner
+            .lanes
+            .find(doc! { "owner": owner, "instance": instance })
+            .limit(i64::from(LANE_COUNT))
+            .batch_size(LANE_COUNT)
+            .await?
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(Lane::from_document)
+            .collect();
+        let held_count = lanes.len();
+        self.charge_lost(&lanes, now).await?;
+
+        let mut scan = Scan {
+            limit,
+            ..Scan::default()
+        };
+        let listed: Vec<ObjectId> = lanes
+            .iter()
+            .flat_map(|lane| lane.in_flight.iter().copied())
+            .collect();
+        if !listed.is_empty() {
+            let mut cursor = inner
+                .deliveries
+                .find(doc! { "_id": { "$in": &listed } })
+                .projection(doc! { "handler": 1, "key": 1 })
+                .limit(listed.len() as i64)
+                .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
+                .await?;
+            while let Some(running) = cursor.try_next().await? {
+                let Ok(id) = running.get_object_id("_id") else {
+                    continue;
+                };
+                scan.running.insert(id);
+                if let (Some(handler), Some(key)) =
+                    (string(&running, "handler"), string(&running, "key"))
+                {
+                    scan.running_keys.insert((handler, key));
+                }
+            }
+        }
+        let held_ids: Vec<i32> = lanes.iter().map(|lane| lane.id).collect();
+        self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
+
+        // 3. Free lanes, 4, 8, 16, ... per round, oldest due delivery first.
+        let mut tried: HashSet<i32> = held_ids.iter().copied().collect();
+        let mut free: Option<Vec<i32>> = None;
+        let mut round = FIRST_ROUND;
+        while !scan.full() {
+            let free = match &mut free {
+                Some(free) => free,
+                None => free.insert(self.free_lanes(owner, now).await?),
+            };
+            free.retain(|lane| !tried.contains(lane));
+            if free.is_empty() {
+                break;
+            }
+            let ranked = self.rank_lanes(free, handlers, now, round).await?;
+            if ranked.is_empty() {
+                break;
+            }
+            tried.extend(ranked.iter().copied());
+            let taken = self.take_lanes(&ranked, owner, expires_at, now).await?;
+            self.charge_lost(&taken, now).await?;
+            let taken_ids: Vec<i32> = taken.iter().map(|lane| lane.id).collect();
+            lanes.extend(taken);
+            self.scan_lanes(&taken_ids, handlers, now, &mut scan)
+                .await?;
+            round = round.saturating_mul(2);
+        }
+
+        // 4. The events of the picks, read before anything is recorded.
+        let events = self.read_events(&scan.picks).await?;
+        let mut picks = std::mem::take(&mut scan.picks);
+        picks.retain(|pick| {
+            let found = events.contains_key(&pick.event_id);
+            if !found {
+                tracing::warn!(
+                    delivery = %pick.id,
+                    event = %pick.event_id,
+                    "relaybus: a pending delivery has no event; it is left out of the claim"
+                );
+            }
+            found
+        });
+
+        // 5. One conditional write per lane, in one command.
+        let mut by_lane: BTreeMap<i32, Vec<ObjectId>> = BTreeMap::new();
+        for pick in &picks {
+            by_lane.entry(pick.lane).or_default().push(pick.id);
+        }
+        let mut statements = Vec::new();
+        let mut recorded_lanes = Vec::new();
+        let mut handed_back = HashSet::new();
+        let mut gone_ids = Vec::new();
+        for (index, lane) in lanes.iter().enumerate() {
+            let held = index < held_count;
+            let new_ids = by_lane.get(&lane.id).map(Vec::as_slice).unwrap_or(&[]);
+            let gone: Vec<ObjectId> = lane
+                .in_flight
+                .iter()
+                .filter(|id| !scan.running.contains(id))
+                .copied()
+                .collect();
+            let runs = lane.in_flight.len() > gone.len();
+            gone_ids.extend(gone.iter().copied());
+            let filter = lane.held_filter(owner, instance);
+            if new_ids.is_empty() && !runs {
+                handed_back.insert(lane.id);
+                statements.push(doc! {
+                    "q": filter,
+                    "u": { "$set": {
+                        "owner": Bson::Null,
+                        "instance": Bson::Null,
+                        "leaseExpiresAt": Bson::Null,
+                        "inFlight": [],
+                        "lost": [],
+                    } },
+                });
+            } else if !new_ids.is_empty() || !gone.is_empty() || !lane.lost.is_empty() || !held {
+                statements.push(doc! {
+                    "q": filter,
+                    "u": [{ "$set": {
+                        "inFlight": { "$concatArrays": [
+                            { "$filter": {
+                                "input": { "$ifNull": ["$inFlight", []] },
+                                "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
+                            } },
+                            { "$literal": new_ids },
+                        ] },
+                        "leaseExpiresAt": { "$max": ["$leaseExpiresAt", expires_at] },
+                        "lost": { "$literal": [] },
+                    } }],
+                });
+                if !new_ids.is_empty() {
+                    recorded_lanes.push(lane.id);
+                }
+            }
+        }
+        let mut matched = 0;
+        for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
+            let reply = inner
+                .db
+                .run_command(doc! {
+                    "update": inner.lanes.name(),
+                    "updates": chunk,
+                    "ordered": false,
+                    "writeConcern": { "w": "majority" },
+                })
+                .await?;
+            check_write_reply(&reply)?;
+            matched += reply_count(&reply);
+        }
+        inner.claims.forget(gone_ids);
+        if matched < statements.len() as u64 && !recorded_lanes.is_empty() {
+            // A lane changed hands, or a requeue touched it, since it was read: keep only the
+            // picks of lanes that list them under the epoch they were read in.
+            let confirmed = self
+                .confirm_recorded(&lanes, &recorded_lanes, &by_lane, owner)
+                .await?;
+            picks.retain(|pick| confirmed.contains(&pick.lane));
+        }
+
+        // 6. Park what waits, best effort: big backlogs of one key, and whatever waits in a
+        //    lane handed back (its due work is all blocked).
+        let mut to_park: Vec<ObjectId> = Vec::new();
+        for waiting in scan.waiting.values() {
+            if waiting.len() >= PARK_THRESHOLD {
+                to_park.extend(waiting.iter().map(|(id, _)| *id));
+            } else {
+                to_park.extend(
+                    waiting
+                        .iter()
+                        .filter(|(_, lane)| handed_back.contains(lane))
+                        .map(|(id, _)| *id),
+                );
+            }
+        }
+        if !to_park.is_empty()
+            && let Err(error) = self.park(&to_park).await
+        {
+            tracing::warn!(
+                owner,
+                count = to_park.len(),
+                %error,
+                "relaybus: parking waiting deliveries failed; the next claims scan them again"
+            );
+        }
+
+        // 7. Hand the batch out.
+        let lane_expiry: HashMap<i32, DateTime> = lanes
+            .iter()
+            .map(|lane| {
+                let current = lane.lease_expires_at.unwrap_or(expires_at);
+                (lane.id, current.max(expires_at))
+            })
+            .collect();
+        let mut claimed = Vec::with_capacity(picks.len());
+        for pick in picks {
+            let lane = lanes
+                .iter()
+                .find(|lane| lane.id == pick.lane)
+                .map(|lane| lane.epoch)
+                .unwrap_or_default();
+            let lease = Lease::new(pick.id, pick.lane as u32, lane, pick.claims);
+            let event = match events.get(&pick.event_id) {
+                Some(raw) => envelope(&pick, raw),
+                None => continue,
+            };
+            claimed.push(ClaimedDelivery {
+                lease,
+                lease_expires_at: lane_expiry.get(&pick.lane).copied().unwrap_or(expires_at),
+                handler: pick.handler,
+                attempt: u32::try_from(pick.attempts.max(0).saturating_add(1)).unwrap_or(u32::MAX),
+                sequence: pick.sequence,
+                event,
+            });
+        }
+        inner.claims.issue(claimed.iter().map(|c| c.lease));
+        Ok(claimed)
+    }
+
+    /// Charges every lost claim listed by `lanes` one attempt, once: `lostAt` records the epoch
+    /// of the last lost claim charged and only grows. The claim generation moves on, so the
+    /// lease of the lost claim can no longer match.
+    async fn charge_lost(&self, lanes: &[Lane], now: DateTime) -> Result<()> {
+        let statements: Vec<Document> = lanes
+            .iter()
+            .flat_map(|lane| lane.lost.iter())
+            .map(|lost| {
+                doc! {
+                    "q": {
+                        "_id": lost.delivery,
+                        "status": "pending",
+                        "$or": [
+                            { "lostAt": { "$exists": false } },
+                            { "lostAt": { "$lt": lost.epoch } },
+                        ],
+                    },
+                    "u": {
+                        "$inc": { "attempts": 1, "claims": 1_i64 },
+                        "$set": { "lostAt": lost.epoch, "updatedAt": now },
+                    },
+                }
+            })
+            .collect();
+        for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
+            let reply = self
+                .inner
+                .db
+                .run_command(doc! {
+                    "update": self.inner.deliveries.name(),
+                    "updates": chunk,
+                    "ordered": false,
+                    "writeConcern": { "w": "majority" },
+                })
+                .await?;
+            check_write_reply(&reply)?;
+        }
+        let lost: Vec<ObjectId> = lanes
+            .iter()
+            .flat_map(|lane| lane.lost.iter().map(|lost| lost.delivery))
+            .collect();
+        self.inner.claims.forget(lost);
+        Ok(())
+    }
+
+    /// Reads the due, ready deliveries of `lanes` in `(dueAt, _id)` order and picks from them
+    /// until the claim is full or the lanes have nothing more.
+    async fn scan_lanes(
+        &self,
+        lanes: &[i32],
+        handlers: &[&str],
+        now: DateTime,
+        scan: &mut Scan,
+    ) -> Result<()> {
+        for group in lanes.chunks(LANES_PER_QUERY) {
+            if scan.full() {
+                return Ok(());
+            }
+            let filter = doc! {
+                "laneId": { "$in": group },
+                "status": "pending",
+                "lane": "ready",
+                "dueAt": { "$lte": now },
+                "handler": { "$in": handlers },
+            };
+            let projection = doc! {
+                "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
+                "attempts": 1, "claims": 1, "dueAt": 1,
+            };
+            // The first page is sized to fill the claim, plus the running deliveries it may
+            // see again and a few blocked ones; it is one command.
+            let need = scan.limit - scan.picks.len();
+            let window = (need + scan.running.len() + 16).min(MAX_CLAIM_LIMIT as usize * 2);
+            let page: Vec<Candidate> = self
+                .inner
+                .deliveries
+                .find(filter.clone())
+                .sort(doc! { "dueAt": 1, "_id": 1 })
+                .projection(projection.clone())
+                .hint(Hint::Name("claim".to_owned()))
+                .limit(window as i64)
+                .batch_size(window as u32)
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await?
+                .iter()
+                .filter_map(Candidate::from_document)
+                .collect();
+            let exhausted = page.len() < window;
+            let mut last = page.last().map(|c| (c.due_at, c.id));
+            self.pick(page, scan).await?;
+            if exhausted || scan.full() {
+                continue;
+            }
+            // More than one page: go on from where the page ended, in batches.
+            let Some((due, id)) = last.take() else {
+                continue;
+            };
+            let mut rest = filter;
+            rest.insert(
+                "$or",
+                vec![
+                    doc! { "dueAt": { "$gt": due } },
+                    doc! { "dueAt": due, "_id": { "$gt": id } },
+                ],
+            );
+            let mut cursor = self
+                .inner
+                .deliveries
+                .find(rest)
+                .sort(doc! { "dueAt": 1, "_id": 1 })
+                .projection(projection)
+                .batch_size(SCAN_BATCH)
+                .await?;
+            let mut batch = Vec::with_capacity(SCAN_BATCH as usize);
+            loop {
+                let next = cursor.try_next().await?;
+                let done = next.is_none();
+                if let Some(candidate) = next.as_ref().and_then(Candidate::from_document) {
+                    batch.push(candidate);
+                }
+                if (done && !batch.is_empty()) || batch.len() >= SCAN_BATCH as usize {
+                    self.pick(std::mem::take(&mut batch), scan).await?;
+                }
+                if done || scan.full() {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the per-key rules to a page of candidates, in order.
+    async fn pick(&self, page: Vec<Candidate>, scan: &mut Scan) -> Result<()> {
+        // The lowest pending delivery of every key seen for the first time, in parallel.
+        let mut unknown: Vec<KeyOf> = Vec::new();
+        for candidate in &page {
+            if let Some(key) = &candidate.key {
+                let key_of = (candidate.handler.clone(), key.clone());
+                if !scan.heads.contains_key(&key_of)
+                    && !scan.running_keys.contains(&key_of)
+                    && !scan.picked_keys.contains(&key_of)
+                    && !unknown.contains(&key_of)
+                {
+                    unknown.push(key_of);
+                }
+            }
+        }
+        if !unknown.is_empty() {
+            let heads: Vec<(KeyOf, Option<ObjectId>)> = stream::iter(unknown)
+                .map(|key_of| async move {
+                    let head = self
+                        .inner
+                        .deliveries
+                        .find_one(doc! {
+                            "handler": &key_of.0,
+                            "key": &key_of.1,
+                            "status": "pending",
+                        })
+                        .sort(doc! { "sequence": 1 })
+                        .projection(doc! { "_id": 1 })
+                        .hint(Hint::Name("ordering".to_owned()))
+                        .await?;
+                    let head = head.and_then(|doc| doc.get_object_id("_id").ok());
+                    Ok::<_, Error>((key_of, head))
+                })
+                .buffer_unordered(LOOKUP_CONCURRENCY)
+                .try_collect()
+                .await?;
+            scan.heads.extend(heads);
+        }
+
+        for candidate in page {
+            if scan.full() {
+                break;
+            }
+            if scan.running.contains(&candidate.id) {
+                continue;
+            }
+            let Some(key) = &candidate.key else {
+                scan.picks.push(candidate);
+                continue;
+            };
+            let key_of = (candidate.handler.clone(), key.clone());
+            let free = !scan.picked_keys.contains(&key_of)
+                && !scan.running_keys.contains(&key_of)
+                && scan.heads.get(&key_of) == Some(&Some(candidate.id));
+            if free {
+                scan.picked_keys.insert(key_of);
+                scan.picks.push(candidate);
+            } else {
+                scan.waiting
+                    .entry(key_of)
+                    .or_default()
+                    .push((candidate.id, candidate.lane));
+            }
+        }
+        Ok(())
+    }
+
+    /// The lanes nobody holds under a live lease, other than this owner's on this instance.
+    async fn free_lanes(&self, owner: &str, now: DateTime) -> Result<Vec<i32>> {
+        let instance = self.inner.claims.instance;
+        let docs: Vec<Document> = self
+            .inner
+            .lanes
+            .find(doc! { "$or": [
+                { "owner": Bson::Null },
+                { "leaseExpiresAt": { "$lte": now } },
+            ] })
+            .projection(doc! { "_id": 1, "owner": 1, "instance": 1 })
+            .limit(i64::from(LANE_COUNT))
+            .batch_size(LANE_COUNT)
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .iter()
+            .filter(|doc| {
+                !(doc.get_str("owner") == Ok(owner)
+                    && doc.get_object_id("instance") == Ok(instance))
+            })
+            .filter_map(|doc| int(doc, "_id").and_then(|id| i32::try_from(id).ok()))
+            .collect())
+    }
+
+    /// Up to `count` of `free` lanes that have due deliveries of `handlers`, the lane with the
+    /// oldest due delivery first. Reads only index entries.
+    async fn rank_lanes(
+        &self,
+        free: &[i32],
+        handlers: &[&str],
+        now: DateTime,
+        count: usize,
+    ) -> Result<Vec<i32>> {
+        let queries = free.chunks(LANES_PER_QUERY).map(|group| async move {
+            let docs: Vec<Document> = self
+                .inner
+                .deliveries
+                .find(doc! {
+                    "laneId": { "$in": group },
+                    "status": "pending",
+                    "lane": "ready",
+                    "dueAt": { "$lte": now },
+                    "handler": { "$in": handlers },
+                })
+                .sort(doc! { "dueAt": 1, "_id": 1 })
+                .projection(doc! { "_id": 0, "laneId": 1, "dueAt": 1 })
+                .hint(Hint::Name("claim".to_owned()))
+                .limit(DISCOVERY_WINDOW)
+                .batch_size(DISCOVERY_WINDOW as u32)
+                .await?
+                .try_collect()
+                .await?;
+            Ok::<_, Error>(docs)
+        });
+        let mut oldest: HashMap<i32, DateTime> = HashMap::new();
+        for docs in future::try_join_all(queries).await? {
+            for doc in docs {
+                let (Some(lane), Ok(due)) = (int(&doc, "laneId"), doc.get_datetime("dueAt")) else {
+                    continue;
+                };
+                let Ok(lane) = i32::try_from(lane) else {
+                    continue;
+                };
+                let entry = oldest.entry(lane).or_insert(*due);
+                if *due < *entry {
+                    *entry = *due;
+                }
+            }
+        }
+        let mut ranked: Vec<(DateTime, i32)> = oldest.into_iter().map(|(l, d)| (d, l)).collect();
+        ranked.sort();
+        Ok(ranked
+            .into_iter()
+            .take(count)
+            .map(|(_, lane)| lane)
+            .collect())
+    }
+
+    /// Takes free lanes, in parallel, each with one conditional `findAndModify`: the epoch grows
+    /// by one and the previous holder's in-flight list moves to `lost`, tagged with the epoch it
+    /// was claimed in. A lane another claimer took first is skipped.
+    async fn take_lanes(
+        &self,
+        lanes: &[i32],
+        owner: &str,
+        expires_at: DateTime,
+        now: DateTime,
+    ) -> Result<Vec<Lane>> {
+        let instance = self.inner.claims.instance;
+        let takes = lanes.iter().map(|&lane| async move {
+            let taken = self
+                .inner
+                .lanes
+                .find_one_and_update(
+                    doc! {
+                        "_id": lane,
+                        "$or": [
+                            { "owner": Bson::Null },
+                            { "leaseExpiresAt": { "$lte": now } },
+                        ],
+                    },
+                    vec![doc! { "$set": {
+                        "lost": { "$concatArrays": [
+                            { "$ifNull": ["$lost", []] },
+                            { "$map": {
+                                "input": { "$ifNull": ["$inFlight", []] },
+                                "in": { "d": "$$this", "e": { "$ifNull": ["$epoch", 0_i64] } },
+                            } },
+                        ] },
+                        "inFlight": { "$literal": [] },
+                        "epoch": { "$add": [{ "$ifNull": ["$epoch", 0_i64] }, 1_i64] },
+                        "owner": { "$literal": owner },
+                        "instance": { "$literal": instance },
+                        "leaseExpiresAt": { "$literal": expires_at },
+                    } }],
+                )
+                .return_document(ReturnDocument::After)
+                .await?;
+            Ok::<_, Error>(taken.as_ref().and_then(Lane::from_document))
+        });
+        Ok(future::try_join_all(takes)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// The events of the picks, as raw documents (payloads are never decoded as extended JSON).
+    async fn read_events(&self, picks: &[Candidate]) -> Result<HashMap<String, RawDocumentBuf>> {
+        let mut ids: Vec<&str> = picks.iter().map(|p| p.event_id.as_str()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let events = self.inner.events.clone_with_type::<RawDocumentBuf>();
+        let mut cursor = events
+            .find(doc! { "_id": { "$in": &ids } })
+            .projection(doc! { "handlers": 0 })
+            .limit(ids.len() as i64)
+            .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
+            .await?;
+        let mut found = HashMap::with_capacity(ids.len());
+        while let Some(event) = cursor.try_next().await? {
+            if let Ok(id) = event.get_str("_id") {
+                found.insert(id.to_owned(), event);
+            }
+        }
+        Ok(found)
+    }
+
+    /// After a short write: the lanes (of those given) that list their picks under the epoch the
+    /// claim read.
+    async fn confirm_recorded(
+        &self,
+        lanes: &[Lane],
+        recorded: &[i32],
+        picks: &BTreeMap<i32, Vec<ObjectId>>,
+        owner: &str,
+    ) -> Result<HashSet<i32>> {
+        let instance = self.inner.claims.instance;
+        let docs: Vec<Document> = self
+            .inner
+            .lanes
+            .find(doc! { "_id": { "$in": recorded } })
+            .await?
+            .try_collect()
+            .await?;
+        let mut confirmed = HashSet::new();
+        for doc in &docs {
+            let Some(now) = Lane::from_document(doc) else {
+                continue;
+            };
+            let Some(then) = lanes.iter().find(|lane| lane.id == now.id) else {
+                continue;
+            };
+            let ours = doc.get_str("owner") == Ok(owner)
+                && doc.get_object_id("instance") == Ok(instance)
+                && now.epoch == then.epoch;
+            let listed = picks
+                .get(&now.id)
+                .is_some_and(|ids| ids.iter().all(|id| now.in_flight.contains(id)));
+            if ours && listed {
+                confirmed.insert(now.id);
+            }
+        }
+        Ok(confirmed)
+    }
+
+    /// Puts the owner's lanes on this instance back in order after a failed or interrupted
+    /// claim, in one transaction. A listed delivery stays listed only if this instance handed
+    /// out its current claim (same lane epoch and claim generation) and has not seen it settled;
+    /// every other one is taken out of the lane and its claim generation moves on, so no lease
+    /// of it can match a later claim. A lane taken over meanwhile conflicts with the
+    /// transaction, which then runs again and leaves the new holder's lane alone.
+    pub(crate) async fn reconcile(&self, owner: &str, now: DateTime) -> Result<()> {
+        let dropped = self
+            .own_transaction((self, owner, now), |session, (store, owner, now)| {
+                Box::pin(store.reconcile_in(session, owner, *now))
+            })
+            .await?;
+        self.inner.claims.forget(dropped);
+        Ok(())
+    }
+
+    async fn reconcile_in(
+        &self,
+        session: &mut ClientSession,
+        owner: &str,
+        now: DateTime,
+    ) -> Result<Vec<ObjectId>> {
+        let inner = &self.inner;
+        let instance = inner.claims.instance;
+        let lanes: Vec<Lane> = inner
+            .lanes
+            .find(doc! { "owner": owner, "instance": instance })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(Lane::from_document)
+            .collect();
+        let listed: Vec<ObjectId> = lanes
+            .iter()
+            .flat_map(|lane| lane.in_flight.iter().copied())
+            .collect();
+        if listed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let generations: HashMap<ObjectId, i64> = inner
+            .deliveries
+            .find(doc! { "_id": { "$in": &listed } })
+            .projection(doc! { "claims": 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(|doc| {
+                Some((
+                    doc.get_object_id("_id").ok()?,
+                    int(doc, "claims").unwrap_or(0),
+                ))
+            })
+            .collect();
+        let mut dropped = Vec::new();
+        for lane in &lanes {
+            let (keep, drop): (Vec<ObjectId>, Vec<ObjectId>) =
+                lane.in_flight.iter().partition(|id| {
+                    let current = generations.get(id).map(|&claims| Issued {
+                        lane: lane.id,
+                        epoch: lane.epoch,
+                        claims,
+                    });
+                    current.is_some() && inner.claims.issued(id) == current
+                });
+            if drop.is_empty() {
+                continue;
+            }
+            inner
+                .lanes
+                .update_one(
+                    doc! { "_id": lane.id, "epoch": lane.epoch },
+                    doc! { "$set": { "inFlight": keep } },
+                )
+                .session(&mut *session)
+                .await?;
+            dropped.extend(drop);
+        }
+        let existing: Vec<ObjectId> = dropped
+            .iter()
+            .filter(|id| generations.contains_key(id))
+            .copied()
+            .collect();
+        if !existing.is_empty() {
+            inner
+                .deliveries
+                .update_many(
+                    doc! { "_id": { "$in": existing } },
+                    doc! { "$inc": { "claims": 1_i64 }, "$set": { "updatedAt": now } },
+                )
+                .session(&mut *session)
+                .await?;
+        }
+        Ok(dropped)
+    }
+}
+
+/// The event of a pick, from its raw stored document.
+fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
+    let text = |name: &str| raw.get_str(name).ok().map(str::to_owned);
+    let payload = match raw.get_document("payload") {
+        Ok(payload) => raw_document_to_json(payload),
+        _ => serde_json::Map::new(),
+    };
+    let headers = match raw.get_document("headers") {
+        Ok(headers) => headers
+            .into_iter()
+            .filter_map(Result::ok)
+            .filter_map(|(name, value)| match raw_to_json(value) {
+                serde_json::Value::String(value) => Some((name.to_owned(), value)),
+                _ => None,
+            })
+            .collect(),
+        _ => Default::default(),
+    };
+    let created_at = raw
+        .get_datetime("createdAt")
+        .ok()
+        .unwrap_or(DateTime::from_millis(0));
+    EventEnvelope {
+        id: pick.event_id.clone(),
+        event_type: text("type").unwrap_or_default(),
+        payload,
+        key: text("key"),
+        correlation_id: text("correlationId"),
+        causation_id: text("causationId"),
+        headers,
+        created_at,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_are_read_raw() {
+        let pick = Candidate {
+            id: ObjectId::new(),
+            lane: 1,
+            event_id: "e-1".into(),
+            handler: "h".into(),
+            key: None,
+            sequence: None,
+            attempts: 0,
+            claims: 0,
+            due_at: DateTime::from_millis(0),
+        };
+        let raw = RawDocumentBuf::from_document(&doc! {
+            "_id": "e-1",
+            "type": "a.b",
+            "payload": { "id": { "$oid": "not an id" }, "n": 1 },
+            "headers": { "$date": "x" },
+            "createdAt": DateTime::from_millis(7),
+        })
+        .unwrap();
+        let event = envelope(&pick, &raw);
+        assert_eq!(
+            serde_json::Value::Object(event.payload),
+            serde_json::json!({ "id": { "$oid": "not an id" }, "n": 1 })
+        );
+        assert_eq!(event.headers.get("$date").map(String::as_str), Some("x"));
+        assert_eq!(event.created_at, DateTime::from_millis(7));
+    }
+}

@@ -1,0 +1,426 @@
+//! Completing deliveries: the delivery document goes, the event records when it was last
+//! completed, and (with completion history) a record of the completion is kept.
+//!
+//! A completion never writes a lane document, so completions of one lane never conflict with
+//! each other. It relies on the takeover instead: a worker that takes a lane over charges every
+//! delivery the previous holder still ran (which moves their claim generation on) before it reads
+//! anything, so a completion and a takeover can never both succeed.
+
+use std::collections::{HashMap, HashSet};
+
+use futures::TryStreamExt;
+use mongodb::{
+    ClientSession,
+    bson::{Bson, DateTime, Document, doc, oid::ObjectId},
+};
+
+use super::{
+    MongoEventStore,
+    lane::{int, object_ids},
+    lease::{Lease, generation_filter},
+};
+use crate::error::{InvalidArgumentError, Result};
+
+/// The most leases one `complete_many` settles.
+pub(crate) const MAX_COMPLETE_BATCH: usize = 10_000;
+
+/// What the fence check knows about one delivery.
+#[derive(Debug)]
+struct Found {
+    claims: i64,
+    lane: Option<i64>,
+    event_id: Option<String>,
+    document: Document,
+}
+
+impl MongoEventStore {
+    /// Completes one delivery: [`complete_many`](Self::complete_many) with one lease.
+    ///
+    /// Returns `true` when the delivery was completed under this lease, `false` when the lease
+    /// no longer holds (the lane changed hands, or the claim ended otherwise) or completion
+    /// could not be proven; then nothing of this call remains.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may or may not have completed the delivery; completing it again with
+    /// the same lease then returns `false` if it was.
+    pub async fn complete(&self, lease: &Lease, now: DateTime) -> Result<bool> {
+        let outcome = self.complete_many(std::slice::from_ref(lease), now).await?;
+        Ok(outcome.first().copied().unwrap_or(false))
+    }
+
+    /// Completes a batch of deliveries from any number of lanes, returning for each lease, in
+    /// order, whether its delivery was completed under it.
+    ///
+    /// A lease counts only while its lane still has the lease's epoch and lists the delivery,
+    /// and the delivery still has the lease's claim generation; a worker that lost its lane
+    /// changes nothing. Without completion history this needs no transaction and costs four
+    /// commands for any batch: read the deliveries' claim generations, read the lanes, record
+    /// the completion time on the events, delete the deliveries that still have their lease's
+    /// generation. When fewer deliveries were deleted than passed the checks (a claim ended or
+    /// changed hands meanwhile), no lease is reported completed: a missing document cannot be
+    /// told from one completed by the newer claim, so success is reported only when proven.
+    ///
+    /// With [`completion_history`](crate::MongoEventStoreBuilder::completion_history) the
+    /// batch runs in one transaction that also inserts the completion records.
+    ///
+    /// `now` is recorded as the completion time.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for more than 10,000 leases;
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`complete`](Self::complete).
+    pub async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        if leases.len() > MAX_COMPLETE_BATCH {
+            return Err(InvalidArgumentError::new(
+                "leases",
+                format!(
+                    "{} leases given; complete at most 10000 at a time",
+                    leases.len()
+                ),
+            )
+            .into());
+        }
+        let outcome = if self.inner.completion_history {
+            self.own_transaction((self, leases, now), |session, (store, leases, now)| {
+                Box::pin(store.complete_in(session, leases, *now))
+            })
+            .await?
+        } else {
+            self.complete_without_transaction(leases, now).await?
+        };
+        for lease in leases {
+            self.inner.claims.settled(lease);
+        }
+        Ok(outcome)
+    }
+
+    /// Completes a delivery inside the caller's transaction, for handlers whose writes must
+    /// commit together with the completion: either both commit or neither does.
+    ///
+    /// The completion reads the lane and deletes the delivery in `session`'s transaction. A
+    /// takeover charging the delivery meanwhile writes the same document, so whichever commits
+    /// second conflicts: the caller's transaction fails with a transient error and, run again,
+    /// sees the new state and returns `false`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction) when
+    /// `session` has no started transaction; [`Error::Database`](crate::Error::Database), for
+    /// example a write conflict labelled `TransientTransactionError`.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn example(store: relaybus::MongoEventStore, delivery: relaybus::ClaimedDelivery, projections: mongodb::Collection<mongodb::bson::Document>) -> Result<(), relaybus::Error> {
+    /// use relaybus::mongodb::bson::{DateTime, doc};
+    ///
+    /// let completed = store
+    ///     .transaction(async |session| {
+    ///         projections.insert_one(doc! { "event": delivery.event_id() }).session(&mut *session).await?;
+    ///         store.complete_in_transaction(session, delivery.lease(), DateTime::now()).await
+    ///     })
+    ///     .await?;
+    /// # let _ = completed;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn complete_in_transaction(
+        &self,
+        session: &mut ClientSession,
+        lease: &Lease,
+        now: DateTime,
+    ) -> Result<bool> {
+        self.ensure_in_transaction(session, "complete_in_transaction")
+            .await?;
+        let outcome = self
+            .complete_in(session, std::slice::from_ref(lease), now)
+            .await?;
+        Ok(outcome.first().copied().unwrap_or(false))
+    }
+
+    /// The four-command completion.
+    async fn complete_without_transaction(
+        &self,
+        leases: &[Lease],
+        now: DateTime,
+    ) -> Result<Vec<bool>> {
+        let inner = &self.inner;
+        let ids = unique_ids(leases);
+        let found = found(
+            inner
+                .deliveries
+                .find(doc! { "_id": { "$in": &ids } })
+                .projection(doc! { "claims": 1, "laneId": 1, "eventId": 1 })
+                .limit(ids.len() as i64)
+                .batch_size(ids.len() as u32)
+                .await?
+                .try_collect()
+                .await?,
+        );
+        let current: Vec<&Lease> = leases
+            .iter()
+            .filter(|lease| generation_holds(lease, &found))
+            .collect();
+        if current.is_empty() {
+            return Ok(vec![false; leases.len()]);
+        }
+        let lanes = self.lane_listings(None, &current).await?;
+        let fenced = fence(&current, &lanes);
+        if fenced.is_empty() {
+            return Ok(vec![false; leases.len()]);
+        }
+        // The completion time goes on the events before the deliveries go, so that a purge
+        // never sees an event without deliveries and without a completion time while it is
+        // being completed: it would take it for one that never completed.
+        let event_ids = event_ids(&fenced, &found);
+        inner
+            .events
+            .update_many(
+                doc! { "_id": { "$in": event_ids } },
+                doc! { "$max": { "completedAt": now } },
+            )
+            .await?;
+        let deleted = inner
+            .deliveries
+            .delete_many(delete_filter(&fenced))
+            .await?
+            .deleted_count;
+        Ok(outcome(leases, &fenced, deleted))
+    }
+
+    /// The completion inside a transaction: the store's own (completion history) or the
+    /// caller's.
+    async fn complete_in(
+        &self,
+        session: &mut ClientSession,
+        leases: &[Lease],
+        now: DateTime,
+    ) -> Result<Vec<bool>> {
+        let inner = &self.inner;
+        let ids = unique_ids(leases);
+        let found = found(
+            inner
+                .deliveries
+                .find(doc! { "_id": { "$in": &ids } })
+                .session(&mut *session)
+                .await?
+                .stream(&mut *session)
+                .try_collect()
+                .await?,
+        );
+        let current: Vec<&Lease> = leases
+            .iter()
+            .filter(|lease| generation_holds(lease, &found))
+            .collect();
+        if current.is_empty() {
+            return Ok(vec![false; leases.len()]);
+        }
+        let lanes = self.lane_listings(Some(&mut *session), &current).await?;
+        let fenced = fence(&current, &lanes);
+        if fenced.is_empty() {
+            return Ok(vec![false; leases.len()]);
+        }
+        let deleted = inner
+            .deliveries
+            .delete_many(delete_filter(&fenced))
+            .session(&mut *session)
+            .await?
+            .deleted_count;
+        if inner.completion_history && deleted == fenced.len() as u64 {
+            let records: Vec<Document> = fenced
+                .iter()
+                .filter_map(|lease| found.get(&lease.delivery_id()))
+                .map(|found| history_record(&found.document, now))
+                .collect();
+            if !records.is_empty() {
+                inner
+                    .completed
+                    .insert_many(records)
+                    .session(&mut *session)
+                    .await?;
+            }
+        }
+        let event_ids = event_ids(&fenced, &found);
+        inner
+            .events
+            .update_many(
+                doc! { "_id": { "$in": event_ids } },
+                doc! { "$max": { "completedAt": now } },
+            )
+            .session(&mut *session)
+            .await?;
+        Ok(outcome(leases, &fenced, deleted))
+    }
+
+    /// The epoch of each lane of `leases`, and which of the leased deliveries it lists.
+    async fn lane_listings(
+        &self,
+        session: Option<&mut ClientSession>,
+        leases: &[&Lease],
+    ) -> Result<HashMap<i32, (i64, HashSet<ObjectId>)>> {
+        let mut lane_ids: Vec<i32> = leases.iter().map(|lease| lease.lane_i32()).collect();
+        lane_ids.sort_unstable();
+        lane_ids.dedup();
+        let ids: Vec<ObjectId> = leases.iter().map(|lease| lease.delivery_id()).collect();
+        let filter = doc! { "_id": { "$in": &lane_ids } };
+        // Only the leased ids of each in-flight list come back, not the whole list.
+        let projection = doc! {
+            "epoch": 1,
+            "inFlight": { "$filter": {
+                "input": { "$ifNull": ["$inFlight", []] },
+                "cond": { "$in": ["$$this", { "$literal": &ids }] },
+            } },
+        };
+        let docs: Vec<Document> = match session {
+            Some(session) => {
+                self.inner
+                    .lanes
+                    .find(filter)
+                    .projection(projection)
+                    .session(&mut *session)
+                    .await?
+                    .stream(session)
+                    .try_collect()
+                    .await?
+            }
+            None => {
+                self.inner
+                    .lanes
+                    .find(filter)
+                    .projection(projection)
+                    .limit(lane_ids.len() as i64)
+                    .batch_size(lane_ids.len() as u32)
+                    .await?
+                    .try_collect()
+                    .await?
+            }
+        };
+        Ok(docs
+            .iter()
+            .filter_map(|doc| {
+                let id = i32::try_from(int(doc, "_id")?).ok()?;
+                let epoch = int(doc, "epoch").unwrap_or(0);
+                Some((
+                    id,
+                    (epoch, object_ids(doc, "inFlight").into_iter().collect()),
+                ))
+            })
+            .collect())
+    }
+}
+
+fn unique_ids(leases: &[Lease]) -> Vec<ObjectId> {
+    let mut ids: Vec<ObjectId> = leases.iter().map(Lease::delivery_id).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+fn found(docs: Vec<Document>) -> HashMap<ObjectId, Found> {
+    docs.into_iter()
+        .filter_map(|doc| {
+            let id = doc.get_object_id("_id").ok()?;
+            Some((
+                id,
+                Found {
+                    claims: int(&doc, "claims").unwrap_or(0),
+                    lane: int(&doc, "laneId"),
+                    event_id: doc.get_str("eventId").ok().map(str::to_owned),
+                    document: doc,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Whether the delivery still exists, in the lease's lane, with the lease's claim generation.
+fn generation_holds(lease: &Lease, found: &HashMap<ObjectId, Found>) -> bool {
+    found.get(&lease.delivery_id()).is_some_and(|found| {
+        found.claims == lease.claims() && found.lane == Some(i64::from(lease.lane()))
+    })
+}
+
+/// The leases whose lane still has their epoch and lists their delivery, one per delivery.
+fn fence(leases: &[&Lease], lanes: &HashMap<i32, (i64, HashSet<ObjectId>)>) -> Vec<Lease> {
+    let mut seen = HashSet::new();
+    leases
+        .iter()
+        .filter(|lease| {
+            lanes.get(&lease.lane_i32()).is_some_and(|(epoch, listed)| {
+                *epoch == lease.epoch() && listed.contains(&lease.delivery_id())
+            })
+        })
+        .filter(|lease| seen.insert(lease.delivery_id()))
+        .map(|lease| **lease)
+        .collect()
+}
+
+/// Deletes each fenced delivery only while it still has its lease's claim generation.
+fn delete_filter(fenced: &[Lease]) -> Document {
+    let mut by_generation: HashMap<i64, Vec<ObjectId>> = HashMap::new();
+    for lease in fenced {
+        by_generation
+            .entry(lease.claims())
+            .or_default()
+            .push(lease.delivery_id());
+    }
+    let branches: Vec<Document> = by_generation
+        .into_iter()
+        .map(|(claims, ids)| doc! { "_id": { "$in": ids }, "claims": generation_filter(claims) })
+        .collect();
+    doc! { "$or": branches }
+}
+
+fn event_ids(fenced: &[Lease], found: &HashMap<ObjectId, Found>) -> Vec<String> {
+    let mut ids: Vec<String> = fenced
+        .iter()
+        .filter_map(|lease| found.get(&lease.delivery_id())?.event_id.clone())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// One entry per lease: completed only when every fenced delivery was deleted.
+fn outcome(leases: &[Lease], fenced: &[Lease], deleted: u64) -> Vec<bool> {
+    if deleted < fenced.len() as u64 {
+        return vec![false; leases.len()];
+    }
+    leases.iter().map(|lease| fenced.contains(lease)).collect()
+}
+
+/// The record a completion leaves with completion history on.
+fn history_record(delivery: &Document, now: DateTime) -> Document {
+    let mut record = Document::new();
+    for field in [
+        "_id",
+        "eventId",
+        "handler",
+        "eventType",
+        "key",
+        "sequence",
+        "laneId",
+        "createdAt",
+    ] {
+        if let Some(value) = delivery.get(field) {
+            record.insert(field, value.clone());
+        }
+    }
+    let attempts = int(delivery, "attempts").unwrap_or(0).saturating_add(1);
+    record.insert("attempts", Bson::Int64(attempts));
+    record.insert("status", "completed");
+    record.insert("completedAt", now);
+    record
+}

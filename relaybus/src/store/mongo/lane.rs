@@ -1,0 +1,216 @@
+//! Lane documents and the small readers shared by the lifecycle operations.
+//!
+//! A lane document is `{_id: 0..255, owner, instance, leaseExpiresAt, epoch, inFlight, lost,
+//! requeues?}`. `inFlight` lists the deliveries the holder claimed and has not settled;
+//! `lost` lists `{d: <delivery id>, e: <epoch>}` for claims of an earlier holder that still have
+//! to be charged; `requeues` counts the requeues of dead deliveries of the lane and is absent
+//! until the first one.
+
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+
+use crate::error::{Error, InvalidArgumentError, Result};
+
+/// The largest claim batch.
+pub(crate) const MAX_CLAIM_LIMIT: u32 = 10_000;
+/// The longest lease a claim or renewal gives.
+pub(crate) const MAX_LEASE: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+/// The longest owner name, in bytes.
+pub(crate) const MAX_OWNER_BYTES: usize = 256;
+/// The longest error message kept on a delivery, in bytes.
+pub(crate) const MAX_ERROR_BYTES: usize = 8 * 1024;
+/// Write statements per `update` command.
+pub(crate) const STATEMENTS_PER_COMMAND: usize = 1_000;
+
+/// A claim of an earlier holder that still has to be charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LostClaim {
+    pub(crate) delivery: ObjectId,
+    pub(crate) epoch: i64,
+}
+
+/// A lane document as the lifecycle reads it.
+#[derive(Debug, Clone)]
+pub(crate) struct Lane {
+    pub(crate) id: i32,
+    pub(crate) epoch: i64,
+    pub(crate) lease_expires_at: Option<DateTime>,
+    pub(crate) in_flight: Vec<ObjectId>,
+    pub(crate) lost: Vec<LostClaim>,
+    /// The requeue counter as stored (`Null` when absent), matched when recording a claim.
+    pub(crate) requeues: Bson,
+}
+
+impl Lane {
+    pub(crate) fn from_document(doc: &Document) -> Option<Lane> {
+        let id = int(doc, "_id").and_then(|id| i32::try_from(id).ok())?;
+        let lost = match doc.get("lost") {
+            Some(Bson::Array(items)) => items
+                .iter()
+                .filter_map(|item| {
+                    let item = item.as_document()?;
+                    Some(LostClaim {
+                        delivery: item.get_object_id("d").ok()?,
+                        epoch: int(item, "e")?,
+                    })
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        Some(Lane {
+            id,
+            epoch: int(doc, "epoch").unwrap_or(0),
+            lease_expires_at: doc.get_datetime("leaseExpiresAt").ok().copied(),
+            in_flight: object_ids(doc, "inFlight"),
+            lost,
+            requeues: doc.get("requeues").cloned().unwrap_or(Bson::Null),
+        })
+    }
+
+    /// The condition under which a write may change the lane: still held by this owner and
+    /// instance, in the same epoch, with no requeue since it was read.
+    pub(crate) fn held_filter(&self, owner: &str, instance: ObjectId) -> Document {
+        doc! {
+            "_id": self.id,
+            "owner": owner,
+            "instance": instance,
+            "epoch": self.epoch,
+            "requeues": self.requeues.clone(),
+        }
+    }
+}
+
+/// An integer field, whatever numeric type it was stored as.
+pub(crate) fn int(doc: &Document, key: &str) -> Option<i64> {
+    match doc.get(key)? {
+        Bson::Int32(i) => Some(i64::from(*i)),
+        Bson::Int64(i) => Some(*i),
+        Bson::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(*f as i64),
+        _ => None,
+    }
+}
+
+/// The ObjectIds of an array field; other values are skipped.
+pub(crate) fn object_ids(doc: &Document, key: &str) -> Vec<ObjectId> {
+    match doc.get(key) {
+        Some(Bson::Array(items)) => items.iter().filter_map(Bson::as_object_id).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A string field.
+pub(crate) fn string(doc: &Document, key: &str) -> Option<String> {
+    doc.get_str(key).ok().map(str::to_owned)
+}
+
+/// `now + duration`, refused when it leaves the range of a BSON date.
+pub(crate) fn add(now: DateTime, duration: std::time::Duration) -> Result<DateTime> {
+    i64::try_from(duration.as_millis())
+        .ok()
+        .and_then(|ms| now.timestamp_millis().checked_add(ms))
+        .map(DateTime::from_millis)
+        .ok_or_else(|| {
+            InvalidArgumentError::new(
+                "now",
+                "now plus the lease duration is past the year 292 million",
+            )
+            .into()
+        })
+}
+
+/// Checks a lease duration: 1 ms to 7 days.
+pub(crate) fn check_lease_duration(duration: std::time::Duration) -> Result<()> {
+    if duration.as_millis() < 1 || duration > MAX_LEASE {
+        return Err(InvalidArgumentError::new(
+            "lease_duration",
+            format!("{duration:?} is out of range; use 1 ms to 7 days"),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Checks an owner name: 1 to 256 bytes without control characters.
+pub(crate) fn check_owner(owner: &str) -> Result<()> {
+    let reason = if owner.is_empty() {
+        Some("it is empty")
+    } else if owner.len() > MAX_OWNER_BYTES {
+        Some("it is longer than 256 bytes")
+    } else if owner.chars().any(char::is_control) {
+        Some("it contains a control character")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(Error::from(InvalidArgumentError::new(
+            "owner",
+            format!(
+                "{reason}; use 1 to 256 bytes without control characters, such as `host-1:4711`"
+            ),
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// An error message cut to at most 8 KiB, at a character boundary.
+pub(crate) fn clip_error(message: &str) -> &str {
+    if message.len() <= MAX_ERROR_BYTES {
+        return message;
+    }
+    let mut end = MAX_ERROR_BYTES;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    &message[..end]
+}
+
+/// The number of documents an `update` or `delete` command reply says it matched.
+pub(crate) fn reply_count(reply: &Document) -> u64 {
+    int(reply, "n").map_or(0, |n| n.max(0) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_documents_parse() {
+        let d = ObjectId::new();
+        let lane = Lane::from_document(&doc! {
+            "_id": 7, "owner": "w", "epoch": 3_i64, "inFlight": [d, "junk"],
+            "lost": [{ "d": d, "e": 2_i64 }, { "x": 1 }], "leaseExpiresAt": DateTime::from_millis(5),
+        })
+        .unwrap();
+        assert_eq!(lane.id, 7);
+        assert_eq!(lane.epoch, 3);
+        assert_eq!(lane.in_flight, vec![d]);
+        assert_eq!(
+            lane.lost,
+            vec![LostClaim {
+                delivery: d,
+                epoch: 2
+            }]
+        );
+        assert_eq!(lane.requeues, Bson::Null);
+        assert_eq!(lane.lease_expires_at, Some(DateTime::from_millis(5)));
+        assert!(Lane::from_document(&doc! { "_id": "x" }).is_none());
+    }
+
+    #[test]
+    fn arguments_are_checked() {
+        assert!(check_owner("host-1:4711").is_ok());
+        assert!(check_owner("").is_err());
+        assert!(check_owner("a\nb").is_err());
+        assert!(check_owner(&"a".repeat(257)).is_err());
+        assert!(check_lease_duration(std::time::Duration::ZERO).is_err());
+        assert!(check_lease_duration(std::time::Duration::from_secs(30)).is_ok());
+        assert!(check_lease_duration(MAX_LEASE + std::time::Duration::from_secs(1)).is_err());
+        assert!(add(DateTime::MAX, std::time::Duration::from_secs(1)).is_err());
+        assert_eq!(
+            add(DateTime::from_millis(1), std::time::Duration::from_secs(1)).unwrap(),
+            DateTime::from_millis(1001)
+        );
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        assert!(clip_error(&long).len() <= MAX_ERROR_BYTES);
+        assert_eq!(clip_error("short"), "short");
+    }
+}

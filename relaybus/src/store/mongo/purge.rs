@@ -1,0 +1,339 @@
+//! Retention: deleting dead letters, completion records, and the events nothing needs any more.
+//!
+//! Every batch deletes its documents together with the events they leave unreferenced, in one
+//! transaction, so a crash never leaves a delivery without its event. An event that ever
+//! completed (it has `completedAt`) stays as the record that deduplicates a later publish of the
+//! same id until `completed_before` passes its last completion, however old it is.
+
+use std::collections::HashSet;
+
+use futures::TryStreamExt;
+use mongodb::{
+    ClientSession, Collection,
+    bson::{Bson, DateTime, Document, doc},
+    options::Hint,
+};
+
+use super::MongoEventStore;
+use crate::error::Result;
+
+/// What [`MongoEventStore::purge`] deletes. Leave a cutoff out to keep those documents.
+///
+/// # Example
+///
+/// ```
+/// use relaybus::{PurgeOptions, mongodb::bson::DateTime};
+///
+/// let week_ago = DateTime::from_millis(DateTime::now().timestamp_millis() - 7 * 86_400_000);
+/// let options = PurgeOptions::new().dead_before(week_ago).completed_before(week_ago);
+/// # let _ = options;
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[must_use]
+pub struct PurgeOptions {
+    dead_before: Option<DateTime>,
+    completed_before: Option<DateTime>,
+}
+
+impl PurgeOptions {
+    /// Deletes nothing until a cutoff is set.
+    pub fn new() -> Self {
+        PurgeOptions::default()
+    }
+
+    /// Delete dead deliveries buried before `cutoff`.
+    pub fn dead_before(mut self, cutoff: DateTime) -> Self {
+        self.dead_before = Some(cutoff);
+        self
+    }
+
+    /// Delete completion records of completions before `cutoff`, and let events whose last
+    /// completion was before it go.
+    pub fn completed_before(mut self, cutoff: DateTime) -> Self {
+        self.completed_before = Some(cutoff);
+        self
+    }
+
+    /// The earliest cutoff given: events that never completed go once created before it.
+    fn earliest(&self) -> Option<DateTime> {
+        match (self.dead_before, self.completed_before) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The latest cutoff given: no event created after it can go.
+    fn latest(&self) -> Option<DateTime> {
+        match (self.dead_before, self.completed_before) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// What a purge deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Purged {
+    /// Dead deliveries.
+    pub dead_deliveries: u64,
+    /// Completion records, and `completed` delivery documents an earlier version left.
+    pub completion_records: u64,
+    /// Events.
+    pub events: u64,
+}
+
+/// Which kind of document a batch deletes.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Dead,
+    History,
+    LegacyCompleted,
+}
+
+impl MongoEventStore {
+    /// Deletes, in batches of [`purge_batch_size`](crate::MongoEventStoreBuilder::purge_batch_size),
+    /// the dead deliveries buried before `dead_before` and the completion records of
+    /// completions before `completed_before`, each batch together with the events nothing
+    /// references any more, in one transaction. Then it deletes the remaining events nothing
+    /// references: an event that completed once goes when its last completion is before
+    /// `completed_before` (`dead_before` alone never removes it); an event that never completed
+    /// (no subscribers, or only dead letters) goes when it was created before the earliest
+    /// cutoff given.
+    ///
+    /// A deleted event takes its list of handlers with it: a publish of the same event id after
+    /// the purge is a new event and runs its handlers again. Keep completed retention longer
+    /// than any redelivery window.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database). What earlier batches deleted stays deleted;
+    /// running the purge again continues.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in the same sense: every batch is one transaction.
+    pub async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
+        let mut purged = Purged::default();
+        if let Some(cutoff) = options.dead_before {
+            purged.dead_deliveries = self.purge_kind(Kind::Dead, cutoff, options).await?;
+        }
+        if let Some(cutoff) = options.completed_before {
+            purged.completion_records = self
+                .purge_kind(Kind::LegacyCompleted, cutoff, options)
+                .await?;
+            if self.inner.completion_history {
+                purged.completion_records +=
+                    self.purge_kind(Kind::History, cutoff, options).await?;
+            }
+        }
+        purged.events += self.purge_events(options).await?;
+        Ok(purged)
+    }
+
+    fn purge_source(
+        &self,
+        kind: Kind,
+        cutoff: DateTime,
+    ) -> (&Collection<Document>, Document, &'static str) {
+        match kind {
+            Kind::Dead => (
+                &self.inner.deliveries,
+                doc! { "status": "dead", "updatedAt": { "$lt": cutoff } },
+                "status_updated",
+            ),
+            Kind::History => (
+                &self.inner.completed,
+                doc! { "completedAt": { "$lt": cutoff } },
+                "completed",
+            ),
+            Kind::LegacyCompleted => (
+                &self.inner.deliveries,
+                doc! { "status": "completed", "completedAt": { "$lt": cutoff } },
+                "completed",
+            ),
+        }
+    }
+
+    async fn purge_kind(
+        &self,
+        kind: Kind,
+        cutoff: DateTime,
+        options: &PurgeOptions,
+    ) -> Result<u64> {
+        let batch = i64::from(self.inner.purge_batch_size);
+        let mut deleted = 0;
+        loop {
+            let (collection, filter, index) = self.purge_source(kind, cutoff);
+            let found: Vec<Document> = collection
+                .find(filter)
+                .projection(doc! { "_id": 1, "eventId": 1 })
+                .hint(Hint::Name(index.to_owned()))
+                .limit(batch)
+                .await?
+                .try_collect()
+                .await?;
+            if found.is_empty() {
+                return Ok(deleted);
+            }
+            let ids: Vec<Bson> = found.iter().filter_map(|d| d.get("_id").cloned()).collect();
+            let events: Vec<String> = found
+                .iter()
+                .filter_map(|d| d.get_str("eventId").ok().map(str::to_owned))
+                .collect();
+            let n = self
+                .own_transaction(
+                    (self, kind, cutoff, options, &ids, &events),
+                    |session, (store, kind, cutoff, options, ids, events)| {
+                        Box::pin(
+                            store.purge_batch_in(session, *kind, *cutoff, options, ids, events),
+                        )
+                    },
+                )
+                .await?;
+            deleted += n;
+            if (found.len() as i64) < batch {
+                return Ok(deleted);
+            }
+            if n == 0 {
+                // Everything found changed meanwhile; a later purge finds the rest.
+                return Ok(deleted);
+            }
+        }
+    }
+
+    async fn purge_batch_in(
+        &self,
+        session: &mut ClientSession,
+        kind: Kind,
+        cutoff: DateTime,
+        options: &PurgeOptions,
+        ids: &[Bson],
+        events: &[String],
+    ) -> Result<u64> {
+        let (collection, mut filter, _) = self.purge_source(kind, cutoff);
+        filter.insert("_id", doc! { "$in": ids });
+        let deleted = collection
+            .delete_many(filter)
+            .session(&mut *session)
+            .await?
+            .deleted_count;
+        self.delete_unreferenced_events_in(session, events, options)
+            .await?;
+        Ok(deleted)
+    }
+
+    /// Deletes the events of `ids` that nothing references and that the options let go.
+    async fn delete_unreferenced_events_in(
+        &self,
+        session: &mut ClientSession,
+        ids: &[String],
+        options: &PurgeOptions,
+    ) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let inner = &self.inner;
+        let events: Vec<Document> = inner
+            .events
+            .find(doc! { "_id": { "$in": ids } })
+            .projection(doc! { "createdAt": 1, "completedAt": 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        let mut referenced: HashSet<String> = HashSet::new();
+        for collection in [&inner.deliveries, &inner.completed] {
+            let refs: Vec<Document> = collection
+                .find(doc! { "eventId": { "$in": ids } })
+                .projection(doc! { "_id": 0, "eventId": 1 })
+                .session(&mut *session)
+                .await?
+                .stream(&mut *session)
+                .try_collect()
+                .await?;
+            referenced.extend(
+                refs.iter()
+                    .filter_map(|r| r.get_str("eventId").ok().map(str::to_owned)),
+            );
+        }
+        let earliest = options.earliest();
+        let gone: Vec<&str> = events
+            .iter()
+            .filter_map(|event| {
+                let id = event.get_str("_id").ok()?;
+                if referenced.contains(id) {
+                    return None;
+                }
+                let expired = match event.get_datetime("completedAt") {
+                    Ok(completed) => options.completed_before.is_some_and(|cut| *completed < cut),
+                    Err(_) => match (event.get_datetime("createdAt"), earliest) {
+                        (Ok(created), Some(cut)) => *created < cut,
+                        _ => false,
+                    },
+                };
+                expired.then_some(id)
+            })
+            .collect();
+        if gone.is_empty() {
+            return Ok(0);
+        }
+        Ok(inner
+            .events
+            .delete_many(doc! { "_id": { "$in": gone } })
+            .session(&mut *session)
+            .await?
+            .deleted_count)
+    }
+
+    /// The events left unreferenced by earlier purges or never referenced at all, oldest first.
+    async fn purge_events(&self, options: &PurgeOptions) -> Result<u64> {
+        let Some(latest) = options.latest() else {
+            return Ok(0);
+        };
+        let batch = i64::from(self.inner.purge_batch_size);
+        let mut after: Option<(DateTime, Bson)> = None;
+        let mut deleted = 0;
+        loop {
+            let mut filter = doc! { "createdAt": { "$lt": latest } };
+            if let Some((created, id)) = &after {
+                filter = doc! { "$and": [filter, { "$or": [
+                    { "createdAt": { "$gt": created } },
+                    { "createdAt": created, "_id": { "$gt": id.clone() } },
+                ] }] };
+            }
+            let found: Vec<Document> = self
+                .inner
+                .events
+                .find(filter)
+                .projection(doc! { "_id": 1, "createdAt": 1 })
+                .sort(doc! { "createdAt": 1, "_id": 1 })
+                .hint(Hint::Name("created".to_owned()))
+                .limit(batch)
+                .await?
+                .try_collect()
+                .await?;
+            let Some(last) = found.last() else {
+                return Ok(deleted);
+            };
+            let (Ok(created), Some(id)) = (last.get_datetime("createdAt"), last.get("_id")) else {
+                // The filter on `createdAt` only matches events that have one.
+                return Ok(deleted);
+            };
+            after = Some((*created, id.clone()));
+            let ids: Vec<String> = found
+                .iter()
+                .filter_map(|d| d.get_str("_id").ok().map(str::to_owned))
+                .collect();
+            deleted += self
+                .own_transaction((self, &ids, options), |session, (store, ids, options)| {
+                    Box::pin(store.delete_unreferenced_events_in(session, ids, options))
+                })
+                .await?;
+            if (found.len() as i64) < batch {
+                return Ok(deleted);
+            }
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! Ending a claim other than by completion (retry later, give back, bury), and renewing a lease.
+//!
+//! Each runs in one transaction that reads the lane and writes both the delivery and the lane,
+//! so it conflicts with a takeover of the lane: whichever commits second sees the other's state.
+//! A claim that ends moves the delivery's claim generation on, so its lease never matches a
+//! later claim of the same delivery, even by the same owner in the same lane epoch.
+
+use std::time::Duration;
+
+use mongodb::{
+    ClientSession,
+    bson::{DateTime, Document, doc},
+};
+
+use super::{
+    MongoEventStore,
+    lane::{add, check_lease_duration, clip_error},
+    lease::Lease,
+};
+use crate::error::Result;
+
+/// How a claim ends.
+#[derive(Debug, Clone, Copy)]
+enum Ending<'a> {
+    Reschedule { due_at: DateTime, error: &'a str },
+    Release,
+    Bury { error: &'a str },
+}
+
+impl Ending<'_> {
+    fn update(&self, now: DateTime) -> Document {
+        match *self {
+            Ending::Reschedule { due_at, error } => doc! {
+                "$inc": { "attempts": 1, "claims": 1_i64 },
+                "$set": { "dueAt": due_at, "lastError": clip_error(error), "updatedAt": now },
+            },
+            Ending::Release => doc! {
+                "$inc": { "claims": 1_i64 },
+                "$set": { "updatedAt": now },
+            },
+            Ending::Bury { error } => doc! {
+                "$inc": { "attempts": 1, "claims": 1_i64 },
+                "$set": { "status": "dead", "lastError": clip_error(error), "updatedAt": now },
+            },
+        }
+    }
+}
+
+impl MongoEventStore {
+    /// Ends a failed attempt and makes the delivery due again at `due_at`.
+    ///
+    /// The attempt counts (`attempts` grows by one) and `error` is kept as the delivery's last
+    /// error (cut to 8 KiB). Returns `false`, changing nothing, when the lease no longer holds:
+    /// the lane changed hands or no longer lists the delivery, or the claim already ended.
+    /// Later deliveries of the same key stay blocked until this one completes or is buried.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database) once the transaction's retries are used up.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may or may not have rescheduled the delivery; calling again with the
+    /// same lease returns `false` if it was.
+    pub async fn reschedule(
+        &self,
+        lease: &Lease,
+        due_at: DateTime,
+        error: &str,
+        now: DateTime,
+    ) -> Result<bool> {
+        self.end_claim(lease, Ending::Reschedule { due_at, error }, now)
+            .await
+    }
+
+    /// Gives the delivery back without counting an attempt, for a worker that stops before
+    /// running it (graceful shutdown). It is due again at once, for any worker.
+    ///
+    /// Returns `false`, changing nothing, when the lease no longer holds.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`reschedule`](Self::reschedule).
+    pub async fn release(&self, lease: &Lease, now: DateTime) -> Result<bool> {
+        self.end_claim(lease, Ending::Release, now).await
+    }
+
+    /// Ends a failed attempt and moves the delivery to the dead letters, for good or until an
+    /// operator [requeues](Self::requeue) it. The attempt counts and `error` is kept.
+    ///
+    /// A dead delivery no longer blocks later deliveries of its key. Returns `false`, changing
+    /// nothing, when the lease no longer holds.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`reschedule`](Self::reschedule).
+    pub async fn bury(&self, lease: &Lease, error: &str, now: DateTime) -> Result<bool> {
+        self.end_claim(lease, Ending::Bury { error }, now).await
+    }
+
+    /// Extends the lease of the delivery's lane to at least `now + lease_duration`, and returns
+    /// the new expiry; a lease never shrinks. Returns `None`, changing nothing, when the lease
+    /// no longer holds.
+    ///
+    /// The claim generation is checked and the lane extended in one transaction, so a stale
+    /// lease never extends the lane of a newer claim. The lease covers the whole lane, so one
+    /// renewal per lane is enough for all its deliveries.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a duration outside 1 ms to
+    /// 7 days (nothing is sent); [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future at most leaves the lease extended.
+    pub async fn extend_lease(
+        &self,
+        lease: &Lease,
+        lease_duration: Duration,
+        now: DateTime,
+    ) -> Result<Option<DateTime>> {
+        check_lease_duration(lease_duration)?;
+        let expires_at = add(now, lease_duration)?;
+        self.own_transaction((self, lease, expires_at), |session, (store, lease, at)| {
+            Box::pin(store.extend_in(session, lease, *at))
+        })
+        .await
+    }
+
+    async fn end_claim(&self, lease: &Lease, ending: Ending<'_>, now: DateTime) -> Result<bool> {
+        let ended = self
+            .own_transaction(
+                (self, lease, ending, now),
+                |session, (store, lease, ending, now)| {
+                    Box::pin(store.end_claim_in(session, lease, *ending, *now))
+                },
+            )
+            .await?;
+        self.inner.claims.settled(lease);
+        Ok(ended)
+    }
+
+    async fn end_claim_in(
+        &self,
+        session: &mut ClientSession,
+        lease: &Lease,
+        ending: Ending<'_>,
+        now: DateTime,
+    ) -> Result<bool> {
+        let inner = &self.inner;
+        let lane_filter = doc! {
+            "_id": lease.lane_i32(),
+            "epoch": lease.epoch(),
+            "inFlight": lease.delivery_id(),
+        };
+        let listed = inner
+            .lanes
+            .find_one(lane_filter.clone())
+            .projection(doc! { "_id": 1 })
+            .session(&mut *session)
+            .await?;
+        if listed.is_none() {
+            return Ok(false);
+        }
+        let changed = inner
+            .deliveries
+            .update_one(
+                doc! {
+                    "_id": lease.delivery_id(),
+                    "status": "pending",
+                    "laneId": lease.lane_i32(),
+                    "claims": lease.generation_filter(),
+                },
+                ending.update(now),
+            )
+            .session(&mut *session)
+            .await?;
+        if changed.matched_count == 0 {
+            return Ok(false);
+        }
+        inner
+            .lanes
+            .update_one(
+                lane_filter,
+                doc! { "$pull": { "inFlight": lease.delivery_id() } },
+            )
+            .session(&mut *session)
+            .await?;
+        Ok(true)
+    }
+
+    async fn extend_in(
+        &self,
+        session: &mut ClientSession,
+        lease: &Lease,
+        expires_at: DateTime,
+    ) -> Result<Option<DateTime>> {
+        let inner = &self.inner;
+        let lane_filter = doc! {
+            "_id": lease.lane_i32(),
+            "epoch": lease.epoch(),
+            "inFlight": lease.delivery_id(),
+        };
+        let Some(lane) = inner
+            .lanes
+            .find_one(lane_filter.clone())
+            .projection(doc! { "leaseExpiresAt": 1 })
+            .session(&mut *session)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let current = inner
+            .deliveries
+            .find_one(doc! {
+                "_id": lease.delivery_id(),
+                "status": "pending",
+                "claims": lease.generation_filter(),
+            })
+            .projection(doc! { "_id": 1 })
+            .session(&mut *session)
+            .await?;
+        if current.is_none() {
+            return Ok(None);
+        }
+        let previous = lane.get_datetime("leaseExpiresAt").ok().copied();
+        let new_expiry = previous.map_or(expires_at, |previous| previous.max(expires_at));
+        inner
+            .lanes
+            .update_one(
+                lane_filter,
+                doc! { "$max": { "leaseExpiresAt": expires_at } },
+            )
+            .session(&mut *session)
+            .await?;
+        Ok(Some(new_expiry))
+    }
+}
