@@ -243,6 +243,9 @@ impl RelayBusBuilder {
         let mut handlers_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
         for (at, subscription) in self.subscriptions.iter().enumerate() {
             validate_handler_id(&subscription.id)?;
+            if let Some(policy) = &subscription.retry {
+                policy.validate()?;
+            }
             if let Some(first) = self.subscriptions[..at]
                 .iter()
                 .find(|s| s.id == subscription.id)

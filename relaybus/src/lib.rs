@@ -76,7 +76,7 @@ pub use error::{
     Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
-pub use handler::{Handler, HandlerContext, Subscription, validate_handler_id};
+pub use handler::{Handler, HandlerContext, RetryPolicy, Subscription, validate_handler_id};
 pub use store::mongo::{
     AppendRequest, Appended, ClaimedDelivery, DeliveryQuery, DeliveryRecord, DeliveryStatus, Lease,
     MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,
