@@ -17,7 +17,9 @@ use mongodb::{
     bson::{Document, doc},
     options::{ReadConcern, TransactionOptions, WriteConcern},
 };
-use relaybus::{BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription};
+use relaybus::{
+    BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription,
+};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -101,9 +103,7 @@ async fn main() -> Result<(), BoxError> {
             let mut ours = Vec::new();
             let mut theirs = Vec::new();
             for _ in 0..rounds {
-                theirs.push(
-                    run(&target, Subject::Baseline, per_tx, publishers, seconds).await?,
-                );
+                theirs.push(run(&target, Subject::Baseline, per_tx, publishers, seconds).await?);
                 ours.push(run(&target, Subject::Relaybus, per_tx, publishers, seconds).await?);
             }
             let ours = median(ours);

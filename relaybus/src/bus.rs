@@ -11,9 +11,10 @@ use std::{
 use mongodb::{ClientSession, bson::DateTime};
 
 use crate::{
+    dispatcher::{Handle, Retention, RunReport, Settings, Shared},
     error::{ConfigurationError, Error, Result},
     event::{Event, EventEnvelope},
-    handler::{Subscription, validate_handler_id},
+    handler::{RetryPolicy, Subscription, validate_handler_id},
     store::mongo::{AppendRequest, Appended, MongoEventStore},
 };
 
@@ -70,6 +71,17 @@ struct BusInner {
     subscriptions: Vec<Subscription>,
     handlers_by_type: HashMap<&'static str, Vec<String>>,
     transaction_timeout: Duration,
+    shared: Arc<Shared>,
+    dispatcher: tokio::sync::Mutex<DispatcherState>,
+}
+
+/// Whether the background dispatcher runs.
+#[derive(Debug, Default)]
+enum DispatcherState {
+    #[default]
+    Idle,
+    Running(Handle),
+    ShutDown,
 }
 
 impl std::fmt::Debug for RelayBus {
@@ -89,7 +101,112 @@ impl RelayBus {
             store,
             subscriptions: Vec::new(),
             transaction_timeout: DEFAULT_TRANSACTION_TIMEOUT,
+            owner: None,
+            batch_size: 32,
+            concurrency: 32,
+            lease_duration: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            retry: RetryPolicy::default(),
+            shutdown_timeout: Duration::from_secs(10),
+            setup_on_start: true,
+            change_stream: true,
+            retention: Some(Retention::default()),
         }
+    }
+
+    /// Prepares the store (unless [`setup_on_start`](RelayBusBuilder::setup_on_start) is off)
+    /// and starts dispatching in the background: claiming deliveries of this bus's handlers,
+    /// running them, completing, retrying and burying them, renewing lane leases, and purging
+    /// on the retention interval. A change stream wakes the dispatcher as soon as deliveries
+    /// commit; polling at the poll interval is the safety net.
+    ///
+    /// Must be called inside a Tokio runtime. Calling it again while it runs does nothing.
+    ///
+    /// # Errors
+    ///
+    /// The errors of [`MongoEventStore::setup`]; [`ConfigurationError::InvalidOption`] when the
+    /// bus was shut down already (build a new one).
+    pub async fn start(&self) -> Result<()> {
+        let mut state = self.inner.dispatcher.lock().await;
+        match *state {
+            DispatcherState::Running(_) => return Ok(()),
+            DispatcherState::ShutDown => {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "start",
+                    reason: "the bus was shut down; build a new bus to dispatch again".to_owned(),
+                }
+                .into());
+            }
+            DispatcherState::Idle => {}
+        }
+        if self.inner.shared.settings.setup_on_start {
+            self.inner.store.setup().await?;
+        }
+        *state = DispatcherState::Running(Handle::spawn(Arc::clone(&self.inner.shared)));
+        Ok(())
+    }
+
+    /// Claims one batch of deliveries of this bus's handlers, runs them concurrently, and
+    /// settles them: successes completed together, failures retried later or buried. For tests
+    /// and for running on a schedule instead of in the background.
+    ///
+    /// Lane leases are not renewed during the call: keep its handlers shorter than the lease
+    /// duration.
+    ///
+    /// # Errors
+    ///
+    /// Errors of the claim or of the completion; the handlers' own errors are not errors of
+    /// this call (they count as failed attempts).
+    pub async fn run_once(&self) -> Result<RunReport> {
+        self.inner.shared.run_once().await
+    }
+
+    /// Stops dispatching gracefully: no more claims; running handlers get the shutdown timeout
+    /// to finish; deliveries still unfinished then are released without charging an attempt;
+    /// every lane this bus holds is handed back, so other workers take the work at once rather
+    /// than after the lease expires. Returns when all that is done. Calling it again does
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// None so far; failures to release or hand back are logged, and the leases they concern
+    /// simply run out.
+    pub async fn shutdown(&self) -> Result<()> {
+        let mut state = self.inner.dispatcher.lock().await;
+        match std::mem::replace(&mut *state, DispatcherState::ShutDown) {
+            DispatcherState::Running(handle) => handle.stop().await,
+            DispatcherState::Idle => {
+                // `run_once` may hold lanes.
+                let owner = &self.inner.shared.settings.owner;
+                if let Err(error) = self.inner.store.relinquish(owner).await {
+                    tracing::warn!(%error, "could not hand the lanes back");
+                }
+            }
+            DispatcherState::ShutDown => {}
+        }
+        Ok(())
+    }
+
+    /// Deletes what the retention settings let go now, as the dispatcher does on its
+    /// interval.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigurationError::InvalidOption`] when retention is off; the store's purge errors.
+    pub async fn purge_expired(&self) -> Result<crate::store::mongo::Purged> {
+        let retention = self.inner.shared.settings.retention.ok_or_else(|| {
+            ConfigurationError::InvalidOption {
+                option: "retention",
+                reason: "retention is off for this bus; set it with `RelayBusBuilder::retention`"
+                    .to_owned(),
+            }
+        })?;
+        self.inner.shared.purge(retention).await
+    }
+
+    /// The owner name this bus claims lanes under.
+    pub fn owner(&self) -> &str {
+        &self.inner.shared.settings.owner
     }
 
     /// The store the bus writes to.
@@ -207,6 +324,16 @@ pub struct RelayBusBuilder {
     store: MongoEventStore,
     subscriptions: Vec<Subscription>,
     transaction_timeout: Duration,
+    owner: Option<String>,
+    batch_size: u32,
+    concurrency: usize,
+    lease_duration: Duration,
+    poll_interval: Duration,
+    retry: RetryPolicy,
+    shutdown_timeout: Duration,
+    setup_on_start: bool,
+    change_stream: bool,
+    retention: Option<Retention>,
 }
 
 impl RelayBusBuilder {
@@ -220,6 +347,76 @@ impl RelayBusBuilder {
     /// longest a MongoDB transaction may live).
     pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
         self.transaction_timeout = timeout;
+        self
+    }
+
+    /// The name this bus claims lanes under. Defaults to a name unique to the process
+    /// (`<host>-<pid>-<random>`). Lanes are held per bus as well: a restarted process with a
+    /// fixed name does not adopt the lanes of its predecessor, it takes them over once their
+    /// leases end.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// How many deliveries one claim takes at most, 32 by default (1 to 1,000).
+    pub fn batch_size(mut self, size: u32) -> Self {
+        self.batch_size = size;
+        self
+    }
+
+    /// How many handlers run at once, 32 by default (1 to 10,000).
+    pub fn concurrency(mut self, handlers: usize) -> Self {
+        self.concurrency = handlers;
+        self
+    }
+
+    /// How long a claim holds its lanes without renewal, 30 seconds by default. The dispatcher
+    /// renews the lanes of running non-transactional handlers every third of it; a lane whose
+    /// worker died is free again after at most this long. Keep it well above handler run times,
+    /// and above the run time of transactional handlers, which are not renewed.
+    pub fn lease_duration(mut self, duration: Duration) -> Self {
+        self.lease_duration = duration;
+        self
+    }
+
+    /// How long an idle dispatcher waits before it looks for work again, 1 second by default.
+    /// The change stream usually wakes it sooner.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// The retry policy of handlers that have none of their own.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// How long [`shutdown`](RelayBus::shutdown) waits for running handlers, 10 seconds by
+    /// default.
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Whether [`start`](RelayBus::start) runs [`MongoEventStore::setup`] first (the default).
+    pub fn setup_on_start(mut self, enabled: bool) -> Self {
+        self.setup_on_start = enabled;
+        self
+    }
+
+    /// Whether a change stream wakes the dispatcher when deliveries commit (the default).
+    /// Without it, new work waits for the next poll.
+    pub fn change_stream(mut self, enabled: bool) -> Self {
+        self.change_stream = enabled;
+        self
+    }
+
+    /// How long completed and dead deliveries are kept, and how often the dispatcher purges;
+    /// `None` turns purging off. See [`Retention`] for the defaults.
+    pub fn retention(mut self, retention: Option<Retention>) -> Self {
+        self.retention = retention;
         self
     }
 
@@ -240,6 +437,7 @@ impl RelayBusBuilder {
                 ),
             });
         }
+        self.check_dispatch_settings()?;
         let mut handlers_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
         for (at, subscription) in self.subscriptions.iter().enumerate() {
             validate_handler_id(&subscription.id)?;
@@ -261,14 +459,96 @@ impl RelayBusBuilder {
                 .or_default()
                 .push(subscription.id.clone());
         }
+        let settings = Settings {
+            owner: self.owner.clone().unwrap_or_else(default_owner),
+            batch_size: self.batch_size,
+            concurrency: self.concurrency,
+            lease_duration: self.lease_duration,
+            poll_interval: self.poll_interval,
+            retry: self.retry,
+            shutdown_timeout: self.shutdown_timeout,
+            setup_on_start: self.setup_on_start,
+            change_stream: self.change_stream,
+            retention: self.retention,
+        };
+        let shared = Arc::new(Shared::new(
+            self.store.clone(),
+            &self.subscriptions,
+            settings,
+        ));
         Ok(RelayBus {
             inner: Arc::new(BusInner {
                 store: self.store,
                 subscriptions: self.subscriptions,
                 handlers_by_type,
                 transaction_timeout: self.transaction_timeout,
+                shared,
+                dispatcher: tokio::sync::Mutex::new(DispatcherState::Idle),
             }),
         })
+    }
+
+    fn check_dispatch_settings(&self) -> Result<(), ConfigurationError> {
+        let invalid = |option: &'static str, reason: String| {
+            Err(ConfigurationError::InvalidOption { option, reason })
+        };
+        if let Some(owner) = &self.owner
+            && (owner.is_empty() || owner.len() > 256 || owner.chars().any(char::is_control))
+        {
+            return invalid(
+                "owner",
+                format!("{owner:?} is not usable; use 1 to 256 bytes without control characters"),
+            );
+        }
+        if !(1..=1_000).contains(&self.batch_size) {
+            return invalid(
+                "batch_size",
+                format!("{} is out of range; use 1 to 1000", self.batch_size),
+            );
+        }
+        if !(1..=10_000).contains(&self.concurrency) {
+            return invalid(
+                "concurrency",
+                format!("{} is out of range; use 1 to 10000", self.concurrency),
+            );
+        }
+        if self.poll_interval < Duration::from_millis(1)
+            || self.poll_interval > Duration::from_secs(3_600)
+        {
+            return invalid(
+                "poll_interval",
+                format!(
+                    "{:?} is out of range; use 1 ms to 1 hour",
+                    self.poll_interval
+                ),
+            );
+        }
+        if self.lease_duration <= self.poll_interval
+            || self.lease_duration > Duration::from_secs(7 * 86_400)
+        {
+            return invalid(
+                "lease_duration",
+                format!(
+                    "{:?} must be longer than the poll interval ({:?}) and at most 7 days",
+                    self.lease_duration, self.poll_interval
+                ),
+            );
+        }
+        if self.shutdown_timeout > Duration::from_secs(3_600) {
+            return invalid(
+                "shutdown_timeout",
+                format!("{:?} is over an hour", self.shutdown_timeout),
+            );
+        }
+        if let Some(retention) = &self.retention
+            && retention.interval < Duration::from_secs(1)
+        {
+            return invalid(
+                "retention",
+                format!("purge interval {:?} is under a second", retention.interval),
+            );
+        }
+        self.retry.validate()
     }
 }
 
@@ -380,4 +660,16 @@ impl<'a> IntoFuture for PublishAll<'a> {
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(async move { self.bus.append(self.session, &self.envelopes).await })
     }
+}
+
+/// A lane owner name unique to this process: host, process id and a random part.
+fn default_owner() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty() && h.len() <= 200 && !h.chars().any(char::is_control))
+        .unwrap_or_else(|| "worker".to_owned());
+    let random = uuid::Uuid::now_v7().as_u128() as u32;
+    format!("{host}-{}-{random:08x}", std::process::id())
 }

@@ -1,12 +1,14 @@
 //! Handlers and their subscriptions.
 
-use std::{fmt, future::Future, sync::Arc, time::Duration};
+use std::{collections::BTreeMap, fmt, future::Future, sync::Arc, time::Duration};
 
 use futures::future::BoxFuture;
+use mongodb::{ClientSession, bson::DateTime};
+use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::{
     error::{BoxError, ConfigurationError},
-    event::Event,
+    event::{Event, EventEnvelope},
 };
 
 /// The longest handler id, in bytes.
@@ -38,20 +40,195 @@ pub fn validate_handler_id(id: &str) -> Result<(), ConfigurationError> {
     }
 }
 
-/// What a handler learns about the delivery it runs for, besides the event itself.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
+/// What a handler learns about the delivery it runs for, besides the event itself, and, for a
+/// transactional handler, the session of the transaction its delivery completes in.
+#[derive(Clone)]
 pub struct HandlerContext {
+    event_id: String,
+    event_type: String,
+    key: Option<String>,
+    sequence: Option<i64>,
+    correlation_id: Option<String>,
+    causation_id: Option<String>,
+    headers: BTreeMap<String, String>,
+    created_at: DateTime,
+    handler: String,
+    attempt: u32,
+    session: Option<Arc<Mutex<ClientSession>>>,
+}
+
+impl fmt::Debug for HandlerContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerContext")
+            .field("event_id", &self.event_id)
+            .field("event_type", &self.event_type)
+            .field("key", &self.key)
+            .field("sequence", &self.sequence)
+            .field("handler", &self.handler)
+            .field("attempt", &self.attempt)
+            .field("transactional", &self.session.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HandlerContext {
+    /// A context for calling a handler outside the dispatcher, in unit tests for example: the
+    /// event's metadata, attempt 1, and no transaction.
+    pub fn detached(event: &EventEnvelope, handler: impl Into<String>) -> Self {
+        HandlerContext {
+            event_id: event.id().to_owned(),
+            event_type: event.event_type().to_owned(),
+            key: event.key().map(str::to_owned),
+            sequence: None,
+            correlation_id: event.correlation_id().map(str::to_owned),
+            causation_id: event.causation_id().map(str::to_owned),
+            headers: event.headers().clone(),
+            created_at: event.created_at(),
+            handler: handler.into(),
+            attempt: 1,
+            session: None,
+        }
+    }
+
+    pub(crate) fn for_delivery(
+        event: &EventEnvelope,
+        handler: &str,
+        sequence: Option<i64>,
+        attempt: u32,
+        session: Option<Arc<Mutex<ClientSession>>>,
+    ) -> Self {
+        HandlerContext {
+            sequence,
+            attempt,
+            session,
+            ..HandlerContext::detached(event, handler)
+        }
+    }
+
     /// The event id.
-    pub event_id: String,
+    pub fn event_id(&self) -> &str {
+        &self.event_id
+    }
+
     /// The event type name.
-    pub event_type: String,
+    pub fn event_type(&self) -> &str {
+        &self.event_type
+    }
+
     /// The ordering key, if the event has one.
-    pub key: Option<String>,
-    /// The handler's id.
-    pub handler: String,
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
+    /// The event's sequence within its key, if it has a key.
+    pub fn sequence(&self) -> Option<i64> {
+        self.sequence
+    }
+
+    /// The correlation id, if any.
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.correlation_id.as_deref()
+    }
+
+    /// The causation id, if any.
+    pub fn causation_id(&self) -> Option<&str> {
+        self.causation_id.as_deref()
+    }
+
+    /// The event's headers.
+    pub fn headers(&self) -> &BTreeMap<String, String> {
+        &self.headers
+    }
+
+    /// When the event was made.
+    pub fn created_at(&self) -> DateTime {
+        self.created_at
+    }
+
+    /// The id of the handler running.
+    pub fn handler(&self) -> &str {
+        &self.handler
+    }
+
     /// Which attempt this is, starting at 1.
-    pub attempt: u32,
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether the handler runs in a transaction that completes its delivery.
+    pub fn is_transactional(&self) -> bool {
+        self.session.is_some()
+    }
+
+    /// The session of the transaction a transactional handler runs in. Pass it to every write
+    /// that must commit together with the delivery's completion:
+    ///
+    /// ```no_run
+    /// # use relaybus::{BoxError, HandlerContext};
+    /// # async fn projector(ctx: HandlerContext, projections: mongodb::Collection<mongodb::bson::Document>) -> Result<(), BoxError> {
+    /// let mut session = ctx.session().await?;
+    /// projections
+    ///     .insert_one(mongodb::bson::doc! { "event": ctx.event_id() })
+    ///     .session(&mut *session)
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// Drop the guard before the handler returns; the dispatcher needs the session back to
+    /// complete the delivery and commit.
+    ///
+    /// # Errors
+    ///
+    /// [`NotTransactional`] when the handler was not subscribed as transactional, or when the
+    /// session is held already (two guards at once would deadlock).
+    pub async fn session(&self) -> Result<SessionGuard, NotTransactional> {
+        let session = self.session.as_ref().ok_or_else(|| NotTransactional {
+            handler: self.handler.clone(),
+            reason: "it is not subscribed as transactional; use `Subscription::transactional()` \
+                     or `#[handler(.., transactional)]`",
+        })?;
+        let guard = Arc::clone(session)
+            .try_lock_owned()
+            .map_err(|_| NotTransactional {
+                handler: self.handler.clone(),
+                reason: "the session is held by another guard of this handler; drop it first",
+            })?;
+        Ok(SessionGuard { guard })
+    }
+}
+
+/// The session of a transactional handler's transaction; derefs to the driver's
+/// [`ClientSession`]. Made by [`HandlerContext::session`].
+pub struct SessionGuard {
+    guard: OwnedMutexGuard<ClientSession>,
+}
+
+impl fmt::Debug for SessionGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionGuard").finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for SessionGuard {
+    type Target = ClientSession;
+    fn deref(&self) -> &ClientSession {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for SessionGuard {
+    fn deref_mut(&mut self) -> &mut ClientSession {
+        &mut self.guard
+    }
+}
+
+/// A handler asked for a transaction it does not have.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("handler {handler:?} has no transaction session: {reason}")]
+pub struct NotTransactional {
+    handler: String,
+    reason: &'static str,
 }
 
 /// An async function that handles events of type `E`.
@@ -100,7 +277,6 @@ pub struct Subscription {
     pub(crate) rust_type: &'static str,
     pub(crate) transactional: bool,
     pub(crate) retry: Option<RetryPolicy>,
-    #[allow(dead_code)] // run by the dispatcher
     pub(crate) handler: Arc<ErasedHandler>,
 }
 
@@ -260,7 +436,10 @@ impl RetryPolicy {
     /// Checks the policy: at least one attempt, at most 1000; waits ordered and under a day.
     pub fn validate(&self) -> Result<(), ConfigurationError> {
         let problem = if !(1..=1000).contains(&self.max_attempts) {
-            Some(format!("max_attempts {} is out of range; use 1 to 1000", self.max_attempts))
+            Some(format!(
+                "max_attempts {} is out of range; use 1 to 1000",
+                self.max_attempts
+            ))
         } else if self.initial_backoff.is_zero() {
             Some("initial_backoff is zero; use at least 1 ms".to_owned())
         } else if self.max_backoff < self.initial_backoff {

@@ -65,18 +65,23 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod bus;
+mod dispatcher;
 pub mod error;
 pub mod event;
 mod handler;
 pub mod store;
 
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
+pub use dispatcher::{Retention, RunReport};
 pub use error::{
     BoxError, ConfigurationError, Error, EventValidationError, InvalidArgumentError, LeaseError,
     Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
-pub use handler::{Handler, HandlerContext, RetryPolicy, Subscription, validate_handler_id};
+pub use handler::{
+    Handler, HandlerContext, NotTransactional, RetryPolicy, SessionGuard, Subscription,
+    validate_handler_id,
+};
 pub use store::mongo::{
     AppendRequest, Appended, ClaimedDelivery, DeliveryQuery, DeliveryRecord, DeliveryStatus, Lease,
     MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,

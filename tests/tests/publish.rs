@@ -918,13 +918,19 @@ async fn a_known_event_in_a_keyed_batch_leaves_no_gap_in_the_sequence() {
             .unwrap()
     };
     let known = keyed("known");
-    assert_eq!(bus.publish_envelope(known.clone()).await.unwrap().sequence, Some(1));
+    assert_eq!(
+        bus.publish_envelope(known.clone()).await.unwrap().sequence,
+        Some(1)
+    );
 
     let batch = vec![keyed("first"), known, keyed("last")];
     let appended = bus.publish_all(batch).await.unwrap();
     let sequences: Vec<(bool, Option<i64>)> =
         appended.iter().map(|a| (a.created, a.sequence)).collect();
-    assert_eq!(sequences, [(true, Some(2)), (false, Some(1)), (true, Some(3))]);
+    assert_eq!(
+        sequences,
+        [(true, Some(2)), (false, Some(1)), (true, Some(3))]
+    );
 
     let stored: Vec<i64> = all(&db.db().collection("relaybus_events"))
         .await

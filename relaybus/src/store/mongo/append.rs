@@ -157,17 +157,21 @@ impl MongoEventStore {
             .collect();
         let reply = inner
             .db
-            .run_command(doc! { "update": inner.events.name(), "updates": upserts, "ordered": true })
+            .run_command(
+                doc! { "update": inner.events.name(), "updates": upserts, "ordered": true },
+            )
             .session(&mut *session)
             .await?;
         check_write_reply(&reply)?;
         let mut created = vec![false; items.len()];
         if let Ok(upserted) = reply.get_array("upserted") {
             for entry in upserted {
-                if let Some(index) = entry.as_document().and_then(|e| e.get("index")).and_then(bson_i64) {
-                    if let Some(flag) = created.get_mut(index as usize) {
-                        *flag = true;
-                    }
+                let index = entry
+                    .as_document()
+                    .and_then(|e| e.get("index"))
+                    .and_then(bson_i64);
+                if let Some(flag) = index.and_then(|i| created.get_mut(i as usize)) {
+                    *flag = true;
                 }
             }
         }
@@ -549,10 +553,10 @@ fn bson_i64(value: &Bson) -> Option<i64> {
 /// Turns the write errors of a raw `update`/`delete` reply into an error: `run_command` reports
 /// them as a successful reply.
 pub(crate) fn check_write_reply(reply: &Document) -> Result<()> {
-    if let Ok(errors) = reply.get_array("writeErrors") {
-        if let Some(Bson::Document(first)) = errors.first() {
-            return Err(command_error(first).into());
-        }
+    if let Ok(errors) = reply.get_array("writeErrors")
+        && let Some(Bson::Document(first)) = errors.first()
+    {
+        return Err(command_error(first).into());
     }
     if let Ok(concern) = reply.get_document("writeConcernError") {
         return Err(command_error(concern).into());

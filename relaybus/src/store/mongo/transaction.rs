@@ -259,16 +259,14 @@ async fn backoff(attempt: u32) {
 
 /// Turns the server's refusal of transaction numbers into the configuration error it stands for.
 fn map_standalone(error: Error) -> Error {
-    if let Error::Database(e) = &error {
-        if error_code(e) == Some(ILLEGAL_OPERATION) {
-            let message = e.to_string();
-            if message.contains("Transaction numbers") {
-                return ConfigurationError::NotReplicaSet {
-                    address: "the configured server".to_owned(),
-                }
-                .into();
-            }
+    if let Error::Database(e) = &error
+        && error_code(e) == Some(ILLEGAL_OPERATION)
+        && e.to_string().contains("Transaction numbers")
+    {
+        return ConfigurationError::NotReplicaSet {
+            address: "the configured server".to_owned(),
         }
+        .into();
     }
     error
 }

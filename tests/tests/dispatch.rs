@@ -1,0 +1,637 @@
+//! The bus and its dispatcher on a real replica set: handlers, retries, transactional handlers,
+//! wake-up and graceful shutdown.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Document, doc};
+use relaybus::{
+    BoxError, ConfigurationError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
+    RelayBusBuilder, RetryPolicy, Subscription,
+};
+use relaybus_harness::{TestDb, test_db};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "order.placed.v1";
+}
+
+/// Waits for a message from a handler, failing the test after a generous deadline.
+async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>, what: &str) -> T {
+    tokio::time::timeout(Duration::from_secs(30), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap_or_else(|| panic!("channel closed waiting for {what}"))
+}
+
+async fn store(db: &TestDb) -> MongoEventStore {
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    store
+}
+
+/// A bus tuned for tests: short polls and leases, quick retries.
+fn builder(store: &MongoEventStore) -> RelayBusBuilder {
+    RelayBus::builder(store.clone())
+        .poll_interval(Duration::from_millis(50))
+        .lease_duration(Duration::from_secs(10))
+        .retry(
+            RetryPolicy::new(3)
+                .initial_backoff(Duration::from_millis(50))
+                .max_backoff(Duration::from_secs(1)),
+        )
+        .shutdown_timeout(Duration::from_secs(5))
+}
+
+/// A bus with no handlers, for publishing.
+fn publisher(store: &MongoEventStore, handlers: &[&str]) -> RelayBus {
+    let mut builder = RelayBus::builder(store.clone());
+    for id in handlers {
+        builder = builder.subscribe(Subscription::new(
+            *id,
+            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
+        ));
+    }
+    builder.build().unwrap()
+}
+
+async fn publish(bus: &RelayBus, order: &str, key: Option<&str>) -> String {
+    let mut envelope = EventEnvelope::new(&OrderPlaced {
+        order_id: order.to_owned(),
+    })
+    .unwrap();
+    if let Some(key) = key {
+        envelope = envelope.with_key(key).unwrap();
+    }
+    bus.publish_envelope(envelope).await.unwrap().event_id
+}
+
+async fn deliveries(db: &TestDb) -> Vec<Document> {
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_handler_that_fails_twice_runs_three_times_with_growing_delays() {
+    let db = test_db("retry").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["flaky"]), "o-1", None).await;
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .subscribe(Subscription::new(
+            "flaky",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send((Instant::now(), ctx.attempt())).unwrap();
+                    if ctx.attempt() < 3 {
+                        Err(BoxError::from(format!("attempt {} failed", ctx.attempt())))
+                    } else {
+                        Ok(())
+                    }
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let (t1, a1) = next(&mut rx, "attempt 1").await;
+    let (t2, a2) = next(&mut rx, "attempt 2").await;
+    let (t3, a3) = next(&mut rx, "attempt 3").await;
+    bus.shutdown().await.unwrap();
+
+    assert_eq!((a1, a2, a3), (1, 2, 3));
+    let first_wait = t2 - t1;
+    let second_wait = t3 - t2;
+    // Backoff 50 ms then 100 ms, each with up to a quarter of jitter taken off.
+    assert!(first_wait >= Duration::from_millis(37), "{first_wait:?}");
+    assert!(second_wait >= Duration::from_millis(75), "{second_wait:?}");
+    assert!(
+        second_wait > first_wait,
+        "{first_wait:?} then {second_wait:?}"
+    );
+    assert!(
+        deliveries(&db).await.is_empty(),
+        "completed after the third run"
+    );
+    assert!(rx.try_recv().is_err(), "no fourth run");
+}
+
+#[tokio::test]
+async fn a_handler_that_always_fails_is_buried_and_runs_again_after_requeue() {
+    let db = test_db("bury").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["doomed"]), "o-1", None).await;
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let failing = builder(&store)
+        .subscribe(Subscription::new(
+            "doomed",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(ctx.attempt()).unwrap();
+                    Err::<(), BoxError>("the mail server said no".into())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    failing.start().await.unwrap();
+    for attempt in 1..=3 {
+        assert_eq!(next(&mut rx, "a failed attempt").await, attempt);
+    }
+    failing.shutdown().await.unwrap();
+    assert!(rx.try_recv().is_err(), "no attempt after the last");
+
+    let dead = deliveries(&db).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].get_str("status").unwrap(), "dead");
+    assert_eq!(dead[0].get_i32("attempts").unwrap(), 3);
+    assert!(
+        dead[0]
+            .get_str("lastError")
+            .unwrap()
+            .contains("the mail server said no")
+    );
+
+    let id = dead[0].get_object_id("_id").unwrap().to_hex();
+    let requeued = store
+        .requeue(&[id], mongodb::bson::DateTime::now())
+        .await
+        .unwrap();
+    assert_eq!(requeued.requeued.len(), 1);
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let fixed = builder(&store)
+        .subscribe(Subscription::new(
+            "doomed",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(ctx.attempt()).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    fixed.start().await.unwrap();
+    next(&mut rx, "the run after requeue").await;
+    fixed.shutdown().await.unwrap();
+    assert!(deliveries(&db).await.is_empty());
+}
+
+/// How a transactional handler ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ending {
+    Succeed,
+    Fail,
+    Panic,
+}
+
+#[tokio::test]
+async fn a_transactional_handler_commits_its_writes_with_the_completion_only() {
+    for ending in [Ending::Succeed, Ending::Fail, Ending::Panic] {
+        let db = test_db("transactional").await;
+        let store = store(&db).await;
+        let event_id = publish(&publisher(&store, &["projector"]), "o-1", None).await;
+        let projections = db.db().collection::<Document>("projections");
+
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let handler_projections = projections.clone();
+        let bus = builder(&store)
+            .retry(RetryPolicy::new(1))
+            .subscribe(
+                Subscription::new(
+                    "projector",
+                    move |event: OrderPlaced, ctx: HandlerContext| {
+                        let (tx, projections) = (tx.clone(), handler_projections.clone());
+                        async move {
+                            {
+                                let mut session = ctx.session().await?;
+                                projections
+                                    .insert_one(doc! { "order": &event.order_id })
+                                    .session(&mut *session)
+                                    .await?;
+                            }
+                            tx.send(()).unwrap();
+                            match ending {
+                                Ending::Succeed => Ok::<(), BoxError>(()),
+                                Ending::Fail => Err("projection rejected".into()),
+                                Ending::Panic => panic!("projector bug"),
+                            }
+                        }
+                    },
+                )
+                .transactional(),
+            )
+            .build()
+            .unwrap();
+        bus.start().await.unwrap();
+        next(&mut rx, "the transactional handler").await;
+        bus.shutdown().await.unwrap();
+
+        let written = projections.count_documents(doc! {}).await.unwrap();
+        let left = deliveries(&db).await;
+        match ending {
+            Ending::Succeed => {
+                assert_eq!(written, 1, "{ending:?}");
+                assert!(left.is_empty(), "{ending:?}: completed with the write");
+                let event = db
+                    .db()
+                    .collection::<Document>("relaybus_events")
+                    .find_one(doc! { "_id": &event_id })
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert!(event.contains_key("completedAt"));
+            }
+            Ending::Fail | Ending::Panic => {
+                assert_eq!(written, 0, "{ending:?}: the write was rolled back");
+                assert_eq!(left.len(), 1, "{ending:?}");
+                assert_eq!(left[0].get_str("status").unwrap(), "dead", "{ending:?}");
+                let error = left[0].get_str("lastError").unwrap();
+                let expected = if ending == Ending::Fail {
+                    "projection rejected"
+                } else {
+                    "handler panicked: projector bug"
+                };
+                assert!(error.contains(expected), "{ending:?}: {error}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_non_transactional_handler_has_no_session() {
+    let db = test_db("no_session").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["plain"]), "o-1", None).await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .retry(RetryPolicy::new(1))
+        .subscribe(Subscription::new(
+            "plain",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    let error = ctx.session().await.unwrap_err();
+                    tx.send(error.to_string()).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.run_once().await.unwrap();
+    let message = next(&mut rx, "the handler").await;
+    assert!(message.contains("transactional"), "{message}");
+}
+
+#[tokio::test]
+async fn two_buses_process_each_delivery_once() {
+    const EVENTS: usize = 200;
+    let db = test_db("two_buses").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["counter"]);
+    let envelopes: Vec<EventEnvelope> = (0..EVENTS)
+        .map(|i| {
+            EventEnvelope::new(&OrderPlaced {
+                order_id: format!("o-{i}"),
+            })
+            .unwrap()
+        })
+        .collect();
+    publisher.publish_all(envelopes).await.unwrap();
+
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = |name: &str| {
+        let (runs, tx) = (Arc::clone(&runs), tx.clone());
+        builder(&store)
+            .owner(name)
+            .batch_size(16)
+            .subscribe(Subscription::new(
+                "counter",
+                move |event: OrderPlaced, _: HandlerContext| {
+                    let (runs, tx) = (Arc::clone(&runs), tx.clone());
+                    async move {
+                        *runs.lock().unwrap().entry(event.order_id).or_default() += 1;
+                        tx.send(()).unwrap();
+                        Ok::<(), BoxError>(())
+                    }
+                },
+            ))
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (bus("worker-a"), bus("worker-b"));
+    a.start().await.unwrap();
+    b.start().await.unwrap();
+    for _ in 0..EVENTS {
+        next(&mut rx, "a handler run").await;
+    }
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+
+    let runs = runs.lock().unwrap();
+    assert_eq!(runs.len(), EVENTS);
+    assert!(runs.values().all(|n| *n == 1), "each event ran once");
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn per_key_order_holds_end_to_end_across_three_buses() {
+    const KEYS: usize = 8;
+    const PER_KEY: usize = 25;
+    let db = test_db("order_e2e").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["ordered"]);
+    // Interleaved keys, published in batches as a busy service would.
+    let mut envelopes = Vec::new();
+    for i in 0..PER_KEY {
+        for k in 0..KEYS {
+            envelopes.push(
+                EventEnvelope::new(&OrderPlaced {
+                    order_id: format!("{i}"),
+                })
+                .unwrap()
+                .with_key(format!("key-{k}"))
+                .unwrap(),
+            );
+        }
+    }
+    publisher.publish_all(envelopes).await.unwrap();
+
+    let seen: Arc<Mutex<Vec<(String, i64)>>> = Arc::default();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let buses: Vec<RelayBus> = (0..3)
+        .map(|n| {
+            let (seen, tx) = (Arc::clone(&seen), tx.clone());
+            builder(&store)
+                .owner(format!("worker-{n}"))
+                .batch_size(4)
+                .subscribe(Subscription::new(
+                    "ordered",
+                    move |_: OrderPlaced, ctx: HandlerContext| {
+                        let (seen, tx) = (Arc::clone(&seen), tx.clone());
+                        async move {
+                            let key = ctx.key().unwrap().to_owned();
+                            seen.lock().unwrap().push((key, ctx.sequence().unwrap()));
+                            // Give other deliveries of the key a chance to overtake, if they could.
+                            tokio::task::yield_now().await;
+                            tx.send(()).unwrap();
+                            Ok::<(), BoxError>(())
+                        }
+                    },
+                ))
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for bus in &buses {
+        bus.start().await.unwrap();
+    }
+    for _ in 0..KEYS * PER_KEY {
+        next(&mut rx, "a handler run").await;
+    }
+    for bus in &buses {
+        bus.shutdown().await.unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    for k in 0..KEYS {
+        let key = format!("key-{k}");
+        let order: Vec<i64> = seen
+            .iter()
+            .filter(|(seen_key, _)| *seen_key == key)
+            .map(|(_, sequence)| *sequence)
+            .collect();
+        assert_eq!(
+            order,
+            (1..=PER_KEY as i64).collect::<Vec<_>>(),
+            "{key} ran in sequence order, each once"
+        );
+    }
+}
+
+#[tokio::test]
+async fn shutdown_releases_running_deliveries_and_another_bus_takes_them_at_once() {
+    let db = test_db("shutdown").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["slow"]), "o-1", Some("k")).await;
+
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let stuck = builder(&store)
+        .owner("stuck")
+        .lease_duration(Duration::from_secs(600))
+        .shutdown_timeout(Duration::from_millis(200))
+        .subscribe(Subscription::new(
+            "slow",
+            move |_: OrderPlaced, _: HandlerContext| {
+                let started_tx = started_tx.clone();
+                async move {
+                    started_tx.send(()).unwrap();
+                    std::future::pending::<()>().await;
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    stuck.start().await.unwrap();
+    next(&mut started, "the slow handler to start").await;
+    stuck.shutdown().await.unwrap();
+    stuck.shutdown().await.unwrap(); // idempotent
+
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    assert_eq!(
+        lanes
+            .count_documents(doc! { "owner": "stuck" })
+            .await
+            .unwrap(),
+        0,
+        "every lane was handed back"
+    );
+
+    // Another worker gets the delivery now, with the lease of 600 s still far from its end,
+    // and the released attempt was not charged.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let other = builder(&store)
+        .owner("other")
+        .subscribe(Subscription::new(
+            "slow",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(ctx.attempt()).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    let report = other.run_once().await.unwrap();
+    assert_eq!(report.claimed, 1);
+    assert_eq!(report.completed, 1);
+    assert_eq!(next(&mut rx, "the other worker's run").await, 1);
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_retried_and_the_dispatcher_keeps_running() {
+    let db = test_db("panic").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["fragile"]);
+    publish(&publisher, "boom", None).await;
+    publish(&publisher, "fine", None).await;
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .subscribe(Subscription::new(
+            "fragile",
+            move |event: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    if event.order_id == "boom" && ctx.attempt() == 1 {
+                        panic!("first run of boom");
+                    }
+                    tx.send((event.order_id, ctx.attempt())).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let mut done = vec![
+        next(&mut rx, "a run").await,
+        next(&mut rx, "another run").await,
+    ];
+    bus.shutdown().await.unwrap();
+    done.sort();
+    assert_eq!(done, [("boom".to_owned(), 2), ("fine".to_owned(), 1)]);
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn the_change_stream_wakes_an_idle_dispatcher() {
+    let db = test_db("wake").await;
+    let store = store(&db).await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        // Without the change stream, a publish would wait a minute for the next poll.
+        .poll_interval(Duration::from_secs(60))
+        .lease_duration(Duration::from_secs(120))
+        .subscribe(Subscription::new(
+            "woken",
+            move |_: OrderPlaced, _: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(Instant::now()).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    // Let the dispatcher go idle: its first claim finds nothing.
+    assert_eq!(
+        store.statistics().await.unwrap().pending,
+        0,
+        "nothing to do before the publish"
+    );
+    let mut latencies = Vec::new();
+    for i in 0..3 {
+        let published = Instant::now();
+        publish(&bus, &format!("o-{i}"), None).await;
+        let handled = next(&mut rx, "the woken handler").await;
+        latencies.push(handled - published);
+    }
+    bus.shutdown().await.unwrap();
+    // Far below the minute a poll would take.
+    assert!(
+        latencies.iter().all(|l| *l < Duration::from_secs(10)),
+        "{latencies:?}"
+    );
+}
+
+#[tokio::test]
+async fn bad_builder_settings_are_refused() {
+    let db = test_db("bad_builder").await;
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    let cases: Vec<(&str, RelayBusBuilder)> = vec![
+        ("batch_size", RelayBus::builder(store.clone()).batch_size(0)),
+        (
+            "batch_size",
+            RelayBus::builder(store.clone()).batch_size(1_001),
+        ),
+        (
+            "concurrency",
+            RelayBus::builder(store.clone()).concurrency(0),
+        ),
+        (
+            "lease_duration",
+            RelayBus::builder(store.clone())
+                .poll_interval(Duration::from_secs(5))
+                .lease_duration(Duration::from_secs(5)),
+        ),
+        (
+            "poll_interval",
+            RelayBus::builder(store.clone()).poll_interval(Duration::ZERO),
+        ),
+        ("owner", RelayBus::builder(store.clone()).owner("")),
+        (
+            "retry",
+            RelayBus::builder(store.clone()).retry(RetryPolicy::new(0)),
+        ),
+        (
+            "retry",
+            RelayBus::builder(store.clone()).retry(
+                RetryPolicy::new(3)
+                    .initial_backoff(Duration::from_secs(10))
+                    .max_backoff(Duration::from_secs(1)),
+            ),
+        ),
+        (
+            "retention",
+            RelayBus::builder(store.clone()).retention(Some(relaybus::Retention {
+                interval: Duration::ZERO,
+                ..relaybus::Retention::default()
+            })),
+        ),
+    ];
+    for (option, builder) in cases {
+        match builder.build() {
+            Err(ConfigurationError::InvalidOption { option: got, .. }) => {
+                assert_eq!(got, option)
+            }
+            other => panic!("{option}: expected an invalid option, got {other:?}"),
+        }
+    }
+    assert!(db.db().list_collection_names().await.unwrap().is_empty());
+}
