@@ -23,7 +23,7 @@ use std::{
     time::Duration,
 };
 
-use futures::{StreamExt, TryStreamExt, future, stream};
+use futures::{TryStreamExt, future};
 use mongodb::{
     ClientSession,
     bson::{Bson, DateTime, Document, RawDocumentBuf, doc, oid::ObjectId},
@@ -39,7 +39,7 @@ use super::{
         reply_count, string,
     },
     lease::{Issued, Lease},
-    park::{LOOKUP_CONCURRENCY, PARK_THRESHOLD},
+    park::PARK_THRESHOLD,
 };
 use crate::{
     error::{Error, InvalidArgumentError, Result},
@@ -701,27 +701,25 @@ impl MongoEventStore {
             }
         }
         if !unknown.is_empty() {
-            let heads: Vec<(KeyOf, Option<ObjectId>)> = stream::iter(unknown)
-                .map(|key_of| async move {
-                    let head = self
-                        .inner
-                        .deliveries
-                        .find_one(doc! {
-                            "handler": &key_of.0,
-                            "key": &key_of.1,
-                            "status": "pending",
-                        })
-                        .sort(doc! { "sequence": 1 })
-                        .projection(doc! { "_id": 1 })
-                        .hint(Hint::Name("ordering".to_owned()))
-                        .await?;
-                    let head = head.and_then(|doc| doc.get_object_id("_id").ok());
-                    Ok::<_, Error>((key_of, head))
-                })
-                .buffer_unordered(LOOKUP_CONCURRENCY)
-                .try_collect()
+            let probes = unknown
+                .iter()
+                .map(|(handler, key)| doc! { "handler": handler, "key": key, "status": "pending" })
+                .collect();
+            let found = self
+                .first_of_each(probes, Some(doc! { "sequence": 1 }))
                 .await?;
-            scan.heads.extend(heads);
+            for key_of in unknown {
+                scan.heads.insert(key_of, None);
+            }
+            for head in &found {
+                if let (Some(handler), Some(key), Ok(id)) = (
+                    string(head, "handler"),
+                    string(head, "key"),
+                    head.get_object_id("_id"),
+                ) {
+                    scan.heads.insert((handler, key), Some(id));
+                }
+            }
         }
 
         for candidate in page {

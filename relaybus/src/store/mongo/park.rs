@@ -7,6 +7,8 @@
 //! finished while its followers were being parked, delays a key until the next claim and never
 //! strands it.
 
+use std::collections::HashSet;
+
 use futures::{StreamExt, TryStreamExt, stream};
 use mongodb::{
     bson::{Bson, Document, doc, oid::ObjectId},
@@ -19,8 +21,10 @@ use crate::error::Result;
 /// A claim that finds this many deliveries of one key waiting behind an unfinished predecessor
 /// parks them.
 pub(crate) const PARK_THRESHOLD: usize = 32;
-/// Predecessor lookups run at the same time.
-pub(crate) const LOOKUP_CONCURRENCY: usize = 16;
+/// Lookup queries run at the same time.
+pub(crate) const LOOKUP_CONCURRENCY: usize = 8;
+/// Index probes per lookup query.
+const PROBES_PER_QUERY: usize = 100;
 /// Delivery ids per parking update.
 const IDS_PER_UPDATE: usize = 10_000;
 
@@ -28,8 +32,9 @@ impl MongoEventStore {
     /// Moves the lowest parked delivery of each key of `handler` back to the ready lane when
     /// nothing pending precedes it. Returns how many it moved.
     ///
-    /// One aggregation (a distinct scan of the small `parked` index), then one predecessor lookup
-    /// per parked key in parallel, then one update.
+    /// One aggregation (a distinct scan of the small `parked` index), then one predecessor probe
+    /// per parked key (sent together, see [`first_of_each`](Self::first_of_each)), then one
+    /// update.
     pub(crate) async fn unpark(&self, handler: &str) -> Result<u64> {
         let deliveries = &self.inner.deliveries;
         let lowest: Vec<Document> = deliveries
@@ -49,33 +54,35 @@ impl MongoEventStore {
         if lowest.is_empty() {
             return Ok(0);
         }
-        let free: Vec<Option<ObjectId>> = stream::iter(lowest)
-            .map(|group| async move {
-                let (Some(Bson::String(key)), Ok(id)) =
-                    (group.get("_id"), group.get_object_id("id"))
-                else {
-                    return Ok(None);
-                };
-                let Some(sequence) = int(&group, "sequence") else {
-                    return Ok(None);
-                };
-                let predecessor = self
-                    .inner
-                    .deliveries
-                    .find_one(doc! {
-                        "handler": handler,
-                        "key": key,
-                        "status": "pending",
-                        "sequence": { "$lt": sequence },
-                    })
-                    .projection(doc! { "_id": 1 })
-                    .hint(Hint::Name("ordering".to_owned()))
-                    .await?;
-                Ok::<_, crate::Error>(predecessor.is_none().then_some(id))
-            })
-            .buffer_unordered(LOOKUP_CONCURRENCY)
-            .try_collect()
-            .await?;
+        // The lowest parked delivery of a key may move back when nothing pending precedes it.
+        let mut candidates: Vec<(String, ObjectId)> = Vec::with_capacity(lowest.len());
+        let mut probes = Vec::with_capacity(lowest.len());
+        for group in &lowest {
+            let (Some(Bson::String(key)), Ok(id), Some(sequence)) = (
+                group.get("_id"),
+                group.get_object_id("id"),
+                int(group, "sequence"),
+            ) else {
+                continue;
+            };
+            probes.push(doc! {
+                "handler": handler,
+                "key": key,
+                "status": "pending",
+                "sequence": { "$lt": sequence },
+            });
+            candidates.push((key.clone(), id));
+        }
+        let blocked: HashSet<String> = self
+            .first_of_each(probes, None)
+            .await?
+            .iter()
+            .filter_map(|doc| doc.get_str("key").ok().map(str::to_owned))
+            .collect();
+        let free: Vec<Option<ObjectId>> = candidates
+            .into_iter()
+            .map(|(key, id)| (!blocked.contains(&key)).then_some(id))
+            .collect();
         let ids: Vec<ObjectId> = free.into_iter().flatten().collect();
         if ids.is_empty() {
             return Ok(0);
@@ -87,6 +94,54 @@ impl MongoEventStore {
             )
             .await?;
         Ok(moved.modified_count)
+    }
+
+    /// The first delivery matching each of `probes` (in `sort` order), `_id`, `handler` and `key`
+    /// only: one index probe per filter, sent as one aggregation per group of filters, the groups
+    /// in parallel. Filters that match nothing leave nothing in the result.
+    pub(crate) async fn first_of_each(
+        &self,
+        probes: Vec<Document>,
+        sort: Option<Document>,
+    ) -> Result<Vec<Document>> {
+        let name = self.inner.deliveries.name();
+        let stages = |probe: Document| {
+            let mut stages = vec![doc! { "$match": probe }];
+            if let Some(sort) = &sort {
+                stages.push(doc! { "$sort": sort.clone() });
+            }
+            stages.push(doc! { "$limit": 1 });
+            stages.push(doc! { "$project": { "handler": 1, "key": 1 } });
+            stages
+        };
+        let pipelines: Vec<Vec<Document>> = probes
+            .chunks(PROBES_PER_QUERY)
+            .map(|group| {
+                let mut group = group.iter().cloned();
+                let mut pipeline = group.next().map(stages).unwrap_or_default();
+                for probe in group {
+                    pipeline
+                        .push(doc! { "$unionWith": { "coll": name, "pipeline": stages(probe) } });
+                }
+                pipeline
+            })
+            .filter(|pipeline| !pipeline.is_empty())
+            .collect();
+        let found: Vec<Vec<Document>> = stream::iter(pipelines)
+            .map(|pipeline| async move {
+                let docs: Vec<Document> = self
+                    .inner
+                    .deliveries
+                    .aggregate(pipeline)
+                    .await?
+                    .try_collect()
+                    .await?;
+                Ok::<_, crate::Error>(docs)
+            })
+            .buffer_unordered(LOOKUP_CONCURRENCY)
+            .try_collect()
+            .await?;
+        Ok(found.into_iter().flatten().collect())
     }
 
     /// Moves waiting deliveries to the parked lane. Best effort: the caller logs a failure.

@@ -116,15 +116,19 @@ impl MongoEventStore {
     pub async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
         let mut purged = Purged::default();
         if let Some(cutoff) = options.dead_before {
-            purged.dead_deliveries = self.purge_kind(Kind::Dead, cutoff, options).await?;
+            let (documents, events) = self.purge_kind(Kind::Dead, cutoff, options).await?;
+            purged.dead_deliveries += documents;
+            purged.events += events;
         }
         if let Some(cutoff) = options.completed_before {
-            purged.completion_records = self
-                .purge_kind(Kind::LegacyCompleted, cutoff, options)
-                .await?;
+            let mut kinds = vec![Kind::LegacyCompleted];
             if self.inner.completion_history {
-                purged.completion_records +=
-                    self.purge_kind(Kind::History, cutoff, options).await?;
+                kinds.push(Kind::History);
+            }
+            for kind in kinds {
+                let (documents, events) = self.purge_kind(kind, cutoff, options).await?;
+                purged.completion_records += documents;
+                purged.events += events;
             }
         }
         purged.events += self.purge_events(options).await?;
@@ -155,14 +159,16 @@ impl MongoEventStore {
         }
     }
 
+    /// Deletes the documents of one kind before `cutoff`, batch by batch; returns how many
+    /// documents and how many events went.
     async fn purge_kind(
         &self,
         kind: Kind,
         cutoff: DateTime,
         options: &PurgeOptions,
-    ) -> Result<u64> {
+    ) -> Result<(u64, u64)> {
         let batch = i64::from(self.inner.purge_batch_size);
-        let mut deleted = 0;
+        let mut deleted = (0, 0);
         loop {
             let (collection, filter, index) = self.purge_source(kind, cutoff);
             let found: Vec<Document> = collection
@@ -181,7 +187,7 @@ impl MongoEventStore {
                 .iter()
                 .filter_map(|d| d.get_str("eventId").ok().map(str::to_owned))
                 .collect();
-            let n = self
+            let (documents, events) = self
                 .own_transaction(
                     (self, kind, cutoff, options, &ids, &events),
                     |session, (store, kind, cutoff, options, ids, events)| {
@@ -191,11 +197,12 @@ impl MongoEventStore {
                     },
                 )
                 .await?;
-            deleted += n;
+            deleted.0 += documents;
+            deleted.1 += events;
             if (found.len() as i64) < batch {
                 return Ok(deleted);
             }
-            if n == 0 {
+            if documents == 0 {
                 // Everything found changed meanwhile; a later purge finds the rest.
                 return Ok(deleted);
             }
@@ -210,7 +217,7 @@ impl MongoEventStore {
         options: &PurgeOptions,
         ids: &[Bson],
         events: &[String],
-    ) -> Result<u64> {
+    ) -> Result<(u64, u64)> {
         let (collection, mut filter, _) = self.purge_source(kind, cutoff);
         filter.insert("_id", doc! { "$in": ids });
         let deleted = collection
@@ -218,9 +225,10 @@ impl MongoEventStore {
             .session(&mut *session)
             .await?
             .deleted_count;
-        self.delete_unreferenced_events_in(session, events, options)
+        let events = self
+            .delete_unreferenced_events_in(session, events, options)
             .await?;
-        Ok(deleted)
+        Ok((deleted, events))
     }
 
     /// Deletes the events of `ids` that nothing references and that the options let go.

@@ -1,0 +1,1545 @@
+//! The delivery lifecycle on a real replica set: lane-leased claims, per-key order, parking,
+//! fencing, completion, retries, dead letters and retention. Every call takes an explicit clock.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::{TryStreamExt, future::join_all};
+use mongodb::{
+    Client,
+    bson::{Bson, DateTime, Document, doc, oid::ObjectId},
+    event::{EventHandler, command::CommandEvent},
+    options::ClientOptions,
+};
+use relaybus::{
+    AppendRequest, ClaimedDelivery, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
+    EventEnvelope, Lease, LeaseError, MongoEventStore, PurgeOptions, event::lane_of,
+};
+use relaybus_harness::{FailPoint, TestDb, test_db};
+use serde_json::json;
+use tokio::sync::Notify;
+
+const LEASE: Duration = Duration::from_secs(30);
+const HANDLER: &str = "projector";
+/// In 2030: later than the wall-clock creation time of every event the tests publish, so
+/// retention cutoffs on this clock apply to them.
+const T0: i64 = 1_900_000_000_000;
+
+/// `T0 + seconds`: the explicit clock of every test.
+fn at(seconds: i64) -> DateTime {
+    DateTime::from_millis(T0 + seconds * 1000)
+}
+
+async fn store_with(client: &Client, db: &TestDb, history: bool) -> MongoEventStore {
+    let store = MongoEventStore::builder(client.clone())
+        .database(&db.name)
+        .completion_history(history)
+        .build()
+        .expect("valid options");
+    store.setup().await.expect("setup");
+    store
+}
+
+async fn store(db: &TestDb) -> MongoEventStore {
+    store_with(&db.client, db, false).await
+}
+
+/// Another store instance on the same database, as a second process would have.
+async fn another_instance(db: &TestDb) -> MongoEventStore {
+    MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .expect("valid options")
+}
+
+/// A client that counts the commands it starts.
+async fn counting_client(db: &TestDb) -> (Client, Arc<AtomicUsize>, Arc<Mutex<Vec<String>>>) {
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(format!("{}-counted", db.name));
+    let count = Arc::new(AtomicUsize::new(0));
+    let names = Arc::new(Mutex::new(Vec::new()));
+    let (c, n) = (Arc::clone(&count), Arc::clone(&names));
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event {
+            c.fetch_add(1, Ordering::SeqCst);
+            n.lock().unwrap().push(started.command_name);
+        }
+    }));
+    (Client::with_options(options).unwrap(), count, names)
+}
+
+fn event(id: &str, key: Option<&str>) -> EventEnvelope {
+    let event = EventEnvelope::from_json("order.placed.v1", json!({ "order": id }))
+        .unwrap()
+        .with_id(id)
+        .unwrap();
+    match key {
+        Some(key) => event.with_key(key).unwrap(),
+        None => event,
+    }
+}
+
+/// Appends events for `handlers`, due at `now`, in transactions of at most 500 events.
+async fn publish(
+    store: &MongoEventStore,
+    events: &[EventEnvelope],
+    handlers: &[&str],
+    now: DateTime,
+) {
+    let handlers: Vec<String> = handlers.iter().map(|h| (*h).to_owned()).collect();
+    for chunk in events.chunks(500) {
+        let requests: Vec<AppendRequest<'_>> = chunk
+            .iter()
+            .map(|e| AppendRequest::new(e, &handlers))
+            .collect();
+        store
+            .transaction(async |session| store.append(session, &requests, now).await)
+            .await
+            .expect("append");
+    }
+}
+
+async fn publish_unkeyed(store: &MongoEventStore, prefix: &str, n: usize, now: DateTime) {
+    let events: Vec<EventEnvelope> = (0..n)
+        .map(|i| event(&format!("{prefix}-{i}"), None))
+        .collect();
+    publish(store, &events, &[HANDLER], now).await;
+}
+
+async fn claim(
+    store: &MongoEventStore,
+    owner: &str,
+    limit: u32,
+    now: DateTime,
+) -> Vec<ClaimedDelivery> {
+    store
+        .claim(owner, &[HANDLER], limit, LEASE, now)
+        .await
+        .expect("claim")
+}
+
+async fn deliveries(db: &TestDb) -> Vec<Document> {
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+async fn delivery(db: &TestDb, id: ObjectId) -> Option<Document> {
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .find_one(doc! { "_id": id })
+        .await
+        .unwrap()
+}
+
+async fn lane(db: &TestDb, lane: u32) -> Document {
+    db.db()
+        .collection::<Document>("relaybus_lanes")
+        .find_one(doc! { "_id": lane as i32 })
+        .await
+        .unwrap()
+        .expect("lane document")
+}
+
+async fn lanes_of(db: &TestDb, owner: &str) -> Vec<Document> {
+    db.db()
+        .collection::<Document>("relaybus_lanes")
+        .find(doc! { "owner": owner })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+fn in_flight(lane: &Document) -> Vec<ObjectId> {
+    lane.get_array("inFlight")
+        .unwrap()
+        .iter()
+        .filter_map(Bson::as_object_id)
+        .collect()
+}
+
+fn attempts(doc: &Document) -> i64 {
+    match doc.get("attempts") {
+        Some(Bson::Int32(n)) => i64::from(*n),
+        Some(Bson::Int64(n)) => *n,
+        other => panic!("attempts is {other:?}"),
+    }
+}
+
+fn ids(batch: &[ClaimedDelivery]) -> Vec<ObjectId> {
+    batch.iter().map(ClaimedDelivery::delivery_id).collect()
+}
+
+fn leases(batch: &[ClaimedDelivery]) -> Vec<Lease> {
+    batch.iter().map(|d| *d.lease()).collect()
+}
+
+fn assert_send<T: Send>(value: T) -> T {
+    value
+}
+
+// ---------------------------------------------------------------------------------------------
+// Claims
+
+#[tokio::test]
+async fn a_claim_hands_out_due_deliveries_with_event_and_lease_and_writes_no_delivery_document() {
+    let db = test_db("claim_basics").await;
+    let store = store(&db).await;
+    let payload_event = EventEnvelope::from_json(
+        "order.placed.v1",
+        json!({ "id": { "$oid": "not an object id" }, "a.b": 1, "$x": [true] }),
+    )
+    .unwrap()
+    .with_id("e-payload")
+    .unwrap()
+    .with_correlation_id("req-1")
+    .unwrap()
+    .with_causation_id("cause-1")
+    .unwrap()
+    .with_header("tenant", "acme")
+    .unwrap();
+    publish(
+        &store,
+        &[payload_event.clone()],
+        &[HANDLER, "mailer"],
+        at(0),
+    )
+    .await;
+    publish_unkeyed(&store, "later", 3, at(10)).await;
+    let before = deliveries(&db).await;
+
+    // Not due yet: nothing.
+    assert!(claim(&store, "w1", 10, at(-1)).await.is_empty());
+
+    let batch = assert_send(store.claim("w1", &[HANDLER], 10, LEASE, at(5)))
+        .await
+        .unwrap();
+    assert_eq!(
+        batch.len(),
+        1,
+        "only the delivery due at 5 s of this handler"
+    );
+    let claimed = &batch[0];
+    assert_eq!(claimed.handler(), HANDLER);
+    assert_eq!(claimed.attempt(), 1);
+    assert_eq!(claimed.event_id(), "e-payload");
+    assert_eq!(claimed.event_type(), "order.placed.v1");
+    assert_eq!(claimed.key(), None);
+    assert_eq!(claimed.sequence(), None);
+    assert_eq!(
+        serde_json::Value::Object(claimed.event().payload().clone()),
+        json!({ "id": { "$oid": "not an object id" }, "a.b": 1, "$x": [true] })
+    );
+    assert_eq!(claimed.event().correlation_id(), Some("req-1"));
+    assert_eq!(claimed.event().causation_id(), Some("cause-1"));
+    assert_eq!(
+        claimed.event().headers().get("tenant").map(String::as_str),
+        Some("acme")
+    );
+    assert_eq!(claimed.event().created_at(), payload_event.created_at());
+    assert_eq!(claimed.lease_expires_at(), at(35));
+    let lease = claimed.lease();
+    assert_eq!(lease.lane(), lane_of(None, "e-payload"));
+    assert_eq!(lease.epoch(), 1);
+    assert_eq!(lease.claims(), 0);
+    assert_eq!(lease.token(), format!("{}:1:0", lease.lane()));
+
+    // The lane lists the delivery; no delivery document changed.
+    let held = lane(&db, lease.lane()).await;
+    assert_eq!(held.get_str("owner").unwrap(), "w1");
+    assert_eq!(in_flight(&held), vec![claimed.delivery_id()]);
+    assert_eq!(*held.get_datetime("leaseExpiresAt").unwrap(), at(35));
+    assert_eq!(deliveries(&db).await, before);
+
+    // Running deliveries are not handed out again, to the same owner or anyone else.
+    assert!(claim(&store, "w1", 10, at(6)).await.is_empty());
+    assert!(claim(&store, "w2", 10, at(6)).await.is_empty());
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_with_a_typed_error_and_no_database_call() {
+    let db = test_db("claim_input").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let before = count.load(Ordering::SeqCst);
+    let now = at(0);
+    let refused = [
+        store.claim("w", &[HANDLER], 0, LEASE, now).await,
+        store.claim("w", &[HANDLER], 10_001, LEASE, now).await,
+        store.claim("", &[HANDLER], 1, LEASE, now).await,
+        store.claim("a\u{0}b", &[HANDLER], 1, LEASE, now).await,
+        store.claim("w", &[] as &[&str], 1, LEASE, now).await,
+        store.claim("w", &[HANDLER], 1, Duration::ZERO, now).await,
+        store
+            .claim("w", &[HANDLER], 1, Duration::from_secs(8 * 86_400), now)
+            .await,
+        store.claim("w", &[HANDLER], 1, LEASE, DateTime::MAX).await,
+    ];
+    for outcome in refused {
+        assert!(
+            matches!(outcome, Err(Error::InvalidArgument(_))),
+            "{outcome:?}"
+        );
+    }
+    assert!(matches!(
+        store.claim("w", &["bad handler"], 1, LEASE, now).await,
+        Err(Error::Configuration(
+            ConfigurationError::InvalidHandlerId { .. }
+        ))
+    ));
+    let lease = Lease::parse(&ObjectId::new().to_hex(), "1:1:0").unwrap();
+    assert!(matches!(
+        store.extend_lease(&lease, Duration::ZERO, now).await,
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        store.list_deliveries(&DeliveryQuery::new().limit(0)).await,
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        store.relinquish("").await,
+        Err(Error::InvalidArgument(_))
+    ));
+    let too_many = vec![lease; 10_001];
+    assert!(matches!(
+        store.complete_many(&too_many, now).await,
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(
+        store.complete_many(&[], now).await.unwrap(),
+        Vec::<bool>::new()
+    );
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        before,
+        "bad input reached the server"
+    );
+}
+
+#[tokio::test]
+async fn forged_and_stale_tokens_are_refused() {
+    let db = test_db("tokens").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "e", 1, at(0)).await;
+    let first = claim(&store, "w", 1, at(1)).await.remove(0);
+    let id = first.delivery_id().to_hex();
+
+    // Tokens no claim can have produced never become leases.
+    for (token, lane_error) in [
+        ("", false),
+        ("1:2", false),
+        ("x:1:0", false),
+        ("1:0:0", false),
+        ("-1:1:0", false),
+        ("256:1:0", true),
+        ("99999:1:0", true),
+    ] {
+        let refused = Lease::parse(&id, token).unwrap_err();
+        assert_eq!(
+            matches!(refused, LeaseError::LaneOutOfRange { .. }),
+            lane_error,
+            "{token:?}: {refused}"
+        );
+    }
+    assert!(matches!(
+        Lease::parse("{\"$ne\": null}", "1:1:0"),
+        Err(LeaseError::InvalidDeliveryId { .. })
+    ));
+
+    // Well-formed tokens that do not match the claim change nothing.
+    let lease = first.lease();
+    let lane = lease.lane();
+    let forged = [
+        format!("{lane}:{}:{}", lease.epoch() + 1, lease.claims()),
+        format!("{lane}:{}:{}", lease.epoch(), lease.claims() + 1),
+        format!("{}:{}:{}", (lane + 1) % 256, lease.epoch(), lease.claims()),
+    ];
+    for token in &forged {
+        let forged = Lease::parse(&id, token).unwrap();
+        assert!(!store.complete(&forged, at(2)).await.unwrap(), "{token}");
+        assert!(!store.release(&forged, at(2)).await.unwrap(), "{token}");
+        assert!(!store.bury(&forged, "x", at(2)).await.unwrap(), "{token}");
+        assert!(
+            !store.reschedule(&forged, at(9), "x", at(2)).await.unwrap(),
+            "{token}"
+        );
+        assert_eq!(
+            store.extend_lease(&forged, LEASE, at(2)).await.unwrap(),
+            None
+        );
+    }
+    let doc = delivery(&db, first.delivery_id())
+        .await
+        .expect("still there");
+    assert_eq!(attempts(&doc), 0);
+    assert_eq!(doc.get_str("status").unwrap(), "pending");
+
+    // A stale lease of the same delivery, same owner, same lane epoch: released, claimed again.
+    assert!(store.release(lease, at(2)).await.unwrap());
+    let second = claim(&store, "w", 1, at(3)).await.remove(0);
+    assert_eq!(second.delivery_id(), first.delivery_id());
+    assert_eq!(second.lease().epoch(), lease.epoch(), "same lane epoch");
+    assert_eq!(second.lease().claims(), lease.claims() + 1);
+    assert_eq!(second.attempt(), 1, "a release costs no attempt");
+    assert!(!store.complete(lease, at(4)).await.unwrap());
+    assert_eq!(store.extend_lease(lease, LEASE, at(4)).await.unwrap(), None);
+    assert!(delivery(&db, first.delivery_id()).await.is_some());
+    assert!(store.complete(second.lease(), at(4)).await.unwrap());
+    assert!(delivery(&db, first.delivery_id()).await.is_none());
+    assert!(
+        !store.complete(second.lease(), at(4)).await.unwrap(),
+        "only once"
+    );
+}
+
+#[tokio::test]
+async fn free_lanes_are_taken_oldest_due_first_and_empty_ones_handed_back() {
+    let db = test_db("lane_rounds").await;
+    let store = store(&db).await;
+    // 40 deliveries in different lanes, the oldest one due first.
+    for i in 0..40 {
+        publish_unkeyed(&store, &format!("round{i}"), 1, at(i)).await;
+    }
+    let oldest = deliveries(&db)
+        .await
+        .into_iter()
+        .find(|d| d.get_str("eventId") == Ok("round0-0"))
+        .unwrap();
+    let batch = claim(&store, "w", 1, at(100)).await;
+    assert_eq!(batch.len(), 1);
+    assert_eq!(
+        batch[0].event_id(),
+        "round0-0",
+        "the oldest due delivery first"
+    );
+    let held = lanes_of(&db, "w").await;
+    assert_eq!(
+        held.len(),
+        1,
+        "lanes that yielded nothing were handed back: {held:?}"
+    );
+    assert_eq!(
+        held[0].get_i32("_id").unwrap(),
+        oldest.get_i32("laneId").unwrap()
+    );
+    // Three more lanes were taken in that round and handed back: their epochs moved on.
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    let taken = lanes
+        .count_documents(doc! { "epoch": { "$gt": 0_i64 } })
+        .await
+        .unwrap();
+    assert_eq!(taken, 4, "the first round takes 4 lanes");
+
+    // A bigger claim takes more lanes per round and gets everything.
+    let rest = claim(&store, "w", 100, at(100)).await;
+    assert_eq!(rest.len(), 39);
+    let all: HashSet<ObjectId> = ids(&rest).into_iter().chain(ids(&batch)).collect();
+    assert_eq!(all.len(), 40);
+}
+
+#[tokio::test]
+async fn two_stores_claiming_concurrently_never_hold_the_same_delivery() {
+    let db = test_db("two_stores").await;
+    let first = store(&db).await;
+    let second = another_instance(&db).await;
+    publish_unkeyed(&first, "c", 1_000, at(0)).await;
+
+    // One clock for both, so that no lease expires and nothing is taken over.
+    let holding: Arc<Mutex<HashSet<ObjectId>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<ObjectId>>> = Arc::default();
+    let worker = |store: MongoEventStore, owner: &'static str| {
+        let holding = Arc::clone(&holding);
+        let seen = Arc::clone(&seen);
+        async move {
+            loop {
+                let batch = claim(&store, owner, 25, at(1)).await;
+                if batch.is_empty() {
+                    // The other store may hold the rest; stop when everything is gone.
+                    if store.statistics().await.unwrap().pending == 0 {
+                        return;
+                    }
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                {
+                    let mut holding = holding.lock().unwrap();
+                    for id in ids(&batch) {
+                        assert!(holding.insert(id), "{id} held by both stores");
+                    }
+                    seen.lock().unwrap().extend(ids(&batch));
+                }
+                let done = store.complete_many(&leases(&batch), at(1)).await.unwrap();
+                assert!(done.iter().all(|d| *d));
+                let mut holding = holding.lock().unwrap();
+                for id in ids(&batch) {
+                    holding.remove(&id);
+                }
+            }
+        }
+    };
+    tokio::join!(worker(first, "a"), worker(second, "b"));
+    let seen = seen.lock().unwrap();
+    let unique: HashSet<&ObjectId> = seen.iter().collect();
+    assert_eq!(seen.len(), 1_000, "every delivery handed out once");
+    assert_eq!(unique.len(), 1_000);
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_restarted_owner_does_not_adopt_its_predecessors_lanes() {
+    let db = test_db("restart").await;
+    let old = store(&db).await;
+    publish_unkeyed(&old, "r", 3, at(0)).await;
+    let batch = claim(&old, "worker", 10, at(1)).await;
+    assert_eq!(batch.len(), 3);
+    drop(old);
+
+    let restarted = another_instance(&db).await;
+    assert!(
+        claim(&restarted, "worker", 10, at(2)).await.is_empty(),
+        "the lanes are still leased to the previous instance"
+    );
+    // After the lease expired, the lanes are taken over and the lost attempts charged.
+    let again = claim(&restarted, "worker", 10, at(40)).await;
+    assert_eq!(again.len(), 3);
+    assert!(again.iter().all(|d| d.attempt() == 2));
+    for d in deliveries(&db).await {
+        assert_eq!(attempts(&d), 1);
+    }
+}
+
+#[tokio::test]
+async fn a_worker_whose_lane_was_taken_over_changes_nothing_with_its_old_tokens() {
+    let db = test_db("takeover").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    publish_unkeyed(&a, "t", 4, at(0)).await;
+    let old = claim(&a, "a", 10, at(1)).await;
+    assert_eq!(old.len(), 4);
+
+    let new = claim(&b, "b", 10, at(32)).await;
+    assert_eq!(new.len(), 4, "the expired lanes were taken over");
+    assert!(new.iter().all(|d| d.attempt() == 2));
+    for d in &new {
+        let lane = lane(&db, d.lease().lane()).await;
+        assert_eq!(lane.get_str("owner").unwrap(), "b");
+        assert_eq!(
+            lane.get_array("lost").unwrap().len(),
+            0,
+            "lost list cleared"
+        );
+    }
+    let before = deliveries(&db).await;
+
+    let stale = leases(&old);
+    assert_eq!(
+        a.complete_many(&stale, at(33)).await.unwrap(),
+        vec![false; 4]
+    );
+    for lease in &stale {
+        assert!(!a.complete(lease, at(33)).await.unwrap());
+        assert!(!a.reschedule(lease, at(90), "boom", at(33)).await.unwrap());
+        assert!(!a.release(lease, at(33)).await.unwrap());
+        assert!(!a.bury(lease, "boom", at(33)).await.unwrap());
+        assert_eq!(a.extend_lease(lease, LEASE, at(33)).await.unwrap(), None);
+    }
+    assert_eq!(
+        deliveries(&db).await,
+        before,
+        "the old tokens changed nothing"
+    );
+    assert!(
+        b.complete_many(&leases(&new), at(34))
+            .await
+            .unwrap()
+            .into_iter()
+            .all(|d| d)
+    );
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn an_expired_lease_nobody_took_over_is_still_honoured() {
+    let db = test_db("expired_honoured").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "x", 2, at(0)).await;
+    let batch = claim(&store, "w", 2, at(1)).await;
+    let later = at(3_600);
+    assert_eq!(
+        store
+            .extend_lease(batch[0].lease(), LEASE, later)
+            .await
+            .unwrap(),
+        Some(at(3_630))
+    );
+    assert!(store.complete(batch[0].lease(), later).await.unwrap());
+    assert!(store.complete(batch[1].lease(), later).await.unwrap());
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_poison_delivery_whose_worker_keeps_dying_reaches_the_attempt_limit_and_is_buried() {
+    const MAX_ATTEMPTS: u32 = 5;
+    let db = test_db("poison").await;
+    let first = store(&db).await;
+    publish_unkeyed(&first, "poison", 1, at(0)).await;
+    drop(first);
+
+    let mut now = 1;
+    let mut last = None;
+    for attempt in 1..=MAX_ATTEMPTS {
+        // A fresh process each time: it claims, then dies without settling anything.
+        let worker = another_instance(&db).await;
+        let batch = claim(&worker, "worker", 1, at(now)).await;
+        assert_eq!(batch.len(), 1, "attempt {attempt}");
+        assert_eq!(batch[0].attempt(), attempt);
+        last = Some((worker, batch.into_iter().next().unwrap()));
+        now += 31;
+    }
+    let (worker, claimed) = last.unwrap();
+    assert_eq!(claimed.attempt(), MAX_ATTEMPTS, "the limit is reached");
+    assert!(
+        worker
+            .bury(claimed.lease(), "gave up after 5 attempts", at(now))
+            .await
+            .unwrap()
+    );
+    let dead = delivery(&db, claimed.delivery_id()).await.unwrap();
+    assert_eq!(dead.get_str("status").unwrap(), "dead");
+    assert_eq!(attempts(&dead), i64::from(MAX_ATTEMPTS));
+    assert_eq!(
+        dead.get_str("lastError").unwrap(),
+        "gave up after 5 attempts"
+    );
+    assert!(
+        claim(&another_instance(&db).await, "worker", 1, at(now + 100))
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn a_lost_claim_is_charged_once_even_when_its_charge_is_replayed() {
+    let db = test_db("lost_once").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    publish_unkeyed(&a, "l", 1, at(0)).await;
+    let old = claim(&a, "a", 1, at(1)).await.remove(0);
+    let taken = claim(&b, "b", 1, at(40)).await.remove(0);
+    assert_eq!(taken.attempt(), 2);
+    let id = taken.delivery_id();
+    let charged = delivery(&db, id).await.unwrap();
+    assert_eq!(attempts(&charged), 1);
+    assert_eq!(charged.get_i64("lostAt").unwrap(), old.lease().epoch());
+
+    // A holder that failed between charging and clearing leaves the lost list behind; whoever
+    // holds the lane next charges it again, which must change nothing.
+    assert!(b.release(taken.lease(), at(41)).await.unwrap());
+    db.db()
+        .collection::<Document>("relaybus_lanes")
+        .update_one(
+            doc! { "_id": taken.lease().lane() as i32 },
+            doc! { "$push": { "lost": { "d": id, "e": old.lease().epoch() } } },
+        )
+        .await
+        .unwrap();
+    let again = claim(&b, "b", 1, at(42)).await.remove(0);
+    assert_eq!(again.attempt(), 2, "charged once");
+    assert_eq!(attempts(&delivery(&db, id).await.unwrap()), 1);
+    assert!(
+        lane(&db, again.lease().lane())
+            .await
+            .get_array("lost")
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn a_failed_claim_reconciles_so_nothing_it_recorded_stays_running() {
+    let db = test_db("reconcile").await;
+    let (client, _, _) = counting_client(&db).await;
+    let app = format!("{}-counted", db.name);
+    let store = store_with(&client, &db, false).await;
+    publish_unkeyed(&store, "f", 3, at(0)).await;
+
+    // The record reaches the database, but the reply reports a failure.
+    let fail = FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "writeConcernError": { "code": 91, "errmsg": "injected after the write" },
+                "appName": &app,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    let failed = store.claim("w", &[HANDLER], 10, LEASE, at(1)).await;
+    fail.disable().await.unwrap();
+    assert!(matches!(failed, Err(Error::Database(_))), "{failed:?}");
+
+    for lane in lanes_of(&db, "w").await {
+        assert!(
+            in_flight(&lane).is_empty(),
+            "nothing stays listed: {lane:?}"
+        );
+    }
+    for d in deliveries(&db).await {
+        assert_eq!(
+            d.get_i64("claims").unwrap(),
+            1,
+            "generation moved on: {d:?}"
+        );
+        assert_eq!(attempts(&d), 0, "no attempt charged");
+    }
+    let batch = claim(&store, "w", 10, at(2)).await;
+    assert_eq!(batch.len(), 3);
+    assert!(
+        batch
+            .iter()
+            .all(|d| d.attempt() == 1 && d.lease().claims() == 1)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-key order and parking
+
+#[tokio::test]
+async fn per_key_rules_one_at_a_time_in_sequence_and_blocked_keys_do_not_starve_others() {
+    let db = test_db("per_key").await;
+    let store = store(&db).await;
+    let keyed: Vec<EventEnvelope> = (0..5)
+        .map(|i| event(&format!("k-{i}"), Some("order-1")))
+        .collect();
+    publish(&store, &keyed, &[HANDLER], at(0)).await;
+    publish_unkeyed(&store, "free", 3, at(1)).await;
+
+    let batch = claim(&store, "w", 10, at(2)).await;
+    let keyed_picks: Vec<&ClaimedDelivery> = batch.iter().filter(|d| d.key().is_some()).collect();
+    assert_eq!(keyed_picks.len(), 1, "one delivery of a key per claim");
+    assert_eq!(keyed_picks[0].sequence(), Some(1));
+    assert_eq!(
+        batch.len(),
+        4,
+        "the blocked key did not starve the unkeyed work"
+    );
+    let head = keyed_picks[0].clone();
+
+    // While the head runs, nothing of its key comes out.
+    assert!(claim(&store, "w", 10, at(3)).await.is_empty());
+    // A rescheduled head still blocks its followers until it is due.
+    assert!(
+        store
+            .reschedule(head.lease(), at(100), "slow", at(3))
+            .await
+            .unwrap()
+    );
+    assert!(claim(&store, "w", 10, at(4)).await.is_empty());
+    let retried = claim(&store, "w", 10, at(100)).await;
+    assert_eq!(retried.len(), 1);
+    assert_eq!(retried[0].sequence(), Some(1));
+    assert_eq!(retried[0].attempt(), 2);
+    // A buried head unblocks its followers.
+    assert!(
+        store
+            .bury(retried[0].lease(), "dead", at(101))
+            .await
+            .unwrap()
+    );
+    let next = claim(&store, "w", 10, at(102)).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].sequence(), Some(2));
+    assert!(store.complete(next[0].lease(), at(103)).await.unwrap());
+    let next = claim(&store, "w", 10, at(104)).await;
+    assert_eq!(next[0].sequence(), Some(3));
+}
+
+#[tokio::test]
+async fn per_key_order_holds_with_8_concurrent_claimers_over_50_keys_of_200_events() {
+    const KEYS: usize = 50;
+    const PER_KEY: usize = 200;
+    let started = Instant::now();
+    let db = test_db("order_8").await;
+    let store0 = store(&db).await;
+    // Interleaved, so that every transaction appends to many keys.
+    let events: Vec<EventEnvelope> = (0..PER_KEY)
+        .flat_map(|n| (0..KEYS).map(move |k| (n, k)))
+        .map(|(n, k)| event(&format!("o-{k}-{n}"), Some(&format!("key-{k}"))))
+        .collect();
+    publish(&store0, &events, &[HANDLER], at(0)).await;
+    let published = started.elapsed();
+
+    // key -> (running, last sequence completed)
+    let state: Arc<Mutex<HashMap<String, (bool, i64)>>> = Arc::default();
+    let completed = Arc::new(AtomicUsize::new(0));
+    // An idle claimer waits for another one to complete something instead of polling.
+    let progress = Arc::new(Notify::new());
+    let claimers = (0..8).map(|n| {
+        let state = Arc::clone(&state);
+        let completed = Arc::clone(&completed);
+        let progress = Arc::clone(&progress);
+        let db = db.clone();
+        async move {
+            let store = another_instance(&db).await;
+            let owner = format!("claimer-{n}");
+            while completed.load(Ordering::SeqCst) < KEYS * PER_KEY {
+                let notified = progress.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                // One clock for all, so that no lease expires and nothing is taken over.
+                let batch = claim(&store, &owner, 20, at(1)).await;
+                if batch.is_empty() {
+                    if completed.load(Ordering::SeqCst) < KEYS * PER_KEY {
+                        notified.await;
+                    }
+                    continue;
+                }
+                let mut keys_in_batch = HashSet::new();
+                {
+                    let mut state = state.lock().unwrap();
+                    for d in &batch {
+                        let key = d.key().unwrap().to_owned();
+                        assert!(
+                            keys_in_batch.insert(key.clone()),
+                            "two of {key} in one claim"
+                        );
+                        let entry = state.entry(key.clone()).or_insert((false, 0));
+                        assert!(!entry.0, "{key} handed out while running");
+                        assert_eq!(d.sequence(), Some(entry.1 + 1), "{key} out of order");
+                        entry.0 = true;
+                    }
+                    // Marked finished before the completion reaches the database, so that the
+                    // next delivery of the key can only come after.
+                    for d in &batch {
+                        let entry = state.get_mut(d.key().unwrap()).unwrap();
+                        *entry = (false, d.sequence().unwrap());
+                    }
+                }
+                let done = store.complete_many(&leases(&batch), at(1)).await.unwrap();
+                assert!(done.iter().all(|d| *d));
+                completed.fetch_add(batch.len(), Ordering::SeqCst);
+                progress.notify_waiters();
+            }
+            progress.notify_waiters();
+        }
+    });
+    join_all(claimers).await;
+    let state = state.lock().unwrap();
+    assert_eq!(state.len(), KEYS);
+    assert!(
+        state
+            .values()
+            .all(|(running, last)| !running && *last == PER_KEY as i64)
+    );
+    assert!(deliveries(&db).await.is_empty());
+    eprintln!(
+        "per-key order: published {} in {published:?}, drained in {:?}",
+        KEYS * PER_KEY,
+        started.elapsed() - published
+    );
+}
+
+#[tokio::test]
+async fn a_parked_backlog_of_5000_unparks_level_triggered_after_its_head_completes() {
+    let db = test_db("parked").await;
+    let store = store(&db).await;
+    let backlog: Vec<EventEnvelope> = (0..5_000)
+        .map(|i| event(&format!("hot-{i}"), Some("hot")))
+        .collect();
+    publish(&store, &backlog, &[HANDLER], at(0)).await;
+    publish_unkeyed(&store, "cold", 5, at(1)).await;
+
+    let first = claim(&store, "w", 10, at(2)).await;
+    assert_eq!(first.len(), 6, "the head of the hot key and the 5 others");
+    let head = first
+        .iter()
+        .find(|d| d.key() == Some("hot"))
+        .unwrap()
+        .clone();
+    assert_eq!(head.sequence(), Some(1));
+    let stats = store.statistics().await.unwrap();
+    assert_eq!(stats.parked, 4_999, "the waiting backlog was parked");
+    assert_eq!(
+        stats.oldest_due_at,
+        Some(at(0)),
+        "parked deliveries still count"
+    );
+    assert!(
+        store
+            .complete_many(
+                &first
+                    .iter()
+                    .filter(|d| d.key().is_none())
+                    .map(|d| *d.lease())
+                    .collect::<Vec<_>>(),
+                at(3)
+            )
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+
+    // The head still runs: the backlog stays parked and claims do not scan it.
+    let started = Instant::now();
+    assert!(claim(&store, "w", 10, at(4)).await.is_empty());
+    let blocked_claim = started.elapsed();
+    assert_eq!(store.statistics().await.unwrap().parked, 4_999);
+
+    assert!(store.complete(head.lease(), at(5)).await.unwrap());
+    let next = claim(&store, "w", 10, at(6)).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(
+        next[0].sequence(),
+        Some(2),
+        "the lowest parked delivery came back"
+    );
+    assert_eq!(store.statistics().await.unwrap().parked, 4_998);
+    assert!(store.complete(next[0].lease(), at(7)).await.unwrap());
+
+    // Level-triggered: park the key's head by hand, as a crash while parking could leave it.
+    // The next claim looks at the state, not at an event, and moves it back.
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .update_many(doc! { "key": "hot" }, doc! { "$set": { "lane": "parked" } })
+        .await
+        .unwrap();
+    let after_crash = claim(&store, "w", 10, at(8)).await;
+    assert_eq!(after_crash.len(), 1);
+    assert_eq!(after_crash[0].sequence(), Some(3));
+    eprintln!("claim with a parked backlog of 4999 behind a running head: {blocked_claim:?}");
+}
+
+#[tokio::test]
+async fn a_lane_handed_back_parks_the_few_deliveries_waiting_there() {
+    let db = test_db("handback_park").await;
+    let store = store(&db).await;
+    let keyed: Vec<EventEnvelope> = (0..3)
+        .map(|i| event(&format!("s-{i}"), Some("slow")))
+        .collect();
+    publish(&store, &keyed, &[HANDLER], at(0)).await;
+    let head = claim(&store, "w", 5, at(1)).await.remove(0);
+    // The head fails and is retried later; its followers are due, but blocked.
+    assert!(
+        store
+            .reschedule(head.lease(), at(500), "later", at(2))
+            .await
+            .unwrap()
+    );
+    assert!(claim(&store, "w", 5, at(3)).await.is_empty());
+    assert!(
+        lanes_of(&db, "w").await.is_empty(),
+        "the lane was handed back"
+    );
+    let parked = deliveries(&db)
+        .await
+        .into_iter()
+        .filter(|d| d.get_str("lane") == Ok("parked"))
+        .count();
+    assert_eq!(parked, 2);
+    // Nothing is stranded: the head comes back when due, then the followers one by one.
+    let retried = claim(&store, "w", 5, at(500)).await;
+    assert_eq!(retried.len(), 1);
+    assert_eq!(retried[0].sequence(), Some(1));
+    assert!(store.complete(retried[0].lease(), at(501)).await.unwrap());
+    let next = claim(&store, "w", 5, at(502)).await;
+    assert_eq!(next[0].sequence(), Some(2));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Settlement
+
+#[tokio::test]
+async fn attempts_count_ended_attempts_reschedule_and_bury_add_one_release_none() {
+    let db = test_db("attempts").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "a", 1, at(0)).await;
+    let first = claim(&store, "w", 1, at(1)).await.remove(0);
+    assert_eq!(first.attempt(), 1);
+    assert!(
+        store
+            .reschedule(first.lease(), at(60), "timeout", at(2))
+            .await
+            .unwrap()
+    );
+    let doc = delivery(&db, first.delivery_id()).await.unwrap();
+    assert_eq!(attempts(&doc), 1);
+    assert_eq!(doc.get_str("lastError").unwrap(), "timeout");
+    assert_eq!(*doc.get_datetime("dueAt").unwrap(), at(60));
+    assert!(in_flight(&lane(&db, first.lease().lane()).await).is_empty());
+    assert!(
+        claim(&store, "w", 1, at(59)).await.is_empty(),
+        "not due yet"
+    );
+
+    let second = claim(&store, "w", 1, at(60)).await.remove(0);
+    assert_eq!(second.attempt(), 2);
+    assert!(store.release(second.lease(), at(61)).await.unwrap());
+    let third = claim(&store, "w", 1, at(61)).await.remove(0);
+    assert_eq!(third.attempt(), 2, "a release costs no attempt");
+
+    assert!(
+        store
+            .bury(third.lease(), &"x".repeat(20_000), at(62))
+            .await
+            .unwrap()
+    );
+    let dead = delivery(&db, first.delivery_id()).await.unwrap();
+    assert_eq!(dead.get_str("status").unwrap(), "dead");
+    assert_eq!(attempts(&dead), 2);
+    assert!(dead.get_str("lastError").unwrap().len() <= 8 * 1024);
+    assert!(claim(&store, "w", 1, at(100)).await.is_empty());
+}
+
+#[tokio::test]
+async fn extend_lease_checks_the_generation_and_never_shrinks_the_lease() {
+    let db = test_db("extend").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "x", 1, at(0)).await;
+    let first = claim(&store, "w", 1, at(1)).await.remove(0);
+    let lane_id = first.lease().lane();
+    assert_eq!(
+        store
+            .extend_lease(first.lease(), Duration::from_secs(120), at(10))
+            .await
+            .unwrap(),
+        Some(at(130))
+    );
+    assert_eq!(
+        *lane(&db, lane_id)
+            .await
+            .get_datetime("leaseExpiresAt")
+            .unwrap(),
+        at(130)
+    );
+    assert_eq!(
+        store
+            .extend_lease(first.lease(), Duration::from_secs(5), at(11))
+            .await
+            .unwrap(),
+        Some(at(130)),
+        "never shrinks"
+    );
+    assert_eq!(
+        *lane(&db, lane_id)
+            .await
+            .get_datetime("leaseExpiresAt")
+            .unwrap(),
+        at(130)
+    );
+
+    // A stale lease (the claim ended and the delivery was claimed again) extends nothing.
+    assert!(store.release(first.lease(), at(12)).await.unwrap());
+    let second = claim(&store, "w", 1, at(13)).await.remove(0);
+    assert_eq!(second.lease().epoch(), first.lease().epoch());
+    assert_eq!(
+        store
+            .extend_lease(first.lease(), Duration::from_secs(600), at(14))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        *lane(&db, lane_id)
+            .await
+            .get_datetime("leaseExpiresAt")
+            .unwrap(),
+        at(130)
+    );
+}
+
+#[tokio::test]
+async fn complete_many_settles_a_batch_from_many_lanes_and_refuses_the_stale_part() {
+    let db = test_db("complete_many").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    publish_unkeyed(&a, "m", 30, at(0)).await;
+    let batch = claim(&a, "a", 30, at(1)).await;
+    assert_eq!(batch.len(), 30);
+    let lanes: HashSet<u32> = batch.iter().map(|d| d.lease().lane()).collect();
+    assert!(lanes.len() > 1);
+    // One lane is taken over after its lease expired: every other one is extended.
+    let victim = batch[0].lease().lane();
+    for lane in &lanes {
+        if *lane != victim {
+            let d = batch.iter().find(|d| d.lease().lane() == *lane).unwrap();
+            let extended = a
+                .extend_lease(d.lease(), Duration::from_secs(3_600), at(1))
+                .await
+                .unwrap();
+            assert_eq!(extended, Some(at(3_601)));
+        }
+    }
+    let taken = claim(&b, "b", 30, at(40)).await;
+    assert!(!taken.is_empty());
+    assert!(taken.iter().all(|d| d.lease().lane() == victim));
+
+    let outcome = a.complete_many(&leases(&batch), at(41)).await.unwrap();
+    for (d, done) in batch.iter().zip(&outcome) {
+        assert_eq!(*done, d.lease().lane() != victim, "{}", d.lease());
+    }
+    let left: Vec<ObjectId> = deliveries(&db)
+        .await
+        .iter()
+        .map(|d| d.get_object_id("_id").unwrap())
+        .collect();
+    assert_eq!(left.len(), taken.len());
+    let completed_event = db
+        .db()
+        .collection::<Document>("relaybus_events")
+        .find_one(
+            doc! { "_id": batch.iter().find(|d| d.lease().lane() != victim).unwrap().event_id() },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        *completed_event.get_datetime("completedAt").unwrap(),
+        at(41)
+    );
+}
+
+#[tokio::test]
+async fn completion_history_records_completions_in_the_same_transaction() {
+    let db = test_db("history").await;
+    let store = store_with(&db.client, &db, true).await;
+    publish_unkeyed(&store, "h", 3, at(0)).await;
+    let batch = claim(&store, "w", 3, at(1)).await;
+    assert!(
+        store
+            .reschedule(batch[0].lease(), at(2), "retry", at(1))
+            .await
+            .unwrap()
+    );
+    let retried = claim(&store, "w", 1, at(2)).await;
+    let mut all = leases(&batch[1..]);
+    all.extend(leases(&retried));
+    all.push(*batch[0].lease()); // stale: rescheduled
+    let outcome = store.complete_many(&all, at(3)).await.unwrap();
+    assert_eq!(outcome, vec![true, true, true, false]);
+    assert!(deliveries(&db).await.is_empty());
+
+    let records = store
+        .list_deliveries(&DeliveryQuery::new().status(DeliveryStatus::Completed))
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 3);
+    assert!(records.iter().all(|r| r.completed_at == Some(at(3))));
+    let retried_record = records
+        .iter()
+        .find(|r| r.id == batch[0].delivery_id())
+        .unwrap();
+    assert_eq!(retried_record.attempts, 2, "the completing attempt counts");
+    assert_eq!(store.statistics().await.unwrap().completed, 3);
+}
+
+#[tokio::test]
+async fn a_transactional_completion_commits_with_the_handlers_writes_or_not_at_all() {
+    let db = test_db("tx_complete").await;
+    let store = store(&db).await;
+    let projections = db.db().collection::<Document>("projections");
+    publish_unkeyed(&store, "p", 2, at(0)).await;
+    let batch = claim(&store, "w", 2, at(1)).await;
+
+    // Aborted: neither the projection nor the completion.
+    let aborted: Result<(), Error> = store
+        .transaction(async |session| {
+            projections
+                .insert_one(doc! { "event": batch[0].event_id() })
+                .session(&mut *session)
+                .await?;
+            assert!(
+                store
+                    .complete_in_transaction(session, batch[0].lease(), at(2))
+                    .await?
+            );
+            Err(Error::custom("handler failed after writing"))
+        })
+        .await;
+    assert!(matches!(aborted, Err(Error::Custom(_))));
+    assert_eq!(projections.count_documents(doc! {}).await.unwrap(), 0);
+    assert!(delivery(&db, batch[0].delivery_id()).await.is_some());
+
+    // Committed: both.
+    let done = store
+        .transaction(async |session| {
+            projections
+                .insert_one(doc! { "event": batch[0].event_id() })
+                .session(&mut *session)
+                .await?;
+            store
+                .complete_in_transaction(session, batch[0].lease(), at(3))
+                .await
+        })
+        .await
+        .unwrap();
+    assert!(done);
+    assert_eq!(projections.count_documents(doc! {}).await.unwrap(), 1);
+    assert!(delivery(&db, batch[0].delivery_id()).await.is_none());
+
+    // A session without a transaction is refused.
+    let mut session = db.client.start_session().await.unwrap();
+    assert!(matches!(
+        store
+            .complete_in_transaction(&mut session, batch[1].lease(), at(4))
+            .await,
+        Err(Error::Configuration(
+            ConfigurationError::NoTransaction { .. }
+        ))
+    ));
+    assert!(delivery(&db, batch[1].delivery_id()).await.is_some());
+}
+
+#[tokio::test]
+async fn relinquish_hands_the_lanes_back_at_once() {
+    let db = test_db("relinquish").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    publish_unkeyed(&a, "g", 5, at(0)).await;
+    let batch = claim(&a, "a", 5, at(1)).await;
+    for d in &batch {
+        assert!(a.release(d.lease(), at(2)).await.unwrap());
+    }
+    assert!(a.relinquish("a").await.unwrap() > 0);
+    assert!(lanes_of(&db, "a").await.is_empty());
+    let again = claim(&b, "b", 5, at(3)).await;
+    assert_eq!(again.len(), 5, "no lease expiry to wait for");
+    assert!(
+        again.iter().all(|d| d.attempt() == 1),
+        "released, so nothing lost"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Command counts
+
+#[tokio::test]
+async fn command_counts_are_fixed_whatever_the_batch_size() {
+    let db = test_db("command_counts").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    // 1,000 running deliveries in lanes 0 to 99 (fewer than the 128 lanes one query reads).
+    let base: Vec<EventEnvelope> = (0..)
+        .map(|n| format!("base-{n}"))
+        .filter(|id| lane_of(None, id) < 100)
+        .take(1_000)
+        .map(|id| event(&id, None))
+        .collect();
+    publish(&store, &base, &[HANDLER], at(0)).await;
+    let base = claim(&store, "w", 10_000, at(1)).await;
+    assert_eq!(base.len(), 1_000);
+    let held: HashSet<u32> = lanes_of(&db, "w")
+        .await
+        .iter()
+        .map(|l| l.get_i32("_id").unwrap() as u32)
+        .collect();
+
+    // New deliveries in lanes the owner already holds.
+    let mut n = 0;
+    let mut fresh = Vec::new();
+    while fresh.len() < 111 {
+        let id = format!("fresh-{n}");
+        n += 1;
+        if held.contains(&lane_of(None, &id)) {
+            fresh.push(event(&id, None));
+        }
+    }
+    publish(&store, &fresh, &[HANDLER], at(2)).await;
+
+    let mut claims = Vec::new();
+    let mut completes = Vec::new();
+    for size in [1, 10, 100] {
+        names.lock().unwrap().clear();
+        let before = count.load(Ordering::SeqCst);
+        let batch = claim(&store, "w", size, at(3)).await;
+        let used = count.load(Ordering::SeqCst) - before;
+        assert_eq!(batch.len(), size as usize);
+        eprintln!(
+            "claim of {size}: {used} commands {:?}",
+            names.lock().unwrap()
+        );
+        claims.push(used);
+
+        names.lock().unwrap().clear();
+        let before = count.load(Ordering::SeqCst);
+        let done = store.complete_many(&leases(&batch), at(4)).await.unwrap();
+        let used = count.load(Ordering::SeqCst) - before;
+        assert!(done.iter().all(|d| *d));
+        eprintln!(
+            "complete_many of {size}: {used} commands {:?}",
+            names.lock().unwrap()
+        );
+        completes.push(used);
+    }
+    assert!(claims.iter().all(|c| *c == claims[0]), "claims: {claims:?}");
+    assert!(claims[0] <= 6, "claims: {claims:?}");
+    assert_eq!(completes, vec![4, 4, 4]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operator API
+
+#[tokio::test]
+async fn requeue_makes_a_dead_delivery_pending_again_ahead_of_its_key() {
+    let db = test_db("requeue").await;
+    let store = store(&db).await;
+    let keyed: Vec<EventEnvelope> = (0..3)
+        .map(|i| event(&format!("q-{i}"), Some("acct-9")))
+        .collect();
+    publish(&store, &keyed, &[HANDLER], at(0)).await;
+    let first = claim(&store, "w", 5, at(1)).await.remove(0);
+    assert!(store.bury(first.lease(), "bad data", at(2)).await.unwrap());
+    let second = claim(&store, "w", 5, at(3)).await.remove(0);
+    assert_eq!(second.sequence(), Some(2));
+
+    // A later delivery of its key runs: the requeue waits.
+    let dead_id = first.delivery_id().to_hex();
+    let refused = store
+        .requeue(&[dead_id.as_str(), "{\"$ne\": null}", "nope"], at(4))
+        .await
+        .unwrap();
+    assert_eq!(refused.blocked, vec![first.delivery_id()]);
+    assert!(refused.requeued.is_empty());
+    assert_eq!(refused.not_found, vec!["{\"$ne\": null}", "nope"]);
+    assert_eq!(
+        delivery(&db, first.delivery_id())
+            .await
+            .unwrap()
+            .get_str("status")
+            .unwrap(),
+        "dead"
+    );
+
+    assert!(store.complete(second.lease(), at(5)).await.unwrap());
+    let done = store.requeue(&[dead_id.as_str()], at(6)).await.unwrap();
+    assert_eq!(done.requeued, vec![first.delivery_id()]);
+    let doc = delivery(&db, first.delivery_id()).await.unwrap();
+    assert_eq!(doc.get_str("status").unwrap(), "pending");
+    assert_eq!(attempts(&doc), 0);
+    assert_eq!(
+        lane(&db, first.lease().lane())
+            .await
+            .get_i64("requeues")
+            .unwrap(),
+        1
+    );
+
+    // It goes before the third one, which waits for it.
+    let next = claim(&store, "w", 5, at(7)).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].sequence(), Some(1));
+    assert_eq!(next[0].attempt(), 1);
+    assert!(store.complete(next[0].lease(), at(8)).await.unwrap());
+    let last = claim(&store, "w", 5, at(9)).await;
+    assert_eq!(last[0].sequence(), Some(3));
+}
+
+#[tokio::test]
+async fn statistics_and_listing_count_and_filter_with_plain_values() {
+    let db = test_db("operator").await;
+    let store = store_with(&db.client, &db, true).await;
+    publish_unkeyed(&store, "s", 4, at(0)).await;
+    let other = event("other-1", None);
+    publish(&store, &[other], &["mailer"], at(10)).await;
+    let batch = claim(&store, "w", 4, at(20)).await;
+    assert!(store.complete(batch[0].lease(), at(21)).await.unwrap());
+    assert!(
+        store
+            .bury(batch[1].lease(), "broken", at(22))
+            .await
+            .unwrap()
+    );
+
+    let stats = store.statistics().await.unwrap();
+    assert_eq!(stats.pending, 3, "two running, one of another handler");
+    assert_eq!(stats.running, 2);
+    assert_eq!(stats.dead, 1);
+    assert_eq!(stats.completed, 1);
+    assert_eq!(stats.parked, 0);
+    assert_eq!(stats.oldest_due_at, Some(at(0)));
+
+    let dead = store
+        .list_deliveries(&DeliveryQuery::new().status(DeliveryStatus::Dead))
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error.as_deref(), Some("broken"));
+    assert_eq!(dead[0].attempts, 1);
+    let mailer = store
+        .list_deliveries(&DeliveryQuery::new().handler("mailer"))
+        .await
+        .unwrap();
+    assert_eq!(mailer.len(), 1);
+    assert_eq!(mailer[0].event_id, "other-1");
+    let by_time = store
+        .list_deliveries(
+            &DeliveryQuery::new()
+                .created_from(at(5))
+                .created_before(at(15)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(by_time.len(), 1);
+    let by_type = store
+        .list_deliveries(&DeliveryQuery::new().event_type("order.placed.v1").limit(2))
+        .await
+        .unwrap();
+    assert_eq!(by_type.len(), 2);
+    let page_two = store
+        .list_deliveries(
+            &DeliveryQuery::new()
+                .event_type("order.placed.v1")
+                .skip(2)
+                .limit(2),
+        )
+        .await
+        .unwrap();
+    assert_eq!(page_two.len(), 2);
+    assert!(by_type.iter().all(|r| !page_two.contains(r)));
+    // Operator input is a plain string, never a query operator.
+    let injected = store
+        .list_deliveries(&DeliveryQuery::new().handler("{\"$ne\": null}"))
+        .await
+        .unwrap();
+    assert!(injected.is_empty());
+}
+
+#[tokio::test]
+async fn purge_never_leaves_a_delivery_without_its_event() {
+    let db = test_db("purge").await;
+    let store = store_with(&db.client, &db, true).await;
+    // e-mixed: one dead, one pending delivery. e-done: completed. e-dead: dead only.
+    // e-none: no handlers at all.
+    publish(
+        &store,
+        &[event("e-mixed", None)],
+        &[HANDLER, "mailer"],
+        at(0),
+    )
+    .await;
+    publish(
+        &store,
+        &[event("e-done", None), event("e-dead", None)],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    publish(&store, &[event("e-none", None)], &[], at(0)).await;
+    let batch = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(batch.len(), 3);
+    for d in &batch {
+        match d.event_id() {
+            "e-done" => assert!(store.complete(d.lease(), at(100)).await.unwrap()),
+            _ => assert!(store.bury(d.lease(), "x", at(2)).await.unwrap()),
+        }
+    }
+    let events = db.db().collection::<Document>("relaybus_events");
+    let event_ids = async || -> Vec<String> {
+        let mut ids: Vec<String> = events
+            .find(doc! {})
+            .await
+            .unwrap()
+            .try_collect::<Vec<Document>>()
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.get_str("_id").unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+    let every_delivery_has_its_event = async || {
+        let ids = event_ids().await;
+        for d in deliveries(&db).await {
+            assert!(
+                ids.contains(&d.get_str("eventId").unwrap().to_owned()),
+                "{d:?} lost its event"
+            );
+        }
+    };
+
+    // Dead letters go; an event still referenced stays; a completed event stays as a dedupe
+    // record while its completion is within retention, however old the event.
+    let cutoff = at(50);
+    let purged = store
+        .purge(
+            &PurgeOptions::new()
+                .dead_before(cutoff)
+                .completed_before(cutoff),
+        )
+        .await
+        .unwrap();
+    assert_eq!(purged.dead_deliveries, 2);
+    assert_eq!(purged.completion_records, 0);
+    assert_eq!(
+        purged.events, 2,
+        "e-dead with its dead letter, e-none by age"
+    );
+    assert_eq!(event_ids().await, vec!["e-done", "e-mixed"]);
+    every_delivery_has_its_event().await;
+
+    // Once completed retention passes the completion, the record and the event go.
+    let purged = store
+        .purge(&PurgeOptions::new().completed_before(at(101)))
+        .await
+        .unwrap();
+    assert_eq!(purged.completion_records, 1);
+    assert_eq!(purged.events, 1);
+    assert_eq!(event_ids().await, vec!["e-mixed"]);
+    every_delivery_has_its_event().await;
+
+    // Purging while publishers add deliveries to the same events never orphans a delivery.
+    let racers: Vec<EventEnvelope> = (0..200)
+        .map(|i| event(&format!("race-{i}"), None))
+        .collect();
+    publish(&store, &racers, &[], at(0)).await;
+    let published = AtomicUsize::new(0);
+    let republish = async {
+        for chunk in racers.chunks(10) {
+            publish(&store, chunk, &["late-handler"], at(200)).await;
+            published.fetch_add(1, Ordering::SeqCst);
+            tokio::task::yield_now().await;
+        }
+    };
+    let purge = async {
+        let mut total = 0;
+        while published.load(Ordering::SeqCst) < 20 {
+            total += store
+                .purge(&PurgeOptions::new().dead_before(at(300)))
+                .await
+                .unwrap()
+                .events;
+        }
+        total
+    };
+    let ((), purged_events) = tokio::join!(republish, purge);
+    every_delivery_has_its_event().await;
+    let late = deliveries(&db)
+        .await
+        .iter()
+        .filter(|d| d.get_str("handler") == Ok("late-handler"))
+        .count();
+    assert_eq!(
+        late, 200,
+        "every republished event kept or got its delivery"
+    );
+    eprintln!("purged {purged_events} events while publishing");
+}
