@@ -1,0 +1,310 @@
+//! Dispatch throughput and latency: deliveries per second through the whole bus (claim, no-op
+//! handler, batched completion) with 1, 2 and 4 buses, next to the raw driver reading and
+//! deleting plain documents in batches of the same size; and the time from a publish's commit to
+//! its handler starting, on idle buses with and without the change stream.
+//!
+//! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
+//! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
+//! deliveries per throughput run (default 4000), `RELAYBUS_BENCH_SAMPLES` the latency samples
+//! (default 60).
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::{TryStreamExt, future::try_join_all};
+use mongodb::{
+    Client, Collection, Database,
+    bson::{Bson, Document, doc},
+};
+use relaybus::{
+    BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, mpsc};
+
+const BATCH: u32 = 32;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Tick {
+    n: u64,
+}
+
+impl Event for Tick {
+    const TYPE: &'static str = "bench.tick.v1";
+}
+
+fn env_number(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let deliveries = env_number("RELAYBUS_BENCH_DELIVERIES", 4000);
+    let samples = env_number("RELAYBUS_BENCH_SAMPLES", 60);
+    let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
+    let client = Client::with_uri_str(&uri).await?;
+    let mut run = 0_u32;
+    let mut fresh_db = || {
+        run += 1;
+        client.database(&format!("bench_dispatch_{}_{run}", std::process::id()))
+    };
+
+    println!("dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}");
+    println!(
+        "{:<10} {:<8} {:>6} {:>16}",
+        "subject", "keys", "buses", "deliveries/s"
+    );
+    let mut throughput = Vec::new();
+    for buses in [1_usize, 2, 4] {
+        let db = fresh_db();
+        let baseline = baseline_run(&db, deliveries, buses).await?;
+        db.drop().await?;
+        println!(
+            "{:<10} {:<8} {:>6} {:>16.0}",
+            "baseline", "-", buses, baseline
+        );
+        for keyed in [false, true] {
+            let db = fresh_db();
+            let ours = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
+            db.drop().await?;
+            let keys = if keyed { "100 keys" } else { "none" };
+            println!("{:<10} {:<8} {:>6} {:>16.0}", "relaybus", keys, buses, ours);
+            throughput.push(serde_json::json!({
+                "buses": buses,
+                "keyed": keyed,
+                "relaybus_per_sec": ours.round(),
+                "baseline_per_sec": baseline.round(),
+                "ratio": ((ours / baseline) * 1000.0).round() / 1000.0,
+            }));
+        }
+    }
+
+    println!("\ncommit-to-handler latency on idle buses, {samples} samples each");
+    println!("{:<22} {:>10} {:>10}", "wake-up", "p50 ms", "p99 ms");
+    let mut latency = Vec::new();
+    for (change_stream, poll) in [
+        (true, Duration::from_secs(1)),
+        (false, Duration::from_millis(250)),
+    ] {
+        let db = fresh_db();
+        let (p50, p99) = latency_run(&client, &db, samples, change_stream, poll).await?;
+        db.drop().await?;
+        let label = if change_stream {
+            "change stream".to_owned()
+        } else {
+            format!("polling every {} ms", poll.as_millis())
+        };
+        println!("{label:<22} {p50:>10.1} {p99:>10.1}");
+        latency.push(serde_json::json!({
+            "change_stream": change_stream,
+            "poll_interval_ms": poll.as_millis() as u64,
+            "p50_ms": (p50 * 10.0).round() / 10.0,
+            "p99_ms": (p99 * 10.0).round() / 10.0,
+        }));
+    }
+
+    let headline = throughput
+        .iter()
+        .find(|r| r["buses"] == 4 && r["keyed"] == false)
+        .and_then(|r| r["ratio"].as_f64())
+        .unwrap_or(f64::NAN);
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "dispatch",
+            "deliveries_per_run": deliveries,
+            "batch": BATCH,
+            "throughput": throughput,
+            "latency": latency,
+            "ratio": headline,
+        })
+    );
+    Ok(())
+}
+
+async fn store_on(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
+    let store = MongoEventStore::builder(client.clone())
+        .database(db.name())
+        .build()?;
+    store.setup().await?;
+    Ok(store)
+}
+
+/// Publishes `count` events for the handler `tick`, keyed over 100 keys or not.
+async fn publish(store: &MongoEventStore, count: usize, keyed: bool) -> Result<(), BoxError> {
+    let publisher = RelayBus::builder(store.clone())
+        .subscribe(Subscription::new(
+            "tick",
+            |_: Tick, _: HandlerContext| async { Ok::<(), BoxError>(()) },
+        ))
+        .build()?;
+    let mut n = 0_u64;
+    while (n as usize) < count {
+        let chunk = (count - n as usize).min(500);
+        let mut envelopes = Vec::with_capacity(chunk);
+        for _ in 0..chunk {
+            let mut envelope = EventEnvelope::new(&Tick { n })?;
+            if keyed {
+                envelope = envelope.with_key(format!("key-{}", n % 100))?;
+            }
+            envelopes.push(envelope);
+            n += 1;
+        }
+        publisher.publish_all(envelopes).await?;
+    }
+    Ok(())
+}
+
+/// Deliveries per second through `buses` buses running a no-op handler.
+async fn relaybus_run(
+    client: &Client,
+    db: &Database,
+    count: usize,
+    buses: usize,
+    keyed: bool,
+) -> Result<f64, BoxError> {
+    let store = store_on(client, db).await?;
+    publish(&store, count, keyed).await?;
+    let handled = Arc::new(AtomicUsize::new(0));
+    let all_done = Arc::new(Notify::new());
+    let mut running = Vec::new();
+    for i in 0..buses {
+        let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
+        let bus = RelayBus::builder(store.clone())
+            .owner(format!("bench-{i}"))
+            .batch_size(BATCH)
+            .concurrency(BATCH as usize * 2)
+            .retention(None)
+            .setup_on_start(false)
+            .subscribe(Subscription::new(
+                "tick",
+                move |_: Tick, _: HandlerContext| {
+                    let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
+                    async move {
+                        if handled.fetch_add(1, Ordering::Relaxed) + 1 == count {
+                            all_done.notify_one();
+                        }
+                        Ok::<(), BoxError>(())
+                    }
+                },
+            ))
+            .build()?;
+        running.push(bus);
+    }
+    let started = Instant::now();
+    for bus in &running {
+        bus.start().await?;
+    }
+    tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
+    // The last completions are flushed by the shutdown; count them in.
+    try_join_all(running.iter().map(|bus| bus.shutdown())).await?;
+    let elapsed = started.elapsed();
+    let left = db
+        .collection::<Document>("relaybus_deliveries")
+        .count_documents(doc! {})
+        .await?;
+    assert_eq!(left, 0, "every delivery completed");
+    Ok(count as f64 / elapsed.as_secs_f64())
+}
+
+/// The raw driver: `workers` loops, each reading its own plain documents in batches and deleting
+/// each batch.
+async fn baseline_run(db: &Database, count: usize, workers: usize) -> Result<f64, BoxError> {
+    let queue: Collection<Document> = db.collection("queue");
+    let documents: Vec<Document> = (0..count)
+        .map(|n| {
+            doc! {
+                "worker": (n % workers) as i32,
+                "type": "bench.tick.v1",
+                "payload": { "n": n as i64 },
+                "createdAt": mongodb::bson::DateTime::now(),
+            }
+        })
+        .collect();
+    for chunk in documents.chunks(1000) {
+        queue.insert_many(chunk.to_vec()).await?;
+    }
+    queue
+        .create_index(
+            mongodb::IndexModel::builder()
+                .keys(doc! { "worker": 1, "_id": 1 })
+                .build(),
+        )
+        .await?;
+    let started = Instant::now();
+    let tasks = (0..workers).map(|worker| {
+        let queue = queue.clone();
+        async move {
+            loop {
+                let batch: Vec<Document> = queue
+                    .find(doc! { "worker": worker as i32 })
+                    .sort(doc! { "worker": 1, "_id": 1 })
+                    .limit(i64::from(BATCH))
+                    .await?
+                    .try_collect()
+                    .await?;
+                if batch.is_empty() {
+                    return Ok::<(), BoxError>(());
+                }
+                let ids: Vec<Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
+                queue.delete_many(doc! { "_id": { "$in": ids } }).await?;
+            }
+        }
+    });
+    try_join_all(tasks).await?;
+    Ok(count as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Commit-to-handler latency percentiles (ms) on one idle bus.
+async fn latency_run(
+    client: &Client,
+    db: &Database,
+    samples: usize,
+    change_stream: bool,
+    poll_interval: Duration,
+) -> Result<(f64, f64), BoxError> {
+    let store = store_on(client, db).await?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Instant>();
+    let bus = RelayBus::builder(store.clone())
+        .owner("bench-latency")
+        .change_stream(change_stream)
+        .poll_interval(poll_interval)
+        .retention(None)
+        .subscribe(Subscription::new(
+            "tick",
+            move |_: Tick, _: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    let _ = tx.send(Instant::now());
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()?;
+    bus.start().await?;
+    // Let the dispatcher settle into idle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut latencies = Vec::with_capacity(samples);
+    for n in 0..samples as u64 {
+        bus.publish(&Tick { n }).await?;
+        let committed = Instant::now();
+        let handled = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await?
+            .ok_or("handler channel closed")?;
+        latencies.push(handled.saturating_duration_since(committed).as_secs_f64() * 1000.0);
+        // Spread the samples over the poll cycle.
+        tokio::time::sleep(Duration::from_millis(17 + (n % 7) * 11)).await;
+    }
+    bus.shutdown().await?;
+    latencies.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
+    Ok((at(0.5), at(0.99)))
+}
