@@ -635,3 +635,31 @@ async fn bad_builder_settings_are_refused() {
     }
     assert!(db.db().list_collection_names().await.unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn a_payload_that_no_longer_deserializes_is_a_failed_attempt_with_a_clear_message() {
+    let db = test_db("bad_payload").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["strict"]);
+    // Published by an older version of the service: no `order_id`.
+    let old = EventEnvelope::from_json("order.placed.v1", serde_json::json!({ "id": 7 })).unwrap();
+    publisher.publish_envelope(old).await.unwrap();
+
+    let bus = builder(&store)
+        .retry(RetryPolicy::new(1))
+        .subscribe(Subscription::new(
+            "strict",
+            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
+        ))
+        .build()
+        .unwrap();
+    let report = bus.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.completed, report.other), (1, 0, 1));
+    let dead = deliveries(&db).await;
+    assert_eq!(dead[0].get_str("status").unwrap(), "dead");
+    let error = dead[0].get_str("lastError").unwrap();
+    assert!(
+        error.contains("no longer deserializes") && error.contains("order_id"),
+        "{error}"
+    );
+}
