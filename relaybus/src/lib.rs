@@ -87,5 +87,10 @@ pub use store::mongo::{
     MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,
 };
 
+/// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
+
 /// The MongoDB driver relaybus is built on, for its `ClientSession` and `bson` types.
 pub use mongodb;
