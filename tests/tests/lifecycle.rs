@@ -214,7 +214,7 @@ async fn a_claim_hands_out_due_deliveries_with_event_and_lease_and_writes_no_del
     .unwrap();
     publish(
         &store,
-        &[payload_event.clone()],
+        std::slice::from_ref(&payload_event),
         &[HANDLER, "mailer"],
         at(0),
     )
@@ -492,7 +492,7 @@ async fn two_stores_claiming_concurrently_never_hold_the_same_delivery() {
         }
     };
     tokio::join!(worker(first, "a"), worker(second, "b"));
-    let seen = seen.lock().unwrap();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
     let unique: HashSet<&ObjectId> = seen.iter().collect();
     assert_eq!(seen.len(), 1_000, "every delivery handed out once");
     assert_eq!(unique.len(), 1_000);
@@ -842,7 +842,7 @@ async fn per_key_order_holds_with_8_concurrent_claimers_over_50_keys_of_200_even
         }
     });
     join_all(claimers).await;
-    let state = state.lock().unwrap();
+    let state = std::mem::take(&mut *state.lock().unwrap());
     assert_eq!(state.len(), KEYS);
     assert!(
         state
