@@ -6,7 +6,7 @@
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
 //! deliveries per throughput run (default 4000), `RELAYBUS_BENCH_SAMPLES` the latency samples
-//! (default 60).
+//! (default 60). Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
 
 use std::{
     sync::{
@@ -47,8 +47,17 @@ fn env_number(name: &str, default: usize) -> usize {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let deliveries = env_number("RELAYBUS_BENCH_DELIVERIES", 4000);
-    let samples = env_number("RELAYBUS_BENCH_SAMPLES", 60);
+    let smoke = !std::env::args().any(|arg| arg == "--bench");
+    let deliveries = if smoke {
+        64
+    } else {
+        env_number("RELAYBUS_BENCH_DELIVERIES", 4000)
+    };
+    let samples = if smoke {
+        3
+    } else {
+        env_number("RELAYBUS_BENCH_SAMPLES", 60)
+    };
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let mut run = 0_u32;

@@ -4,7 +4,8 @@
 //! Run with `cargo bench -p relaybus --bench publish`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_SECONDS` sets the length
 //! of each measured run (default 2); `RELAYBUS_BENCH_ROUNDS` the number of alternating rounds
-//! (default 3; the median is reported).
+//! (default 3; the median is reported). Run by `cargo test` (without `--bench`), it makes one
+//! short round as a smoke test.
 
 use std::{
     sync::Arc,
@@ -64,8 +65,17 @@ fn env_number(name: &str, default: u64) -> u64 {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let seconds = env_number("RELAYBUS_BENCH_SECONDS", 2);
-    let rounds = env_number("RELAYBUS_BENCH_ROUNDS", 3).max(1);
+    let smoke = !std::env::args().any(|arg| arg == "--bench");
+    let seconds = if smoke {
+        0
+    } else {
+        env_number("RELAYBUS_BENCH_SECONDS", 2)
+    };
+    let rounds = if smoke {
+        1
+    } else {
+        env_number("RELAYBUS_BENCH_ROUNDS", 3).max(1)
+    };
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let db_name = format!("bench_publish_{}", std::process::id());
@@ -188,7 +198,7 @@ async fn run(
         }));
     }
     let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    tokio::time::sleep(Duration::from_secs(seconds).max(Duration::from_millis(200))).await;
     stop.store(true, Ordering::Relaxed);
     let count_at_stop = committed.load(Ordering::Relaxed);
     let elapsed = started.elapsed();

@@ -1,0 +1,327 @@
+//! Delivery throughput: deliveries per second through `claim` + `complete_many`, next to the raw
+//! driver reading and deleting plain documents in batches of the same size, in the same run on the
+//! same server. Also the latency of a claim with and without a blocked backlog of another key.
+//!
+//! Run with `cargo bench -p relaybus --bench lifecycle`. It uses the replica set at
+//! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
+//! deliveries per run (default 10000), `RELAYBUS_BENCH_BATCH` the batch size (default 100). The
+//! last line is one JSON object; `ratio` is relaybus / baseline, unkeyed, 4 claimers.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::TryStreamExt;
+use mongodb::{
+    Client, Collection, Database,
+    bson::{DateTime, Document, doc, oid::ObjectId},
+};
+use relaybus::{AppendRequest, BoxError, EventEnvelope, MongoEventStore};
+use tokio::sync::Notify;
+
+const HANDLER: &str = "projector";
+const LEASE: Duration = Duration::from_secs(60);
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    keyed: bool,
+    claimers: usize,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let deliveries = env_number("RELAYBUS_BENCH_DELIVERIES", 10_000) as usize;
+    let batch = env_number("RELAYBUS_BENCH_BATCH", 100) as u32;
+    let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
+    let client = Client::with_uri_str(&uri).await?;
+    let prefix = format!("bench_lifecycle_{}", std::process::id());
+
+    println!(
+        "lifecycle benchmark: {deliveries} deliveries per run, batches of {batch}, deliveries/s"
+    );
+    println!(
+        "{:<10} {:<8} {:>9} {:>14}",
+        "subject", "keys", "claimers", "deliveries/s"
+    );
+    let mut figures = serde_json::Map::new();
+    let mut n = 0;
+    for claimers in [1_usize, 4] {
+        n += 1;
+        let db = client.database(&format!("{prefix}_{n}"));
+        let rate = baseline(&db, deliveries, batch, claimers).await?;
+        db.drop().await?;
+        println!(
+            "{:<10} {:<8} {:>9} {:>14.0}",
+            "baseline", "-", claimers, rate
+        );
+        figures.insert(format!("baseline_{claimers}"), rate.round().into());
+        for keyed in [false, true] {
+            n += 1;
+            let db = client.database(&format!("{prefix}_{n}"));
+            let rate = relaybus(&client, &db, deliveries, batch, Run { keyed, claimers }).await?;
+            db.drop().await?;
+            let keys = if keyed { "100 keys" } else { "unkeyed" };
+            println!(
+                "{:<10} {:<8} {:>9} {:>14.0}",
+                "relaybus", keys, claimers, rate
+            );
+            let name = if keyed { "keyed" } else { "unkeyed" };
+            figures.insert(format!("{name}_{claimers}"), rate.round().into());
+        }
+    }
+
+    n += 1;
+    let db = client.database(&format!("{prefix}_{n}"));
+    let (plain, backlog) = claim_latency(&client, &db, batch).await?;
+    db.drop().await?;
+    println!(
+        "claim of {batch} from held lanes: {:.2} ms, with a blocked backlog of 5000 of another key: {:.2} ms",
+        plain * 1e3,
+        backlog * 1e3
+    );
+    let number = |name: &str| {
+        figures
+            .get(name)
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN)
+    };
+    let ratio = number("unkeyed_4") / number("baseline_4");
+    let slowdown = backlog / plain;
+    figures.insert("claim_ms".into(), round3(plain * 1e3).into());
+    figures.insert("claim_with_backlog_ms".into(), round3(backlog * 1e3).into());
+    figures.insert("backlog_slowdown".into(), round3(slowdown).into());
+    figures.insert("deliveries_per_run".into(), deliveries.into());
+    figures.insert("batch".into(), batch.into());
+    figures.insert("ratio".into(), round3(ratio).into());
+    println!(
+        "ratio (relaybus unkeyed / baseline, 4 claimers): {ratio:.3}; backlog slowdown: {slowdown:.2}x"
+    );
+    let mut line = serde_json::Map::new();
+    line.insert("bench".into(), "lifecycle".into());
+    line.extend(figures);
+    println!("{}", serde_json::Value::Object(line));
+    Ok(())
+}
+
+fn round3(value: f64) -> f64 {
+    (value * 1000.0).round() / 1000.0
+}
+
+async fn store(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
+    let store = MongoEventStore::builder(client.clone())
+        .database(db.name())
+        .build()?;
+    store.setup().await?;
+    Ok(store)
+}
+
+/// Appends `count` events, unkeyed or over 100 keys, in transactions of 1000.
+async fn publish(
+    store: &MongoEventStore,
+    tag: &str,
+    count: usize,
+    key: impl Fn(usize) -> Option<String>,
+    now: DateTime,
+) -> Result<(), BoxError> {
+    let handlers = vec![HANDLER.to_owned()];
+    let events: Vec<EventEnvelope> = (0..count)
+        .map(|i| {
+            let event = EventEnvelope::from_json(
+                "order.placed.v1",
+                serde_json::json!({ "order": i, "total_cents": 1250 }),
+            )?
+            .with_id(format!("{tag}-{i}"))?;
+            Ok::<_, BoxError>(match key(i) {
+                Some(key) => event.with_key(key)?,
+                None => event,
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    for chunk in events.chunks(1_000) {
+        let requests: Vec<AppendRequest<'_>> = chunk
+            .iter()
+            .map(|e| AppendRequest::new(e, &handlers))
+            .collect();
+        store
+            .transaction(async |session| store.append(session, &requests, now).await)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Drains `deliveries` with `claimers` claimers, each on its own store instance; deliveries/s.
+async fn relaybus(
+    client: &Client,
+    db: &Database,
+    deliveries: usize,
+    batch: u32,
+    run: Run,
+) -> Result<f64, BoxError> {
+    let first = store(client, db).await?;
+    let keys = 100;
+    publish(
+        &first,
+        "e",
+        deliveries,
+        |i| run.keyed.then(|| format!("key-{}", i % keys)),
+        DateTime::now(),
+    )
+    .await?;
+    let done = Arc::new(AtomicU64::new(0));
+    let progress = Arc::new(Notify::new());
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for n in 0..run.claimers {
+        let store = MongoEventStore::builder(client.clone())
+            .database(db.name())
+            .build()?;
+        let done = Arc::clone(&done);
+        let progress = Arc::clone(&progress);
+        let target = deliveries as u64;
+        tasks.push(tokio::spawn(async move {
+            let owner = format!("claimer-{n}");
+            while done.load(Ordering::SeqCst) < target {
+                let notified = progress.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let claimed = store
+                    .claim(&owner, &[HANDLER], batch, LEASE, DateTime::now())
+                    .await?;
+                if claimed.is_empty() {
+                    if done.load(Ordering::SeqCst) < target {
+                        notified.await;
+                    }
+                    continue;
+                }
+                let leases: Vec<_> = claimed.iter().map(|d| *d.lease()).collect();
+                let completed = store.complete_many(&leases, DateTime::now()).await?;
+                let completed = completed.iter().filter(|c| **c).count() as u64;
+                done.fetch_add(completed, Ordering::SeqCst);
+                progress.notify_waiters();
+            }
+            progress.notify_waiters();
+            Ok::<(), relaybus::Error>(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The raw driver: insert plain documents (not timed), then read and delete them in batches of
+/// `batch`, each worker in its own partition so that workers never read each other's documents.
+async fn baseline(
+    db: &Database,
+    deliveries: usize,
+    batch: u32,
+    workers: usize,
+) -> Result<f64, BoxError> {
+    let outbox: Collection<Document> = db.collection("outbox");
+    outbox
+        .create_index(
+            mongodb::IndexModel::builder()
+                .keys(doc! { "w": 1, "_id": 1 })
+                .build(),
+        )
+        .await?;
+    let documents: Vec<Document> = (0..deliveries)
+        .map(|i| {
+            doc! {
+                "_id": ObjectId::new(),
+                "w": (i % workers) as i32,
+                "type": "order.placed.v1",
+                "payload": { "order": i as i64, "total_cents": 1250 },
+                "createdAt": DateTime::now(),
+            }
+        })
+        .collect();
+    for chunk in documents.chunks(1_000) {
+        outbox.insert_many(chunk.to_vec()).await?;
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let outbox = outbox.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let found: Vec<Document> = outbox
+                    .find(doc! { "w": w as i32 })
+                    .sort(doc! { "_id": 1 })
+                    .limit(i64::from(batch))
+                    .batch_size(batch)
+                    .await?
+                    .try_collect()
+                    .await?;
+                if found.is_empty() {
+                    return Ok::<(), mongodb::error::Error>(());
+                }
+                let ids: Vec<ObjectId> = found
+                    .iter()
+                    .filter_map(|d| d.get_object_id("_id").ok())
+                    .collect();
+                outbox.delete_many(doc! { "_id": { "$in": ids } }).await?;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Median time of a claim of `batch` unkeyed deliveries from lanes the claimer holds, without
+/// and then with 5,000 deliveries of another key waiting behind its running head.
+async fn claim_latency(client: &Client, db: &Database, batch: u32) -> Result<(f64, f64), BoxError> {
+    let store = store(client, db).await?;
+    let rounds = 30;
+    let measure = async |tag: &str| -> Result<f64, BoxError> {
+        let mut times = Vec::with_capacity(rounds);
+        for round in 0..rounds {
+            publish(
+                &store,
+                &format!("{tag}-{round}"),
+                batch as usize,
+                |_| None,
+                DateTime::now(),
+            )
+            .await?;
+            let started = Instant::now();
+            let claimed = store
+                .claim("w", &[HANDLER], batch, LEASE, DateTime::now())
+                .await?;
+            times.push(started.elapsed().as_secs_f64());
+            let leases: Vec<_> = claimed
+                .iter()
+                .filter(|d| d.key().is_none())
+                .map(|d| *d.lease())
+                .collect();
+            store.complete_many(&leases, DateTime::now()).await?;
+        }
+        // The first rounds take lanes; the median is the steady state.
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    };
+    let plain = measure("plain").await?;
+    publish(
+        &store,
+        "hot",
+        5_000,
+        |_| Some("hot".to_owned()),
+        DateTime::now(),
+    )
+    .await?;
+    let backlog = measure("backlog").await?;
+    Ok((plain, backlog))
+}
