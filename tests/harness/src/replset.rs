@@ -153,20 +153,21 @@ impl ReplicaSet {
     }
 
     /// Makes the current primary step down (`replSetStepDown`) and returns
-    /// its index. It cannot be elected again for 10 s; a single-node set has
-    /// no primary during that time. Call [`ReplicaSet::wait_for_primary`] to
-    /// wait for the next one.
+    /// its index. It cannot be elected again for 10 s, while another node
+    /// takes over; a single-node set is forced down and has no primary for
+    /// about 2 s. Call [`ReplicaSet::wait_for_primary`] to wait for the next
+    /// one.
     ///
     /// # Panics
     ///
     /// When there is no primary within 60 s, or the command fails.
     pub async fn step_down(&self) -> usize {
         let primary = self.wait_for_primary().await;
-        // With one node there is no secondary to catch up: force it.
-        let command = doc! {
-            "replSetStepDown": 10,
-            "secondaryCatchUpPeriodSecs": 5,
-            "force": self.node_count() == 1,
+        let command = if self.node_count() == 1 {
+            // No secondary to catch up: force it, briefly.
+            doc! { "replSetStepDown": 2, "secondaryCatchUpPeriodSecs": 1, "force": true }
+        } else {
+            doc! { "replSetStepDown": 10, "secondaryCatchUpPeriodSecs": 5 }
         };
         let reply =
             server::admin_command(self.port(primary), command, Duration::from_secs(30)).await;
