@@ -1,0 +1,86 @@
+//! The arguments of `#[handler]`, as parsed.
+
+use proc_macro2::TokenStream;
+use syn::{LitInt, LitStr, Path, parse::Parser};
+
+use crate::{
+    attr::{self, Arg},
+    ctxt::Ctxt,
+};
+
+/// The longest wait the retry options accept, in milliseconds: a day, as in
+/// `RetryPolicy::validate`.
+const MAX_BACKOFF_MS: u64 = 86_400_000;
+
+/// `#[handler(id = "...", transactional, max_attempts = N, initial_backoff_ms = N,
+/// max_backoff_ms = N, crate = path)]`.
+pub(super) struct Args {
+    /// The handler id, when it was given as a string literal.
+    pub(super) id: Option<LitStr>,
+    /// Whether `id` was given at all (a non-literal value was reported).
+    pub(super) id_given: bool,
+    pub(super) transactional: bool,
+    pub(super) max_attempts: Option<(LitInt, u32)>,
+    pub(super) initial_backoff_ms: Option<(LitInt, u64)>,
+    pub(super) max_backoff_ms: Option<(LitInt, u64)>,
+    /// The path of the relaybus crate.
+    pub(super) krate: Option<Path>,
+}
+
+const KNOWN: &str = "`id`, `transactional`, `max_attempts`, `initial_backoff_ms`, \
+                     `max_backoff_ms` or `crate`";
+
+impl Args {
+    /// Parses the arguments, reporting every problem to `cx`.
+    pub(super) fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
+        let mut id = Arg::new("id");
+        let mut id_given = false;
+        let mut transactional = Arg::new("transactional");
+        let mut max_attempts = Arg::new("max_attempts");
+        let mut initial_backoff_ms = Arg::new("initial_backoff_ms");
+        let mut max_backoff_ms = Arg::new("max_backoff_ms");
+        let mut krate = Arg::new("crate");
+        let parser = syn::meta::parser(|meta| {
+            if meta.path.is_ident("id") {
+                id_given = true;
+                if let Some(lit) = attr::lit_str(cx, &meta, "\"projector\"")? {
+                    id.set(cx, &meta, lit);
+                }
+            } else if meta.path.is_ident("transactional") {
+                attr::flag(cx, &meta)?;
+                transactional.set(cx, &meta, ());
+            } else if meta.path.is_ident("max_attempts") {
+                if let Some(value) = attr::lit_int(cx, &meta, "5", 1..=1000)? {
+                    max_attempts.set(cx, &meta, value);
+                }
+            } else if meta.path.is_ident("initial_backoff_ms") {
+                if let Some(value) = attr::lit_int(cx, &meta, "500", 1..=MAX_BACKOFF_MS)? {
+                    initial_backoff_ms.set(cx, &meta, value);
+                }
+            } else if meta.path.is_ident("max_backoff_ms") {
+                if let Some(value) = attr::lit_int(cx, &meta, "60_000", 1..=MAX_BACKOFF_MS)? {
+                    max_backoff_ms.set(cx, &meta, value);
+                }
+            } else if meta.path.is_ident("crate") {
+                if let Some(path) = attr::crate_path(cx, &meta)? {
+                    krate.set(cx, &meta, path);
+                }
+            } else {
+                attr::unknown(cx, &meta, KNOWN)?;
+            }
+            Ok(())
+        });
+        if let Err(error) = parser.parse2(tokens) {
+            cx.syn_error(error);
+        }
+        Args {
+            id: id.get(),
+            id_given,
+            transactional: transactional.get().is_some(),
+            max_attempts: max_attempts.get(),
+            initial_backoff_ms: initial_backoff_ms.get(),
+            max_backoff_ms: max_backoff_ms.get(),
+            krate: krate.get(),
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The code `#[handler]` generates.
+
+use proc_macro2::{Ident, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::valid::Handler;
+
+/// The subscription constructor and the registration, inside an anonymous `const`; the function
+/// itself is left as written.
+pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
+    let Handler {
+        args,
+        id,
+        ident,
+        event_ty,
+        context_ty,
+        output,
+        krate,
+    } = handler;
+    let private = quote!(#krate::__private);
+
+    // The glue's variables carry the spans of the user's argument types, so that rustc reports
+    // a second argument that is not a `HandlerContext` at its type.
+    let event = Ident::new("__relaybus_event", event_ty.span());
+    let (context, call_args) = match context_ty {
+        Some(context_ty) => {
+            let context = Ident::new("__relaybus_context", context_ty.span());
+            (quote!(#context), quote!(#event, #context))
+        }
+        None => (quote!(_), quote!(#event)),
+    };
+    // The result carries the span of the return type, so that rustc reports a return type that
+    // is not a `Result<(), E: Into<BoxError>>` there.
+    let result = Ident::new("__relaybus_result", output.span());
+    let call = quote_spanned! {output.span()=>
+        let #result = #ident(#call_args).await;
+        #private::HandlerResult::into_handler_result(#result)
+    };
+    // `Subscription::new` carries the span of the function's name, where rustc reports a future
+    // that is not `Send`.
+    let subscribe = quote_spanned! {ident.span()=>
+        #private::Subscription::new::<#event_ty, _>(
+            #id,
+            |#event: #event_ty, #context: #private::HandlerContext| async move { #call },
+        )
+    };
+
+    let transactional = args.transactional.then(|| quote!(.with_transactional()));
+    let max_attempts = args
+        .max_attempts
+        .as_ref()
+        .map(|(_, n)| quote!(.with_max_attempts(#n)));
+    let initial_backoff = args
+        .initial_backoff_ms
+        .as_ref()
+        .map(|(_, ms)| quote!(.with_initial_backoff(::core::time::Duration::from_millis(#ms))));
+    let max_backoff = args
+        .max_backoff_ms
+        .as_ref()
+        .map(|(_, ms)| quote!(.with_max_backoff(::core::time::Duration::from_millis(#ms))));
+
+    quote! {
+        const _: () = {
+            fn __relaybus_subscription() -> #private::Subscription {
+                #subscribe
+            }
+
+            #private::inventory::submit! {
+                #private::HandlerDescriptor::new(
+                    #id,
+                    <#event_ty as #private::Event>::TYPE,
+                    ::core::concat!(::core::module_path!(), "::", ::core::stringify!(#ident)),
+                    __relaybus_subscription,
+                )
+                #transactional
+                #max_attempts
+                #initial_backoff
+                #max_backoff
+            }
+        };
+    }
+}
