@@ -22,8 +22,8 @@ pub(super) async fn watch(shared: Arc<Shared>, notify: Arc<Notify>, cancel: Canc
                 "operationType": "insert",
                 "fullDocument.handler": { "$in": &shared.handler_ids },
             } },
-            // Only the resume token is needed.
-            doc! { "$project": { "_id": 1 } },
+            // Only the resume token (`_id`) is needed; the driver requires `operationType`.
+            doc! { "$project": { "operationType": 1 } },
         ];
         let opened = tokio::select! {
             _ = cancel.cancelled() => return,
