@@ -96,10 +96,16 @@ impl std::fmt::Debug for RelayBus {
 
 impl RelayBus {
     /// Starts building a bus on a store.
+    ///
+    /// The builder starts with every handler declared with
+    /// [`#[handler]`](macro@crate::handler) in the binary (see [`crate::registry`]); opt out with
+    /// [`without_registered_handlers`](RelayBusBuilder::without_registered_handlers), or keep
+    /// some with [`registered_handlers_where`](RelayBusBuilder::registered_handlers_where).
     pub fn builder(store: MongoEventStore) -> RelayBusBuilder {
         RelayBusBuilder {
             store,
             subscriptions: Vec::new(),
+            registered: crate::registry::Selection::All,
             transaction_timeout: DEFAULT_TRANSACTION_TIMEOUT,
             owner: None,
             batch_size: 32,
@@ -323,6 +329,7 @@ impl RelayBus {
 pub struct RelayBusBuilder {
     store: MongoEventStore,
     subscriptions: Vec<Subscription>,
+    registered: crate::registry::Selection,
     transaction_timeout: Duration,
     owner: Option<String>,
     batch_size: u32,
@@ -340,6 +347,43 @@ impl RelayBusBuilder {
     /// Adds a subscription.
     pub fn subscribe(mut self, subscription: Subscription) -> Self {
         self.subscriptions.push(subscription);
+        self
+    }
+
+    /// Leaves out the handlers declared with [`#[handler]`](macro@crate::handler): the bus
+    /// subscribes only what is passed to [`subscribe`](Self::subscribe).
+    ///
+    /// [`build`](Self::build) still refuses a registry with duplicate event type names or
+    /// handler ids, since they break the binary whichever handlers this bus runs. Replaces an
+    /// earlier [`registered_handlers_where`](Self::registered_handlers_where).
+    pub fn without_registered_handlers(mut self) -> Self {
+        self.registered = crate::registry::Selection::None;
+        self
+    }
+
+    /// Subscribes only the handlers declared with [`#[handler]`](macro@crate::handler) for
+    /// which `filter` returns `true`, for example those of one service when several share a
+    /// binary. Replaces an earlier filter or
+    /// [`without_registered_handlers`](Self::without_registered_handlers).
+    ///
+    /// The handlers of a bus are also those whose deliveries its publishes create: a bus that
+    /// publishes an event type must subscribe every handler of that type, even those another
+    /// process runs.
+    ///
+    /// ```no_run
+    /// # use relaybus::{MongoEventStore, RelayBus};
+    /// # fn example(store: MongoEventStore) -> Result<(), relaybus::ConfigurationError> {
+    /// let bus = RelayBus::builder(store)
+    ///     .registered_handlers_where(|handler| handler.rust_path().starts_with("shop::billing::"))
+    ///     .build()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn registered_handlers_where<F>(mut self, filter: F) -> Self
+    where
+        F: Fn(&crate::registry::HandlerDescriptor) -> bool + Send + Sync + 'static,
+    {
+        self.registered = crate::registry::Selection::Where(Box::new(filter));
         self
     }
 
@@ -425,7 +469,14 @@ impl RelayBusBuilder {
     /// # Errors
     ///
     /// [`ConfigurationError`] for an invalid or duplicate handler id, or a setting out of range.
-    pub fn build(self) -> Result<RelayBus, ConfigurationError> {
+    /// Duplicates are looked for among the subscriptions of this bus and in the whole
+    /// [`registry`](crate::registry) ([`ConfigurationError::DuplicateEventType`] too), and the
+    /// error names both items.
+    pub fn build(mut self) -> Result<RelayBus, ConfigurationError> {
+        self.subscriptions = crate::registry::subscriptions(
+            &self.registered,
+            std::mem::take(&mut self.subscriptions),
+        )?;
         if self.transaction_timeout < Duration::from_millis(1)
             || self.transaction_timeout > Duration::from_secs(60)
         {

@@ -154,16 +154,32 @@ pub enum ConfigurationError {
         reason: &'static str,
     },
 
-    /// Two subscriptions share one handler id.
+    /// Two handlers share one id: two subscriptions of a bus, or two `#[handler]` functions
+    /// linked into the binary.
     #[error(
         "handler id {id:?} is subscribed twice ({first} and {second}); give each handler its own id"
     )]
     DuplicateHandlerId {
         /// The id both use.
         id: String,
-        /// What the first subscription handles.
+        /// The first handler: its `#[handler]` function, or the event its subscription handles.
         first: String,
-        /// What the second subscription handles.
+        /// The second handler, described as the first.
+        second: String,
+    },
+
+    /// Two event types declared with `#[event]` share one type name, so each would be read as
+    /// the other.
+    #[error(
+        "event type name {type_name:?} is declared twice ({first} and {second}); give each event \
+         type its own name (a new version of an event is a new name, such as `order.placed.v2`)"
+    )]
+    DuplicateEventType {
+        /// The type name both use.
+        type_name: String,
+        /// The path of the first Rust type.
+        first: String,
+        /// The path of the second Rust type.
         second: String,
     },
 }

@@ -19,6 +19,10 @@ pub const MAX_FIELD_BYTES: usize = 1024;
 
 /// An event type: a serializable payload with a stable wire name.
 ///
+/// Declare it with [`#[event("...")]`](macro@crate::event), which implements this trait and
+/// lists the type in the [`registry`](crate::registry); implement it by hand for a type the
+/// registry need not know.
+///
 /// The name (`TYPE`) is what the store records and what handlers subscribe to, so it must never
 /// change once events of it were published: a new version of an event is a new type with a new
 /// name, `order.placed.v2` next to `order.placed.v1`.
@@ -41,6 +45,11 @@ pub const MAX_FIELD_BYTES: usize = 1024;
 ///     const TYPE: &'static str = "order.placed.v1";
 /// }
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a relaybus event",
+    label = "not an event",
+    note = "declare the type with `#[relaybus::event(\"aggregate.happened.v1\")]`, or implement `relaybus::Event` for it"
+)]
 pub trait Event: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The wire name of the event type, such as `order.placed.v1`.
     ///

@@ -64,11 +64,15 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
 mod bus;
 mod dispatcher;
 pub mod error;
 pub mod event;
 mod handler;
+pub mod registry;
 pub mod store;
 
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
@@ -82,6 +86,9 @@ pub use handler::{
     Handler, HandlerContext, NotTransactional, RetryPolicy, SessionGuard, Subscription,
     validate_handler_id,
 };
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+pub use relaybus_macros::{event, handler};
 pub use store::mongo::{
     AppendRequest, Appended, ClaimedDelivery, DeliveryQuery, DeliveryRecord, DeliveryStatus, Lease,
     MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,
