@@ -1,0 +1,7 @@
+use serde::{Deserialize, Serialize};
+
+#[relaybus::event]
+#[derive(Serialize, Deserialize)]
+struct OrderPlaced {}
+
+fn main() {}

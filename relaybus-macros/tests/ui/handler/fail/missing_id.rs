@@ -1,0 +1,18 @@
+use relaybus::BoxError;
+use serde::{Deserialize, Serialize};
+
+#[relaybus::event("order.placed.v1")]
+#[derive(Serialize, Deserialize)]
+struct OrderPlaced {}
+
+#[relaybus::handler]
+async fn project(_: OrderPlaced) -> Result<(), BoxError> {
+    Ok(())
+}
+
+#[relaybus::handler(transactional)]
+async fn record(_: OrderPlaced) -> Result<(), BoxError> {
+    Ok(())
+}
+
+fn main() {}

@@ -1,0 +1,13 @@
+use relaybus::BoxError;
+use serde::{Deserialize, Serialize};
+
+#[relaybus::event("order.placed.v1")]
+#[derive(Serialize, Deserialize)]
+struct OrderPlaced {}
+
+#[relaybus::handler(id = "projector")]
+async fn project() -> Result<(), BoxError> {
+    Ok(())
+}
+
+fn main() {}

@@ -1,0 +1,14 @@
+use relaybus::{BoxError, HandlerContext};
+use serde::{Deserialize, Serialize};
+
+#[relaybus::event("order.placed.v1")]
+#[derive(Serialize, Deserialize)]
+struct OrderPlaced {}
+
+#[relaybus::handler(id = "projector")]
+async fn project(_: OrderPlaced, _: HandlerContext, retries: u32, verbose: bool) -> Result<(), BoxError> {
+    let _ = (retries, verbose);
+    Ok(())
+}
+
+fn main() {}
