@@ -2,17 +2,20 @@
 //!
 //! Workers lease lanes, not deliveries. A claim
 //!
-//! 1. moves parked deliveries whose predecessors finished back to the ready lane;
-//! 2. claims from the lanes its owner already holds on this store instance, after charging any
-//!    lost claims an earlier holder left there;
-//! 3. if it needs more, takes free lanes (no holder, or an expired lease) that have due
+//! 1. reads the lane documents: which lanes its owner holds on this store instance, which are
+//!    free;
+//! 2. moves parked deliveries whose predecessors finished back to the ready lane, for the keys of
+//!    every lane no other live owner holds;
+//! 3. claims from the lanes its owner already holds, after charging any lost claims an earlier
+//!    holder left there;
+//! 4. if it needs more, takes free lanes (no holder, or an expired lease) that have due
 //!    deliveries of its handlers, 4, then 8, 16, ... per round, the lane with the oldest due
 //!    delivery first, each with one conditional `findAndModify` that increments the lane epoch
 //!    and moves the previous holder's in-flight list to `lost`, which it then charges before
 //!    reading anything from the lane;
-//! 4. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
+//! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
 //!    ones it already runs, and applies the per-key rules until it has `limit`;
-//! 5. reads the events of its picks, then records the batch with one conditional write per lane,
+//! 6. reads the events of its picks, then records the batch with one conditional write per lane,
 //!    all in one `update` command, handing back the lanes that yielded nothing and run nothing.
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes (see
@@ -51,7 +54,7 @@ use crate::{
 const LANES_PER_QUERY: usize = 128;
 /// Free lanes taken in the first round; every further round takes twice as many.
 const FIRST_ROUND: usize = 4;
-/// Index entries one free-lane discovery query reads per group of lanes.
+/// Index entries one free-lane discovery query reads per group of lanes, at most.
 const DISCOVERY_WINDOW: i64 = 512;
 /// Deliveries read per batch once the first page did not yield enough.
 const SCAN_BATCH: u32 = 500;
@@ -321,25 +324,58 @@ impl MongoEventStore {
         let inner = &self.inner;
         let instance = inner.claims.instance;
 
-        // 1. Level-triggered unparking, one aggregation per handler. Never fails the claim.
+        // 1. Every lane document: the lanes this owner holds on this instance, with their
+        //    in-flight and lost lists, and which of the others are free.
+        let mine = doc! { "$and": [
+            { "$eq": ["$owner", { "$literal": owner }] },
+            { "$eq": ["$instance", instance] },
+        ] };
+        let all: Vec<Document> = inner
+            .lanes
+            .aggregate([doc! { "$project": {
+                "owner": 1,
+                "instance": 1,
+                "epoch": 1,
+                "leaseExpiresAt": 1,
+                "requeues": 1,
+                "inFlight": { "$cond": [mine.clone(), "$inFlight", "$$REMOVE"] },
+                "lost": { "$cond": [mine, "$lost", "$$REMOVE"] },
+            } }])
+            // One more than there are lanes, so that the first batch ends the cursor.
+            .batch_size(LANE_COUNT + 1)
+            .await?
+            .try_collect()
+            .await?;
+        let mut lanes: Vec<Lane> = Vec::new();
+        let mut free: Vec<i32> = Vec::new();
+        let mut taken_by_others: HashSet<i32> = HashSet::new();
+        for doc in &all {
+            let Some(lane) = Lane::from_document(doc) else {
+                continue;
+            };
+            let ours =
+                doc.get_str("owner") == Ok(owner) && doc.get_object_id("instance") == Ok(instance);
+            let expired = doc
+                .get_datetime("leaseExpiresAt")
+                .map_or(true, |expiry| *expiry <= now);
+            if ours {
+                lanes.push(lane);
+            } else if matches!(doc.get("owner"), None | Some(Bson::Null)) || expired {
+                free.push(lane.id);
+            } else {
+                taken_by_others.insert(lane.id);
+            }
+        }
+
+        // 2. Level-triggered unparking, one aggregation per handler, for the keys of every lane
+        //    not held by another live owner (that owner unparks its own). Never fails the claim.
         for handler in handlers {
-            if let Err(error) = self.unpark(handler).await {
+            if let Err(error) = self.unpark(handler, &taken_by_others).await {
                 tracing::warn!(handler, %error, "relaybus: unparking deliveries failed");
             }
         }
 
-        // 2. The lanes this owner holds on this instance, and what runs in them.
-        let mut lanes: Vec<Lane> = inner
-            .lanes
-            .find(doc! { "owner": owner, "instance": instance })
-            .limit(i64::from(LANE_COUNT))
-            .batch_size(LANE_COUNT)
-            .await?
-            .try_collect::<Vec<Document>>()
-            .await?
-            .iter()
-            .filter_map(Lane::from_document)
-            .collect();
+        // 3. What runs in the held lanes.
         let held_count = lanes.len();
         self.charge_lost(&lanes, now).await?;
 
@@ -374,20 +410,15 @@ impl MongoEventStore {
         let held_ids: Vec<i32> = lanes.iter().map(|lane| lane.id).collect();
         self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
 
-        // 3. Free lanes, 4, 8, 16, ... per round, oldest due delivery first.
+        // 4. Free lanes, 4, 8, 16, ... per round, oldest due delivery first.
         let mut tried: HashSet<i32> = held_ids.iter().copied().collect();
-        let mut free: Option<Vec<i32>> = None;
         let mut round = FIRST_ROUND;
         while !scan.full() {
-            let free = match &mut free {
-                Some(free) => free,
-                None => free.insert(self.free_lanes(owner, now).await?),
-            };
             free.retain(|lane| !tried.contains(lane));
             if free.is_empty() {
                 break;
             }
-            let ranked = self.rank_lanes(free, handlers, now, round).await?;
+            let ranked = self.rank_lanes(&free, handlers, now, round).await?;
             if ranked.is_empty() {
                 break;
             }
@@ -750,32 +781,6 @@ impl MongoEventStore {
         Ok(())
     }
 
-    /// The lanes nobody holds under a live lease, other than this owner's on this instance.
-    async fn free_lanes(&self, owner: &str, now: DateTime) -> Result<Vec<i32>> {
-        let instance = self.inner.claims.instance;
-        let docs: Vec<Document> = self
-            .inner
-            .lanes
-            .find(doc! { "$or": [
-                { "owner": Bson::Null },
-                { "leaseExpiresAt": { "$lte": now } },
-            ] })
-            .projection(doc! { "_id": 1, "owner": 1, "instance": 1 })
-            .limit(i64::from(LANE_COUNT))
-            .batch_size(LANE_COUNT)
-            .await?
-            .try_collect()
-            .await?;
-        Ok(docs
-            .iter()
-            .filter(|doc| {
-                !(doc.get_str("owner") == Ok(owner)
-                    && doc.get_object_id("instance") == Ok(instance))
-            })
-            .filter_map(|doc| int(doc, "_id").and_then(|id| i32::try_from(id).ok()))
-            .collect())
-    }
-
     /// Up to `count` of `free` lanes that have due deliveries of `handlers`, the lane with the
     /// oldest due delivery first. Reads only index entries.
     async fn rank_lanes(
@@ -785,6 +790,9 @@ impl MongoEventStore {
         now: DateTime,
         count: usize,
     ) -> Result<Vec<i32>> {
+        // Enough index entries to find `count` lanes unless a few lanes hold all the oldest
+        // work; the next round then looks again without them.
+        let window = (count as i64 * 8).clamp(32, DISCOVERY_WINDOW);
         let queries = free.chunks(LANES_PER_QUERY).map(|group| async move {
             let docs: Vec<Document> = self
                 .inner
@@ -799,8 +807,8 @@ impl MongoEventStore {
                 .sort(doc! { "dueAt": 1, "_id": 1 })
                 .projection(doc! { "_id": 0, "laneId": 1, "dueAt": 1 })
                 .hint(Hint::Name("claim".to_owned()))
-                .limit(DISCOVERY_WINDOW)
-                .batch_size(DISCOVERY_WINDOW as u32)
+                .limit(window)
+                .batch_size(window as u32)
                 .await?
                 .try_collect()
                 .await?;

@@ -35,7 +35,10 @@ impl MongoEventStore {
     /// One aggregation (a distinct scan of the small `parked` index), then one predecessor probe
     /// per parked key (sent together, see [`first_of_each`](Self::first_of_each)), then one
     /// update.
-    pub(crate) async fn unpark(&self, handler: &str) -> Result<u64> {
+    ///
+    /// Keys in `skip_lanes` (held by another live owner, who unparks them on its own claims) are
+    /// left alone.
+    pub(crate) async fn unpark(&self, handler: &str, skip_lanes: &HashSet<i32>) -> Result<u64> {
         let deliveries = &self.inner.deliveries;
         let lowest: Vec<Document> = deliveries
             .aggregate([
@@ -45,6 +48,7 @@ impl MongoEventStore {
                     "_id": "$key",
                     "id": { "$first": "$_id" },
                     "sequence": { "$first": "$sequence" },
+                    "laneId": { "$first": "$laneId" },
                 } },
             ])
             .hint(Hint::Name("parked".to_owned()))
@@ -58,6 +62,10 @@ impl MongoEventStore {
         let mut candidates: Vec<(String, ObjectId)> = Vec::with_capacity(lowest.len());
         let mut probes = Vec::with_capacity(lowest.len());
         for group in &lowest {
+            let lane = int(group, "laneId").and_then(|lane| i32::try_from(lane).ok());
+            if lane.is_some_and(|lane| skip_lanes.contains(&lane)) {
+                continue;
+            }
             let (Some(Bson::String(key)), Ok(id), Some(sequence)) = (
                 group.get("_id"),
                 group.get_object_id("id"),
