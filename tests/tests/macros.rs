@@ -1,0 +1,440 @@
+//! Events and handlers declared only through `#[event]` and `#[handler]`, in two modules, found
+//! through the registry and run end to end on a real replica set.
+//!
+//! The registry is global to the binary, so every test here sees the same handlers. Those whose
+//! deliveries the end-to-end test runs record their calls in [`CALLS`], keyed by order id so
+//! that the tests do not read each other's calls.
+
+use std::{
+    sync::{Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+use futures::TryStreamExt;
+use mongodb::{
+    Database,
+    bson::{Document, doc},
+};
+use relaybus::{
+    ConfigurationError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
+    RetryPolicy, registry,
+};
+use relaybus_harness::{TestDb, test_db};
+
+/// Calls of the handlers: (handler id, order id, attempt).
+static CALLS: Mutex<Vec<(&'static str, String, u32)>> = Mutex::new(Vec::new());
+
+/// The database of the end-to-end test, where the projector writes its read model. Handlers are
+/// plain functions, so what they need beyond the event and its context comes from the program's
+/// own state.
+static DATABASE: OnceLock<Database> = OnceLock::new();
+
+fn record(handler: &'static str, order_id: &str, context: &HandlerContext) {
+    CALLS
+        .lock()
+        .unwrap()
+        .push((handler, order_id.to_owned(), context.attempt()));
+}
+
+fn calls_for(order_id: &str) -> Vec<(&'static str, u32)> {
+    let mut calls: Vec<_> = CALLS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, order, _)| order == order_id)
+        .map(|(handler, _, attempt)| (*handler, *attempt))
+        .collect();
+    calls.sort();
+    calls
+}
+
+/// The orders side: an event and a transactional projector.
+mod orders {
+    use mongodb::bson::doc;
+    use relaybus::{BoxError, HandlerContext};
+    use serde::{Deserialize, Serialize};
+
+    #[relaybus::event("macros.order.placed.v1")]
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub(crate) struct OrderPlaced {
+        pub(crate) order_id: String,
+        pub(crate) total_cents: u64,
+    }
+
+    /// Writes the order's total to a read model in the transaction that completes the delivery.
+    #[relaybus::handler(id = "macros.projector", transactional)]
+    pub(crate) async fn project(
+        event: OrderPlaced,
+        context: HandlerContext,
+    ) -> Result<(), BoxError> {
+        super::record("macros.projector", &event.order_id, &context);
+        let mut session = context.session().await?;
+        let totals = super::DATABASE
+            .get()
+            .ok_or("the test sets the database before running handlers")?
+            .collection::<mongodb::bson::Document>("order_totals");
+        totals
+            .insert_one(doc! { "_id": &event.order_id, "total_cents": event.total_cents as i64 })
+            .session(&mut *session)
+            .await?;
+        Ok(())
+    }
+}
+
+/// The mailing side, in a module of its own: an event of its own and two handlers, one of them
+/// for the orders' event, with a retry override and an error type of its own.
+mod mailing {
+    use std::fmt;
+
+    use relaybus::HandlerContext;
+    use serde::{Deserialize, Serialize};
+
+    use crate::orders::OrderPlaced;
+
+    #[relaybus::event("macros.order.shipped.v1")]
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub(crate) struct OrderShipped {
+        pub(crate) order_id: String,
+    }
+
+    #[derive(Debug)]
+    pub(crate) struct MailError;
+
+    impl fmt::Display for MailError {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("the mail server is busy")
+        }
+    }
+
+    impl std::error::Error for MailError {}
+
+    /// Fails its first attempt, as a busy mail server would.
+    #[relaybus::handler(
+        id = "macros.mailer",
+        max_attempts = 3,
+        initial_backoff_ms = 20,
+        max_backoff_ms = 200
+    )]
+    pub(crate) async fn send_confirmation(
+        event: OrderPlaced,
+        context: HandlerContext,
+    ) -> Result<(), MailError> {
+        super::record("macros.mailer", &event.order_id, &context);
+        if context.attempt() == 1 {
+            Err(MailError)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Takes the event alone.
+    #[relaybus::handler(id = "macros.shipping-notice")]
+    pub(crate) async fn notify_shipping(event: OrderShipped) -> relaybus::Result<()> {
+        CALLS_WITHOUT_CONTEXT.lock().unwrap().push(event.order_id);
+        Ok(())
+    }
+
+    /// Calls of the handler that takes no context.
+    pub(crate) static CALLS_WITHOUT_CONTEXT: std::sync::Mutex<Vec<String>> =
+        std::sync::Mutex::new(Vec::new());
+}
+
+use mailing::OrderShipped;
+use orders::OrderPlaced;
+
+async fn store(db: &TestDb) -> MongoEventStore {
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    store
+}
+
+async fn all(db: &TestDb, collection: &str) -> Vec<Document> {
+    db.db()
+        .collection::<Document>(collection)
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+#[test]
+fn the_registry_lists_what_the_macros_declared() {
+    let events: Vec<_> = registry::events()
+        .map(|e| (e.type_name(), e.rust_type()))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            ("macros.order.placed.v1", "macros::orders::OrderPlaced"),
+            ("macros.order.shipped.v1", "macros::mailing::OrderShipped"),
+        ]
+    );
+    assert_eq!(
+        registry::event("macros.order.shipped.v1").map(|e| e.rust_type()),
+        Some("macros::mailing::OrderShipped")
+    );
+    assert_eq!(OrderPlaced::TYPE, "macros.order.placed.v1");
+
+    let handlers: Vec<_> = registry::handlers()
+        .map(|h| (h.id(), h.event_type(), h.rust_path(), h.is_transactional()))
+        .collect();
+    assert_eq!(
+        handlers,
+        [
+            (
+                "macros.mailer",
+                "macros.order.placed.v1",
+                "macros::mailing::send_confirmation",
+                false
+            ),
+            (
+                "macros.projector",
+                "macros.order.placed.v1",
+                "macros::orders::project",
+                true
+            ),
+            (
+                "macros.shipping-notice",
+                "macros.order.shipped.v1",
+                "macros::mailing::notify_shipping",
+                false
+            ),
+        ]
+    );
+    let retry: Vec<_> = registry::handlers().map(|h| h.retry_policy()).collect();
+    assert_eq!(
+        retry,
+        [
+            Some(
+                RetryPolicy::new(3)
+                    .initial_backoff(Duration::from_millis(20))
+                    .max_backoff(Duration::from_millis(200))
+            ),
+            None,
+            None,
+        ]
+    );
+    assert_eq!(registry::check(), Ok(()));
+}
+
+#[tokio::test]
+async fn handlers_stay_plain_functions() {
+    let shipped = OrderShipped {
+        order_id: "plain-1".into(),
+    };
+    mailing::notify_shipping(shipped.clone()).await.unwrap();
+    assert!(
+        mailing::CALLS_WITHOUT_CONTEXT
+            .lock()
+            .unwrap()
+            .contains(&"plain-1".to_owned())
+    );
+
+    let placed = OrderPlaced {
+        order_id: "plain-2".into(),
+        total_cents: 1,
+    };
+    let context = HandlerContext::detached(&EventEnvelope::new(&placed).unwrap(), "macros.mailer");
+    assert!(
+        mailing::send_confirmation(placed.clone(), context.clone())
+            .await
+            .is_err(),
+        "attempt 1 fails"
+    );
+    // The projector needs a transaction, which a detached context does not have.
+    let error = orders::project(placed, context).await.unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("not subscribed as transactional"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn the_builder_subscribes_registered_handlers_unless_told_otherwise() {
+    let db = test_db("macros-builder").await;
+    let store = store(&db).await;
+
+    let bus = RelayBus::builder(store.clone()).build().unwrap();
+    let ids: Vec<_> = bus.subscriptions().iter().map(|s| s.id()).collect();
+    assert_eq!(
+        ids,
+        [
+            "macros.mailer",
+            "macros.projector",
+            "macros.shipping-notice"
+        ]
+    );
+    assert_eq!(
+        bus.handlers_for(OrderPlaced::TYPE),
+        ["macros.mailer", "macros.projector"]
+    );
+    let projector = &bus.subscriptions()[1];
+    assert!(projector.is_transactional());
+    assert_eq!(
+        bus.subscriptions()[0].retry_policy(),
+        Some(
+            &RetryPolicy::new(3)
+                .initial_backoff(Duration::from_millis(20))
+                .max_backoff(Duration::from_millis(200))
+        )
+    );
+
+    let none = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .build()
+        .unwrap();
+    assert!(none.subscriptions().is_empty());
+
+    let mailing_only = RelayBus::builder(store.clone())
+        .registered_handlers_where(|h| h.rust_path().starts_with("macros::mailing::"))
+        .build()
+        .unwrap();
+    let ids: Vec<_> = mailing_only
+        .subscriptions()
+        .iter()
+        .map(|s| s.id())
+        .collect();
+    assert_eq!(ids, ["macros.mailer", "macros.shipping-notice"]);
+
+    // Picking handlers one by one after opting out.
+    let picked = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .subscribe(
+            registry::handlers()
+                .find(|h| h.id() == "macros.projector")
+                .unwrap()
+                .subscription(),
+        )
+        .build()
+        .unwrap();
+    assert!(picked.subscriptions()[0].is_transactional());
+
+    // A subscription by hand that takes a registered id is refused, naming both.
+    let clash = relaybus::Subscription::new(
+        "macros.projector",
+        |_: OrderShipped, _: HandlerContext| async { Ok::<(), relaybus::BoxError>(()) },
+    );
+    let error = RelayBus::builder(store.clone())
+        .subscribe(clash.clone())
+        .build()
+        .unwrap_err();
+    match &error {
+        ConfigurationError::DuplicateHandlerId { id, first, second } => {
+            assert_eq!(id, "macros.projector");
+            assert!(first.contains("macros::orders::project"), "{first}");
+            assert!(second.contains("macros::mailing::OrderShipped"), "{second}");
+        }
+        other => panic!("expected a duplicate handler id, got {other:?}"),
+    }
+    // Without the registered projector, the same subscription is fine.
+    RelayBus::builder(store)
+        .registered_handlers_where(|h| h.id() != "macros.projector")
+        .subscribe(clash)
+        .build()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn registered_handlers_run_end_to_end() {
+    let db = test_db("macros").await;
+    DATABASE
+        .set(db.db())
+        .expect("only this test sets the database");
+    let store = store(&db).await;
+    let bus = RelayBus::builder(store)
+        .lease_duration(Duration::from_secs(10))
+        .build()
+        .unwrap();
+
+    // Publish in the caller's transaction, next to the business data.
+    let orders = db.db().collection::<Document>("orders");
+    let placed = bus
+        .transaction(async |session| {
+            orders
+                .insert_one(doc! { "_id": "e2e-1" })
+                .session(&mut *session)
+                .await?;
+            bus.publish(&OrderPlaced {
+                order_id: "e2e-1".into(),
+                total_cents: 1250,
+            })
+            .key("e2e-1")
+            .session(session)
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(placed.new_deliveries, ["macros.mailer", "macros.projector"]);
+    let shipped = bus
+        .publish(&OrderShipped {
+            order_id: "e2e-1".into(),
+        })
+        .key("e2e-1")
+        .await
+        .unwrap();
+    assert_eq!(shipped.new_deliveries, ["macros.shipping-notice"]);
+
+    // One delivery per registered handler of each event.
+    let mut pending: Vec<(String, String)> = all(&db, "relaybus_deliveries")
+        .await
+        .iter()
+        .map(|d| {
+            (
+                d.get_str("eventType").unwrap().to_owned(),
+                d.get_str("handler").unwrap().to_owned(),
+            )
+        })
+        .collect();
+    pending.sort();
+    assert_eq!(
+        pending,
+        [
+            ("macros.order.placed.v1".into(), "macros.mailer".into()),
+            ("macros.order.placed.v1".into(), "macros.projector".into()),
+            (
+                "macros.order.shipped.v1".into(),
+                "macros.shipping-notice".into()
+            ),
+        ]
+    );
+
+    // Dispatch until every delivery is done; the mailer's retry waits 20 ms or so.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !all(&db, "relaybus_deliveries").await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "deliveries left: {:?}",
+            all(&db, "relaybus_deliveries").await
+        );
+        bus.run_once().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    assert_eq!(
+        calls_for("e2e-1"),
+        [
+            ("macros.mailer", 1),
+            ("macros.mailer", 2),
+            ("macros.projector", 1)
+        ]
+    );
+    assert!(
+        mailing::CALLS_WITHOUT_CONTEXT
+            .lock()
+            .unwrap()
+            .contains(&"e2e-1".to_owned())
+    );
+    // The transactional projector's write committed with its delivery's completion.
+    assert_eq!(
+        all(&db, "order_totals").await,
+        [doc! { "_id": "e2e-1", "total_cents": 1250_i64 }]
+    );
+}
