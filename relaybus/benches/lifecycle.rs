@@ -5,7 +5,8 @@
 //! Run with `cargo bench -p relaybus --bench lifecycle`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
 //! deliveries per run (default 10000), `RELAYBUS_BENCH_BATCH` the batch size (default 100). The
-//! last line is one JSON object; `ratio` is relaybus / baseline, unkeyed, 4 claimers.
+//! last line is one JSON object; `ratio` is relaybus / baseline, unkeyed, 4 claimers. Run by
+//! `cargo test` (without `--bench`), it makes small runs as a smoke test.
 
 use std::{
     sync::{
@@ -41,8 +42,18 @@ struct Run {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let deliveries = env_number("RELAYBUS_BENCH_DELIVERIES", 10_000) as usize;
-    let batch = env_number("RELAYBUS_BENCH_BATCH", 100) as u32;
+    // Run by `cargo test` (without `--bench`), it only checks that everything runs.
+    let smoke = !std::env::args().any(|arg| arg == "--bench");
+    let (deliveries, batch, backlog, rounds) = if smoke {
+        (200, 20, 100, 3)
+    } else {
+        (
+            env_number("RELAYBUS_BENCH_DELIVERIES", 10_000) as usize,
+            env_number("RELAYBUS_BENCH_BATCH", 100) as u32,
+            5_000,
+            30,
+        )
+    };
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let prefix = format!("bench_lifecycle_{}", std::process::id());
@@ -83,12 +94,12 @@ async fn main() -> Result<(), BoxError> {
 
     n += 1;
     let db = client.database(&format!("{prefix}_{n}"));
-    let (plain, backlog) = claim_latency(&client, &db, batch).await?;
+    let (plain, with_backlog) = claim_latency(&client, &db, batch, backlog, rounds).await?;
     db.drop().await?;
     println!(
-        "claim of {batch} (median of 30): {:.2} ms, with a blocked backlog of 5000 of another key: {:.2} ms",
+        "claim of {batch} (median of {rounds}): {:.2} ms, with a blocked backlog of {backlog} of another key: {:.2} ms",
         plain * 1e3,
-        backlog * 1e3
+        with_backlog * 1e3
     );
     let number = |name: &str| {
         figures
@@ -97,9 +108,13 @@ async fn main() -> Result<(), BoxError> {
             .unwrap_or(f64::NAN)
     };
     let ratio = number("unkeyed_4") / number("baseline_4");
-    let slowdown = backlog / plain;
+    let slowdown = with_backlog / plain;
     figures.insert("claim_ms".into(), round3(plain * 1e3).into());
-    figures.insert("claim_with_backlog_ms".into(), round3(backlog * 1e3).into());
+    figures.insert(
+        "claim_with_backlog_ms".into(),
+        round3(with_backlog * 1e3).into(),
+    );
+    figures.insert("backlog".into(), backlog.into());
     figures.insert("backlog_slowdown".into(), round3(slowdown).into());
     figures.insert("deliveries_per_run".into(), deliveries.into());
     figures.insert("batch".into(), batch.into());
@@ -282,10 +297,16 @@ async fn baseline(
 }
 
 /// Median time of a claim of `batch` unkeyed deliveries (each batch completed before the next
-/// claim), without and then with 5,000 deliveries of another key waiting behind its running head.
-async fn claim_latency(client: &Client, db: &Database, batch: u32) -> Result<(f64, f64), BoxError> {
+/// claim), without and then with `backlog` deliveries of another key waiting behind its running
+/// head.
+async fn claim_latency(
+    client: &Client,
+    db: &Database,
+    batch: u32,
+    backlog: usize,
+    rounds: usize,
+) -> Result<(f64, f64), BoxError> {
     let store = store(client, db).await?;
-    let rounds = 30;
     let measure = async |tag: &str| -> Result<f64, BoxError> {
         publish(
             &store,
@@ -316,7 +337,7 @@ async fn claim_latency(client: &Client, db: &Database, batch: u32) -> Result<(f6
     publish(
         &store,
         "hot",
-        5_000,
+        backlog,
         |_| Some("hot".to_owned()),
         DateTime::now(),
     )
@@ -326,6 +347,6 @@ async fn claim_latency(client: &Client, db: &Database, batch: u32) -> Result<(f6
         .claim("w", &[HANDLER], 1, LEASE, DateTime::now())
         .await?;
     assert_eq!(head.len(), 1, "the head of the hot key");
-    let backlog = measure("backlog").await?;
-    Ok((plain, backlog))
+    let with_backlog = measure("backlog").await?;
+    Ok((plain, with_backlog))
 }
