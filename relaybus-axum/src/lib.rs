@@ -1,1 +1,122 @@
-//! Axum and Tower integration for relaybus.
+//! Axum and Tower integration for relaybus: a MongoDB transaction per request, in which routes
+//! write their data and publish their events, committed with the response.
+//!
+//! - [`RequestTxLayer`] gives each request a transaction, started lazily on first use and
+//!   committed on 1xx–3xx or aborted on 4xx/5xx, a panic or a dropped request.
+//! - [`Publisher`] publishes events into it, and lends its session for the route's own writes;
+//!   [`Tx`] gives the session alone.
+//! - [`DispatcherService`] runs the bus's dispatcher next to `axum::serve` and shuts both down
+//!   gracefully on SIGINT or SIGTERM.
+//! - [`ops::router`] answers operators: statistics, deliveries, requeueing dead letters.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::{Router, http::StatusCode, routing::post};
+//! use mongodb::bson::{Document, doc};
+//! use relaybus::{MongoEventStore, RelayBus};
+//! use relaybus_axum::{DispatcherService, Publisher};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct OrderPlaced {
+//!     order_id: String,
+//! }
+//!
+//! impl relaybus::Event for OrderPlaced {
+//!     const TYPE: &'static str = "order.placed.v1";
+//! }
+//!
+//! async fn place_order(mut publisher: Publisher) -> Result<StatusCode, StatusCode> {
+//!     let orders = publisher.bus().store().database().collection::<Document>("orders");
+//!     orders
+//!         .insert_one(doc! { "_id": "o-1", "total_cents": 1250 })
+//!         .session(publisher.session())
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     publisher
+//!         .publish(&OrderPlaced { order_id: "o-1".into() })
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok(StatusCode::CREATED) // commits the order and its event together
+//! }
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:27017/?replicaSet=rs0").await?;
+//! let store = MongoEventStore::builder(client).database("shop").build()?;
+//! let bus = RelayBus::builder(store).build()?;
+//!
+//! let (state, layer) = relaybus_axum::setup(bus.clone())?;
+//! let app = Router::new()
+//!     .route("/orders", post(place_order))
+//!     .layer(layer)
+//!     .with_state(state)
+//!     .nest("/ops", relaybus_axum::ops::router(bus.clone())); // behind your auth
+//!
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! DispatcherService::new(bus).serve(listener, app).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Usage
+//!
+//! [`setup`] returns the router state and the layer of one bus; the state ([`RelayState`])
+//! gives [`Publisher`] the bus, through [`FromRef`](axum::extract::FromRef) when the router
+//! has a state of its own, and the layer gives it the transaction. Add the layer after the
+//! routes that use the extractors (see [`RequestTxLayer`], "Ordering"). [`config`] sets the
+//! options first: the [`CommitPolicy`], the `Retry-After` of a failed commit, the time budget.
+//!
+//! One extractor holds the request's session at a time: a handler takes one [`Publisher`]
+//! (or one [`Tx`]), and a second extraction while the first is held fails with a 500 instead
+//! of waiting for ever.
+//!
+//! # Commit and its failures
+//!
+//! The transaction is resolved after the handler answered and before the response leaves,
+//! so a client that sees a success sees its data committed. The commit is bounded by the time
+//! budget (the bus's transaction timeout by default). A commit that fails replaces the response:
+//! with a 503 and `Retry-After` when trying again may work (a write conflict, a timeout), with
+//! a 500 otherwise; [`transaction::error::CommitError`] lists the cases and what was committed
+//! in each. Handlers' writes are not replayed: a request is not a retryable closure.
+//!
+//! # Error handling
+//!
+//! Rejections ([`rejection`]) and commit errors answer with a short text that leaves database
+//! details out, and log them. A missing layer answers 500 with "no request transaction; add
+//! `relaybus_axum::RequestTxLayer` to the router". To shape the rejection responses, give the
+//! extractors an error type of yours: `Publisher<MyError>` where
+//! `MyError: From<PublisherRejection> + IntoResponse`.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod config;
+mod dispatcher;
+pub mod ops;
+mod publisher;
+pub mod rejection;
+pub mod transaction;
+mod tx;
+
+pub use config::{CommitPolicy, Config, RelayState};
+pub use dispatcher::{DispatcherService, ServeError, serve};
+pub use publisher::Publisher;
+pub use transaction::{RequestTx, RequestTxLayer};
+pub use tx::Tx;
+
+use relaybus::{ConfigurationError, RelayBus};
+
+/// The router state and the layer of `bus`, with the default options: commit on 1xx–3xx,
+/// `Retry-After: 1` on a failed commit, the bus's transaction timeout as the budget.
+///
+/// # Errors
+///
+/// [`ConfigurationError::InvalidOption`] when the bus's transaction timeout is out of range.
+pub fn setup(bus: RelayBus) -> Result<(RelayState, RequestTxLayer), ConfigurationError> {
+    config(bus).setup()
+}
+
+/// The options of the request transactions of `bus`, to set before [`Config::setup`].
+pub fn config(bus: RelayBus) -> Config {
+    Config::new(bus)
+}

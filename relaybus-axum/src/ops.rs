@@ -1,0 +1,423 @@
+//! Operator routes: statistics, deliveries, and requeueing dead letters, as JSON.
+//!
+//! [`router`] has no authentication of its own: mount it behind yours.
+//!
+//! | Route | Answers |
+//! |---|---|
+//! | `GET /statistics` | `{"pending", "running", "parked", "dead", "completed", "oldest_due_at"}` |
+//! | `GET /deliveries` | `{"deliveries": [..], "skip", "limit", "next_skip"}`, oldest first |
+//! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..]}` |
+//!
+//! `GET /deliveries` takes the query parameters `status` (`pending`, `dead` or `completed`),
+//! `handler`, `event_type`, `created_from` and `created_before` (RFC 3339 times), `skip`
+//! (0 to 100,000) and `limit` (1 to 1,000, 100 by default); `next_skip` is the `skip` of the
+//! next page, or `null` on the last one. `POST /deliveries/requeue` takes a JSON body
+//! `{"ids": ["<24 hex digits>", ..]}` with 1 to 1,000 ids, sent as `application/json` (which
+//! a cross-site HTML form cannot send).
+//!
+//! Every input is checked before any database call, and anything else is refused with 400 and
+//! `{"error": "..."}` saying what is accepted: unknown or repeated parameters, values of the
+//! wrong type (an object or array where a string belongs, as in `{"ids": [{"$ne": null}]}` or
+//! `?handler[$ne]=x`), names that no handler or event type can have. A failure of the store
+//! answers 500 without its details, which are logged.
+//!
+//! # Example
+//!
+//! ```no_run
+//! # fn example(bus: relaybus::RelayBus) {
+//! use axum::Router;
+//!
+//! # let require_operator = tower::layer::util::Identity::new();
+//! let app: Router = Router::new()
+//!     // .route(..) for the application
+//!     .nest("/ops", relaybus_axum::ops::router(bus).layer(require_operator));
+//! # }
+//! ```
+
+use axum::{
+    Json, Router,
+    body::Bytes,
+    extract::{RawQuery, State},
+    http::{HeaderMap, StatusCode, header::CONTENT_TYPE},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use mongodb::bson::DateTime;
+use relaybus::{DeliveryQuery, DeliveryRecord, DeliveryStatus, RelayBus};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// The deepest page: listing reads `skip + limit` records.
+const MAX_SKIP: u64 = 100_000;
+/// The most records per page.
+const MAX_LIMIT: u32 = 1_000;
+/// The most ids per requeue.
+const MAX_REQUEUE_IDS: usize = 1_000;
+
+/// The operator routes of `bus`, to nest under a path of your choice behind your own
+/// authentication; see the [module docs](self).
+pub fn router<S>(bus: RelayBus) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    Router::new()
+        .route("/statistics", get(statistics))
+        .route("/deliveries", get(deliveries))
+        .route("/deliveries/requeue", post(requeue))
+        .with_state(bus)
+}
+
+/// An answer of the operator routes that is not a success.
+#[derive(Debug)]
+enum OpsError {
+    /// The input is refused: 400.
+    BadRequest(String),
+    /// The body is not JSON: 415.
+    NotJson,
+    /// The store failed: 500.
+    Store(relaybus::Error),
+}
+
+impl IntoResponse for OpsError {
+    fn into_response(self) -> Response {
+        let (status, message) = match self {
+            OpsError::BadRequest(message) => (StatusCode::BAD_REQUEST, message),
+            OpsError::NotJson => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "send the body as `Content-Type: application/json`".to_owned(),
+            ),
+            OpsError::Store(error) => {
+                tracing::error!(%error, "an operator route failed");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the event store could not be reached; see the server log".to_owned(),
+                )
+            }
+        };
+        (status, Json(json!({ "error": message }))).into_response()
+    }
+}
+
+fn bad(message: impl Into<String>) -> OpsError {
+    OpsError::BadRequest(message.into())
+}
+
+async fn statistics(State(bus): State<RelayBus>) -> Result<Json<Value>, OpsError> {
+    let stats = bus.store().statistics().await.map_err(OpsError::Store)?;
+    Ok(Json(json!({
+        "pending": stats.pending,
+        "running": stats.running,
+        "parked": stats.parked,
+        "dead": stats.dead,
+        "completed": stats.completed,
+        "oldest_due_at": stats.oldest_due_at.map(rfc3339),
+    })))
+}
+
+/// The query string of `GET /deliveries`, every value still text.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    status: Option<String>,
+    handler: Option<String>,
+    event_type: Option<String>,
+    created_from: Option<String>,
+    created_before: Option<String>,
+    skip: Option<String>,
+    limit: Option<String>,
+}
+
+/// A checked `GET /deliveries` query.
+#[derive(Debug)]
+struct Listing {
+    query: DeliveryQuery,
+    skip: u64,
+    limit: u32,
+}
+
+fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
+    let params: ListParams = match raw {
+        None | Some("") => ListParams::default(),
+        Some(raw) => serde_urlencoded_params(raw)?,
+    };
+    let mut query = DeliveryQuery::new();
+    if let Some(status) = params.status {
+        query = query.status(match status.as_str() {
+            "pending" => DeliveryStatus::Pending,
+            "dead" => DeliveryStatus::Dead,
+            "completed" => DeliveryStatus::Completed,
+            _ => return Err(bad("`status` must be `pending`, `dead` or `completed`")),
+        });
+    }
+    if let Some(handler) = params.handler {
+        relaybus::validate_handler_id(&handler).map_err(|e| bad(format!("`handler`: {e}")))?;
+        query = query.handler(handler);
+    }
+    if let Some(event_type) = params.event_type {
+        relaybus::event::validate_type_name(&event_type)
+            .map_err(|e| bad(format!("`event_type`: {e}")))?;
+        query = query.event_type(event_type);
+    }
+    if let Some(from) = params.created_from {
+        query = query.created_from(parse_time("created_from", &from)?);
+    }
+    if let Some(before) = params.created_before {
+        query = query.created_before(parse_time("created_before", &before)?);
+    }
+    let skip = match params.skip {
+        None => 0,
+        Some(skip) => skip
+            .parse::<u64>()
+            .ok()
+            .filter(|skip| *skip <= MAX_SKIP)
+            .ok_or_else(|| {
+                bad(format!(
+                    "`skip` must be a whole number from 0 to {MAX_SKIP}; narrow the listing with \
+                     `created_from` to reach older records"
+                ))
+            })?,
+    };
+    let limit = match params.limit {
+        None => 100,
+        Some(limit) => limit
+            .parse::<u32>()
+            .ok()
+            .filter(|limit| (1..=MAX_LIMIT).contains(limit))
+            .ok_or_else(|| {
+                bad(format!(
+                    "`limit` must be a whole number from 1 to {MAX_LIMIT}"
+                ))
+            })?,
+    };
+    Ok(Listing {
+        query: query.skip(skip).limit(limit),
+        skip,
+        limit,
+    })
+}
+
+/// Parses a query string into [`ListParams`], refusing repeated and unknown keys (which is
+/// where `handler[$ne]=x` ends up).
+fn serde_urlencoded_params(raw: &str) -> Result<ListParams, OpsError> {
+    let mut seen = std::collections::HashSet::new();
+    let mut object = serde_json::Map::new();
+    for pair in raw.split('&').filter(|pair| !pair.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let key = decode(key).ok_or_else(|| bad("the query string is not valid UTF-8"))?;
+        let value = decode(value).ok_or_else(|| bad("the query string is not valid UTF-8"))?;
+        if !seen.insert(key.clone()) {
+            return Err(bad(format!("`{key}` is given more than once")));
+        }
+        object.insert(key, Value::String(value));
+    }
+    serde_json::from_value(Value::Object(object)).map_err(|e| {
+        bad(format!(
+            "{e}; the parameters are status, handler, event_type, created_from, created_before, \
+             skip and limit"
+        ))
+    })
+}
+
+/// Percent-decodes one component of a query string, `+` as a space.
+fn decode(component: &str) -> Option<String> {
+    let bytes = component.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        match bytes[at] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = bytes.get(at + 1..at + 3)?;
+                let hex = std::str::from_utf8(hex).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                at += 2;
+            }
+            byte => out.push(byte),
+        }
+        at += 1;
+    }
+    String::from_utf8(out).ok()
+}
+
+fn parse_time(name: &str, value: &str) -> Result<DateTime, OpsError> {
+    DateTime::parse_rfc3339_str(value).map_err(|_| {
+        bad(format!(
+            "`{name}` must be an RFC 3339 time such as 2025-01-31T12:00:00Z"
+        ))
+    })
+}
+
+async fn deliveries(
+    State(bus): State<RelayBus>,
+    RawQuery(raw): RawQuery,
+) -> Result<Json<Value>, OpsError> {
+    let listing = parse_listing(raw.as_deref())?;
+    let records = bus
+        .store()
+        .list_deliveries(&listing.query)
+        .await
+        .map_err(OpsError::Store)?;
+    let full = records.len() == listing.limit as usize;
+    let next_skip = full.then(|| listing.skip + u64::from(listing.limit));
+    Ok(Json(json!({
+        "deliveries": records.iter().map(record_json).collect::<Vec<_>>(),
+        "skip": listing.skip,
+        "limit": listing.limit,
+        "next_skip": next_skip,
+    })))
+}
+
+fn record_json(record: &DeliveryRecord) -> Value {
+    json!({
+        "id": record.id.to_hex(),
+        "event_id": record.event_id,
+        "handler": record.handler,
+        "event_type": record.event_type,
+        "key": record.key,
+        "sequence": record.sequence,
+        "status": record.status.as_str(),
+        "parked": record.parked,
+        "attempts": record.attempts,
+        "due_at": record.due_at.map(rfc3339),
+        "created_at": record.created_at.map(rfc3339),
+        "updated_at": record.updated_at.map(rfc3339),
+        "completed_at": record.completed_at.map(rfc3339),
+        "last_error": record.last_error,
+    })
+}
+
+fn rfc3339(time: DateTime) -> String {
+    time.try_to_rfc3339_string()
+        .unwrap_or_else(|_| time.timestamp_millis().to_string())
+}
+
+/// The body of `POST /deliveries/requeue`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequeueBody {
+    ids: Vec<String>,
+}
+
+fn parse_requeue(headers: &HeaderMap, body: &[u8]) -> Result<Vec<String>, OpsError> {
+    let json = headers
+        .get(CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return Err(OpsError::NotJson);
+    }
+    let body: RequeueBody = serde_json::from_slice(body).map_err(|e| {
+        bad(format!(
+            "{e}; send {{\"ids\": [\"<delivery id>\", ..]}} with the ids as strings"
+        ))
+    })?;
+    if body.ids.is_empty() || body.ids.len() > MAX_REQUEUE_IDS {
+        return Err(bad(format!(
+            "`ids` must hold 1 to {MAX_REQUEUE_IDS} ids, not {}",
+            body.ids.len()
+        )));
+    }
+    if let Some(id) = body
+        .ids
+        .iter()
+        .find(|id| id.len() != 24 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
+    {
+        let shown: String = id.chars().take(64).collect();
+        return Err(bad(format!(
+            "{shown:?} is not a delivery id; ids are the 24 hexadecimal digits listed by GET /deliveries"
+        )));
+    }
+    Ok(body.ids)
+}
+
+async fn requeue(
+    State(bus): State<RelayBus>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, OpsError> {
+    let ids = parse_requeue(&headers, &body)?;
+    let outcome = bus
+        .store()
+        .requeue(&ids, DateTime::now())
+        .await
+        .map_err(OpsError::Store)?;
+    Ok(Json(json!({
+        "requeued": outcome.requeued.iter().map(|id| id.to_hex()).collect::<Vec<_>>(),
+        "blocked": outcome.blocked.iter().map(|id| id.to_hex()).collect::<Vec<_>>(),
+        "not_found": outcome.not_found,
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::HeaderValue;
+
+    use super::*;
+
+    fn refused(raw: &str) -> String {
+        match parse_listing(Some(raw)) {
+            Err(OpsError::BadRequest(message)) => message,
+            other => panic!("{raw:?} was not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn listing_parameters_are_checked() {
+        let listing = parse_listing(Some(
+            "status=dead&handler=send-confirmation&event_type=order.placed.v1\
+             &created_from=2025-01-01T00%3A00%3A00Z&skip=20&limit=10",
+        ))
+        .unwrap();
+        assert_eq!((listing.skip, listing.limit), (20, 10));
+        let defaults = parse_listing(None).unwrap();
+        assert_eq!((defaults.skip, defaults.limit), (0, 100));
+
+        assert!(refused("status=buried").contains("`status`"));
+        assert!(refused("handler[$ne]=x").contains("unknown field"));
+        assert!(refused("handler=a&handler=b").contains("more than once"));
+        assert!(refused("handler=a%20b").contains("`handler`"));
+        assert!(refused("event_type=Order%24Placed").contains("`event_type`"));
+        assert!(refused("created_before=yesterday").contains("RFC 3339"));
+        assert!(refused("limit=0").contains("`limit`"));
+        assert!(refused("limit=1001").contains("`limit`"));
+        assert!(refused("skip=-1").contains("`skip`"));
+        assert!(refused("skip=100001").contains("`skip`"));
+        assert!(refused("limit=%FF").contains("UTF-8"));
+    }
+
+    #[test]
+    fn requeue_bodies_are_checked() {
+        let mut headers = HeaderMap::new();
+        assert!(matches!(
+            parse_requeue(&headers, br#"{"ids": []}"#),
+            Err(OpsError::NotJson)
+        ));
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/json; charset=utf-8"),
+        );
+        let id = "65f0a1b2c3d4e5f601234567";
+        assert_eq!(
+            parse_requeue(&headers, format!(r#"{{"ids": ["{id}"]}}"#).as_bytes()).unwrap(),
+            [id]
+        );
+        for body in [
+            r#"{"ids": [{"$ne": null}]}"#,
+            r#"{"ids": {"$gt": ""}}"#,
+            r#"{"ids": ["65f0a1b2c3d4e5f601234567"], "all": true}"#,
+            r#"{"ids": []}"#,
+            r#"{"ids": ["not-an-id"]}"#,
+            r#"["65f0a1b2c3d4e5f601234567"]"#,
+            "ids=65f0a1b2c3d4e5f601234567",
+        ] {
+            assert!(
+                matches!(
+                    parse_requeue(&headers, body.as_bytes()),
+                    Err(OpsError::BadRequest(_))
+                ),
+                "{body}"
+            );
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! The request transaction: [`RequestTxLayer`] makes [`RequestTx`], which gives each request a
+//! lazily started MongoDB transaction and resolves it from the response status.
+//!
+//! # Lifecycle
+//!
+//! 1. The layer puts an empty slot into the request's extensions. Nothing else happens: a
+//!    request that never extracts [`Tx`](crate::Tx) or [`Publisher`](crate::Publisher) costs
+//!    no database call.
+//! 2. The first extraction starts a session and a transaction on the bus's client (snapshot
+//!    reads, `majority` commits, on the primary), and later extractions of the same request
+//!    reuse it. An extractor holds the session until it is dropped; a second extraction while
+//!    one is held fails with [`OverlappingExtractors`](crate::rejection::OverlappingExtractors).
+//! 3. When the inner service has answered, the transaction is committed if the
+//!    [`CommitPolicy`](crate::CommitPolicy) commits the status (1xx–3xx by default) and
+//!    aborted otherwise. The response is sent after that, so a client that sees a success
+//!    sees committed data.
+//!
+//! The commit is bounded: the transaction must end within its time budget (the bus's
+//! [`transaction_timeout`](relaybus::RelayBus::transaction_timeout) by default), which is also
+//! sent as `maxCommitTimeMS`. A commit whose result is unknown (`UnknownTransactionCommitResult`)
+//! is sent again, a few times ([`Config::commit_retries`](crate::Config::commit_retries)). A
+//! commit that still fails replaces the response with a [`CommitError`](error::CommitError):
+//! a 503 with `Retry-After` for a transient error (such as a write conflict; nothing was
+//! committed) or for a timeout, a 500 otherwise. The request cannot be replayed by the layer,
+//! since its body is gone, so the client is told to retry.
+//!
+//! # Panics and dropped requests
+//!
+//! When the handler panics, or the request future is dropped (the client went away, or a
+//! timeout dropped it), the session is dropped with its transaction still open, and the MongoDB
+//! driver aborts it in the background. Nothing is ever committed from `Drop`.
+
+mod layer;
+
+pub mod error;
+pub mod future;
+
+use std::{
+    convert::Infallible,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use axum::{
+    http::Extensions,
+    response::{IntoResponse, Response},
+};
+use mongodb::{
+    ClientSession,
+    error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT},
+};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+use tower::Service;
+
+pub use self::layer::RequestTxLayer;
+use self::{error::CommitError, future::ResponseFuture};
+use crate::{
+    config::Shared,
+    rejection::{
+        MissingRequestTx, OverlappingExtractors, StartTransaction, TransactionEnded, TxRejection,
+    },
+};
+
+/// `MaxTimeMSExpired`: the commit ran past `maxCommitTimeMS`.
+const MAX_TIME_MS_EXPIRED: i32 = 50;
+/// How long past the budget the layer waits for a commit reply before giving up on it: the
+/// server stops at the budget, this covers the round trip.
+const COMMIT_REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The middleware of [`RequestTxLayer`]: a lazily started MongoDB transaction per request,
+/// committed or aborted from the response status. See the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct RequestTx<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> RequestTx<S> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared>) -> Self {
+        RequestTx { inner, shared }
+    }
+}
+
+impl<S, B> Service<axum::http::Request<B>> for RequestTx<S>
+where
+    S: Service<axum::http::Request<B>, Error = Infallible>,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: axum::http::Request<B>) -> Self::Future {
+        let slot = Slot::new(Arc::clone(&self.shared));
+        request.extensions_mut().insert(slot.clone());
+        let response = self.inner.call(request);
+        ResponseFuture::new(async move {
+            let response = match response.await {
+                Ok(response) => response.into_response(),
+                Err(never) => match never {},
+            };
+            Ok(slot.resolve(response).await)
+        })
+    }
+}
+
+/// The request's transaction, shared by the request extensions (for the extractors) and the
+/// layer's future (to resolve it).
+#[derive(Clone)]
+pub(crate) struct Slot {
+    pub(crate) shared: Arc<Shared>,
+    state: Arc<Mutex<State>>,
+}
+
+enum State {
+    /// Nothing started yet.
+    Idle,
+    /// A session with a started transaction.
+    Open {
+        session: Box<ClientSession>,
+        started: Instant,
+    },
+    /// Committed, aborted, or never started, and the response is on its way.
+    Ended,
+}
+
+impl Slot {
+    fn new(shared: Arc<Shared>) -> Self {
+        Slot {
+            shared,
+            state: Arc::new(Mutex::new(State::Idle)),
+        }
+    }
+
+    /// The slot of a request, or the rejection for a router without the layer.
+    pub(crate) fn of(extensions: &Extensions) -> Result<Slot, MissingRequestTx> {
+        extensions.get::<Slot>().cloned().ok_or(MissingRequestTx)
+    }
+
+    /// Takes the session, starting it and its transaction on first use.
+    ///
+    /// Cancel safe: dropped before the transaction started, the slot stays idle.
+    pub(crate) async fn lease(&self) -> Result<Lease, TxRejection> {
+        let mut guard = Arc::clone(&self.state)
+            .try_lock_owned()
+            .map_err(|_| OverlappingExtractors)?;
+        match &*guard {
+            State::Open { .. } => {}
+            State::Ended => return Err(TransactionEnded.into()),
+            State::Idle => {
+                let client = self.shared.bus.store().client();
+                let start = async {
+                    let mut session = client.start_session().await?;
+                    session
+                        .start_transaction()
+                        .with_options(self.shared.options.clone())
+                        .await?;
+                    Ok::<_, mongodb::error::Error>(session)
+                };
+                let session = start
+                    .await
+                    .map_err(|e| StartTransaction(relaybus::Error::Database(e)))?;
+                *guard = State::Open {
+                    session: Box::new(session),
+                    started: Instant::now(),
+                };
+            }
+        }
+        Ok(Lease { guard })
+    }
+
+    /// Commits or aborts from the response status, and ends the slot.
+    async fn resolve(&self, response: Response) -> Response {
+        let Ok(mut guard) = Arc::clone(&self.state).try_lock_owned() else {
+            // An extractor outlived its handler (moved into a spawned task, say). The
+            // transaction cannot be committed under it; it is aborted when that extractor
+            // drops, and the client must not believe its request succeeded.
+            tracing::error!(
+                "the request transaction is still held by an extractor after the response; \
+                 do not move `Tx` or `Publisher` out of the handler"
+            );
+            return CommitError::StillHeld.into_response();
+        };
+        let State::Open {
+            mut session,
+            started,
+        } = std::mem::replace(&mut *guard, State::Ended)
+        else {
+            return response;
+        };
+        drop(guard);
+        let shared = &self.shared;
+        if !shared.policy.commits(response.status()) {
+            // The driver ignores errors of abortTransaction: the server aborts on its own.
+            let _ = session.abort_transaction().await;
+            return response;
+        }
+        let elapsed = started.elapsed();
+        if elapsed > shared.budget {
+            let _ = session.abort_transaction().await;
+            return CommitError::TimedOut {
+                budget: shared.budget,
+                elapsed,
+                retry_after: shared.retry_after,
+                outcome_known: true,
+            }
+            .into_response();
+        }
+        match commit(&mut session, shared, started).await {
+            Ok(()) => response,
+            Err(error) => {
+                if matches!(error, CommitError::Database(_)) {
+                    tracing::error!(%error, "the request transaction did not commit");
+                } else {
+                    tracing::warn!(%error, "the request transaction did not commit");
+                }
+                error.into_response()
+            }
+        }
+    }
+}
+
+/// Commits, sending the commit again while its result is unknown, within the budget.
+async fn commit(
+    session: &mut ClientSession,
+    shared: &Shared,
+    started: Instant,
+) -> Result<(), CommitError> {
+    let deadline = tokio::time::Instant::from_std(started + shared.budget + COMMIT_REPLY_GRACE);
+    let timed_out = || CommitError::TimedOut {
+        budget: shared.budget,
+        elapsed: started.elapsed(),
+        retry_after: shared.retry_after,
+        outcome_known: false,
+    };
+    let mut retries = 0;
+    loop {
+        let error = match tokio::time::timeout_at(deadline, session.commit_transaction()).await {
+            Err(_) => return Err(timed_out()),
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(error)) => error,
+        };
+        if error_code(&error) == Some(MAX_TIME_MS_EXPIRED) {
+            return Err(timed_out());
+        }
+        if error.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) {
+            if retries < shared.commit_retries {
+                retries += 1;
+                continue;
+            }
+            return Err(CommitError::Unknown {
+                error: relaybus::Error::Database(error),
+                retry_after: shared.retry_after,
+            });
+        }
+        if error.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+            return Err(CommitError::Transient {
+                error: relaybus::Error::Database(error),
+                retry_after: shared.retry_after,
+            });
+        }
+        return Err(CommitError::Database(relaybus::Error::Database(error)));
+    }
+}
+
+/// The server error code of a driver error, if it has one.
+fn error_code(error: &mongodb::error::Error) -> Option<i32> {
+    use mongodb::error::WriteFailure;
+    match error.kind.as_ref() {
+        ErrorKind::Command(e) => Some(e.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(e)) => Some(e.code),
+        ErrorKind::Write(WriteFailure::WriteError(e)) => Some(e.code),
+        _ => None,
+    }
+}
+
+/// Exclusive use of the request's session, with its transaction started; held by an extractor.
+pub(crate) struct Lease {
+    guard: OwnedMutexGuard<State>,
+}
+
+impl Lease {
+    pub(crate) fn session(&self) -> &ClientSession {
+        match &*self.guard {
+            State::Open { session, .. } => session,
+            _ => panic!("BUG: a lease of a request transaction that is not open"),
+        }
+    }
+
+    pub(crate) fn session_mut(&mut self) -> &mut ClientSession {
+        match &mut *self.guard {
+            State::Open { session, .. } => session,
+            _ => panic!("BUG: a lease of a request transaction that is not open"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::{Router, routing::get};
+
+    // The trait bounds axum puts on layers are many: this only has to compile.
+    #[allow(dead_code)]
+    fn layer_compiles(bus: relaybus::RelayBus, listener: tokio::net::TcpListener) {
+        let (state, layer) = crate::setup(bus).unwrap();
+        let app: Router = Router::new()
+            .route("/", get(|| async { "hello" }))
+            .layer(layer)
+            .with_state(state);
+        let _ = axum::serve(listener, app);
+    }
+}

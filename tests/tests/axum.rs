@@ -1,0 +1,879 @@
+//! relaybus-axum through the real router (`tower::ServiceExt::oneshot`) on a real replica set:
+//! the request transaction, the extractors, the dispatcher service and the operator routes.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::{Path, State},
+    http::{Request, Response, StatusCode, header::RETRY_AFTER},
+    routing::{get, post},
+};
+use futures::TryStreamExt;
+use mongodb::{
+    Client, Collection,
+    bson::{Document, doc},
+    event::{EventHandler, command::CommandEvent},
+    options::ClientOptions,
+};
+use relaybus::{
+    BoxError, Event, HandlerContext, MongoEventStore, RelayBus, RelayBusBuilder, RetryPolicy,
+    Subscription,
+};
+use relaybus_axum::{DispatcherService, Publisher, RelayState, Tx};
+use relaybus_harness::{FailPoint, TestDb, test_db};
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    sync::{mpsc, oneshot},
+};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    total_cents: i64,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "order.placed.v1";
+}
+
+/// Waits for a message, failing the test after a generous deadline.
+async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>, what: &str) -> T {
+    tokio::time::timeout(Duration::from_secs(30), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap_or_else(|| panic!("channel closed waiting for {what}"))
+}
+
+/// A client of its own for one test, whose commands are reported on a channel: its
+/// application name scopes fail points to this test.
+struct Monitored {
+    client: Client,
+    app: String,
+    commands: mpsc::UnboundedReceiver<(&'static str, String)>,
+}
+
+impl Monitored {
+    async fn new(db: &TestDb) -> Self {
+        let app = format!("axum-{}", db.name);
+        let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+        options.app_name = Some(app.clone());
+        let (tx, commands) = mpsc::unbounded_channel();
+        options.command_event_handler = Some(EventHandler::callback(move |event| {
+            let _ = tx.send(match event {
+                CommandEvent::Started(e) => ("started", e.command_name),
+                CommandEvent::Succeeded(e) => ("succeeded", e.command_name),
+                CommandEvent::Failed(e) => ("failed", e.command_name),
+                _ => ("other", String::new()),
+            });
+        }));
+        Monitored {
+            client: Client::with_options(options).unwrap(),
+            app,
+            commands,
+        }
+    }
+
+    /// The commands started since the last call.
+    fn started(&mut self) -> Vec<String> {
+        let mut names = Vec::new();
+        while let Ok((kind, name)) = self.commands.try_recv() {
+            if kind == "started" {
+                names.push(name);
+            }
+        }
+        names
+    }
+
+    /// Waits until a command of this name succeeded.
+    async fn wait_for(&mut self, command: &str) {
+        loop {
+            let (kind, name) = next(&mut self.commands, command).await;
+            if kind == "succeeded" && name == command {
+                return;
+            }
+        }
+    }
+}
+
+/// The shop of these tests: a store on the monitored client, a bus with a confirmation
+/// handler and a transactional projector, and the routes below.
+struct Shop {
+    db: TestDb,
+    monitored: Monitored,
+    bus: RelayBus,
+    state: RelayState,
+    layer: relaybus_axum::RequestTxLayer,
+    confirmations: mpsc::UnboundedReceiver<String>,
+}
+
+fn orders_of(publisher: &Publisher) -> Collection<Document> {
+    publisher.bus().store().database().collection("orders")
+}
+
+async fn insert_and_publish(publisher: &mut Publisher, id: &str) {
+    orders_of(publisher)
+        .insert_one(doc! { "_id": id, "total_cents": 1250_i64 })
+        .session(publisher.session())
+        .await
+        .unwrap();
+    publisher
+        .publish(&OrderPlaced {
+            order_id: id.to_owned(),
+            total_cents: 1250,
+        })
+        .key(id)
+        .await
+        .unwrap();
+}
+
+impl Shop {
+    async fn new(hint: &str) -> Self {
+        Shop::with(hint, |builder| builder, |config| config).await
+    }
+
+    async fn with(
+        hint: &str,
+        bus: impl FnOnce(RelayBusBuilder) -> RelayBusBuilder,
+        config: impl FnOnce(relaybus_axum::Config) -> relaybus_axum::Config,
+    ) -> Self {
+        let db = test_db(hint).await;
+        let mut monitored = Monitored::new(&db).await;
+        let store = MongoEventStore::builder(monitored.client.clone())
+            .database(&db.name)
+            .build()
+            .unwrap();
+        store.setup().await.unwrap();
+        let (tx, confirmations) = mpsc::unbounded_channel();
+        let projections = monitored
+            .client
+            .database(&db.name)
+            .collection::<Document>("order_totals");
+        let builder = RelayBus::builder(store)
+            .poll_interval(Duration::from_millis(50))
+            .lease_duration(Duration::from_secs(10))
+            .subscribe(Subscription::new(
+                "send-confirmation",
+                move |event: OrderPlaced, _: HandlerContext| {
+                    let tx = tx.clone();
+                    async move {
+                        tx.send(event.order_id).unwrap();
+                        Ok::<(), BoxError>(())
+                    }
+                },
+            ))
+            .subscribe(
+                Subscription::new(
+                    "projector",
+                    move |event: OrderPlaced, ctx: HandlerContext| {
+                        let projections = projections.clone();
+                        async move {
+                            let mut session = ctx.session().await?;
+                            projections
+                            .update_one(
+                                doc! { "_id": "all" },
+                                doc! { "$inc": { "orders": 1, "total_cents": event.total_cents } },
+                            )
+                            .upsert(true)
+                            .session(&mut *session)
+                            .await?;
+                            Ok::<(), BoxError>(())
+                        }
+                    },
+                )
+                .transactional(),
+            );
+        let bus = bus(builder).build().unwrap();
+        let (state, layer) = config(relaybus_axum::config(bus.clone())).setup().unwrap();
+        monitored.started();
+        Shop {
+            db,
+            monitored,
+            bus,
+            state,
+            layer,
+            confirmations,
+        }
+    }
+
+    fn router(&self) -> Router {
+        Router::new()
+            .route(
+                "/orders/{id}",
+                post(async |Path(id): Path<String>, mut publisher: Publisher| {
+                    insert_and_publish(&mut publisher, &id).await;
+                    StatusCode::CREATED
+                }),
+            )
+            .route(
+                "/orders/{id}/answer/{status}",
+                post(
+                    async |Path((id, status)): Path<(String, u16)>, mut publisher: Publisher| {
+                        insert_and_publish(&mut publisher, &id).await;
+                        StatusCode::from_u16(status).unwrap()
+                    },
+                ),
+            )
+            .route(
+                "/orders/{id}/panic",
+                post(async |Path(id): Path<String>, mut publisher: Publisher| {
+                    insert_and_publish(&mut publisher, &id).await;
+                    panic!("the route failed after publishing");
+                    #[allow(unreachable_code)]
+                    StatusCode::CREATED
+                }),
+            )
+            .route(
+                "/orders/{id}/slow",
+                post(async |Path(id): Path<String>, mut publisher: Publisher| {
+                    insert_and_publish(&mut publisher, &id).await;
+                    // Slow work inside the transaction: the budget runs out.
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    StatusCode::CREATED
+                }),
+            )
+            .route(
+                "/orders/{id}/cancel",
+                post(
+                    async |State(relay): State<RelayState>, Path(id): Path<String>, mut tx: Tx| {
+                        let orders = relay
+                            .bus()
+                            .store()
+                            .database()
+                            .collection::<Document>("orders");
+                        orders
+                            .update_one(doc! { "_id": id }, doc! { "$set": { "cancelled": true } })
+                            .session(&mut *tx)
+                            .await
+                            .unwrap();
+                        StatusCode::NO_CONTENT
+                    },
+                ),
+            )
+            .route(
+                "/twice",
+                post(async |_tx: Tx, _publisher: Publisher| StatusCode::CREATED),
+            )
+            .route("/health", get(async || "ok"))
+            .layer(self.layer.clone())
+            .with_state(self.state.clone())
+    }
+
+    async fn counts(&self) -> (u64, u64, u64) {
+        let count = |name: &'static str| async move {
+            self.db
+                .db()
+                .collection::<Document>(name)
+                .count_documents(doc! {})
+                .await
+                .unwrap()
+        };
+        (
+            count("orders").await,
+            count("relaybus_events").await,
+            count("relaybus_deliveries").await,
+        )
+    }
+}
+
+fn post_to(uri: &str) -> Request<Body> {
+    Request::post(uri).body(Body::empty()).unwrap()
+}
+
+async fn text(response: Response<Body>) -> String {
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn a_created_order_commits_the_order_and_its_event_and_the_handlers_run() {
+    let mut shop = Shop::new("axum_commit").await;
+    let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(
+        shop.counts().await,
+        (1, 1, 2),
+        "order, event, two deliveries"
+    );
+    let started = shop.monitored.started();
+    assert!(
+        started.iter().any(|c| c == "commitTransaction"),
+        "{started:?}"
+    );
+    assert!(!started.iter().any(|c| c == "abortTransaction"));
+
+    let report = shop.bus.run_once().await.unwrap();
+    // The projector's delivery completes in its own transaction, so it counts as settled
+    // otherwise; both are gone below.
+    assert_eq!((report.claimed, report.completed), (2, 1), "{report:?}");
+    assert_eq!(
+        next(&mut shop.confirmations, "the confirmation").await,
+        "o-1"
+    );
+    let totals = shop
+        .db
+        .db()
+        .collection::<Document>("order_totals")
+        .find_one(doc! { "_id": "all" })
+        .await
+        .unwrap()
+        .expect("the projector wrote its totals");
+    assert_eq!(totals.get_i32("orders").unwrap(), 1);
+    assert_eq!(totals.get_i64("total_cents").unwrap(), 1250);
+    assert_eq!(shop.counts().await, (1, 1, 0), "both deliveries completed");
+}
+
+#[tokio::test]
+async fn a_route_that_answers_4xx_or_5xx_after_publishing_commits_nothing() {
+    let mut shop = Shop::new("axum_error_status").await;
+    for (id, status) in [("o-1", 422), ("o-2", 500), ("o-3", 409)] {
+        let response = shop
+            .router()
+            .oneshot(post_to(&format!("/orders/{id}/answer/{status}")))
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), status);
+        let started = shop.monitored.started();
+        assert!(
+            started.iter().any(|c| c == "abortTransaction"),
+            "aborted before the response: {started:?}"
+        );
+        assert!(!started.iter().any(|c| c == "commitTransaction"));
+    }
+    assert_eq!(shop.counts().await, (0, 0, 0));
+
+    // A redirect commits, as the default policy says.
+    let response = shop
+        .router()
+        .oneshot(post_to("/orders/o-4/answer/303"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(shop.counts().await, (1, 1, 2));
+}
+
+#[tokio::test]
+async fn the_commit_policy_decides_which_statuses_commit() {
+    let shop = Shop::with(
+        "axum_policy",
+        |builder| builder,
+        |config| {
+            config.commit_policy(relaybus_axum::CommitPolicy::new(|status| {
+                status.is_success() || status == StatusCode::CONFLICT
+            }))
+        },
+    )
+    .await;
+    let router = shop.router();
+    let answer = |uri: &'static str| router.clone().oneshot(post_to(uri));
+    assert_eq!(
+        answer("/orders/o-1/answer/303").await.unwrap().status(),
+        StatusCode::SEE_OTHER
+    );
+    assert_eq!(shop.counts().await, (0, 0, 0), "303 no longer commits");
+    assert_eq!(
+        answer("/orders/o-2/answer/409").await.unwrap().status(),
+        StatusCode::CONFLICT
+    );
+    assert_eq!(shop.counts().await, (1, 1, 2), "409 commits");
+}
+
+#[tokio::test]
+async fn a_panicking_route_commits_nothing_and_its_transaction_is_aborted() {
+    let mut shop = Shop::new("axum_panic").await;
+    let request = shop.router().oneshot(post_to("/orders/o-1/panic"));
+    let outcome = tokio::spawn(request).await;
+    assert!(outcome.unwrap_err().is_panic());
+    // The driver aborts the transaction of the dropped session in the background.
+    shop.monitored.wait_for("abortTransaction").await;
+    assert_eq!(shop.counts().await, (0, 0, 0));
+}
+
+#[tokio::test]
+async fn a_dropped_request_aborts_its_transaction() {
+    let mut shop = Shop::new("axum_dropped").await;
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let router = Router::new()
+        .route(
+            "/orders/{id}",
+            post(
+                async move |Path(id): Path<String>, mut publisher: Publisher| {
+                    insert_and_publish(&mut publisher, &id).await;
+                    entered_tx.send(()).unwrap();
+                    // The client goes away while the route still works.
+                    std::future::pending::<()>().await;
+                    StatusCode::CREATED
+                },
+            ),
+        )
+        .layer(shop.layer.clone())
+        .with_state(shop.state.clone());
+    let request = router.oneshot(post_to("/orders/o-1"));
+    tokio::select! {
+        _ = request => panic!("the route never answers"),
+        _ = next(&mut entered, "the route to publish") => {}
+    }
+    // The request future is dropped here.
+    shop.monitored.wait_for("abortTransaction").await;
+    assert_eq!(shop.counts().await, (0, 0, 0));
+}
+
+#[tokio::test]
+async fn a_route_that_never_extracts_makes_no_database_call() {
+    let mut shop = Shop::new("axum_lazy").await;
+    let response = shop
+        .router()
+        .oneshot(Request::get("/health").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        shop.monitored.started(),
+        Vec::<String>::new(),
+        "no session, no transaction, no command"
+    );
+    // The same router, extracting, does reach the database: the monitor sees it.
+    let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(!shop.monitored.started().is_empty());
+}
+
+#[tokio::test]
+async fn tx_gives_the_session_for_the_routes_own_writes() {
+    let shop = Shop::new("axum_tx").await;
+    let orders = shop.db.db().collection::<Document>("orders");
+    orders.insert_one(doc! { "_id": "o-1" }).await.unwrap();
+    let response = shop
+        .router()
+        .oneshot(post_to("/orders/o-1/cancel"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    let order = orders
+        .find_one(doc! { "_id": "o-1" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(order.get_bool("cancelled"), Ok(true));
+}
+
+#[tokio::test]
+async fn a_write_conflict_at_commit_answers_503_with_retry_after_and_commits_nothing() {
+    let mut shop = Shop::with(
+        "axum_conflict",
+        |builder| builder,
+        |config| config.retry_after(Duration::from_secs(7)),
+    )
+    .await;
+    let fail = FailPoint::enable(
+        &shop.monitored.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["commitTransaction"],
+                "appName": &shop.monitored.app,
+                "errorCode": 112,
+                "errorLabels": ["TransientTransactionError"],
+            },
+        },
+    )
+    .await
+    .unwrap();
+    shop.monitored.started();
+    let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
+    fail.disable().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()[RETRY_AFTER], "7");
+    assert!(text(response).await.contains("nothing was saved"));
+    let started = shop.monitored.started();
+    assert_eq!(
+        started.iter().filter(|c| *c == "commitTransaction").count(),
+        1,
+        "a transient error is not retried by the layer: {started:?}"
+    );
+    assert_eq!(shop.counts().await, (0, 0, 0));
+}
+
+#[tokio::test]
+async fn an_unknown_commit_result_sends_the_commit_again() {
+    let mut shop = Shop::new("axum_unknown_commit").await;
+    let fail = FailPoint::enable(
+        &shop.monitored.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 2 },
+            "data": {
+                "failCommands": ["commitTransaction"],
+                "appName": &shop.monitored.app,
+                // WriteConcernFailed: an unknown outcome that the driver does not retry itself.
+                "errorCode": 64,
+                "errorLabels": ["UnknownTransactionCommitResult"],
+            },
+        },
+    )
+    .await
+    .unwrap();
+    shop.monitored.started();
+    let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
+    fail.disable().await.unwrap();
+    let started = shop.monitored.started();
+    assert_eq!(
+        response.status(),
+        StatusCode::CREATED,
+        "{started:?} {}",
+        text(response).await
+    );
+    assert_eq!(
+        started.iter().filter(|c| *c == "commitTransaction").count(),
+        3,
+        "two failed commits and the one that went through: {started:?}"
+    );
+    assert_eq!(shop.counts().await, (1, 1, 2));
+}
+
+#[tokio::test]
+async fn a_transaction_over_its_budget_answers_503_and_commits_nothing() {
+    let shop = Shop::with(
+        "axum_budget",
+        |builder| builder,
+        |config| config.transaction_timeout(Duration::from_millis(200)),
+    )
+    .await;
+    let response = shop
+        .router()
+        .oneshot(post_to("/orders/o-1/slow"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()[RETRY_AFTER], "1");
+    assert_eq!(shop.counts().await, (0, 0, 0));
+}
+
+#[tokio::test]
+async fn without_the_layer_the_extractors_answer_500_naming_the_layer() {
+    let shop = Shop::new("axum_missing_layer").await;
+    let router = Router::new()
+        .route("/publisher", post(async |_: Publisher| StatusCode::CREATED))
+        .route("/tx", post(async |_: Tx| StatusCode::CREATED))
+        .with_state(shop.state.clone());
+    for uri in ["/publisher", "/tx"] {
+        let response = router.clone().oneshot(post_to(uri)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = text(response).await;
+        assert!(
+            body.contains(
+                "no request transaction; add `relaybus_axum::RequestTxLayer` to the router"
+            ),
+            "{body}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_second_extractor_in_one_handler_fails_clearly_and_commits_nothing() {
+    let mut shop = Shop::new("axum_overlap").await;
+    let response = tokio::time::timeout(
+        Duration::from_secs(30),
+        shop.router().oneshot(post_to("/twice")),
+    )
+    .await
+    .expect("no deadlock")
+    .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(text(response).await.contains("held by another extractor"));
+    assert!(
+        !shop
+            .monitored
+            .started()
+            .iter()
+            .any(|c| c == "commitTransaction")
+    );
+}
+
+#[tokio::test]
+async fn a_state_and_a_layer_of_two_setups_are_refused() {
+    let shop = Shop::new("axum_foreign").await;
+    let (other_state, _other_layer) = relaybus_axum::setup(shop.bus.clone()).unwrap();
+    let router = Router::new()
+        .route("/", post(async |_: Publisher| StatusCode::CREATED))
+        .layer(shop.layer.clone())
+        .with_state(other_state);
+    let response = router.oneshot(post_to("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        text(response)
+            .await
+            .contains("different `relaybus_axum::setup` calls")
+    );
+}
+
+/// Sends one HTTP/1.1 request and returns the status code.
+async fn http_post(address: std::net::SocketAddr, path: &str) -> u16 {
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"))
+}
+
+#[tokio::test]
+async fn graceful_shutdown_drains_requests_releases_deliveries_and_frees_the_lanes() {
+    let db = test_db("axum_shutdown").await;
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let (handler_tx, mut handler_started) = mpsc::unbounded_channel();
+    let bus = RelayBus::builder(store.clone())
+        .owner("web-1")
+        .poll_interval(Duration::from_millis(50))
+        .lease_duration(Duration::from_secs(600))
+        .shutdown_timeout(Duration::from_millis(200))
+        .subscribe(Subscription::new(
+            "slow",
+            move |_: OrderPlaced, _: HandlerContext| {
+                let handler_tx = handler_tx.clone();
+                async move {
+                    handler_tx.send(()).unwrap();
+                    std::future::pending::<()>().await;
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    let (state, layer) = relaybus_axum::setup(bus.clone()).unwrap();
+
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let release: Arc<Mutex<Option<oneshot::Receiver<()>>>> = Arc::default();
+    let (release_tx, release_rx) = oneshot::channel();
+    *release.lock().unwrap() = Some(release_rx);
+    let router = Router::new()
+        .route(
+            "/orders/{id}",
+            post(async |Path(id): Path<String>, mut publisher: Publisher| {
+                insert_and_publish(&mut publisher, &id).await;
+                StatusCode::CREATED
+            }),
+        )
+        .route(
+            "/slow",
+            post(async move || {
+                entered_tx.send(()).unwrap();
+                let release = release.lock().unwrap().take().unwrap();
+                release.await.unwrap();
+                StatusCode::OK
+            }),
+        )
+        .layer(layer)
+        .with_state(state);
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let token = CancellationToken::new();
+    let service = DispatcherService::new(bus)
+        .handle_signals(false)
+        .with_shutdown_token(token.clone());
+    let served = tokio::spawn(service.serve(listener, router));
+
+    assert_eq!(http_post(address, "/orders/o-1").await, 201);
+    next(&mut handler_started, "the handler to start").await;
+
+    // A request in flight when shutdown begins is answered.
+    let slow = tokio::spawn(http_post(address, "/slow"));
+    next(&mut entered, "the slow request").await;
+    token.cancel();
+    release_tx.send(()).unwrap();
+    assert_eq!(slow.await.unwrap(), 200, "drained, not cut off");
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("serve returns after shutdown")
+        .unwrap()
+        .unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(address).await.is_err(),
+        "the listener is closed"
+    );
+
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    assert_eq!(
+        lanes
+            .count_documents(doc! { "owner": "web-1" })
+            .await
+            .unwrap(),
+        0,
+        "every lane was handed back"
+    );
+    let deliveries: Vec<Document> = db
+        .db()
+        .collection::<Document>("relaybus_deliveries")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(deliveries.len(), 1);
+    assert_eq!(deliveries[0].get_str("status").unwrap(), "pending");
+
+    // Another worker takes it at once, with the 600 s lease far from its end, as attempt 1.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let other = RelayBus::builder(store)
+        .owner("web-2")
+        .subscribe(Subscription::new(
+            "slow",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(ctx.attempt()).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    let report = other.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.completed), (1, 1));
+    assert_eq!(next(&mut rx, "the other worker's run").await, 1);
+}
+
+async fn json(response: Response<Body>) -> serde_json::Value {
+    serde_json::from_str(&text(response).await).unwrap()
+}
+
+fn get_from(uri: &str) -> Request<Body> {
+    Request::get(uri).body(Body::empty()).unwrap()
+}
+
+fn requeue_request(body: &str, json: bool) -> Request<Body> {
+    let mut request = Request::post("/ops/deliveries/requeue");
+    if json {
+        request = request.header("content-type", "application/json");
+    }
+    request.body(Body::from(body.to_owned())).unwrap()
+}
+
+#[tokio::test]
+async fn ops_routes_answer_and_refuse_bad_input() {
+    let db = test_db("axum_ops").await;
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let bus = RelayBus::builder(store)
+        .subscribe(
+            Subscription::new("doomed", |_: OrderPlaced, _: HandlerContext| async {
+                Err::<(), BoxError>("the mail server said no".into())
+            })
+            .retry(RetryPolicy::new(1)),
+        )
+        .build()
+        .unwrap();
+    for n in 0..3 {
+        bus.publish(&OrderPlaced {
+            order_id: format!("o-{n}"),
+            total_cents: 100,
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(bus.run_once().await.unwrap().claimed, 3);
+    let router: Router = Router::new().nest("/ops", relaybus_axum::ops::router(bus.clone()));
+    let call = |request: Request<Body>| router.clone().oneshot(request);
+
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(stats["dead"], 3, "{stats}");
+    assert_eq!(stats["pending"], 0, "{stats}");
+
+    let page = call(get_from(
+        "/ops/deliveries?status=dead&handler=doomed&limit=2",
+    ))
+    .await
+    .unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    let page = json(page).await;
+    assert_eq!(page["deliveries"].as_array().unwrap().len(), 2, "{page}");
+    assert_eq!(page["next_skip"], 2);
+    assert!(
+        page["deliveries"][0]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("the mail server said no")
+    );
+    let last = json(
+        call(get_from("/ops/deliveries?status=dead&skip=2&limit=2"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(last["deliveries"].as_array().unwrap().len(), 1, "{last}");
+    assert_eq!(last["next_skip"], serde_json::Value::Null);
+    let id = last["deliveries"][0]["id"].as_str().unwrap().to_owned();
+
+    let unknown = "65f0a1b2c3d4e5f601234567";
+    let requeued = call(requeue_request(
+        &format!(r#"{{"ids": ["{id}", "{unknown}"]}}"#),
+        true,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(requeued.status(), StatusCode::OK);
+    let requeued = json(requeued).await;
+    assert_eq!(requeued["requeued"], serde_json::json!([id]));
+    assert_eq!(requeued["not_found"], serde_json::json!([unknown]));
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(
+        (stats["dead"].as_u64(), stats["pending"].as_u64()),
+        (Some(2), Some(1))
+    );
+
+    for uri in [
+        "/ops/deliveries?handler[$ne]=x",
+        "/ops/deliveries?status[$ne]=pending",
+        "/ops/deliveries?status=buried",
+        "/ops/deliveries?handler=doomed&handler=other",
+        "/ops/deliveries?limit=5000",
+        "/ops/deliveries?created_from=yesterday",
+        "/ops/deliveries?event_type=%7B%22%24gt%22%3A%22%22%7D",
+    ] {
+        let response = call(get_from(uri)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        assert!(json(response).await["error"].is_string(), "{uri}");
+    }
+    for body in [
+        r#"{"ids": [{"$ne": null}]}"#,
+        r#"{"ids": {"$gt": ""}}"#,
+        r#"{"ids": ["not-an-id"]}"#,
+        r#"{"ids": []}"#,
+        r#"{"ids": [], "$where": "1"}"#,
+        "not json",
+    ] {
+        let response = call(requeue_request(body, true)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+    }
+    let response = call(requeue_request(&format!(r#"{{"ids": ["{id}"]}}"#), false))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(stats["dead"], 2, "refused input changed nothing: {stats}");
+}
