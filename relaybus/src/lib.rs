@@ -49,6 +49,40 @@
 //! # }
 //! ```
 //!
+//! # Events and handlers declared where they live
+//!
+//! With the `macros` feature (on by default), [`#[event]`](macro@event) declares an event type
+//! and [`#[handler]`](macro@handler) an `async fn` that handles one; both are registered at link
+//! time, and [`RelayBus::builder`] subscribes every registered handler, so there is no central
+//! list to keep. [`registry`] lists what is registered; two events with one type name or two
+//! handlers with one id anywhere in the binary make [`build`](RelayBusBuilder::build) fail,
+//! naming both items.
+//!
+//! ```no_run
+//! use relaybus::{BoxError, HandlerContext, MongoEventStore, RelayBus};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[relaybus::event("order.placed.v1")]
+//! #[derive(Debug, Serialize, Deserialize)]
+//! struct OrderPlaced {
+//!     order_id: String,
+//! }
+//!
+//! #[relaybus::handler(id = "send-confirmation", max_attempts = 5)]
+//! async fn send_confirmation(event: OrderPlaced, context: HandlerContext) -> Result<(), BoxError> {
+//!     println!("confirming {} (attempt {})", event.order_id, context.attempt());
+//!     Ok(())
+//! }
+//!
+//! # async fn example(store: MongoEventStore) -> Result<(), relaybus::Error> {
+//! let bus = RelayBus::builder(store).build()?;
+//! assert_eq!(bus.handlers_for("order.placed.v1"), ["send-confirmation"]);
+//! bus.start().await?;
+//! bus.publish(&OrderPlaced { order_id: "o-1".into() }).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Requirements
 //!
 //! MongoDB 6.0 or newer running as a replica set or a sharded cluster: MongoDB has
