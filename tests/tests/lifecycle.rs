@@ -719,6 +719,57 @@ async fn a_failed_claim_reconciles_so_nothing_it_recorded_stays_running() {
     );
 }
 
+#[tokio::test]
+async fn a_listing_the_instance_did_not_hand_out_is_reconciled_by_the_next_claim() {
+    let db = test_db("orphan").await;
+    let store = store(&db).await;
+    // Two deliveries in one lane.
+    let lane_id = lane_of(None, "orphan-0");
+    let ids: Vec<String> = (0..)
+        .map(|n| format!("orphan-{n}"))
+        .filter(|id| lane_of(None, id) == lane_id)
+        .take(2)
+        .collect();
+    publish(&store, &[event(&ids[0], None)], &[HANDLER], at(0)).await;
+    publish(&store, &[event(&ids[1], None)], &[HANDLER], at(1)).await;
+    let first = claim(&store, "w", 1, at(2)).await.remove(0);
+    assert_eq!(first.event_id(), ids[0]);
+    let second_id = deliveries(&db)
+        .await
+        .iter()
+        .find(|d| d.get_str("eventId") == Ok(ids[1].as_str()))
+        .unwrap()
+        .get_object_id("_id")
+        .unwrap();
+
+    // What a dropped claim can leave behind: a listing nobody received a lease for.
+    db.db()
+        .collection::<Document>("relaybus_lanes")
+        .update_one(
+            doc! { "_id": lane_id as i32 },
+            doc! { "$push": { "inFlight": second_id } },
+        )
+        .await
+        .unwrap();
+    let next = claim(&store, "w", 10, at(3)).await;
+    assert_eq!(
+        next.len(),
+        1,
+        "the orphan was taken out and claimed properly"
+    );
+    assert_eq!(next[0].delivery_id(), second_id);
+    assert_eq!(next[0].lease().claims(), 1, "its generation moved on");
+    assert_eq!(next[0].attempt(), 1);
+    let listed = in_flight(&lane(&db, lane_id).await);
+    assert_eq!(listed.len(), 2);
+    assert!(listed.contains(&first.delivery_id()) && listed.contains(&second_id));
+    assert!(
+        store.complete(first.lease(), at(4)).await.unwrap(),
+        "handed-out claims kept"
+    );
+    assert!(store.complete(next[0].lease(), at(4)).await.unwrap());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-key order and parking
 

@@ -224,9 +224,10 @@ impl MongoEventStore {
     /// # Cancel safety
     ///
     /// Not cancel safe: a claim dropped half-way may have recorded deliveries nobody received.
-    /// The next claim of the same owner on the same instance notices and reconciles first; if
-    /// there is none, the deliveries wait for the lane lease to expire and are charged one
-    /// attempt when the lane is taken over.
+    /// They are not lost: every claim checks that the owner's lanes list only deliveries this
+    /// instance handed out, and reconciles them first when they do not, so the next claim of the
+    /// same owner on the same instance puts them back. Without one, they wait for the lane lease
+    /// to expire and are charged one attempt when the lane is taken over.
     ///
     /// # Example
     ///
@@ -290,10 +291,21 @@ impl MongoEventStore {
             state.interrupted = false;
         }
         state.interrupted = true;
-        let outcome = self
+        let mut outcome = self
             .claim_locked(owner, &wanted, limit as usize, expires_at, now)
             .await;
-        match outcome {
+        if matches!(outcome, Ok(None)) {
+            // The owner's lanes list deliveries this instance did not hand out (a claim that
+            // was dropped, or whose record landed late): reconcile, then claim again.
+            outcome = match self.reconcile(owner, now).await {
+                Ok(()) => {
+                    self.claim_locked(owner, &wanted, limit as usize, expires_at, now)
+                        .await
+                }
+                Err(error) => Err(error),
+            };
+        }
+        match outcome.map(Option::unwrap_or_default) {
             Ok(claimed) => {
                 state.interrupted = false;
                 Ok(claimed)
@@ -313,6 +325,8 @@ impl MongoEventStore {
         }
     }
 
+    /// One claim, with the owner's lock held. `None` when the owner's lanes list a delivery
+    /// this instance did not hand out; nothing was recorded then.
     async fn claim_locked(
         &self,
         owner: &str,
@@ -320,7 +334,7 @@ impl MongoEventStore {
         limit: usize,
         expires_at: DateTime,
         now: DateTime,
-    ) -> Result<Vec<ClaimedDelivery>> {
+    ) -> Result<Option<Vec<ClaimedDelivery>>> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
 
@@ -391,20 +405,39 @@ impl MongoEventStore {
             let mut cursor = inner
                 .deliveries
                 .find(doc! { "_id": { "$in": &listed } })
-                .projection(doc! { "handler": 1, "key": 1 })
+                .projection(doc! { "handler": 1, "key": 1, "claims": 1 })
                 .limit(listed.len() as i64)
                 .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
                 .await?;
+            let mut generations = HashMap::new();
             while let Some(running) = cursor.try_next().await? {
                 let Ok(id) = running.get_object_id("_id") else {
                     continue;
                 };
+                generations.insert(id, int(&running, "claims").unwrap_or(0));
                 scan.running.insert(id);
                 if let (Some(handler), Some(key)) =
                     (string(&running, "handler"), string(&running, "key"))
                 {
                     scan.running_keys.insert((handler, key));
                 }
+            }
+            // Everything a lane of this instance lists was handed out by this instance, unless
+            // a claim failed or was dropped after its record reached the database.
+            let orphaned = lanes.iter().any(|lane| {
+                lane.in_flight.iter().any(|id| {
+                    generations.get(id).is_some_and(|&claims| {
+                        inner.claims.issued(id)
+                            != Some(Issued {
+                                lane: lane.id,
+                                epoch: lane.epoch,
+                                claims,
+                            })
+                    })
+                })
+            });
+            if orphaned {
+                return Ok(None);
             }
         }
         let held_ids: Vec<i32> = lanes.iter().map(|lane| lane.id).collect();
@@ -580,7 +613,7 @@ impl MongoEventStore {
             });
         }
         inner.claims.issue(claimed.iter().map(|c| c.lease));
-        Ok(claimed)
+        Ok(Some(claimed))
     }
 
     /// Charges every lost claim listed by `lanes` one attempt, once: `lostAt` records the epoch
