@@ -355,7 +355,7 @@ async fn two_buses_process_each_delivery_once() {
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
 
-    let runs = runs.lock().unwrap();
+    let runs = runs.lock().unwrap().clone();
     assert_eq!(runs.len(), EVENTS);
     assert!(runs.values().all(|n| *n == 1), "each event ran once");
     assert!(deliveries(&db).await.is_empty());
@@ -419,7 +419,7 @@ async fn per_key_order_holds_end_to_end_across_three_buses() {
     for bus in &buses {
         bus.shutdown().await.unwrap();
     }
-    let seen = seen.lock().unwrap();
+    let seen = seen.lock().unwrap().clone();
     for k in 0..KEYS {
         let key = format!("key-{k}");
         let order: Vec<i64> = seen

@@ -728,7 +728,8 @@ async fn invalid_events_are_refused_before_anything_is_written() {
     let bus = bus(&store, &["a"]);
     let orders = db.db().collection::<Document>("orders");
 
-    let cases: Vec<(&str, Box<dyn Fn(Error) -> bool>)> = vec![
+    type Check = Box<dyn Fn(Error) -> bool>;
+    let cases: Vec<(&str, Check)> = vec![
         (
             "key",
             Box::new(|e| {

@@ -19,8 +19,7 @@ use mongodb::{
     bson::{Document, doc},
 };
 use relaybus::{
-    BoxError, Error, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
-    Subscription,
+    BoxError, Error, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription,
 };
 use serde::{Deserialize, Serialize};
 
@@ -36,9 +35,9 @@ impl Event for OrderPlaced {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let uri = std::env::var("MONGODB_URI").map_err(|_| {
-        "MONGODB_URI is not set; run `scripts/demo`, which starts a local replica set for you"
-    })?;
+    let uri = std::env::var("MONGODB_URI").map_err(
+        |_| "MONGODB_URI is not set; run `scripts/demo`, which starts a local replica set for you",
+    )?;
     let client = Client::with_uri_str(&uri).await?;
     let database = "relaybus_demo";
     client.database(database).drop().await?;
