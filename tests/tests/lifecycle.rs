@@ -841,7 +841,8 @@ async fn per_key_order_holds_with_8_concurrent_claimers_over_50_keys_of_200_even
     // key -> (running, last sequence completed)
     let state: Arc<Mutex<HashMap<String, (bool, i64)>>> = Arc::default();
     let completed = Arc::new(AtomicUsize::new(0));
-    // An idle claimer waits for another one to complete something instead of polling.
+    // An idle claimer waits for another one to complete something instead of polling, as a
+    // dispatcher waits for its polling interval.
     let progress = Arc::new(Notify::new());
     let claimers = (0..8).map(|n| {
         let state = Arc::clone(&state);
@@ -886,8 +887,13 @@ async fn per_key_order_holds_with_8_concurrent_claimers_over_50_keys_of_200_even
                 }
                 let done = store.complete_many(&leases(&batch), at(1)).await.unwrap();
                 assert!(done.iter().all(|d| *d));
-                completed.fetch_add(batch.len(), Ordering::SeqCst);
-                progress.notify_waiters();
+                let total = completed.fetch_add(batch.len(), Ordering::SeqCst) + batch.len();
+                if total >= KEYS * PER_KEY {
+                    progress.notify_waiters();
+                } else {
+                    // One idle claimer looks for work that may have been handed back.
+                    progress.notify_one();
+                }
             }
             progress.notify_waiters();
         }

@@ -383,45 +383,29 @@ impl MongoEventStore {
 
         // 2. Level-triggered unparking, one aggregation per handler, for the keys of every lane
         //    not held by another live owner (that owner unparks its own). Never fails the claim.
-        for handler in handlers {
-            if let Err(error) = self.unpark(handler, &taken_by_others).await {
-                tracing::warn!(handler, %error, "relaybus: unparking deliveries failed");
-            }
-        }
-
-        // 3. What runs in the held lanes.
-        let held_count = lanes.len();
-        self.charge_lost(&lanes, now).await?;
-
-        let mut scan = Scan {
-            limit,
-            ..Scan::default()
-        };
-        let listed: Vec<ObjectId> = lanes
-            .iter()
-            .flat_map(|lane| lane.in_flight.iter().copied())
-            .collect();
-        if !listed.is_empty() {
-            let mut cursor = inner
-                .deliveries
-                .find(doc! { "_id": { "$in": &listed } })
-                .projection(doc! { "handler": 1, "key": 1, "claims": 1 })
-                .limit(listed.len() as i64)
-                .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
-                .await?;
-            let mut generations = HashMap::new();
-            while let Some(running) = cursor.try_next().await? {
-                let Ok(id) = running.get_object_id("_id") else {
-                    continue;
-                };
-                generations.insert(id, int(&running, "claims").unwrap_or(0));
-                scan.running.insert(id);
-                if let (Some(handler), Some(key)) =
-                    (string(&running, "handler"), string(&running, "key"))
-                {
-                    scan.running_keys.insert((handler, key));
+        //    At the same time, 3: charge what earlier holders lost in the held lanes, then load
+        //    what runs in them.
+        let unparking = async {
+            for handler in handlers {
+                if let Err(error) = self.unpark(handler, &taken_by_others).await {
+                    tracing::warn!(handler, %error, "relaybus: unparking deliveries failed");
                 }
             }
+        };
+        let loading = async {
+            self.charge_lost(&lanes, now).await?;
+            self.load_running(&lanes).await
+        };
+        let ((), running) = futures::join!(unparking, loading);
+        let (running, running_keys, generations) = running?;
+        let held_count = lanes.len();
+        let mut scan = Scan {
+            limit,
+            running,
+            running_keys,
+            ..Scan::default()
+        };
+        if !generations.is_empty() {
             // Everything a lane of this instance lists was handed out by this instance, unless
             // a claim failed or was dropped after its record reached the database.
             let orphaned = lanes.iter().any(|lane| {
@@ -614,6 +598,43 @@ impl MongoEventStore {
         }
         inner.claims.issue(claimed.iter().map(|c| c.lease));
         Ok(Some(claimed))
+    }
+
+    /// The deliveries `lanes` list that still exist (they run), their keys, and their claim
+    /// generations.
+    async fn load_running(
+        &self,
+        lanes: &[Lane],
+    ) -> Result<(HashSet<ObjectId>, HashSet<KeyOf>, HashMap<ObjectId, i64>)> {
+        let mut running = HashSet::new();
+        let mut keys = HashSet::new();
+        let mut generations = HashMap::new();
+        let listed: Vec<ObjectId> = lanes
+            .iter()
+            .flat_map(|lane| lane.in_flight.iter().copied())
+            .collect();
+        if listed.is_empty() {
+            return Ok((running, keys, generations));
+        }
+        let mut cursor = self
+            .inner
+            .deliveries
+            .find(doc! { "_id": { "$in": &listed } })
+            .projection(doc! { "handler": 1, "key": 1, "claims": 1 })
+            .limit(listed.len() as i64)
+            .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
+            .await?;
+        while let Some(doc) = cursor.try_next().await? {
+            let Ok(id) = doc.get_object_id("_id") else {
+                continue;
+            };
+            generations.insert(id, int(&doc, "claims").unwrap_or(0));
+            running.insert(id);
+            if let (Some(handler), Some(key)) = (string(&doc, "handler"), string(&doc, "key")) {
+                keys.insert((handler, key));
+            }
+        }
+        Ok((running, keys, generations))
     }
 
     /// Charges every lost claim listed by `lanes` one attempt, once: `lostAt` records the epoch
