@@ -131,9 +131,12 @@ impl Config {
         self
     }
 
-    /// The time budget of a request transaction, from its first extraction to the end of its
-    /// commit; the bus's [`transaction_timeout`](RelayBus::transaction_timeout) by default (1 ms
-    /// to 60 s).
+    /// The time budget of a request transaction, the bus's
+    /// [`transaction_timeout`](RelayBus::transaction_timeout) by default (1 ms to 60 s).
+    ///
+    /// A transaction still open after the budget, counted from its first extraction, is
+    /// aborted instead of committed (503). The commit is sent with `maxCommitTimeMS` set to the
+    /// budget, and a commit with no reply a second after the budget ended counts as timed out.
     pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
         self.transaction_timeout = Some(timeout);
         self

@@ -143,6 +143,10 @@ impl DispatcherService {
 /// # Errors
 ///
 /// As [`DispatcherService::serve`].
+///
+/// # Cancel safety
+///
+/// Not cancel safe, as [`DispatcherService::serve`]; this one stops on signals only.
 pub async fn serve(bus: RelayBus, listener: TcpListener, router: Router) -> Result<(), ServeError> {
     DispatcherService::new(bus).serve(listener, router).await
 }

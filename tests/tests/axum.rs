@@ -428,6 +428,44 @@ async fn a_dropped_request_aborts_its_transaction() {
 }
 
 #[tokio::test]
+async fn an_extractor_that_outlives_its_handler_fails_the_request_and_commits_nothing() {
+    let mut shop = Shop::new("axum_outlived").await;
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let release = Arc::new(Mutex::new(Some(release_rx)));
+    let router = Router::new()
+        .route(
+            "/orders/{id}",
+            post(
+                async move |Path(id): Path<String>, mut publisher: Publisher| {
+                    insert_and_publish(&mut publisher, &id).await;
+                    let release = release.lock().unwrap().take().unwrap();
+                    // The publisher escapes into a task that outlives the handler.
+                    tokio::spawn(async move {
+                        let _kept = publisher;
+                        let _ = release.await;
+                    });
+                    StatusCode::CREATED
+                },
+            ),
+        )
+        .layer(shop.layer.clone())
+        .with_state(shop.state.clone());
+    let response = router.oneshot(post_to("/orders/o-1")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        !shop
+            .monitored
+            .started()
+            .iter()
+            .any(|c| c == "commitTransaction")
+    );
+    // When the escaped publisher drops, the driver aborts the transaction.
+    release_tx.send(()).unwrap();
+    shop.monitored.wait_for("abortTransaction").await;
+    assert_eq!(shop.counts().await, (0, 0, 0));
+}
+
+#[tokio::test]
 async fn a_route_that_never_extracts_makes_no_database_call() {
     let mut shop = Shop::new("axum_lazy").await;
     let response = shop
