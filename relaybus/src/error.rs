@@ -108,7 +108,8 @@ pub enum ConfigurationError {
 
     /// The database name cannot be used.
     #[error(
-        "invalid database name {name:?}: {reason}; use 1 to 63 characters of ASCII letters, digits, `_` and `-`"
+        "invalid database name {name:?}: {reason}; use 1 to 63 characters of ASCII letters, digits, `_` and `-`, \
+         other than `admin`, `local` and `config`"
     )]
     InvalidDatabaseName {
         /// The name given.

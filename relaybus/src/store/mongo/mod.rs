@@ -259,6 +259,10 @@ impl MongoEventStoreBuilder {
     }
 }
 
+/// Databases MongoDB keeps for itself: `local` is never replicated and allows no transactions,
+/// `admin` and `config` hold the server's and the cluster's own state.
+const RESERVED_DATABASES: [&str; 3] = ["admin", "local", "config"];
+
 fn validate_database_name(name: &str) -> Result<(), ConfigurationError> {
     let reason = if name.is_empty() {
         Some("it is empty")
@@ -269,6 +273,11 @@ fn validate_database_name(name: &str) -> Result<(), ConfigurationError> {
         .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
     {
         Some("it contains a character other than ASCII letters, digits, `_` and `-`")
+    } else if RESERVED_DATABASES
+        .iter()
+        .any(|reserved| reserved.eq_ignore_ascii_case(name))
+    {
+        Some("it is reserved by MongoDB for its own data (`local` is not even replicated)")
     } else {
         None
     };
@@ -330,7 +339,9 @@ mod tests {
         assert!(validate_database_name("shop").is_ok());
         assert!(validate_database_name("a-b_C9").is_ok());
         assert!(validate_database_name(&"a".repeat(63)).is_ok());
-        for bad in ["", "a.b", "a b", "a$", "é"] {
+        for bad in [
+            "", "a.b", "a b", "a$", "é", "admin", "local", "config", "Local",
+        ] {
             assert!(validate_database_name(bad).is_err(), "{bad}");
         }
         assert!(validate_database_name(&"a".repeat(64)).is_err());
