@@ -10,10 +10,15 @@ use mongodb::{
 };
 
 use super::{AppendRequest, Appended, MongoEventStore, error_code};
-use crate::error::{ConfigurationError, Error, Result, TransactionTimeoutError};
+use crate::error::{
+    ConfigurationError, Error, InvalidArgumentError, Result, TransactionTimeoutError,
+};
 
 /// How long transactions are retried after transient errors, as the driver's own helper does.
 pub(crate) const RETRY_LIMIT: Duration = Duration::from_secs(120);
+
+/// The longest time budget: MongoDB aborts transactions older than a minute by default.
+const MAX_BUDGET: Duration = Duration::from_secs(60);
 
 /// `IllegalOperation`, returned by a standalone server to transaction numbers.
 const ILLEGAL_OPERATION: i32 = 20;
@@ -155,11 +160,21 @@ impl MongoEventStore {
     ///
     /// # Errors
     ///
-    /// As [`transaction`](Self::transaction), plus [`Error::TransactionTimeout`].
+    /// As [`transaction`](Self::transaction), plus [`Error::TransactionTimeout`], and
+    /// [`Error::InvalidArgument`] for a budget outside 1 ms to 60 s (`work` does not run).
     pub async fn transaction_within<R, F>(&self, budget: Duration, work: F) -> Result<R>
     where
         F: for<'s> AsyncFnMut(&'s mut ClientSession) -> Result<R>,
     {
+        if budget < Duration::from_millis(1) || budget > MAX_BUDGET {
+            return Err(InvalidArgumentError::new(
+                "budget",
+                format!(
+                    "{budget:?} is out of range; use 1 ms to 60 s (MongoDB aborts longer transactions)"
+                ),
+            )
+            .into());
+        }
         self.run_transaction(Some(budget), work).await
     }
 
