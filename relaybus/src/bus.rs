@@ -468,7 +468,9 @@ impl RelayBusBuilder {
     ///
     /// # Errors
     ///
-    /// [`ConfigurationError`] for an invalid or duplicate handler id, or a setting out of range.
+    /// [`ConfigurationError`] for an invalid or duplicate handler id, a setting out of range, a
+    /// subscription's retry policy out of range (the message names the handler), or a
+    /// subscription to an event type whose name breaks the naming rule.
     /// Duplicates are looked for among the subscriptions of this bus and in the whole
     /// [`registry`](crate::registry) ([`ConfigurationError::DuplicateEventType`] too), and the
     /// error names both items.
@@ -492,8 +494,31 @@ impl RelayBusBuilder {
         let mut handlers_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
         for (at, subscription) in self.subscriptions.iter().enumerate() {
             validate_handler_id(&subscription.id)?;
+            if let Err(reason) = crate::event::check_type_name(subscription.event_type) {
+                // Publishing such a type is refused, so the handler could never run.
+                return Err(ConfigurationError::InvalidOption {
+                    option: "subscribe",
+                    reason: format!(
+                        "handler {:?} subscribes to {} under the event type name {:?}, which no \
+                         event can be published under: {reason}; name the type like \
+                         \"order.placed.v1\"",
+                        subscription.id, subscription.rust_type, subscription.event_type
+                    ),
+                });
+            }
             if let Some(policy) = &subscription.retry {
-                policy.validate()?;
+                policy.validate().map_err(|error| match error {
+                    ConfigurationError::InvalidOption { option, reason } => {
+                        ConfigurationError::InvalidOption {
+                            option,
+                            reason: format!(
+                                "the retry policy of handler {:?}: {reason}",
+                                subscription.id
+                            ),
+                        }
+                    }
+                    other => other,
+                })?;
             }
             if let Some(first) = self.subscriptions[..at]
                 .iter()

@@ -444,11 +444,15 @@ impl RetryPolicy {
             Some("initial_backoff is zero; use at least 1 ms".to_owned())
         } else if self.max_backoff < self.initial_backoff {
             Some(format!(
-                "max_backoff {:?} is shorter than initial_backoff {:?}",
+                "max_backoff {:?} is shorter than initial_backoff {:?}; make it at least as long \
+                 (initial_backoff is 1 s unless set)",
                 self.max_backoff, self.initial_backoff
             ))
         } else if self.max_backoff > Duration::from_secs(86_400) {
-            Some(format!("max_backoff {:?} is over a day", self.max_backoff))
+            Some(format!(
+                "max_backoff {:?} is over a day; use at most 24 hours",
+                self.max_backoff
+            ))
         } else {
             None
         };
