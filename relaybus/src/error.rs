@@ -250,6 +250,27 @@ pub enum EventValidationError {
         found: &'static str,
     },
 
+    /// The event id already names an event of another type, in the store or earlier in the
+    /// same batch. Ids deduplicate events, so the handlers of this type would get deliveries
+    /// of an event they cannot read.
+    ///
+    /// Found by [`append`](crate::MongoEventStore::append) inside the transaction when the
+    /// other event is stored: the transaction must not commit (the transaction helpers of the
+    /// bus and the store abort it).
+    #[error(
+        "event id {id:?} already names an event of type {existing_type}, so it cannot also be \
+         published as {event_type}; give every event its own id (a publish of a known id adds \
+         deliveries to the stored event, it never replaces it)"
+    )]
+    IdReused {
+        /// The event id.
+        id: String,
+        /// The type of the event the id names already.
+        existing_type: String,
+        /// The type of the event that was refused.
+        event_type: String,
+    },
+
     /// The stored event document would exceed MongoDB's document size limit.
     #[error(
         "event {id} would be stored as {size} bytes, over MongoDB's limit of {limit} bytes; store large \

@@ -80,6 +80,9 @@ impl MongoEventStore {
     ///
     /// - [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction) when
     ///   `session` has no started transaction; nothing is written.
+    /// - [`EventValidationError::IdReused`] when an event id names an event of another type,
+    ///   earlier in the batch (nothing is written) or in the store (found inside the
+    ///   transaction, which must then be aborted).
     /// - [`EventValidationError::TooLarge`] when an event document would exceed 16 MiB;
     ///   [`ConfigurationError::InvalidHandlerId`](crate::ConfigurationError::InvalidHandlerId)
     ///   for a malformed handler id. Both are checked before anything is written.
@@ -187,6 +190,7 @@ impl MongoEventStore {
                 .map(|(item, _)| item.event.id.as_str())
                 .collect();
             stored = self.read_stored(session, &known).await?;
+            check_types(&items, &created, &stored)?;
             self.give_back_sequences(session, &mut items, &created, &per_key, &base)
                 .await?;
             let extend: Vec<Document> = items
@@ -440,6 +444,33 @@ impl MongoEventStore {
     }
 }
 
+/// Refuses an event whose id the store holds for an event of another type: its handlers would
+/// get deliveries of an event they cannot read. Returned inside the transaction, which the
+/// caller aborts.
+fn check_types(
+    items: &[Item<'_>],
+    created: &[bool],
+    stored: &HashMap<String, Stored>,
+) -> Result<()> {
+    for (item, created) in items.iter().zip(created) {
+        if *created {
+            continue;
+        }
+        if let Some(known) = stored.get(&item.event.id)
+            && !known.event_type.is_empty()
+            && known.event_type != item.event.event_type
+        {
+            return Err(EventValidationError::IdReused {
+                id: item.event.id.clone(),
+                existing_type: known.event_type.clone(),
+                event_type: item.event.event_type.clone(),
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// Validates a batch and builds the event documents, before anything touches the database.
 fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
     let mut items: Vec<Item<'a>> = Vec::with_capacity(events.len());
@@ -451,6 +482,14 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
         if let Some(&at) = index_of.get(request.event.id.as_str()) {
             // The same id twice in one batch: one event, with the union of the handlers.
             let item = &mut items[at];
+            if item.event.event_type != request.event.event_type {
+                return Err(EventValidationError::IdReused {
+                    id: request.event.id.clone(),
+                    existing_type: item.event.event_type.clone(),
+                    event_type: request.event.event_type.clone(),
+                }
+                .into());
+            }
             for handler in request.handlers {
                 if !item.handlers.contains(&handler.as_str()) {
                     item.handlers.push(handler);
