@@ -18,7 +18,9 @@
 //! Every input is checked before any database call, and anything else is refused with 400 and
 //! `{"error": "..."}` saying what is accepted: unknown or repeated parameters, values of the
 //! wrong type (an object or array where a string belongs, as in `{"ids": [{"$ne": null}]}` or
-//! `?handler[$ne]=x`), names that no handler or event type can have. A failure of the store
+//! `?handler[$ne]=x`), names that no handler or event type can have. Other refusals answer
+//! with the same JSON shape: 415 for a body that is not JSON, 413 for a body over the
+//! router's limit, 405 for a wrong method and 404 for an unknown route. A failure of the store
 //! answers 500 without its details, which are logged.
 //!
 //! # Example
@@ -37,7 +39,7 @@
 use axum::{
     Json, Router,
     body::Bytes,
-    extract::{RawQuery, State},
+    extract::{RawQuery, State, rejection::BytesRejection},
     http::{HeaderMap, StatusCode, header::CONTENT_TYPE},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -64,7 +66,27 @@ where
         .route("/statistics", get(statistics))
         .route("/deliveries", get(deliveries))
         .route("/deliveries/requeue", post(requeue))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
         .with_state(bus)
+}
+
+async fn method_not_allowed() -> OpsError {
+    OpsError::Refused(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "this route takes another method: GET /statistics, GET /deliveries, \
+         POST /deliveries/requeue"
+            .to_owned(),
+    )
+}
+
+async fn not_found() -> OpsError {
+    OpsError::Refused(
+        StatusCode::NOT_FOUND,
+        "no such operator route; the routes are GET /statistics, GET /deliveries and \
+         POST /deliveries/requeue"
+            .to_owned(),
+    )
 }
 
 /// An answer of the operator routes that is not a success.
@@ -74,6 +96,9 @@ enum OpsError {
     BadRequest(String),
     /// The body is not JSON: 415.
     NotJson,
+    /// Refused with another 4xx status: an unknown route, a wrong method, a body that could
+    /// not be read.
+    Refused(StatusCode, String),
     /// The store failed: 500.
     Store(relaybus::Error),
 }
@@ -86,6 +111,7 @@ impl IntoResponse for OpsError {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "send the body as `Content-Type: application/json`".to_owned(),
             ),
+            OpsError::Refused(status, message) => (status, message),
             OpsError::Store(error) => {
                 tracing::error!(%error, "an operator route failed");
                 (
@@ -203,8 +229,8 @@ fn serde_urlencoded_params(raw: &str) -> Result<ListParams, OpsError> {
     let mut object = serde_json::Map::new();
     for pair in raw.split('&').filter(|pair| !pair.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        let key = decode(key).ok_or_else(|| bad("the query string is not valid UTF-8"))?;
-        let value = decode(value).ok_or_else(|| bad("the query string is not valid UTF-8"))?;
+        let key = decode(key).map_err(bad)?;
+        let value = decode(value).map_err(bad)?;
         if !seen.insert(key.clone()) {
             return Err(bad(format!("`{key}` is given more than once")));
         }
@@ -218,8 +244,11 @@ fn serde_urlencoded_params(raw: &str) -> Result<ListParams, OpsError> {
     })
 }
 
-/// Percent-decodes one component of a query string, `+` as a space.
-fn decode(component: &str) -> Option<String> {
+/// Percent-decodes one component of a query string, `+` as a space; the error says what is
+/// wrong with it.
+fn decode(component: &str) -> Result<String, &'static str> {
+    const BAD_ESCAPE: &str = "the query string has a `%` not followed by two hexadecimal \
+                              digits; percent-encode `%` itself as `%25`";
     let bytes = component.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut at = 0;
@@ -227,16 +256,19 @@ fn decode(component: &str) -> Option<String> {
         match bytes[at] {
             b'+' => out.push(b' '),
             b'%' => {
-                let hex = bytes.get(at + 1..at + 3)?;
-                let hex = std::str::from_utf8(hex).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
+                let hex = bytes
+                    .get(at + 1..at + 3)
+                    .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+                    .ok_or(BAD_ESCAPE)?;
+                let hex = std::str::from_utf8(hex).map_err(|_| BAD_ESCAPE)?;
+                out.push(u8::from_str_radix(hex, 16).map_err(|_| BAD_ESCAPE)?);
                 at += 2;
             }
             byte => out.push(byte),
         }
         at += 1;
     }
-    String::from_utf8(out).ok()
+    String::from_utf8(out).map_err(|_| "the query string is not valid UTF-8 once percent-decoded")
 }
 
 fn parse_time(name: &str, value: &str) -> Result<DateTime, OpsError> {
@@ -334,8 +366,17 @@ fn parse_requeue(headers: &HeaderMap, body: &[u8]) -> Result<Vec<String>, OpsErr
 async fn requeue(
     State(bus): State<RelayBus>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpsError> {
+    let body = body.map_err(|rejection| {
+        OpsError::Refused(
+            rejection.status(),
+            format!(
+                "{}; send {{\"ids\": [..]}} with at most {MAX_REQUEUE_IDS} ids",
+                rejection.body_text()
+            ),
+        )
+    })?;
     let ids = parse_requeue(&headers, &body)?;
     let outcome = bus
         .store()
@@ -384,6 +425,9 @@ mod tests {
         assert!(refused("skip=-1").contains("`skip`"));
         assert!(refused("skip=100001").contains("`skip`"));
         assert!(refused("limit=%FF").contains("UTF-8"));
+        assert!(refused("limit=%zz").contains("two hexadecimal digits"));
+        assert!(refused("limit=1%2").contains("two hexadecimal digits"));
+        assert!(refused("limit=%+1").contains("two hexadecimal digits"));
     }
 
     #[test]
