@@ -250,6 +250,21 @@ pub enum EventValidationError {
         found: &'static str,
     },
 
+    /// The payload nests objects and arrays deeper than MongoDB stores
+    /// ([`MAX_PAYLOAD_DEPTH`](crate::event::MAX_PAYLOAD_DEPTH) levels, the payload object
+    /// counted).
+    #[error(
+        "the payload of {event_type} nests objects and arrays more than {limit} levels deep, \
+         more than MongoDB supports in a document; flatten it, or store the data elsewhere and \
+         put a reference in the payload"
+    )]
+    PayloadTooDeep {
+        /// The event type.
+        event_type: String,
+        /// The deepest nesting accepted.
+        limit: usize,
+    },
+
     /// The event id already names an event of another type, in the store or earlier in the
     /// same batch. Ids deduplicate events, so the handlers of this type would get deliveries
     /// of an event they cannot read.

@@ -16,6 +16,9 @@ pub const MAX_ID_BYTES: usize = 256;
 pub const MAX_KEY_BYTES: usize = 512;
 /// The longest correlation id, causation id, header name or header value, in bytes.
 pub const MAX_FIELD_BYTES: usize = 1024;
+/// The deepest payload: objects and arrays nested in the payload object, itself counted. MongoDB
+/// supports 100 levels of nesting in a document.
+pub const MAX_PAYLOAD_DEPTH: usize = 100;
 
 /// An event type: a serializable payload with a stable wire name.
 ///
@@ -27,7 +30,8 @@ pub const MAX_FIELD_BYTES: usize = 1024;
 /// change once events of it were published: a new version of an event is a new type with a new
 /// name, `order.placed.v2` next to `order.placed.v1`.
 ///
-/// The payload is stored as the JSON value serde makes of it, and must serialize to a JSON object.
+/// The payload is stored as the JSON value serde makes of it, and must serialize to a JSON object
+/// nested at most [`MAX_PAYLOAD_DEPTH`] levels deep.
 ///
 /// # Example
 ///
@@ -173,8 +177,8 @@ impl EventEnvelope {
     ///
     /// # Errors
     ///
-    /// [`EventValidationError`] when the type name breaks the naming rule or the payload is not a
-    /// JSON object.
+    /// [`EventValidationError`] when the type name breaks the naming rule, the payload is not a
+    /// JSON object, or it is nested more than [`MAX_PAYLOAD_DEPTH`] levels deep.
     pub fn from_json(
         event_type: &str,
         payload: serde_json::Value,
@@ -189,6 +193,12 @@ impl EventEnvelope {
                 });
             }
         };
+        if too_deep(&payload) {
+            return Err(EventValidationError::PayloadTooDeep {
+                event_type: event_type.to_owned(),
+                limit: MAX_PAYLOAD_DEPTH,
+            });
+        }
         Ok(EventEnvelope {
             id: uuid::Uuid::now_v7().to_string(),
             event_type: event_type.to_owned(),
@@ -358,6 +368,26 @@ fn check_field(field: &'static str, value: String) -> Result<String, EventValida
     Ok(value)
 }
 
+/// Whether objects and arrays nest more than [`MAX_PAYLOAD_DEPTH`] levels deep in `payload`,
+/// the payload itself counted. Walks without recursion: the conversions to BSON recurse, and
+/// a payload deep enough would overflow their stack.
+fn too_deep(payload: &serde_json::Map<String, serde_json::Value>) -> bool {
+    let mut pending: Vec<(&serde_json::Value, usize)> = payload.values().map(|v| (v, 1)).collect();
+    while let Some((value, above)) = pending.pop() {
+        let children: Box<dyn Iterator<Item = &serde_json::Value>> = match value {
+            serde_json::Value::Object(map) => Box::new(map.values()),
+            serde_json::Value::Array(items) => Box::new(items.iter()),
+            _ => continue,
+        };
+        let depth = above + 1;
+        if depth > MAX_PAYLOAD_DEPTH {
+            return true;
+        }
+        pending.extend(children.map(|child| (child, depth)));
+    }
+    false
+}
+
 fn json_kind(value: &serde_json::Value) -> &'static str {
     match value {
         serde_json::Value::Null => "null",
@@ -436,6 +466,26 @@ mod tests {
             EventEnvelope::from_json("a.b", serde_json::json!([1])),
             Err(EventValidationError::PayloadNotObject { .. })
         ));
+        let nested = |levels: usize| {
+            let mut value = serde_json::json!(1);
+            for _ in 1..levels {
+                value = serde_json::json!({ "a": value });
+            }
+            serde_json::json!({ "a": value })
+        };
+        assert!(EventEnvelope::from_json("a.b", nested(MAX_PAYLOAD_DEPTH)).is_ok());
+        assert!(matches!(
+            EventEnvelope::from_json("a.b", nested(MAX_PAYLOAD_DEPTH + 1)),
+            Err(EventValidationError::PayloadTooDeep { limit: 100, .. })
+        ));
+        // The payload object, then arrays in arrays up to the limit.
+        let mut listed = serde_json::json!([]);
+        for _ in 2..MAX_PAYLOAD_DEPTH {
+            listed = serde_json::json!([listed]);
+        }
+        assert!(EventEnvelope::from_json("a.b", serde_json::json!({ "l": listed })).is_ok());
+        let listed = serde_json::json!([listed]);
+        assert!(EventEnvelope::from_json("a.b", serde_json::json!({ "l": listed })).is_err());
         let id = uuid::Uuid::parse_str(e.id()).unwrap();
         assert_eq!(id.get_version_num(), 7);
     }
