@@ -163,7 +163,7 @@ impl Config {
         if self.retry_after > Duration::from_secs(3_600) {
             return Err(ConfigurationError::InvalidOption {
                 option: "retry_after",
-                reason: format!("{:?} is over an hour", self.retry_after),
+                reason: format!("{:?} is over an hour; use at most 1 hour", self.retry_after),
             });
         }
         if self.commit_retries > 10 {

@@ -613,7 +613,10 @@ impl RelayBusBuilder {
         if self.shutdown_timeout > Duration::from_secs(3_600) {
             return invalid(
                 "shutdown_timeout",
-                format!("{:?} is over an hour", self.shutdown_timeout),
+                format!(
+                    "{:?} is over an hour; use at most 1 hour",
+                    self.shutdown_timeout
+                ),
             );
         }
         if let Some(retention) = &self.retention
@@ -621,7 +624,10 @@ impl RelayBusBuilder {
         {
             return invalid(
                 "retention",
-                format!("purge interval {:?} is under a second", retention.interval),
+                format!(
+                    "purge interval {:?} is under a second; purge at most once a second",
+                    retention.interval
+                ),
             );
         }
         self.retry.validate()
