@@ -244,6 +244,8 @@ impl RelayBus {
     ///
     /// Write the business data through the session `work` gets, and publish with
     /// [`publish(..).session(session)`](Publish::session): both commit together or not at all.
+    /// A publish without the session inside `work` is refused with
+    /// [`ConfigurationError::SessionNotPassed`], since it would commit on its own.
     /// Retries and the time budget work as in
     /// [`MongoEventStore::transaction_within`]: **`work` may run more than once**.
     ///
@@ -271,8 +273,9 @@ impl RelayBus {
     /// # Errors
     ///
     /// [`Error::EventValidation`] for an event or option that cannot be stored,
-    /// [`Error::Configuration`] for a session without a started transaction. Nothing is written
-    /// in either case.
+    /// [`Error::Configuration`] for a session without a started transaction, or for a publish
+    /// without `.session(..)` inside the body of [`transaction`](Self::transaction) (it would
+    /// commit whatever becomes of the body). Nothing is written in either case.
     pub fn publish<E: Event>(&self, event: &E) -> Publish<'_> {
         Publish {
             bus: self,
@@ -314,6 +317,12 @@ impl RelayBus {
         let store = &self.inner.store;
         match session {
             Some(session) => store.append(session, &requests, DateTime::now()).await,
+            None if crate::store::mongo::in_transaction_body() => {
+                Err(ConfigurationError::SessionNotPassed {
+                    operation: "publish",
+                }
+                .into())
+            }
             None => {
                 store
                     .append_in_own_transaction(self.inner.transaction_timeout, &requests)

@@ -106,6 +106,18 @@ pub enum ConfigurationError {
         operation: &'static str,
     },
 
+    /// A publish without a session ran inside the body of a transaction of the bus or the
+    /// store: it would commit in a transaction of its own, even if the body's is aborted.
+    #[error(
+        "{operation} was called without `.session(session)` inside a transaction body, where it \
+         would commit on its own even if the body's transaction is aborted; pass the session the \
+         body was given"
+    )]
+    SessionNotPassed {
+        /// The operation that was refused.
+        operation: &'static str,
+    },
+
     /// The database name cannot be used.
     #[error(
         "invalid database name {name:?}: {reason}; use 1 to 63 characters of ASCII letters, digits, `_` and `-`, \

@@ -29,6 +29,7 @@ pub use claim::ClaimedDelivery;
 pub use lease::Lease;
 pub use operator::{DeliveryQuery, DeliveryRecord, DeliveryStatus, Requeued, Statistics};
 pub use purge::{PurgeOptions, Purged};
+pub(crate) use transaction::in_transaction_body;
 
 use crate::error::ConfigurationError;
 

@@ -25,6 +25,17 @@ const ILLEGAL_OPERATION: i32 = 20;
 /// `MaxTimeMSExpired`.
 const MAX_TIME_MS_EXPIRED: i32 = 50;
 
+tokio::task_local! {
+    /// Set on the task while the body of one of these transactions runs.
+    static IN_BODY: ();
+}
+
+/// Whether the current task runs the body of a transaction of this crate, where a publish
+/// without the body's session would commit on its own.
+pub(crate) fn in_transaction_body() -> bool {
+    IN_BODY.try_with(|()| ()).is_ok()
+}
+
 /// The transaction loop, shared by the closure-based entry points and the store's own transactions:
 /// written once as a macro because an async closure that borrows cannot be proven `Send` by the
 /// compiler, while inline code can.
@@ -49,7 +60,7 @@ macro_rules! transaction_loop {
             let attempt_started = Instant::now();
             let outcome = {
                 let $session: &mut ClientSession = &mut session;
-                $work.await
+                IN_BODY.scope((), $work).await
             };
             let value = match outcome {
                 Ok(value) => value,
