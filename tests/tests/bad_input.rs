@@ -1001,6 +1001,72 @@ async fn publish_and_append_with_a_session_outside_a_transaction_write_nothing()
 }
 
 #[tokio::test]
+async fn a_publish_without_the_session_inside_a_transaction_body_is_refused() {
+    let db = test_db("bi_forgotten_session").await;
+    let store = store(&db).await;
+    let bus = bus(&store, &["a"]);
+    let orders = db.db().collection::<Document>("orders");
+    let before = contents(&db).await;
+
+    // Without `.session(session)` the event would commit in a transaction of its own, and stay
+    // when the body's transaction is aborted.
+    let outcomes: [Result<(), Error>; 3] = [
+        bus.transaction(async |session| {
+            orders
+                .insert_one(doc! { "_id": "o-1" })
+                .session(&mut *session)
+                .await?;
+            bus.publish(&placed("o-1")).await?;
+            Ok(())
+        })
+        .await,
+        bus.transaction(async |session| {
+            orders
+                .insert_one(doc! { "_id": "o-2" })
+                .session(&mut *session)
+                .await?;
+            bus.publish_all([EventEnvelope::new(&placed("o-2")).unwrap()])
+                .await?;
+            Ok(())
+        })
+        .await,
+        store
+            .transaction(async |session| {
+                orders
+                    .insert_one(doc! { "_id": "o-3" })
+                    .session(&mut *session)
+                    .await?;
+                bus.publish(&placed("o-3")).await?;
+                Ok(())
+            })
+            .await,
+    ];
+    for outcome in outcomes {
+        let error = outcome.unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::Configuration(ConfigurationError::SessionNotPassed {
+                    operation: "publish"
+                })
+            ),
+            "{error:?}"
+        );
+        says(
+            &error.to_string(),
+            &[
+                "without `.session(session)`",
+                "pass the session the body was given",
+            ],
+        );
+    }
+    assert_unchanged(&db, &before, "publishes that forgot the session").await;
+
+    // Outside a body, a publish without a session runs in a transaction of its own.
+    bus.publish(&placed("o-4")).await.unwrap();
+}
+
+#[tokio::test]
 async fn publish_all_with_one_bad_event_among_good_ones_writes_none_of_them() {
     let db = test_db("bi_publish_all").await;
     let store = store(&db).await;
