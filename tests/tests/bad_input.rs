@@ -1,8 +1,8 @@
 //! The bad-input catalogue: every public entry point fed malformed input, on a real replica set.
 //!
 //! Organised by entry point: the store builder, the bus builder, publishing and appending, lease
-//! tokens, claims, the operator calls of the store, the operator routes of relaybus-axum, and
-//! what `#[event]` and `#[handler]` leave to run time. Each test asserts the exact error
+//! tokens, claims, the operator calls of the store, the operator routes and request
+//! transactions of relaybus-axum, and what `#[event]` and `#[handler]` leave to run time. Each test asserts the exact error
 //! variant, that its message says what is wrong and what is accepted, and that nothing was
 //! written: either the database has no collection at all (nothing was ever set up), or every
 //! document of every collection is the same before and after.
@@ -1573,7 +1573,7 @@ async fn claim_refuses_bad_arguments_and_takes_nothing() {
 // ---------------------------------------------------------------------------------------------
 // Operator calls of the store
 
-/// A store with one dead and one pending delivery, and the dead one's id.
+/// A store with one dead and one pending delivery of handler `h`, and their ids.
 async fn with_dead_letter(db: &TestDb) -> (MongoEventStore, ObjectId, ObjectId) {
     let store = store(db).await;
     let handlers = vec!["h".to_owned()];
@@ -1745,7 +1745,7 @@ async fn operator_calls_refuse_bad_filters_and_ids_and_write_nothing() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The operator routes of relaybus-axum
+// relaybus-axum: the operator routes and the request transactions
 
 async fn answer(router: &Router, request: Request<Body>) -> (StatusCode, Option<String>, Value) {
     let response: Response<Body> = router.clone().oneshot(request).await.unwrap();
