@@ -1,1 +1,3 @@
 //! End-to-end tests of relaybus against a real MongoDB replica set.
+
+pub mod fault;

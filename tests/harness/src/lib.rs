@@ -56,6 +56,28 @@ pub use failpoint::FailPoint;
 pub use replset::{ReplicaSet, start_replica_set};
 pub use standalone::{Standalone, start_standalone};
 
+/// Spawns `command` as a child process that dies with this process, however this process
+/// ends: the kernel sends it SIGKILL (PDEATHSIG), and a normal exit kills it too. For worker
+/// processes of end-to-end tests.
+///
+/// # Errors
+///
+/// The error of spawning the command.
+pub fn spawn_tied(command: std::process::Command) -> std::io::Result<std::process::Child> {
+    process::spawn_tied(command)
+}
+
+/// Kills a child of [`spawn_tied`] with SIGKILL and reaps it.
+pub fn kill_tied(child: &mut std::process::Child) {
+    process::kill_child(child);
+}
+
+/// Tells the exit hook that a child of [`spawn_tied`] has ended and been reaped, so that
+/// its pid, which the system may reuse, is not killed at exit.
+pub fn forget_tied(child: &std::process::Child) {
+    process::untrack_child(child.id());
+}
+
 /// The environment variable that [`test_db`] reads: set it to the URI of a
 /// running replica set to make tests use it instead of starting their own.
 pub const TEST_URI_ENV: &str = "RELAYBUS_TEST_MONGODB_URI";

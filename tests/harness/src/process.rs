@@ -80,6 +80,11 @@ pub(crate) fn kill_child(child: &mut Child) {
     let _ = child.wait();
 }
 
+/// Forgets a child started by [`spawn_tied`] that was reaped elsewhere.
+pub(crate) fn untrack_child(pid: u32) {
+    untrack_pid(pid);
+}
+
 struct Live {
     pids: Vec<u32>,
     dirs: Vec<PathBuf>,

@@ -1,0 +1,143 @@
+//! What the fault suite's load generator, workers and checker share: the event, the two
+//! handlers and the collections they write.
+//!
+//! Every handler run leaves a trace the checker can count:
+//!
+//! - `projector` is transactional. In its transaction it inserts one document into
+//!   [`EFFECTS`] and, for a keyed event, appends the event's sequence to the key's log in
+//!   [`ORDER_LOG`]. Both commit together with the delivery's completion, so each event must
+//!   have exactly one effect (none when its delivery is dead).
+//! - `auditor` is not transactional (at least once). It inserts one document per run into
+//!   [`RUNS`] and appends the sequence to its own log for the key. A run may repeat after a
+//!   crash; the checker only asks that every event ran at least once and that the first runs
+//!   of a key came in sequence order.
+//!
+//! An event can ask to fail its first `fail` attempts (retries), or to always fail (`poison`,
+//! which must end as a dead letter carrying its error).
+
+use std::time::Duration;
+
+use mongodb::{
+    Collection, Database,
+    bson::{Document, doc},
+};
+use relaybus::{BoxError, Event, HandlerContext, RetryPolicy, Subscription};
+use serde::{Deserialize, Serialize};
+
+/// Business documents, one per published event, written in the event's transaction.
+pub const ORDERS: &str = "orders";
+/// The transactional handler's effects, one document per committed run.
+pub const EFFECTS: &str = "effects";
+/// The non-transactional handler's runs, one document per run.
+pub const RUNS: &str = "runs";
+/// Per handler and key, the sequences of the runs in the order they happened
+/// (`_id: "<handler>|<key>"`, `seqs: [..]`).
+pub const ORDER_LOG: &str = "order_log";
+
+/// The transactional handler.
+pub const PROJECTOR: &str = "projector";
+/// The at-least-once handler.
+pub const AUDITOR: &str = "auditor";
+
+/// Attempts before a delivery is buried. Above the 2 failures an event can ask for, with room
+/// for the attempts that crashes charge (each crash charges what the worker was running).
+pub const MAX_ATTEMPTS: u32 = 6;
+
+/// The event the load generator publishes with each order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FaultOrder {
+    /// The order's id, also the event id.
+    pub order: String,
+    /// How many first attempts of each handler fail.
+    pub fail: u32,
+    /// Every attempt fails: the deliveries must end dead.
+    pub poison: bool,
+}
+
+impl Event for FaultOrder {
+    const TYPE: &'static str = "fault.order.v1";
+}
+
+/// The subscriptions of every process of the suite: the workers run them, the load
+/// generator registers them so that its events get their deliveries.
+pub fn subscriptions(db: &Database, owner: &str) -> Vec<Subscription> {
+    let retry = RetryPolicy::new(MAX_ATTEMPTS)
+        .initial_backoff(Duration::from_millis(20))
+        .max_backoff(Duration::from_millis(100));
+
+    let effects: Collection<Document> = db.collection(EFFECTS);
+    let log: Collection<Document> = db.collection(ORDER_LOG);
+    let projector = Subscription::new(PROJECTOR, move |event: FaultOrder, ctx: HandlerContext| {
+        let effects = effects.clone();
+        let log = log.clone();
+        async move {
+            let mut session = ctx.session().await?;
+            effects
+                .insert_one(doc! {
+                    "event": ctx.event_id(),
+                    "attempt": i64::from(ctx.attempt()),
+                })
+                .session(&mut *session)
+                .await?;
+            if let (Some(key), Some(sequence)) = (ctx.key(), ctx.sequence()) {
+                log.update_one(
+                    doc! { "_id": format!("{PROJECTOR}|{key}") },
+                    doc! { "$push": { "seqs": sequence } },
+                )
+                .upsert(true)
+                .session(&mut *session)
+                .await?;
+            }
+            drop(session);
+            outcome(&event, ctx.attempt())
+        }
+    })
+    .transactional()
+    .retry(retry);
+
+    let runs: Collection<Document> = db.collection(RUNS);
+    let log: Collection<Document> = db.collection(ORDER_LOG);
+    let owner = owner.to_owned();
+    let auditor = Subscription::new(AUDITOR, move |event: FaultOrder, ctx: HandlerContext| {
+        let runs = runs.clone();
+        let log = log.clone();
+        let owner = owner.clone();
+        async move {
+            runs.insert_one(doc! {
+                "event": ctx.event_id(),
+                "attempt": i64::from(ctx.attempt()),
+                "owner": owner,
+            })
+            .await?;
+            if let (Some(key), Some(sequence)) = (ctx.key(), ctx.sequence()) {
+                log.update_one(
+                    doc! { "_id": format!("{AUDITOR}|{key}") },
+                    doc! { "$push": { "seqs": sequence } },
+                )
+                .upsert(true)
+                .await?;
+            }
+            // A short pause widens the window in which a worker can be killed mid-handler.
+            let pause = rand::random_range(0..8);
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+            outcome(&event, ctx.attempt())
+        }
+    })
+    .retry(retry);
+
+    vec![projector, auditor]
+}
+
+fn outcome(event: &FaultOrder, attempt: u32) -> Result<(), BoxError> {
+    if event.poison {
+        return Err(format!("order {} is poison: every attempt fails", event.order).into());
+    }
+    if attempt <= event.fail {
+        return Err(format!(
+            "order {} fails its first {} attempts (this was attempt {attempt})",
+            event.order, event.fail
+        )
+        .into());
+    }
+    Ok(())
+}

@@ -1,0 +1,957 @@
+//! The fault suite: real worker processes and real servers, broken on purpose under load.
+//!
+//! Each scenario starts a private replica set, several `relaybus-fault-worker` processes and a
+//! load generator that commits business documents with their events (keyed and unkeyed; some
+//! events fail a few attempts, a few always fail). While the load runs, faults are injected at
+//! random moments:
+//!
+//! - `kill_worker`: a worker is killed with SIGKILL and restarted under the same owner name;
+//! - `kill_worker_new_owner`: the same, restarted under a new owner name;
+//! - `kill_worker_after_claim`: a worker is killed while the first write of a handler run is
+//!   held on the server (a `failCommand` fail point that blocks its `insert`): it claimed,
+//!   the handler started, nothing of the run committed;
+//! - `kill_worker_in_completion`: a worker is killed while the `delete` of a completion is
+//!   held on the server: the completion read its fences and has not deleted yet (the held
+//!   command still runs once the block ends, with its sender gone);
+//! - `pause_worker`: a worker is stopped with SIGSTOP for longer than its lease, so that other
+//!   workers take its lanes, then resumed with SIGCONT (its late completions must change
+//!   nothing);
+//! - `kill_server`: the single `mongod` is killed with SIGKILL and restarted on its data;
+//! - `kill_primary`: the primary of a three-node set is killed, a new one is elected, the old
+//!   one restarts and rejoins;
+//! - `step_down`: the primary of a three-node set steps down.
+//!
+//! When the load stops, the workers drain the deliveries and stop gracefully, and the checker
+//! compares what the database holds with what must hold. The last line printed is one JSON
+//! object with the figures; `lost`, `phantom`, `duplicated`, `order_violations` and `stuck`
+//! must all be 0, otherwise the suite fails.
+//!
+//! `RELAYBUS_FAULT_PROFILE=long` runs the long profile (minutes of load per scenario);
+//! `RELAYBUS_FAULT_SEED` replays a run's random choices (the seed is printed first);
+//! `RELAYBUS_FAULT_SCENARIO=single|failover` runs one scenario.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    fs::File,
+    process::{Child, Command, ExitCode, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::TryStreamExt;
+use mongodb::{
+    Client, Collection, Database,
+    bson::{Bson, Document, doc},
+    options::{DatabaseOptions, ReadConcern, WriteConcern},
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use relaybus::{BoxError, MongoEventStore, RelayBus};
+use relaybus_harness::ReplicaSet;
+use relaybus_tests::fault::{self, AUDITOR, FaultOrder, PROJECTOR};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_relaybus-fault-worker");
+const LEASE: Duration = Duration::from_millis(2_000);
+const POLL: Duration = Duration::from_millis(200);
+const KEYS: u32 = 16;
+/// The servers' `transactionLifetimeLimitSeconds`. A worker killed inside a transaction
+/// leaves it open on the server, holding its writes, until this limit aborts it (60 s by
+/// default); other transactions writing the same documents wait until then.
+const TRANSACTION_LIFETIME_SECONDS: i32 = 10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    KillWorker,
+    KillWorkerNewOwner,
+    KillAfterClaim,
+    KillInCompletion,
+    PauseWorker,
+    KillServer,
+    KillPrimary,
+    StepDown,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::KillWorker => "kill_worker",
+            Fault::KillWorkerNewOwner => "kill_worker_new_owner",
+            Fault::KillAfterClaim => "kill_worker_after_claim",
+            Fault::KillInCompletion => "kill_worker_in_completion",
+            Fault::PauseWorker => "pause_worker",
+            Fault::KillServer => "kill_server",
+            Fault::KillPrimary => "kill_primary",
+            Fault::StepDown => "step_down",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Scenario {
+    name: &'static str,
+    nodes: usize,
+    workers: usize,
+    faults: Vec<Fault>,
+    load: Duration,
+    /// Events per second the load generator aims at.
+    rate: u32,
+    drain: Duration,
+}
+
+fn scenarios() -> Vec<Scenario> {
+    let long = std::env::var("RELAYBUS_FAULT_PROFILE").is_ok_and(|p| p == "long");
+    let (single_load, failover_load, rate) = if long {
+        (Duration::from_secs(600), Duration::from_secs(300), 80)
+    } else {
+        (Duration::from_secs(45), Duration::from_secs(35), 50)
+    };
+    vec![
+        Scenario {
+            name: "single",
+            nodes: 1,
+            workers: 3,
+            faults: vec![
+                Fault::KillWorker,
+                Fault::KillWorkerNewOwner,
+                Fault::KillAfterClaim,
+                Fault::KillInCompletion,
+                Fault::PauseWorker,
+                Fault::PauseWorker,
+                Fault::KillServer,
+            ],
+            load: single_load,
+            rate,
+            drain: Duration::from_secs(180),
+        },
+        Scenario {
+            name: "failover",
+            nodes: 3,
+            workers: 2,
+            faults: vec![
+                Fault::KillPrimary,
+                Fault::StepDown,
+                Fault::KillWorker,
+                Fault::KillInCompletion,
+                Fault::PauseWorker,
+            ],
+            load: failover_load,
+            rate: rate / 2,
+            drain: Duration::from_secs(180),
+        },
+    ]
+}
+
+/// What one scenario found.
+#[derive(Debug, Default)]
+struct Figures {
+    events: u64,
+    deliveries: u64,
+    acknowledged: u64,
+    unacknowledged: u64,
+    faults: BTreeMap<&'static str, u64>,
+    lost: u64,
+    phantom: u64,
+    duplicated: u64,
+    order_violations: u64,
+    stuck: u64,
+    dead_poison: u64,
+    dead_other: u64,
+    reruns: u64,
+    drain_seconds: f64,
+    backlog: Option<u64>,
+    problems: Vec<String>,
+}
+
+impl Figures {
+    fn add(&mut self, other: &Figures) {
+        self.events += other.events;
+        self.deliveries += other.deliveries;
+        self.acknowledged += other.acknowledged;
+        self.unacknowledged += other.unacknowledged;
+        for (kind, n) in &other.faults {
+            *self.faults.entry(kind).or_default() += n;
+        }
+        self.lost += other.lost;
+        self.phantom += other.phantom;
+        self.duplicated += other.duplicated;
+        self.order_violations += other.order_violations;
+        self.stuck += other.stuck;
+        self.dead_poison += other.dead_poison;
+        self.dead_other += other.dead_other;
+        self.reruns += other.reruns;
+        self.drain_seconds = self.drain_seconds.max(other.drain_seconds);
+        self.problems.extend(other.problems.iter().cloned());
+    }
+
+    fn failed(&self) -> bool {
+        self.lost + self.phantom + self.duplicated + self.order_violations + self.stuck > 0
+    }
+
+    fn problem(&mut self, message: String) {
+        if self.problems.len() < 20 {
+            self.problems.push(message);
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let seed = std::env::var("RELAYBUS_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("fault suite: seed {seed} (RELAYBUS_FAULT_SEED={seed} replays the random choices)");
+    let started = Instant::now();
+    let mut total = Figures::default();
+    let mut passed = 0;
+    let mut failed = 0;
+    let only = std::env::var("RELAYBUS_FAULT_SCENARIO").ok();
+    for (n, scenario) in scenarios().into_iter().enumerate() {
+        if only.as_deref().is_some_and(|only| only != scenario.name) {
+            continue;
+        }
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_add(n as u64));
+        let at = Instant::now();
+        let figures = match run(&scenario, &mut rng).await {
+            Ok(figures) => figures,
+            Err(error) => {
+                let mut figures = Figures::default();
+                figures.stuck += 1;
+                figures.problem(format!("the scenario could not run: {error}"));
+                figures
+            }
+        };
+        let verdict = if figures.failed() { "FAILED" } else { "ok" };
+        println!(
+            "scenario {}: {verdict} in {:.0} s: {} events ({} acknowledged, {} commits failed), \
+             {} deliveries, faults {:?}, lost {}, phantom {}, duplicated {}, order violations {}, \
+             stuck {}, dead {} poison + {} charged out by crashes, {} extra runs, drained in {:.1} s",
+            scenario.name,
+            at.elapsed().as_secs_f64(),
+            figures.events,
+            figures.acknowledged,
+            figures.unacknowledged,
+            figures.deliveries,
+            figures.faults,
+            figures.lost,
+            figures.phantom,
+            figures.duplicated,
+            figures.order_violations,
+            figures.stuck,
+            figures.dead_poison,
+            figures.dead_other,
+            figures.reruns,
+            figures.drain_seconds,
+        );
+        for problem in &figures.problems {
+            println!("  {problem}");
+        }
+        if figures.failed() {
+            failed += 1;
+        } else {
+            passed += 1;
+        }
+        total.add(&figures);
+    }
+    println!(
+        "test result: {}. {passed} passed; {failed} failed; 0 ignored; finished in {:.2}s",
+        if failed == 0 { "ok" } else { "FAILED" },
+        started.elapsed().as_secs_f64()
+    );
+    let faults: serde_json::Map<String, serde_json::Value> = total
+        .faults
+        .iter()
+        .map(|(kind, n)| ((*kind).to_owned(), (*n).into()))
+        .collect();
+    let line = serde_json::json!({
+        "suite": "faults",
+        "seed": seed,
+        "events": total.events,
+        "deliveries": total.deliveries,
+        "acknowledged": total.acknowledged,
+        "unacknowledged": total.unacknowledged,
+        "faults": faults,
+        "dead_poison": total.dead_poison,
+        "dead_charged": total.dead_other,
+        "extra_runs": total.reruns,
+        "longest_drain_seconds": (total.drain_seconds * 10.0).round() / 10.0,
+        "seconds": started.elapsed().as_secs(),
+        "lost": total.lost,
+        "phantom": total.phantom,
+        "duplicated": total.duplicated,
+        "order_violations": total.order_violations,
+        "stuck": total.stuck,
+    });
+    println!("{line}");
+    if total.failed() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// One worker process slot.
+struct Worker {
+    owner: String,
+    child: Child,
+    paused: bool,
+}
+
+struct Workers {
+    uri: String,
+    database: String,
+    logs: std::path::PathBuf,
+    slots: Vec<Worker>,
+    spawned: u32,
+}
+
+impl Workers {
+    fn spawn(&mut self, owner: &str) -> Result<Child, BoxError> {
+        self.spawned += 1;
+        let log = File::create(self.logs.join(format!("{owner}-{}.log", self.spawned)))?;
+        let uri = format!("{}&appName={owner}", self.uri);
+        let mut command = Command::new(WORKER);
+        command
+            .args([
+                uri.as_str(),
+                self.database.as_str(),
+                owner,
+                &LEASE.as_millis().to_string(),
+                &POLL.as_millis().to_string(),
+            ])
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        Ok(relaybus_harness::spawn_tied(command)?)
+    }
+
+    fn start(&mut self, count: usize) -> Result<(), BoxError> {
+        for n in 0..count {
+            let owner = format!("worker-{n}");
+            let child = self.spawn(&owner)?;
+            self.slots.push(Worker {
+                owner,
+                child,
+                paused: false,
+            });
+        }
+        Ok(())
+    }
+
+    /// Kills worker `n` with SIGKILL and starts it again, under its owner name or a new one.
+    fn kill_and_restart(&mut self, n: usize, new_owner: bool) -> Result<(), BoxError> {
+        relaybus_harness::kill_tied(&mut self.slots[n].child);
+        let owner = if new_owner {
+            format!("worker-{n}-{}", self.spawned)
+        } else {
+            self.slots[n].owner.clone()
+        };
+        let child = self.spawn(&owner)?;
+        self.slots[n] = Worker {
+            owner,
+            child,
+            paused: false,
+        };
+        Ok(())
+    }
+
+    fn signal(&mut self, n: usize, signal: libc::c_int) {
+        let pid = self.slots[n].child.id() as libc::pid_t;
+        // SAFETY: a plain system call on a child of this process that has not been reaped.
+        unsafe {
+            libc::kill(pid, signal);
+        }
+        match signal {
+            libc::SIGSTOP => self.slots[n].paused = true,
+            libc::SIGCONT => self.slots[n].paused = false,
+            _ => {}
+        }
+    }
+
+    /// Workers that exited on their own (they must not) are restarted; paused ones resumed.
+    fn revive(&mut self, figures: &mut Figures) -> Result<(), BoxError> {
+        for n in 0..self.slots.len() {
+            if self.slots[n].paused {
+                self.signal(n, libc::SIGCONT);
+            }
+            if let Some(status) = self.slots[n].child.try_wait()? {
+                relaybus_harness::forget_tied(&self.slots[n].child);
+                figures.problem(format!(
+                    "worker {} exited on its own ({status}); see its log; restarted",
+                    self.slots[n].owner
+                ));
+                let owner = self.slots[n].owner.clone();
+                self.slots[n].child = self.spawn(&owner)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// SIGTERM to every worker, then waits for each to exit; a worker that does not stop in
+    /// time is killed and reported.
+    async fn stop(&mut self, figures: &mut Figures) {
+        for n in 0..self.slots.len() {
+            self.signal(n, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for worker in &mut self.slots {
+            loop {
+                match worker.child.try_wait() {
+                    Ok(Some(status)) => {
+                        relaybus_harness::forget_tied(&worker.child);
+                        if !status.success() {
+                            figures
+                                .problem(format!("worker {} stopped with {status}", worker.owner));
+                        }
+                        break;
+                    }
+                    Ok(None) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    _ => {
+                        figures.problem(format!(
+                            "worker {} did not stop within 30 s of SIGTERM",
+                            worker.owner
+                        ));
+                        relaybus_harness::kill_tied(&mut worker.child);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError> {
+    let rs = relaybus_harness::start_replica_set(scenario.nodes).await;
+    for node in 0..scenario.nodes {
+        tune(&rs, node).await?;
+    }
+    let database = format!("faults_{}", scenario.name);
+    let client = Client::with_uri_str(rs.uri()).await?;
+    let store = MongoEventStore::builder(client.clone())
+        .database(&database)
+        .build()?;
+    store.setup().await?;
+    let db = client.database(&database);
+
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("faults")
+        .join(scenario.name);
+    std::fs::create_dir_all(&logs)?;
+    let mut workers = Workers {
+        uri: rs.uri().to_owned(),
+        database: database.clone(),
+        logs,
+        slots: Vec::new(),
+        spawned: 0,
+    };
+    workers.start(scenario.workers)?;
+
+    // The load generator's bus registers the same handlers, so its events get both
+    // deliveries; it never dispatches.
+    let mut builder = RelayBus::builder(store).without_registered_handlers();
+    for subscription in fault::subscriptions(&db, "generator") {
+        builder = builder.subscribe(subscription);
+    }
+    let bus = Arc::new(builder.build()?);
+    let acknowledged = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let unacknowledged = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + scenario.load;
+    let generators: u32 = 4;
+    let mut load = Vec::new();
+    let next = Arc::new(AtomicU64::new(0));
+    for g in 0..generators {
+        let bus = Arc::clone(&bus);
+        let orders: Collection<Document> = db.collection(fault::ORDERS);
+        let acknowledged = Arc::clone(&acknowledged);
+        let unacknowledged = Arc::clone(&unacknowledged);
+        let next = Arc::clone(&next);
+        let name = scenario.name;
+        let period = Duration::from_secs_f64(f64::from(generators) / f64::from(scenario.rate));
+        let mut rng = StdRng::seed_from_u64(rng.random::<u64>() ^ u64::from(g));
+        load.push(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(period);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while Instant::now() < deadline {
+                ticks.tick().await;
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let id = format!("{name}-{i}");
+                let key = rng
+                    .random_bool(0.7)
+                    .then(|| format!("k{}", rng.random_range(0..KEYS)));
+                let order = FaultOrder {
+                    order: id.clone(),
+                    fail: if rng.random_bool(0.05) {
+                        rng.random_range(1..=2)
+                    } else {
+                        0
+                    },
+                    poison: rng.random_bool(0.005),
+                };
+                let committed = publish(&bus, &orders, &order, key.as_deref()).await;
+                match committed {
+                    Ok(()) => {
+                        acknowledged
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(id);
+                    }
+                    Err(_) => {
+                        unacknowledged.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+        }));
+    }
+
+    let mut figures = Figures::default();
+    // Faults, one after the other, at random moments, until the load stops.
+    tokio::time::sleep(Duration::from_millis(rng.random_range(500..1_500))).await;
+    while Instant::now() + Duration::from_secs(3) < deadline {
+        let fault = scenario.faults[rng.random_range(0..scenario.faults.len())];
+        let injected = inject(fault, &rs, &mut workers, &client, rng).await?;
+        *figures.faults.entry(injected.name()).or_default() += 1;
+        workers.revive(&mut figures)?;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_500))).await;
+    }
+    for task in load {
+        task.await?;
+    }
+    figures.acknowledged = acknowledged.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+    figures.unacknowledged = unacknowledged.load(Ordering::SeqCst);
+
+    // Drain: every worker up, until no delivery is pending.
+    rs.wait_for_primary().await;
+    workers.revive(&mut figures)?;
+    let check = Client::with_uri_str(rs.uri()).await?;
+    let db = check.database_with_options(
+        &database,
+        DatabaseOptions::builder()
+            .read_concern(ReadConcern::majority())
+            .write_concern(WriteConcern::majority())
+            .build(),
+    );
+    let store = MongoEventStore::builder(check.clone())
+        .database(&database)
+        .build()?;
+    let deliveries: Collection<Document> = db.collection(&store.collection_name("deliveries"));
+    let drain_started = Instant::now();
+    let drained_by = drain_started + scenario.drain;
+    let mut shown = Instant::now();
+    let mut progress = (u64::MAX, Instant::now(), false);
+    loop {
+        let pending = count(&deliveries, doc! { "status": "pending" }).await?;
+        if pending != progress.0 {
+            progress = (pending, Instant::now(), false);
+        } else if !progress.2 && progress.1.elapsed() > Duration::from_secs(10) {
+            // No progress for 10 s: show where the work waits.
+            progress.2 = true;
+            println!(
+                "  {}: no progress for 10 s; pending deliveries and lanes:",
+                scenario.name
+            );
+            diagnose(&db, &store).await?;
+        }
+        if shown.elapsed() > Duration::from_secs(5) || figures.backlog.is_none() {
+            println!(
+                "  {}: {pending} deliveries pending {:.0} s after the load stopped",
+                scenario.name,
+                drain_started.elapsed().as_secs_f64()
+            );
+            shown = Instant::now();
+        }
+        figures.backlog.get_or_insert(pending);
+        if pending == 0 {
+            break;
+        }
+        if Instant::now() > drained_by {
+            figures.problem(format!(
+                "{pending} deliveries still pending {} s after the load stopped",
+                scenario.drain.as_secs()
+            ));
+            break;
+        }
+        workers.revive(&mut figures)?;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    figures.drain_seconds = drain_started.elapsed().as_secs_f64();
+    workers.stop(&mut figures).await;
+
+    check_database(&db, &store, &acknowledged, &mut figures).await?;
+    drop(rs);
+    Ok(figures)
+}
+
+async fn publish(
+    bus: &Arc<RelayBus>,
+    orders: &Collection<Document>,
+    order: &FaultOrder,
+    key: Option<&str>,
+) -> relaybus::Result<()> {
+    let body = {
+        let (bus, orders, order) = (Arc::clone(bus), orders.clone(), order.clone());
+        let key = key.map(str::to_owned);
+        async move |session: &mut mongodb::ClientSession| {
+            let mut business = doc! { "_id": &order.order, "poison": order.poison };
+            if let Some(key) = &key {
+                business.insert("key", key);
+            }
+            orders.insert_one(business).session(&mut *session).await?;
+            let publish = bus.publish(&order).id(order.order.clone());
+            let publish = match &key {
+                Some(key) => publish.key(key.clone()),
+                None => publish,
+            };
+            publish.session(session).await?;
+            Ok(())
+        }
+    };
+    bus.transaction(body).await
+}
+
+async fn inject(
+    fault: Fault,
+    rs: &ReplicaSet,
+    workers: &mut Workers,
+    client: &Client,
+    rng: &mut StdRng,
+) -> Result<Fault, BoxError> {
+    match fault {
+        Fault::KillAfterClaim | Fault::KillInCompletion => {
+            let n = rng.random_range(0..workers.slots.len());
+            let command = if fault == Fault::KillAfterClaim {
+                "insert"
+            } else {
+                "delete"
+            };
+            let admin = client.database("admin");
+            let reply = admin
+                .run_command(doc! {
+                    "configureFailPoint": "failCommand",
+                    "mode": { "times": 1 },
+                    "data": {
+                        "failCommands": [command],
+                        "appName": &workers.slots[n].owner,
+                        "blockConnection": true,
+                        "blockTimeMS": 3_000,
+                    },
+                })
+                .await?;
+            let before = match reply.get("count") {
+                Some(Bson::Int32(n)) => i64::from(*n),
+                Some(Bson::Int64(n)) => *n,
+                _ => 0,
+            };
+            // Held now: kill it there. A worker with nothing to do for 10 s is killed anyway,
+            // and counted as a plain kill.
+            let held = admin
+                .run_command(doc! {
+                    "waitForFailPoint": "failCommand",
+                    "timesEntered": before + 1,
+                    "maxTimeMS": 10_000,
+                })
+                .await
+                .is_ok();
+            workers.kill_and_restart(n, false)?;
+            admin
+                .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
+                .await?;
+            if !held {
+                return Ok(Fault::KillWorker);
+            }
+        }
+        Fault::KillWorker | Fault::KillWorkerNewOwner => {
+            let n = rng.random_range(0..workers.slots.len());
+            workers.kill_and_restart(n, fault == Fault::KillWorkerNewOwner)?;
+        }
+        Fault::PauseWorker => {
+            let n = rng.random_range(0..workers.slots.len());
+            workers.signal(n, libc::SIGSTOP);
+            let past_lease = Duration::from_millis(rng.random_range(300..2_000));
+            tokio::time::sleep(LEASE + past_lease).await;
+            workers.signal(n, libc::SIGCONT);
+        }
+        Fault::KillServer => {
+            rs.kill(0);
+            tokio::time::sleep(Duration::from_millis(rng.random_range(100..1_500))).await;
+            rs.restart(0).await;
+            tune(rs, 0).await?;
+            rs.wait_for_primary().await;
+        }
+        Fault::KillPrimary => {
+            let primary = rs.wait_for_primary().await;
+            rs.kill(primary);
+            rs.wait_for_primary().await;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(100..1_500))).await;
+            rs.restart(primary).await;
+            tune(rs, primary).await?;
+            wait_for_secondary(rs, primary).await?;
+        }
+        Fault::StepDown => {
+            let old = rs.step_down().await;
+            rs.wait_for_primary().await;
+            wait_for_secondary(rs, old).await?;
+        }
+    }
+    Ok(fault)
+}
+
+/// Sets the server parameters of the suite on node `node` (they do not survive a restart).
+async fn tune(rs: &ReplicaSet, node: usize) -> Result<(), BoxError> {
+    let client = Client::with_uri_str(rs.node_uri(node)).await?;
+    client
+        .database("admin")
+        .run_command(doc! {
+            "setParameter": 1,
+            "transactionLifetimeLimitSeconds": TRANSACTION_LIFETIME_SECONDS,
+        })
+        .await?;
+    Ok(())
+}
+
+/// Waits until node `node` is a secondary again, so that the set keeps a majority for the
+/// next fault.
+async fn wait_for_secondary(rs: &ReplicaSet, node: usize) -> Result<(), BoxError> {
+    let client = Client::with_uri_str(rs.node_uri(node)).await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let hello = client
+            .database("admin")
+            .run_command(doc! { "hello": 1 })
+            .await;
+        if let Ok(hello) = hello
+            && (hello.get_bool("secondary") == Ok(true)
+                || hello.get_bool("isWritablePrimary") == Ok(true))
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("node {node} did not rejoin the set within 60 s").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn diagnose(db: &Database, store: &MongoEventStore) -> Result<(), BoxError> {
+    let deliveries: Collection<Document> = db.collection(&store.collection_name("deliveries"));
+    let now = mongodb::bson::DateTime::now();
+    let groups: Vec<Document> = deliveries
+        .aggregate([
+            doc! { "$match": { "status": "pending" } },
+            doc! { "$group": {
+                "_id": { "lane": "$lane", "handler": "$handler", "due": { "$lte": ["$dueAt", now] } },
+                "n": { "$sum": 1 },
+                "lanes": { "$addToSet": "$laneId" },
+            } },
+        ])
+        .await?
+        .try_collect()
+        .await?;
+    for group in groups {
+        println!("    deliveries {group}");
+    }
+    let lanes: Collection<Document> = db.collection(&store.collection_name("lanes"));
+    let held: Vec<Document> = lanes
+        .find(doc! { "owner": { "$ne": null } })
+        .projection(doc! { "owner": 1, "leaseExpiresAt": 1, "epoch": 1, "inFlight": { "$size": { "$ifNull": ["$inFlight", []] } }, "lost": { "$size": { "$ifNull": ["$lost", []] } } })
+        .await?
+        .try_collect()
+        .await?;
+    println!("    now {now}; {} lanes held", held.len());
+    for lane in held.iter().take(20) {
+        println!("    lane {lane}");
+    }
+    Ok(())
+}
+
+async fn count(collection: &Collection<Document>, filter: Document) -> Result<u64, BoxError> {
+    Ok(collection.count_documents(filter).await?)
+}
+
+async fn all(
+    db: &Database,
+    collection: &str,
+    projection: Document,
+) -> Result<Vec<Document>, BoxError> {
+    let collection: Collection<Document> = db.collection(collection);
+    Ok(collection
+        .find(doc! {})
+        .projection(projection)
+        .await?
+        .try_collect()
+        .await?)
+}
+
+/// Compares what the database holds with what must hold.
+async fn check_database(
+    db: &Database,
+    store: &MongoEventStore,
+    acknowledged: &Mutex<HashSet<String>>,
+    figures: &mut Figures,
+) -> Result<(), BoxError> {
+    let orders: HashMap<String, Document> = all(db, fault::ORDERS, doc! {})
+        .await?
+        .into_iter()
+        .filter_map(|d| Some((d.get_str("_id").ok()?.to_owned(), d)))
+        .collect();
+    let events: HashMap<String, Document> = all(
+        db,
+        &store.collection_name("events"),
+        doc! { "key": 1, "sequence": 1, "handlers": 1 },
+    )
+    .await?
+    .into_iter()
+    .filter_map(|d| Some((d.get_str("_id").ok()?.to_owned(), d)))
+    .collect();
+    let deliveries = all(
+        db,
+        &store.collection_name("deliveries"),
+        doc! { "eventId": 1, "handler": 1, "status": 1, "lastError": 1 },
+    )
+    .await?;
+    let effects = all(db, fault::EFFECTS, doc! { "event": 1 }).await?;
+    let runs = all(db, fault::RUNS, doc! { "event": 1 }).await?;
+    let logs = all(db, fault::ORDER_LOG, doc! {}).await?;
+
+    figures.events = events.len() as u64;
+    // Committed business documents and their events.
+    for id in acknowledged
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+    {
+        if !orders.contains_key(id) {
+            figures.lost += 1;
+            figures.problem(format!(
+                "order {id} was acknowledged but is not in the database"
+            ));
+        }
+    }
+    for id in orders.keys() {
+        if !events.contains_key(id) {
+            figures.lost += 1;
+            figures.problem(format!("order {id} committed without its event"));
+        }
+    }
+    for id in events.keys() {
+        if !orders.contains_key(id) {
+            figures.phantom += 1;
+            figures.problem(format!("event {id} exists without its order"));
+        }
+    }
+
+    // Deliveries: none pending, the dead ones with their error.
+    let mut dead: HashSet<(String, String)> = HashSet::new();
+    for delivery in &deliveries {
+        let event = delivery.get_str("eventId").unwrap_or_default().to_owned();
+        let handler = delivery.get_str("handler").unwrap_or_default().to_owned();
+        match delivery.get_str("status") {
+            Ok("dead") => {
+                let error = delivery.get_str("lastError").unwrap_or_default();
+                if error.is_empty() {
+                    figures.stuck += 1;
+                    figures.problem(format!("dead delivery {event}/{handler} has no error"));
+                }
+                let poison = orders
+                    .get(&event)
+                    .is_some_and(|o| o.get_bool("poison") == Ok(true));
+                if poison {
+                    figures.dead_poison += 1;
+                } else {
+                    figures.dead_other += 1;
+                }
+                dead.insert((event, handler));
+            }
+            status => {
+                figures.stuck += 1;
+                figures.problem(format!(
+                    "delivery {event}/{handler} left with status {status:?}"
+                ));
+            }
+        }
+    }
+
+    // Handler effects: exactly one committed effect of the transactional handler per event
+    // (none when dead), at least one run of the other.
+    let mut effect_count: HashMap<&str, u64> = HashMap::new();
+    for effect in &effects {
+        *effect_count
+            .entry(effect.get_str("event").unwrap_or_default())
+            .or_default() += 1;
+    }
+    let mut run_count: HashMap<&str, u64> = HashMap::new();
+    for run in &runs {
+        *run_count
+            .entry(run.get_str("event").unwrap_or_default())
+            .or_default() += 1;
+    }
+    for (id, event) in &events {
+        let handlers: Vec<&str> = event
+            .get_array("handlers")
+            .map(|a| a.iter().filter_map(Bson::as_str).collect())
+            .unwrap_or_default();
+        for handler in [PROJECTOR, AUDITOR] {
+            figures.deliveries += 1;
+            if !handlers.contains(&handler) {
+                figures.lost += 1;
+                figures.problem(format!("event {id} has no delivery for {handler}"));
+            }
+        }
+        let poison = orders
+            .get(id)
+            .is_some_and(|o| o.get_bool("poison") == Ok(true));
+        let projector_dead = dead.contains(&(id.clone(), PROJECTOR.to_owned()));
+        let effects = effect_count.get(id.as_str()).copied().unwrap_or(0);
+        let expected = u64::from(!projector_dead);
+        if effects > expected {
+            figures.duplicated += effects - expected;
+            figures.problem(format!(
+                "event {id}: {effects} effects of {PROJECTOR} (dead: {projector_dead})"
+            ));
+        } else if effects < expected {
+            figures.lost += 1;
+            figures.problem(format!(
+                "event {id}: no effect of {PROJECTOR} and no dead delivery"
+            ));
+        }
+        let auditor_dead = dead.contains(&(id.clone(), AUDITOR.to_owned()));
+        let runs = run_count.get(id.as_str()).copied().unwrap_or(0);
+        if runs == 0 && !auditor_dead {
+            figures.lost += 1;
+            figures.problem(format!("event {id}: {AUDITOR} never ran and is not dead"));
+        }
+        if poison && !(projector_dead && auditor_dead) {
+            figures.lost += 1;
+            figures.problem(format!(
+                "poison event {id} did not end dead for both handlers"
+            ));
+        }
+        figures.reruns += runs.saturating_sub(1);
+    }
+
+    // Per key and handler, the first runs came in sequence order.
+    for log in &logs {
+        let id = log.get_str("_id").unwrap_or_default();
+        let seqs: Vec<i64> = log
+            .get_array("seqs")
+            .map(|a| a.iter().filter_map(Bson::as_i64).collect())
+            .unwrap_or_default();
+        let mut seen = HashSet::new();
+        let mut last = i64::MIN;
+        for seq in seqs {
+            if !seen.insert(seq) {
+                continue;
+            }
+            if seq < last {
+                figures.order_violations += 1;
+                figures.problem(format!("{id}: sequence {seq} first ran after {last}"));
+            }
+            last = last.max(seq);
+        }
+    }
+    Ok(())
+}
