@@ -2,21 +2,30 @@
 //!
 //! Workers lease lanes, not deliveries. A claim
 //!
-//! 1. reads the lane documents: which lanes its owner holds on this store instance, which are
-//!    free;
+//! 1. reads, in one aggregation, every lane document (which lanes are free), the lanes its
+//!    owner holds on this store instance with the deliveries they list, and the lowest parked
+//!    delivery of each key of its handlers;
 //! 2. moves parked deliveries whose predecessors finished back to the ready lane, for the keys of
-//!    every lane no other live owner holds;
+//!    every lane no other live owner holds and in which nothing of the key runs;
 //! 3. claims from the lanes its owner already holds, after charging any lost claims an earlier
 //!    holder left there;
-//! 4. if it needs more, takes free lanes (no holder, or an expired lease) that have due
-//!    deliveries of its handlers, 4, then 8, 16, ... per round, the lane with the oldest due
-//!    delivery first, each with one conditional `findAndModify` that increments the lane epoch
-//!    and moves the previous holder's in-flight list to `lost`, which it then charges before
-//!    reading anything from the lane;
+//! 4. if it needs more, looks at free lanes (no holder, or an expired lease) that have due
+//!    deliveries of its handlers, in rounds of twice as many lanes each (4 at first, more for a
+//!    big claim), the lanes with the oldest due deliveries first; with other live holders
+//!    around, it picks among a wider set of old lanes at random, so that concurrent claimers
+//!    mostly look at different lanes. A free lane with nothing in flight and nothing lost is
+//!    read without a write: the record of step 6 takes it, on condition that its epoch, its
+//!    requeue count and its empty lists are still what was read. Any other free lane is taken
+//!    first with a conditional `findAndModify` that increments the lane epoch and moves the
+//!    previous holder's in-flight list to `lost`, which the claim charges before reading
+//!    anything from the lane;
 //! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
 //!    ones it already runs, and applies the per-key rules until it has `limit`;
 //! 6. reads the events of its picks, then records the batch with one conditional write per lane,
-//!    all in one `update` command, handing back the lanes that yielded nothing and run nothing.
+//!    all in one `update` command: it takes the free lanes it picked from (the epoch grows by
+//!    one), takes and hands back at once the free lanes that yielded nothing, and hands back the
+//!    held lanes that yielded nothing and run nothing. A lane whose condition no longer holds
+//!    (another claimer took it first) keeps nothing of this claim.
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes (see
 //! [`reconcile`](MongoEventStore::reconcile)).
@@ -42,11 +51,11 @@ use super::{
         reply_count, string,
     },
     lease::{Issued, Lease},
-    park::PARK_THRESHOLD,
+    park::{PARK_THRESHOLD, ParkedHead, parked_heads_stages},
 };
 use crate::{
     error::{Error, InvalidArgumentError, Result},
-    event::{EventEnvelope, LANE_COUNT},
+    event::EventEnvelope,
     handler::validate_handler_id,
 };
 
@@ -54,6 +63,10 @@ use crate::{
 const LANES_PER_QUERY: usize = 128;
 /// Free lanes taken in the first round; every further round takes twice as many.
 const FIRST_ROUND: usize = 4;
+/// Deliveries a claim expects from a free lane when it sizes its first round.
+const DELIVERIES_PER_LANE: usize = 8;
+/// The most free lanes the first round takes.
+const MAX_FIRST_ROUND: usize = 64;
 /// Index entries one free-lane discovery query reads per group of lanes, at most.
 const DISCOVERY_WINDOW: i64 = 512;
 /// Deliveries read per batch once the first page did not yield enough.
@@ -163,6 +176,90 @@ impl Candidate {
 
 type KeyOf = (String, String);
 
+/// The most claimers a claim assumes it competes with when it spreads over free lanes.
+const MAX_SPREAD: usize = 8;
+/// Handlers whose parked keys the claim's first read looks up itself; a claim for more
+/// handlers unparks with one aggregation per handler.
+const PARKED_IN_LANE_READ: usize = 32;
+
+/// How a claim holds a lane it records in.
+#[derive(Debug, Clone)]
+enum Hold {
+    /// Held under a live lease before the claim started.
+    Held,
+    /// Taken by this claim with its own conditional write, before it was read.
+    Taken,
+    /// Free and clean when read: the record takes it, if it is still unchanged. `epoch` is the
+    /// epoch as stored when read.
+    Joining { epoch: Bson },
+}
+
+/// A lane no live holder has.
+#[derive(Debug, Clone)]
+struct FreeLane {
+    lane: Lane,
+    /// Nothing in flight and nothing lost: there is nothing to charge before reading it.
+    clean: bool,
+    /// The epoch as stored (`Null` when absent).
+    stored_epoch: Bson,
+}
+
+/// What the claim's first read finds.
+#[derive(Debug, Default)]
+struct LaneView {
+    /// The lanes this owner holds on this instance, with their in-flight and lost lists.
+    held: Vec<Lane>,
+    /// The documents of the deliveries those lanes list: `_id`, `handler`, `key`, `claims`.
+    running_docs: Vec<Document>,
+    free: Vec<FreeLane>,
+    taken_by_others: HashSet<i32>,
+    /// This claimer plus the other live holders of lanes.
+    contenders: usize,
+    /// The lowest parked delivery of each key, when the read looked them up.
+    parked: Option<Vec<ParkedHead>>,
+}
+
+/// The running set, running keys and claim generations of the listed delivery documents.
+fn running_of(docs: &[Document]) -> (HashSet<ObjectId>, HashSet<KeyOf>, HashMap<ObjectId, i64>) {
+    let mut running = HashSet::new();
+    let mut keys = HashSet::new();
+    let mut generations = HashMap::new();
+    for doc in docs {
+        let Ok(id) = doc.get_object_id("_id") else {
+            continue;
+        };
+        generations.insert(id, int(doc, "claims").unwrap_or(0));
+        running.insert(id);
+        if let (Some(handler), Some(key)) = (string(doc, "handler"), string(doc, "key")) {
+            keys.insert((handler, key));
+        }
+    }
+    (running, keys, generations)
+}
+
+/// `count` of the `ranked` lanes (oldest due delivery first). Alone, a claimer takes the oldest;
+/// with others around it takes `count` at random among the oldest `count * spread`, so that
+/// claimers running at the same time mostly pick different lanes.
+fn choose(mut ranked: Vec<i32>, count: usize, spread: usize) -> Vec<i32> {
+    if spread <= 1 || ranked.len() <= count {
+        ranked.truncate(count);
+        return ranked;
+    }
+    ranked.truncate(count.saturating_mul(spread));
+    // The low bits of a UUID v7 are random.
+    let mut state = uuid::Uuid::now_v7().as_u128() as u64 | 1;
+    for i in 0..count {
+        // xorshift64
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let j = i + (state % (ranked.len() - i) as u64) as usize;
+        ranked.swap(i, j);
+    }
+    ranked.truncate(count);
+    ranked
+}
+
 /// What one claim learns as it goes.
 #[derive(Debug, Default)]
 struct Scan {
@@ -208,10 +305,11 @@ impl MongoEventStore {
     ///
     /// # Cost
     ///
-    /// With its lanes already held, an unkeyed claim costs the same six commands whatever
-    /// `limit` is (one more per extra handler), and writes no delivery document. Taking lanes
-    /// costs one command per lane and per round; a keyed claim adds one lookup per key, in
-    /// parallel.
+    /// With its lanes already held, an unkeyed claim costs the same four commands whatever
+    /// `limit` is, and writes no delivery document. Each round over free lanes adds two reads
+    /// (one per 128 lanes ranked, in parallel, and one scan); a free lane with lost claims to
+    /// charge adds one write before it is read. A keyed claim adds one lookup per key, in
+    /// parallel, and parked keys one lookup per key whose lane runs nothing of it.
     ///
     /// # Errors
     ///
@@ -338,67 +436,62 @@ impl MongoEventStore {
         let inner = &self.inner;
         let instance = inner.claims.instance;
 
-        // 1. Every lane document: the lanes this owner holds on this instance, with their
-        //    in-flight and lost lists, and which of the others are free.
-        let mine = doc! { "$and": [
-            { "$eq": ["$owner", { "$literal": owner }] },
-            { "$eq": ["$instance", instance] },
-        ] };
-        let all: Vec<Document> = inner
-            .lanes
-            .aggregate([doc! { "$project": {
-                "owner": 1,
-                "instance": 1,
-                "epoch": 1,
-                "leaseExpiresAt": 1,
-                "requeues": 1,
-                "inFlight": { "$cond": [mine.clone(), "$inFlight", "$$REMOVE"] },
-                "lost": { "$cond": [mine, "$lost", "$$REMOVE"] },
-            } }])
-            // One more than there are lanes, so that the first batch ends the cursor.
-            .batch_size(LANE_COUNT + 1)
-            .await?
-            .try_collect()
-            .await?;
-        let mut lanes: Vec<Lane> = Vec::new();
-        let mut free: Vec<i32> = Vec::new();
-        let mut taken_by_others: HashSet<i32> = HashSet::new();
-        for doc in &all {
-            let Some(lane) = Lane::from_document(doc) else {
-                continue;
-            };
-            let ours =
-                doc.get_str("owner") == Ok(owner) && doc.get_object_id("instance") == Ok(instance);
-            let expired = doc
-                .get_datetime("leaseExpiresAt")
-                .map_or(true, |expiry| *expiry <= now);
-            if ours {
-                lanes.push(lane);
-            } else if matches!(doc.get("owner"), None | Some(Bson::Null)) || expired {
-                free.push(lane.id);
-            } else {
-                taken_by_others.insert(lane.id);
-            }
-        }
+        // 1. One aggregation: every lane document, what runs in the lanes this owner holds on
+        //    this instance, and (for a few handlers) the lowest parked delivery of each key.
+        let view = self.read_lanes(owner, handlers, now).await?;
+        let LaneView {
+            held,
+            running_docs,
+            free,
+            taken_by_others,
+            contenders,
+            parked,
+        } = view;
+        let mut free = free;
 
-        // 2. Level-triggered unparking, one aggregation per handler, for the keys of every lane
-        //    not held by another live owner (that owner unparks its own). Never fails the claim.
-        //    At the same time, 3: charge what earlier holders lost in the held lanes, then load
-        //    what runs in them.
+        // 2. Level-triggered unparking for the keys of every lane not held by another live
+        //    owner (that owner unparks its own). Never fails the claim. At the same time, 3:
+        //    charge what earlier holders lost in the held lanes.
+        // Keys with a pending delivery running in the held lanes stay parked: nothing else of
+        // them can be claimed before it ends.
+        let running_pending: HashSet<KeyOf> = running_docs
+            .iter()
+            .filter(|doc| doc.get_str("status") == Ok("pending"))
+            .filter_map(|doc| Some((string(doc, "handler")?, string(doc, "key")?)))
+            .collect();
         let unparking = async {
-            for handler in handlers {
-                if let Err(error) = self.unpark(handler, &taken_by_others).await {
-                    tracing::warn!(handler, %error, "relaybus: unparking deliveries failed");
+            let result = match parked {
+                Some(heads) => self
+                    .unpark_heads(heads, &taken_by_others, &running_pending)
+                    .await
+                    .map(|_| ()),
+                None => {
+                    let mut result = Ok(());
+                    for handler in handlers {
+                        if let Err(error) = self.unpark(handler, &taken_by_others).await {
+                            result = Err(error);
+                        }
+                    }
+                    result
                 }
+            };
+            if let Err(error) = result {
+                tracing::warn!(%error, "relaybus: unparking deliveries failed");
             }
         };
+        let any_lost = held.iter().any(|lane| !lane.lost.is_empty());
         let loading = async {
-            self.charge_lost(&lanes, now).await?;
-            self.load_running(&lanes).await
+            if any_lost {
+                self.charge_lost(&held, now).await?;
+                self.load_running(&held).await
+            } else {
+                Ok(running_of(&running_docs))
+            }
         };
         let ((), running) = futures::join!(unparking, loading);
         let (running, running_keys, generations) = running?;
-        let held_count = lanes.len();
+        let mut lanes: Vec<(Lane, Hold)> =
+            held.into_iter().map(|lane| (lane, Hold::Held)).collect();
         let mut scan = Scan {
             limit,
             running,
@@ -408,7 +501,7 @@ impl MongoEventStore {
         if !generations.is_empty() {
             // Everything a lane of this instance lists was handed out by this instance, unless
             // a claim failed or was dropped after its record reached the database.
-            let orphaned = lanes.iter().any(|lane| {
+            let orphaned = lanes.iter().any(|(lane, _)| {
                 lane.in_flight.iter().any(|id| {
                     generations.get(id).is_some_and(|&claims| {
                         inner.claims.issued(id)
@@ -424,28 +517,58 @@ impl MongoEventStore {
                 return Ok(None);
             }
         }
-        let held_ids: Vec<i32> = lanes.iter().map(|lane| lane.id).collect();
+        let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
         self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
 
-        // 4. Free lanes, 4, 8, 16, ... per round, oldest due delivery first.
+        // 4. Free lanes, 4, 8, 16, ... per round, oldest due delivery first. Nothing is written
+        //    yet for a lane with nothing to charge: the record below takes it, on condition that
+        //    nobody took it since it was read. A lane with lost claims or an earlier holder's
+        //    in-flight list is taken first and charged before it is read.
         let mut tried: HashSet<i32> = held_ids.iter().copied().collect();
-        let mut round = FIRST_ROUND;
+        // A big claim starts with more lanes, so that it needs fewer rounds now and finds more
+        // in the lanes it holds next time.
+        let mut round = ((limit - scan.picks.len().min(limit)) / DELIVERIES_PER_LANE)
+            .clamp(FIRST_ROUND, MAX_FIRST_ROUND);
+        let spread = contenders.clamp(1, MAX_SPREAD);
         while !scan.full() {
-            free.retain(|lane| !tried.contains(lane));
+            free.retain(|lane| !tried.contains(&lane.lane.id));
             if free.is_empty() {
                 break;
             }
-            let ranked = self.rank_lanes(&free, handlers, now, round).await?;
+            let free_ids: Vec<i32> = free.iter().map(|lane| lane.lane.id).collect();
+            let ranked = self
+                .rank_lanes(&free_ids, handlers, now, round.saturating_mul(spread))
+                .await?;
             if ranked.is_empty() {
                 break;
             }
-            tried.extend(ranked.iter().copied());
-            let taken = self.take_lanes(&ranked, owner, expires_at, now).await?;
-            self.charge_lost(&taken, now).await?;
-            let taken_ids: Vec<i32> = taken.iter().map(|lane| lane.id).collect();
-            lanes.extend(taken);
-            self.scan_lanes(&taken_ids, handlers, now, &mut scan)
-                .await?;
+            let chosen = choose(ranked, round, spread);
+            tried.extend(chosen.iter().copied());
+            let mut dirty = Vec::new();
+            let mut scanned = Vec::new();
+            for id in &chosen {
+                let Some(lane) = free.iter().find(|lane| lane.lane.id == *id) else {
+                    continue;
+                };
+                if lane.clean {
+                    scanned.push(*id);
+                    lanes.push((
+                        lane.lane.clone(),
+                        Hold::Joining {
+                            epoch: lane.stored_epoch.clone(),
+                        },
+                    ));
+                } else {
+                    dirty.push(*id);
+                }
+            }
+            if !dirty.is_empty() {
+                let taken = self.take_lanes(&dirty, owner, expires_at, now).await?;
+                self.charge_lost(&taken, now).await?;
+                scanned.extend(taken.iter().map(|lane| lane.id));
+                lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
+            }
+            self.scan_lanes(&scanned, handlers, now, &mut scan).await?;
             round = round.saturating_mul(2);
         }
 
@@ -473,9 +596,55 @@ impl MongoEventStore {
         let mut recorded_lanes = Vec::new();
         let mut handed_back = HashSet::new();
         let mut gone_ids = Vec::new();
-        for (index, lane) in lanes.iter().enumerate() {
-            let held = index < held_count;
+        for (lane, hold) in &mut lanes {
             let new_ids = by_lane.get(&lane.id).map(Vec::as_slice).unwrap_or(&[]);
+            if let Hold::Joining { epoch } = hold {
+                // Taken only if it is still free and unchanged since it was read: same epoch,
+                // no requeue, nothing listed.
+                let filter = doc! {
+                    "_id": lane.id,
+                    "epoch": epoch.clone(),
+                    "requeues": lane.requeues.clone(),
+                    "inFlight": { "$in": [Bson::Null, []] },
+                    "lost": { "$in": [Bson::Null, []] },
+                    "$or": [
+                        { "owner": Bson::Null },
+                        { "leaseExpiresAt": { "$lte": now } },
+                    ],
+                };
+                lane.epoch = lane.epoch.saturating_add(1);
+                if new_ids.is_empty() {
+                    // Taken and handed back in one write: it yielded nothing.
+                    handed_back.insert(lane.id);
+                    statements.push(doc! {
+                        "q": filter,
+                        "u": { "$set": {
+                            "epoch": lane.epoch,
+                            "owner": Bson::Null,
+                            "instance": Bson::Null,
+                            "leaseExpiresAt": Bson::Null,
+                            "inFlight": [],
+                            "lost": [],
+                        } },
+                    });
+                } else {
+                    lane.lease_expires_at = Some(expires_at);
+                    statements.push(doc! {
+                        "q": filter,
+                        "u": { "$set": {
+                            "epoch": lane.epoch,
+                            "owner": owner,
+                            "instance": instance,
+                            "leaseExpiresAt": expires_at,
+                            "inFlight": new_ids,
+                            "lost": [],
+                        } },
+                    });
+                    recorded_lanes.push(lane.id);
+                }
+                continue;
+            }
+            let held = matches!(hold, Hold::Held);
             let gone: Vec<ObjectId> = lane
                 .in_flight
                 .iter()
@@ -517,6 +686,7 @@ impl MongoEventStore {
                 }
             }
         }
+        let lanes: Vec<Lane> = lanes.into_iter().map(|(lane, _)| lane).collect();
         let mut matched = 0;
         for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
             let reply = inner
@@ -600,41 +770,139 @@ impl MongoEventStore {
         Ok(Some(claimed))
     }
 
+    /// The claim's first read, one aggregation: every lane document (in-flight and lost lists
+    /// only as whether they are empty), the lanes `owner` holds on this instance in full with
+    /// the documents of the deliveries they list, and, for up to 32 handlers, the lowest parked
+    /// delivery of each of their keys.
+    async fn read_lanes(&self, owner: &str, handlers: &[&str], now: DateTime) -> Result<LaneView> {
+        let inner = &self.inner;
+        let instance = inner.claims.instance;
+        let mut pipeline = vec![
+            doc! { "$match": { "$nor": [{ "owner": owner, "instance": instance }] } },
+            doc! { "$project": {
+                "owner": 1,
+                "instance": 1,
+                "epoch": 1,
+                "leaseExpiresAt": 1,
+                "requeues": 1,
+                "clean": { "$and": [
+                    { "$eq": [{ "$ifNull": ["$inFlight", []] }, []] },
+                    { "$eq": [{ "$ifNull": ["$lost", []] }, []] },
+                ] },
+            } },
+            doc! { "$unionWith": {
+                "coll": inner.lanes.name(),
+                "pipeline": [
+                    { "$match": { "owner": owner, "instance": instance } },
+                    { "$lookup": {
+                        "from": inner.deliveries.name(),
+                        "localField": "inFlight",
+                        "foreignField": "_id",
+                        "pipeline": [{ "$project": {
+                            "handler": 1, "key": 1, "claims": 1, "status": 1,
+                        } }],
+                        "as": "running",
+                    } },
+                    { "$addFields": { "mine": true } },
+                ],
+            } },
+        ];
+        let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
+        if fold_parked {
+            for handler in handlers {
+                pipeline.push(doc! { "$unionWith": {
+                    "coll": inner.deliveries.name(),
+                    "pipeline": parked_heads_stages(handler),
+                } });
+            }
+        }
+        let docs: Vec<Document> = inner
+            .lanes
+            .aggregate(pipeline)
+            // Large enough that the first batch ends the cursor.
+            .batch_size(100_000)
+            .await?
+            .try_collect()
+            .await?;
+        let mut view = LaneView {
+            parked: fold_parked.then(Vec::new),
+            ..LaneView::default()
+        };
+        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
+        let mut rest = Vec::new();
+        for doc in &docs {
+            if doc.contains_key("parkedKey") {
+                if let (Some(parked), Some(head)) =
+                    (view.parked.as_mut(), ParkedHead::from_document(doc))
+                {
+                    parked.push(head);
+                }
+                continue;
+            }
+            let Some(lane) = Lane::from_document(doc) else {
+                continue;
+            };
+            if doc.get_bool("mine") == Ok(true) {
+                if let Ok(running) = doc.get_array("running") {
+                    view.running_docs
+                        .extend(running.iter().filter_map(|d| d.as_document().cloned()));
+                }
+                view.held.push(lane);
+            } else {
+                rest.push((doc, lane));
+            }
+        }
+        for (doc, lane) in rest {
+            // A lane that changed hands between the two reads counts as held: its writes are
+            // conditional on that.
+            if view.held.iter().any(|held| held.id == lane.id) {
+                continue;
+            }
+            let expired = doc
+                .get_datetime("leaseExpiresAt")
+                .map_or(true, |expiry| *expiry <= now);
+            let owner = doc.get_str("owner").ok();
+            if matches!(doc.get("owner"), None | Some(Bson::Null)) || expired {
+                view.free.push(FreeLane {
+                    clean: doc.get_bool("clean") == Ok(true),
+                    stored_epoch: doc.get("epoch").cloned().unwrap_or(Bson::Null),
+                    lane,
+                });
+            } else {
+                if let Some(owner) = owner {
+                    others.insert((owner.to_owned(), doc.get_object_id("instance").ok()));
+                }
+                view.taken_by_others.insert(lane.id);
+            }
+        }
+        view.contenders = 1 + others.len();
+        Ok(view)
+    }
+
     /// The deliveries `lanes` list that still exist (they run), their keys, and their claim
     /// generations.
     async fn load_running(
         &self,
         lanes: &[Lane],
     ) -> Result<(HashSet<ObjectId>, HashSet<KeyOf>, HashMap<ObjectId, i64>)> {
-        let mut running = HashSet::new();
-        let mut keys = HashSet::new();
-        let mut generations = HashMap::new();
         let listed: Vec<ObjectId> = lanes
             .iter()
             .flat_map(|lane| lane.in_flight.iter().copied())
             .collect();
         if listed.is_empty() {
-            return Ok((running, keys, generations));
+            return Ok(running_of(&[]));
         }
-        let mut cursor = self
+        let docs: Vec<Document> = self
             .inner
             .deliveries
             .find(doc! { "_id": { "$in": &listed } })
             .projection(doc! { "handler": 1, "key": 1, "claims": 1 })
             .limit(listed.len() as i64)
             .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
+            .await?
+            .try_collect()
             .await?;
-        while let Some(doc) = cursor.try_next().await? {
-            let Ok(id) = doc.get_object_id("_id") else {
-                continue;
-            };
-            generations.insert(id, int(&doc, "claims").unwrap_or(0));
-            running.insert(id);
-            if let (Some(handler), Some(key)) = (string(&doc, "handler"), string(&doc, "key")) {
-                keys.insert((handler, key));
-            }
-        }
-        Ok((running, keys, generations))
+        Ok(running_of(&docs))
     }
 
     /// Charges every lost claim listed by `lanes` one attempt, once: `lostAt` records the epoch

@@ -24,6 +24,9 @@ use crate::error::{InvalidArgumentError, Result};
 /// The most leases one `complete_many` settles.
 pub(crate) const MAX_COMPLETE_BATCH: usize = 10_000;
 
+/// The epoch of each lane and which of the leased deliveries it lists.
+type Listings = HashMap<i32, (i64, HashSet<ObjectId>)>;
+
 /// What the fence check knows about one delivery.
 #[derive(Debug)]
 struct Found {
@@ -59,9 +62,9 @@ impl MongoEventStore {
     /// A lease counts only while its lane still has the lease's epoch and lists the delivery,
     /// and the delivery still has the lease's claim generation; a worker that lost its lane
     /// changes nothing. Without completion history this needs no transaction and costs four
-    /// commands for any batch: read the deliveries' claim generations, read the lanes, record
-    /// the completion time on the events, delete the deliveries that still have their lease's
-    /// generation. When fewer deliveries were deleted than passed the checks (a claim ended or
+    /// commands for any batch: read the deliveries' claim generations and the lanes (the two
+    /// reads at the same time), record the completion time on the events, delete the deliveries
+    /// that still have their lease's generation. When fewer deliveries were deleted than passed the checks (a claim ended or
     /// changed hands meanwhile), no lease is reported completed: a missing document cannot be
     /// told from one completed by the newer claim, so success is reported only when proven.
     ///
@@ -150,7 +153,7 @@ impl MongoEventStore {
         Ok(outcome.first().copied().unwrap_or(false))
     }
 
-    /// The four-command completion.
+    /// The four-command completion: two reads at the same time, then two writes.
     async fn complete_without_transaction(
         &self,
         leases: &[Lease],
@@ -158,17 +161,7 @@ impl MongoEventStore {
     ) -> Result<Vec<bool>> {
         let inner = &self.inner;
         let ids = unique_ids(leases);
-        let found = found(
-            inner
-                .deliveries
-                .find(doc! { "_id": { "$in": &ids } })
-                .projection(doc! { "claims": 1, "laneId": 1, "eventId": 1 })
-                .limit(ids.len() as i64)
-                .batch_size(ids.len() as u32)
-                .await?
-                .try_collect()
-                .await?,
-        );
+        let (found, lanes) = self.read_fence(leases, &ids).await?;
         let current: Vec<&Lease> = leases
             .iter()
             .filter(|lease| generation_holds(lease, &found))
@@ -176,7 +169,6 @@ impl MongoEventStore {
         if current.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
-        let lanes = self.lane_listings(None, &current).await?;
         let fenced = fence(&current, &lanes);
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
@@ -227,7 +219,7 @@ impl MongoEventStore {
         if current.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
-        let lanes = self.lane_listings(Some(&mut *session), &current).await?;
+        let lanes = self.lane_listings(&mut *session, &current).await?;
         let fenced = fence(&current, &lanes);
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
@@ -264,12 +256,58 @@ impl MongoEventStore {
         Ok(outcome(leases, &fenced, deleted))
     }
 
-    /// The epoch of each lane of `leases`, and which of the leased deliveries it lists.
+    /// The claim generations of the leased deliveries and the listings of their lanes, two
+    /// reads sent at the same time. Neither read is a proof on its own: the lanes fence the
+    /// leases, and the delete that follows is conditional on the generation.
+    async fn read_fence(
+        &self,
+        leases: &[Lease],
+        ids: &[ObjectId],
+    ) -> Result<(HashMap<ObjectId, Found>, Listings)> {
+        let inner = &self.inner;
+        let mut lane_ids: Vec<i32> = leases.iter().map(Lease::lane_i32).collect();
+        lane_ids.sort_unstable();
+        lane_ids.dedup();
+        let generations = async {
+            inner
+                .deliveries
+                .find(doc! { "_id": { "$in": ids } })
+                .projection(doc! { "claims": 1, "laneId": 1, "eventId": 1 })
+                .limit(ids.len() as i64)
+                .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        };
+        let listings = async {
+            inner
+                .lanes
+                .find(doc! { "_id": { "$in": &lane_ids } })
+                // Only the leased ids of each in-flight list come back, not the whole list.
+                .projection(doc! {
+                    "epoch": 1,
+                    "inFlight": { "$filter": {
+                        "input": { "$ifNull": ["$inFlight", []] },
+                        "cond": { "$in": ["$$this", { "$literal": ids }] },
+                    } },
+                })
+                .limit(lane_ids.len() as i64)
+                .batch_size(u32::try_from(lane_ids.len()).unwrap_or(u32::MAX))
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        };
+        let (deliveries, lanes) = futures::try_join!(generations, listings)?;
+        Ok((found(deliveries), listings_of(&lanes)))
+    }
+
+    /// The epoch of each lane of `leases`, and which of the leased deliveries it lists, read in
+    /// `session`'s transaction.
     async fn lane_listings(
         &self,
-        session: Option<&mut ClientSession>,
+        session: &mut ClientSession,
         leases: &[&Lease],
-    ) -> Result<HashMap<i32, (i64, HashSet<ObjectId>)>> {
+    ) -> Result<Listings> {
         let mut lane_ids: Vec<i32> = leases.iter().map(|lease| lease.lane_i32()).collect();
         lane_ids.sort_unstable();
         lane_ids.dedup();
@@ -283,42 +321,32 @@ impl MongoEventStore {
                 "cond": { "$in": ["$$this", { "$literal": &ids }] },
             } },
         };
-        let docs: Vec<Document> = match session {
-            Some(session) => {
-                self.inner
-                    .lanes
-                    .find(filter)
-                    .projection(projection)
-                    .session(&mut *session)
-                    .await?
-                    .stream(session)
-                    .try_collect()
-                    .await?
-            }
-            None => {
-                self.inner
-                    .lanes
-                    .find(filter)
-                    .projection(projection)
-                    .limit(lane_ids.len() as i64)
-                    .batch_size(lane_ids.len() as u32)
-                    .await?
-                    .try_collect()
-                    .await?
-            }
-        };
-        Ok(docs
-            .iter()
-            .filter_map(|doc| {
-                let id = i32::try_from(int(doc, "_id")?).ok()?;
-                let epoch = int(doc, "epoch").unwrap_or(0);
-                Some((
-                    id,
-                    (epoch, object_ids(doc, "inFlight").into_iter().collect()),
-                ))
-            })
-            .collect())
+        let docs: Vec<Document> = self
+            .inner
+            .lanes
+            .find(filter)
+            .projection(projection)
+            .session(&mut *session)
+            .await?
+            .stream(session)
+            .try_collect()
+            .await?;
+        Ok(listings_of(&docs))
     }
+}
+
+/// The epoch of each lane document and the ids its in-flight list holds.
+fn listings_of(docs: &[Document]) -> Listings {
+    docs.iter()
+        .filter_map(|doc| {
+            let id = i32::try_from(int(doc, "_id")?).ok()?;
+            let epoch = int(doc, "epoch").unwrap_or(0);
+            Some((
+                id,
+                (epoch, object_ids(doc, "inFlight").into_iter().collect()),
+            ))
+        })
+        .collect()
 }
 
 fn unique_ids(leases: &[Lease]) -> Vec<ObjectId> {
@@ -353,7 +381,7 @@ fn generation_holds(lease: &Lease, found: &HashMap<ObjectId, Found>) -> bool {
 }
 
 /// The leases whose lane still has their epoch and lists their delivery, one per delivery.
-fn fence(leases: &[&Lease], lanes: &HashMap<i32, (i64, HashSet<ObjectId>)>) -> Vec<Lease> {
+fn fence(leases: &[&Lease], lanes: &Listings) -> Vec<Lease> {
     let mut seen = HashSet::new();
     leases
         .iter()

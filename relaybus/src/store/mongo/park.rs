@@ -11,7 +11,7 @@ use std::collections::HashSet;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use mongodb::{
-    bson::{Bson, Document, doc, oid::ObjectId},
+    bson::{Document, doc, oid::ObjectId},
     options::Hint,
 };
 
@@ -28,74 +28,138 @@ const PROBES_PER_QUERY: usize = 100;
 /// Delivery ids per parking update.
 const IDS_PER_UPDATE: usize = 10_000;
 
+/// The lowest parked delivery of one key.
+#[derive(Debug, Clone)]
+pub(crate) struct ParkedHead {
+    handler: String,
+    key: String,
+    id: ObjectId,
+    sequence: i64,
+    lane: Option<i32>,
+}
+
+impl ParkedHead {
+    /// Reads one document of [`parked_heads_stages`].
+    pub(crate) fn from_document(doc: &Document) -> Option<ParkedHead> {
+        let (Ok(handler), Ok(key), Ok(id), Some(sequence)) = (
+            doc.get_str("parkedHandler"),
+            doc.get_str("parkedKey"),
+            doc.get_object_id("id"),
+            int(doc, "sequence"),
+        ) else {
+            return None;
+        };
+        Some(ParkedHead {
+            handler: handler.to_owned(),
+            key: key.to_owned(),
+            id,
+            sequence,
+            lane: int(doc, "laneId").and_then(|lane| i32::try_from(lane).ok()),
+        })
+    }
+}
+
+/// An aggregation of the deliveries collection that yields the lowest parked delivery of each
+/// key of `handler`: a distinct scan of the small `parked` index. Each document has
+/// `parkedHandler`, `parkedKey`, `id`, `sequence` and `laneId`.
+pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
+    vec![
+        doc! { "$match": { "handler": handler, "lane": "parked" } },
+        doc! { "$sort": { "handler": 1, "key": 1, "sequence": 1 } },
+        doc! { "$group": {
+            "_id": "$key",
+            "id": { "$first": "$_id" },
+            "sequence": { "$first": "$sequence" },
+            "laneId": { "$first": "$laneId" },
+        } },
+        doc! { "$project": {
+            "_id": 0,
+            "parkedHandler": { "$literal": handler },
+            "parkedKey": "$_id",
+            "id": 1,
+            "sequence": 1,
+            "laneId": 1,
+        } },
+    ]
+}
+
 impl MongoEventStore {
     /// Moves the lowest parked delivery of each key of `handler` back to the ready lane when
     /// nothing pending precedes it. Returns how many it moved.
     ///
-    /// One aggregation (a distinct scan of the small `parked` index), then one predecessor probe
-    /// per parked key (sent together, see [`first_of_each`](Self::first_of_each)), then one
-    /// update.
+    /// One aggregation (a distinct scan of the small `parked` index), then
+    /// [`unpark_heads`](Self::unpark_heads).
     ///
     /// Keys in `skip_lanes` (held by another live owner, who unparks them on its own claims) are
     /// left alone.
     pub(crate) async fn unpark(&self, handler: &str, skip_lanes: &HashSet<i32>) -> Result<u64> {
-        let deliveries = &self.inner.deliveries;
-        let lowest: Vec<Document> = deliveries
-            .aggregate([
-                doc! { "$match": { "handler": handler, "lane": "parked" } },
-                doc! { "$sort": { "handler": 1, "key": 1, "sequence": 1 } },
-                doc! { "$group": {
-                    "_id": "$key",
-                    "id": { "$first": "$_id" },
-                    "sequence": { "$first": "$sequence" },
-                    "laneId": { "$first": "$laneId" },
-                } },
-            ])
+        let heads: Vec<ParkedHead> = self
+            .inner
+            .deliveries
+            .aggregate(parked_heads_stages(handler))
             .hint(Hint::Name("parked".to_owned()))
             .await?
-            .try_collect()
-            .await?;
-        if lowest.is_empty() {
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(ParkedHead::from_document)
+            .collect();
+        self.unpark_heads(heads, skip_lanes, &HashSet::new()).await
+    }
+
+    /// Moves each of `heads` (the lowest parked delivery of its key) back to the ready lane when
+    /// nothing pending precedes it: one predecessor probe per key (sent together, see
+    /// [`first_of_each`](Self::first_of_each)), then one update. Heads in `skip_lanes` are left
+    /// alone, and so are the keys in `running` (`(handler, key)`): one of their deliveries runs,
+    /// so none of the others can be claimed yet, and a later claim looks again. Returns how many
+    /// it moved.
+    pub(crate) async fn unpark_heads(
+        &self,
+        heads: Vec<ParkedHead>,
+        skip_lanes: &HashSet<i32>,
+        running: &HashSet<(String, String)>,
+    ) -> Result<u64> {
+        let heads: Vec<ParkedHead> = heads
+            .into_iter()
+            .filter(|head| !head.lane.is_some_and(|lane| skip_lanes.contains(&lane)))
+            .filter(|head| !running.contains(&(head.handler.clone(), head.key.clone())))
+            .collect();
+        if heads.is_empty() {
             return Ok(0);
         }
-        // The lowest parked delivery of a key may move back when nothing pending precedes it.
-        let mut candidates: Vec<(String, ObjectId)> = Vec::with_capacity(lowest.len());
-        let mut probes = Vec::with_capacity(lowest.len());
-        for group in &lowest {
-            let lane = int(group, "laneId").and_then(|lane| i32::try_from(lane).ok());
-            if lane.is_some_and(|lane| skip_lanes.contains(&lane)) {
-                continue;
-            }
-            let (Some(Bson::String(key)), Ok(id), Some(sequence)) = (
-                group.get("_id"),
-                group.get_object_id("id"),
-                int(group, "sequence"),
-            ) else {
-                continue;
-            };
-            probes.push(doc! {
-                "handler": handler,
-                "key": key,
-                "status": "pending",
-                "sequence": { "$lt": sequence },
-            });
-            candidates.push((key.clone(), id));
-        }
-        let blocked: HashSet<String> = self
+        let probes = heads
+            .iter()
+            .map(|head| {
+                doc! {
+                    "handler": &head.handler,
+                    "key": &head.key,
+                    "status": "pending",
+                    "sequence": { "$lt": head.sequence },
+                }
+            })
+            .collect();
+        let blocked: HashSet<(String, String)> = self
             .first_of_each(probes, None)
             .await?
             .iter()
-            .filter_map(|doc| doc.get_str("key").ok().map(str::to_owned))
+            .filter_map(|doc| {
+                Some((
+                    doc.get_str("handler").ok()?.to_owned(),
+                    doc.get_str("key").ok()?.to_owned(),
+                ))
+            })
             .collect();
-        let free: Vec<Option<ObjectId>> = candidates
+        let ids: Vec<ObjectId> = heads
             .into_iter()
-            .map(|(key, id)| (!blocked.contains(&key)).then_some(id))
+            .filter(|head| !blocked.contains(&(head.handler.clone(), head.key.clone())))
+            .map(|head| head.id)
             .collect();
-        let ids: Vec<ObjectId> = free.into_iter().flatten().collect();
         if ids.is_empty() {
             return Ok(0);
         }
-        let moved = deliveries
+        let moved = self
+            .inner
+            .deliveries
             .update_many(
                 doc! { "_id": { "$in": ids }, "lane": "parked", "status": "pending" },
                 doc! { "$set": { "lane": "ready" } },
