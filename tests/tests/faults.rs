@@ -47,7 +47,7 @@ use mongodb::{
     bson::{Bson, Document, doc},
     options::{DatabaseOptions, ReadConcern, WriteConcern},
 };
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use relaybus::{BoxError, MongoEventStore, RelayBus};
 use relaybus_harness::ReplicaSet;
 use relaybus_tests::fault::{self, AUDITOR, FaultOrder, PROJECTOR};
@@ -102,10 +102,20 @@ struct Scenario {
 
 fn scenarios() -> Vec<Scenario> {
     let long = std::env::var("RELAYBUS_FAULT_PROFILE").is_ok_and(|p| p == "long");
-    let (single_load, failover_load, rate) = if long {
-        (Duration::from_secs(600), Duration::from_secs(300), 80)
+    let (single_load, failover_load, rate, drain) = if long {
+        (
+            Duration::from_secs(600),
+            Duration::from_secs(300),
+            30,
+            Duration::from_secs(900),
+        )
     } else {
-        (Duration::from_secs(45), Duration::from_secs(35), 50)
+        (
+            Duration::from_secs(45),
+            Duration::from_secs(35),
+            50,
+            Duration::from_secs(180),
+        )
     };
     vec![
         Scenario {
@@ -118,12 +128,11 @@ fn scenarios() -> Vec<Scenario> {
                 Fault::KillAfterClaim,
                 Fault::KillInCompletion,
                 Fault::PauseWorker,
-                Fault::PauseWorker,
                 Fault::KillServer,
             ],
             load: single_load,
             rate,
-            drain: Duration::from_secs(180),
+            drain,
         },
         Scenario {
             name: "failover",
@@ -138,7 +147,7 @@ fn scenarios() -> Vec<Scenario> {
             ],
             load: failover_load,
             rate: rate / 2,
-            drain: Duration::from_secs(180),
+            drain,
         },
     ]
 }
@@ -511,8 +520,17 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
     let mut figures = Figures::default();
     // Faults, one after the other, at random moments, until the load stops.
     tokio::time::sleep(Duration::from_millis(rng.random_range(500..1_500))).await;
+    let mut upcoming: Vec<Fault> = Vec::new();
     while Instant::now() + Duration::from_secs(3) < deadline {
-        let fault = scenario.faults[rng.random_range(0..scenario.faults.len())];
+        // Every kind in turn, in a fresh random order each round, so that a short run
+        // injects each of them.
+        if upcoming.is_empty() {
+            upcoming = scenario.faults.clone();
+            upcoming.shuffle(rng);
+        }
+        let Some(fault) = upcoming.pop() else {
+            break;
+        };
         let injected = inject(fault, &rs, &mut workers, &client, rng).await?;
         *figures.faults.entry(injected.name()).or_default() += 1;
         workers.revive(&mut figures)?;
