@@ -123,11 +123,12 @@ async fn a_handler_that_fails_twice_runs_three_times_with_growing_delays() {
     assert_eq!((a1, a2, a3), (1, 2, 3));
     let first_wait = t2 - t1;
     let second_wait = t3 - t2;
-    // Backoff 50 ms then 100 ms, each with up to a quarter of jitter taken off.
+    // Backoff 50 ms then 100 ms, each with up to a quarter of jitter taken off. Only lower
+    // bounds hold on a busy machine (a claim can come late); an undoubled second backoff
+    // (at most 50 ms) would stay under the second one.
     assert!(first_wait >= Duration::from_millis(37), "{first_wait:?}");
-    assert!(second_wait >= Duration::from_millis(75), "{second_wait:?}");
     assert!(
-        second_wait > first_wait,
+        second_wait >= Duration::from_millis(75),
         "{first_wait:?} then {second_wait:?}"
     );
     assert!(
