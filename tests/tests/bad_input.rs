@@ -103,6 +103,13 @@ impl Event for Part {
     const TYPE: &'static str = "badin.part.v1";
 }
 
+/// A check that an error matches `pattern`, for tables of cases.
+macro_rules! is {
+    ($pattern:pat $(if $guard:expr)?) => {
+        |e: &Error| matches!(e, $pattern $(if $guard)?)
+    };
+}
+
 fn parts(depth: usize) -> Part {
     let mut part = Part { inner: None };
     for _ in 1..depth {
@@ -635,127 +642,86 @@ async fn publish_refuses_malformed_events_and_the_transaction_writes_nothing() {
     let cases: Vec<(&str, Check, &[&str])> = vec![
         (
             "empty key",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidKey { .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::InvalidKey { .. }
+            )),
             &["it is empty", "use 1 to 512 bytes"],
         ),
         (
             "long key",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidKey { .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::InvalidKey { .. }
+            )),
             &["too long", "use 1 to 512 bytes"],
         ),
         (
             "empty id",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidId { .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::InvalidId { .. }
+            )),
             &["it is empty", "use 1 to 256 bytes"],
         ),
         (
             "long id",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidId { .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::InvalidId { .. }
+            )),
             &["too long", "use 1 to 256 bytes"],
         ),
         (
             "control id",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidId { .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::InvalidId { .. }
+            )),
             &["control characters", "without control characters"],
         ),
         (
             "empty correlation id",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidField {
-                        field: "correlation id",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(EventValidationError::InvalidField {
+                field: "correlation id",
+                ..
+            })),
             &["correlation id", "it is empty"],
         ),
         (
             "long causation id",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidField {
-                        field: "causation id",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(EventValidationError::InvalidField {
+                field: "causation id",
+                ..
+            })),
             &["causation id", "longer than 1024 bytes"],
         ),
         (
             "empty header name",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidField {
-                        field: "header name",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(EventValidationError::InvalidField {
+                field: "header name",
+                ..
+            })),
             &["header name", "it is empty"],
         ),
         (
             "long header value",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidField {
-                        field: "header value",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(EventValidationError::InvalidField {
+                field: "header value",
+                ..
+            })),
             &["\"tenant\"", "longer than 1024 bytes"],
         ),
         (
             "type name",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::InvalidTypeName { .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::InvalidTypeName { .. }
+            )),
             &["\"Order Placed\"", "for example \"order.placed.v1\""],
         ),
         (
             "number payload",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::PayloadNotObject {
-                        found: "a number",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::PayloadNotObject {
+                    found: "a number",
+                    ..
+                }
+            )),
             &[
                 "badin.counted.v1",
                 "not an object",
@@ -764,38 +730,24 @@ async fn publish_refuses_malformed_events_and_the_transaction_writes_nothing() {
         ),
         (
             "array payload",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::PayloadNotObject {
-                        found: "an array",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::PayloadNotObject {
+                    found: "an array",
+                    ..
+                }
+            )),
             &["badin.listed.v1", "an array"],
         ),
         (
             "null payload",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::PayloadNotObject {
-                        found: "null",
-                        ..
-                    })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::PayloadNotObject { found: "null", .. }
+            )),
             &["badin.nothing.v1", "null"],
         ),
         (
             "unserializable payload",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::Payload { .. })
-                )
-            },
+            is!(Error::EventValidation(EventValidationError::Payload { .. })),
             &[
                 "badin.grid.v1",
                 "could not be serialized",
@@ -804,23 +756,14 @@ async fn publish_refuses_malformed_events_and_the_transaction_writes_nothing() {
         ),
         (
             "too deep",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::PayloadTooDeep { limit: 100, .. })
-                )
-            },
+            is!(Error::EventValidation(
+                EventValidationError::PayloadTooDeep { limit: 100, .. }
+            )),
             &["badin.part.v1", "more than 100 levels deep", "flatten it"],
         ),
         (
             "too large",
-            |e| {
-                matches!(
-                    e,
-                    Error::EventValidation(EventValidationError::TooLarge { size, limit, .. })
-                        if *size > *limit && *limit == 16 * 1024 * 1024
-                )
-            },
+            is!(Error::EventValidation(EventValidationError::TooLarge { size, limit, .. }) if *size > *limit && *limit == 16 * 1024 * 1024),
             &["16777216", "store large data elsewhere"],
         ),
     ];
