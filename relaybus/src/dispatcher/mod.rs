@@ -227,8 +227,12 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
     let semaphore = Arc::new(Semaphore::new(settings.concurrency));
     let tracker = TaskTracker::new();
     let background = CancellationToken::new();
-    let (done, completions) = mpsc::unbounded_channel::<Lease>();
-    let completer = tokio::spawn(complete_batches(Arc::clone(&shared), completions));
+    let (done, completions) = mpsc::unbounded_channel::<(Lease, bool)>();
+    let completer = tokio::spawn(complete_batches(
+        Arc::clone(&shared),
+        completions,
+        Arc::clone(&notify),
+    ));
     let renewer = tokio::spawn(renew_leases(Arc::clone(&shared), background.clone()));
     let waker = settings.change_stream.then(|| {
         tokio::spawn(wake::watch(
@@ -291,16 +295,23 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
             );
             let task_shared = Arc::clone(&shared);
             let done = done.clone();
+            // The next delivery of a key can be claimed only once this one is settled: wake
+            // the loop then, rather than leaving the key to the poll interval.
+            let keyed = delivery.key().is_some();
+            let wake = Arc::clone(&notify);
             let handle = tracker.spawn(async move {
                 match run_delivery(&task_shared, delivery).await {
                     // The completer removes it from the running set once completed.
                     Outcome::Succeeded(lease) => {
-                        if let Err(unsent) = done.send(lease) {
-                            task_shared.running().remove(&unsent.0.delivery_id());
+                        if let Err(unsent) = done.send((lease, keyed)) {
+                            task_shared.running().remove(&unsent.0.0.delivery_id());
                         }
                     }
                     Outcome::Settled => {
                         task_shared.running().remove(&id);
+                        if keyed {
+                            wake.notify_one();
+                        }
                     }
                 }
                 drop(permit);
@@ -363,13 +374,21 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
 }
 
 /// Completes the deliveries whose handlers succeeded, batching those that finish close together.
-async fn complete_batches(shared: Arc<Shared>, mut completions: mpsc::UnboundedReceiver<Lease>) {
+async fn complete_batches(
+    shared: Arc<Shared>,
+    mut completions: mpsc::UnboundedReceiver<(Lease, bool)>,
+    wake: Arc<Notify>,
+) {
     const MAX_BATCH: usize = 1_000;
-    while let Some(first) = completions.recv().await {
+    while let Some((first, first_keyed)) = completions.recv().await {
         let mut batch = vec![first];
+        let mut keyed = first_keyed;
         while batch.len() < MAX_BATCH {
             match completions.try_recv() {
-                Ok(lease) => batch.push(lease),
+                Ok((lease, is_keyed)) => {
+                    batch.push(lease);
+                    keyed |= is_keyed;
+                }
                 Err(_) => break,
             }
         }
@@ -402,9 +421,15 @@ async fn complete_batches(shared: Arc<Shared>, mut completions: mpsc::UnboundedR
         }
         .instrument(span)
         .await;
-        let mut running = shared.running();
-        for lease in &batch {
-            running.remove(&lease.delivery_id());
+        {
+            let mut running = shared.running();
+            for lease in &batch {
+                running.remove(&lease.delivery_id());
+            }
+        }
+        if keyed {
+            // Followers of these keys may be claimable now.
+            wake.notify_one();
         }
     }
 }
