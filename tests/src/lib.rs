@@ -1,3 +1,4 @@
 //! End-to-end tests of relaybus against a real MongoDB replica set.
 
 pub mod fault;
+pub mod support;

@@ -7,41 +7,17 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
 use relaybus::{
-    BoxError, ConfigurationError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
+    BoxError, ConfigurationError, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
     RelayBusBuilder, RetryPolicy, Subscription,
 };
-use relaybus_harness::{TestDb, test_db};
-use serde::{Deserialize, Serialize};
+use relaybus_harness::test_db;
+use relaybus_tests::support::{
+    OrderPlaced, bare_store, deliveries, next, noop, placed, publisher, reports_attempt,
+    starts_and_hangs, store,
+};
 use tokio::sync::mpsc;
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct OrderPlaced {
-    order_id: String,
-}
-
-impl Event for OrderPlaced {
-    const TYPE: &'static str = "order.placed.v1";
-}
-
-/// Waits for a message from a handler, failing the test after a generous deadline.
-async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>, what: &str) -> T {
-    tokio::time::timeout(Duration::from_secs(30), rx.recv())
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-        .unwrap_or_else(|| panic!("channel closed waiting for {what}"))
-}
-
-async fn store(db: &TestDb) -> MongoEventStore {
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
-    store
-}
 
 /// A bus tuned for tests: short polls and leases, quick retries.
 fn builder(store: &MongoEventStore) -> RelayBusBuilder {
@@ -56,38 +32,12 @@ fn builder(store: &MongoEventStore) -> RelayBusBuilder {
         .shutdown_timeout(Duration::from_secs(5))
 }
 
-/// A bus with no handlers, for publishing.
-fn publisher(store: &MongoEventStore, handlers: &[&str]) -> RelayBus {
-    let mut builder = RelayBus::builder(store.clone());
-    for id in handlers {
-        builder = builder.subscribe(Subscription::new(
-            *id,
-            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
-        ));
-    }
-    builder.build().unwrap()
-}
-
 async fn publish(bus: &RelayBus, order: &str, key: Option<&str>) -> String {
-    let mut envelope = EventEnvelope::new(&OrderPlaced {
-        order_id: order.to_owned(),
-    })
-    .unwrap();
+    let mut envelope = EventEnvelope::new(&placed(order)).unwrap();
     if let Some(key) = key {
         envelope = envelope.with_key(key).unwrap();
     }
     bus.publish_envelope(envelope).await.unwrap().event_id
-}
-
-async fn deliveries(db: &TestDb) -> Vec<Document> {
-    db.db()
-        .collection::<Document>("relaybus_deliveries")
-        .find(doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
 }
 
 #[tokio::test]
@@ -185,16 +135,7 @@ async fn a_handler_that_always_fails_is_buried_and_runs_again_after_requeue() {
 
     let (tx, mut rx) = mpsc::unbounded_channel();
     let fixed = builder(&store)
-        .subscribe(Subscription::new(
-            "doomed",
-            move |_: OrderPlaced, ctx: HandlerContext| {
-                let tx = tx.clone();
-                async move {
-                    tx.send(ctx.attempt()).unwrap();
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
+        .subscribe(reports_attempt::<OrderPlaced>("doomed", tx))
         .build()
         .unwrap();
     fixed.start().await.unwrap();
@@ -317,12 +258,7 @@ async fn two_buses_process_each_delivery_once() {
     let store = store(&db).await;
     let publisher = publisher(&store, &["counter"]);
     let envelopes: Vec<EventEnvelope> = (0..EVENTS)
-        .map(|i| {
-            EventEnvelope::new(&OrderPlaced {
-                order_id: format!("o-{i}"),
-            })
-            .unwrap()
-        })
+        .map(|i| EventEnvelope::new(&placed(&format!("o-{i}"))).unwrap())
         .collect();
     publisher.publish_all(envelopes).await.unwrap();
 
@@ -374,12 +310,10 @@ async fn per_key_order_holds_end_to_end_across_three_buses() {
     for i in 0..PER_KEY {
         for k in 0..KEYS {
             envelopes.push(
-                EventEnvelope::new(&OrderPlaced {
-                    order_id: format!("{i}"),
-                })
-                .unwrap()
-                .with_key(format!("key-{k}"))
-                .unwrap(),
+                EventEnvelope::new(&placed(&format!("{i}")))
+                    .unwrap()
+                    .with_key(format!("key-{k}"))
+                    .unwrap(),
             );
         }
     }
@@ -447,17 +381,7 @@ async fn shutdown_releases_running_deliveries_and_another_bus_takes_them_at_once
         .owner("stuck")
         .lease_duration(Duration::from_secs(600))
         .shutdown_timeout(Duration::from_millis(200))
-        .subscribe(Subscription::new(
-            "slow",
-            move |_: OrderPlaced, _: HandlerContext| {
-                let started_tx = started_tx.clone();
-                async move {
-                    started_tx.send(()).unwrap();
-                    std::future::pending::<()>().await;
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
+        .subscribe(starts_and_hangs::<OrderPlaced>("slow", started_tx))
         .build()
         .unwrap();
     stuck.start().await.unwrap();
@@ -480,16 +404,7 @@ async fn shutdown_releases_running_deliveries_and_another_bus_takes_them_at_once
     let (tx, mut rx) = mpsc::unbounded_channel();
     let other = builder(&store)
         .owner("other")
-        .subscribe(Subscription::new(
-            "slow",
-            move |_: OrderPlaced, ctx: HandlerContext| {
-                let tx = tx.clone();
-                async move {
-                    tx.send(ctx.attempt()).unwrap();
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
+        .subscribe(reports_attempt::<OrderPlaced>("slow", tx))
         .build()
         .unwrap();
     let report = other.run_once().await.unwrap();
@@ -581,10 +496,7 @@ async fn the_change_stream_wakes_an_idle_dispatcher() {
 #[tokio::test]
 async fn bad_builder_settings_are_refused() {
     let db = test_db("bad_builder").await;
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
+    let store = bare_store(&db);
     let cases: Vec<(&str, RelayBusBuilder)> = vec![
         ("batch_size", RelayBus::builder(store.clone()).batch_size(0)),
         (
@@ -648,10 +560,7 @@ async fn a_payload_that_no_longer_deserializes_is_a_failed_attempt_with_a_clear_
 
     let bus = builder(&store)
         .retry(RetryPolicy::new(1))
-        .subscribe(Subscription::new(
-            "strict",
-            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
-        ))
+        .subscribe(noop::<OrderPlaced>("strict"))
         .build()
         .unwrap();
     let report = bus.run_once().await.unwrap();

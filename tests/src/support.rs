@@ -1,0 +1,123 @@
+//! What the end-to-end tests share: an order event, stores on the test's database, buses that
+//! only publish, handlers that report to the test, and readers of the collections.
+
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Document, doc};
+use relaybus::{BoxError, Event, HandlerContext, MongoEventStore, RelayBus, Subscription};
+use relaybus_harness::TestDb;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+/// The order event of the tests, of type `order.placed.v1`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OrderPlaced {
+    /// The order's id.
+    pub order_id: String,
+    /// The order's total.
+    pub total_cents: u64,
+}
+
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "order.placed.v1";
+}
+
+/// An order of 12.50 with this id.
+pub fn placed(id: &str) -> OrderPlaced {
+    OrderPlaced {
+        order_id: id.to_owned(),
+        total_cents: 1250,
+    }
+}
+
+/// A handler of `E` that does nothing and succeeds.
+pub fn noop<E: Event>(id: &str) -> Subscription {
+    Subscription::new(id, |_: E, _: HandlerContext| async {
+        Ok::<(), BoxError>(())
+    })
+}
+
+/// A handler of `E` that sends its attempt number to the test and succeeds.
+pub fn reports_attempt<E: Event>(id: &str, tx: mpsc::UnboundedSender<u32>) -> Subscription {
+    Subscription::new(id, move |_: E, ctx: HandlerContext| {
+        let tx = tx.clone();
+        async move {
+            tx.send(ctx.attempt()).unwrap();
+            Ok::<(), BoxError>(())
+        }
+    })
+}
+
+/// A handler of `E` that tells the test it started and then never ends, so that its delivery
+/// is still running when the test shuts the bus down.
+pub fn starts_and_hangs<E: Event>(id: &str, started: mpsc::UnboundedSender<()>) -> Subscription {
+    Subscription::new(id, move |_: E, _: HandlerContext| {
+        let started = started.clone();
+        async move {
+            started.send(()).unwrap();
+            std::future::pending::<()>().await;
+            Ok::<(), BoxError>(())
+        }
+    })
+}
+
+/// A store on the test's database, not set up.
+pub fn bare_store(db: &TestDb) -> MongoEventStore {
+    MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .build()
+        .expect("valid options")
+}
+
+/// A store on the test's database, set up.
+pub async fn store(db: &TestDb) -> MongoEventStore {
+    let store = bare_store(db);
+    store.setup().await.expect("setup");
+    store
+}
+
+/// A bus subscribing no-op handlers of [`OrderPlaced`] with these ids: publishing through it
+/// writes one delivery per id, and it never runs them.
+pub fn publisher(store: &MongoEventStore, handlers: &[&str]) -> RelayBus {
+    let mut builder = RelayBus::builder(store.clone());
+    for id in handlers {
+        builder = builder.subscribe(noop::<OrderPlaced>(id));
+    }
+    builder.build().expect("valid bus")
+}
+
+/// Waits for a message, failing the test after a generous deadline.
+pub async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>, what: &str) -> T {
+    tokio::time::timeout(Duration::from_secs(30), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap_or_else(|| panic!("channel closed waiting for {what}"))
+}
+
+/// Every document of a collection of the test database, in `_id` order.
+pub async fn all(db: &TestDb, collection: &str) -> Vec<Document> {
+    db.db()
+        .collection::<Document>(collection)
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+/// Every delivery document, in `_id` order.
+pub async fn deliveries(db: &TestDb) -> Vec<Document> {
+    all(db, "relaybus_deliveries").await
+}
+
+/// How many documents a collection of the test database holds.
+pub async fn count(db: &TestDb, collection: &str) -> u64 {
+    db.db()
+        .collection::<Document>(collection)
+        .count_documents(doc! {})
+        .await
+        .unwrap()
+}
