@@ -4,9 +4,12 @@
 use std::time::Duration;
 
 use futures::TryStreamExt;
-use mongodb::bson::{Document, doc};
+use mongodb::{
+    Client,
+    bson::{Document, doc},
+};
 use relaybus::{BoxError, Event, HandlerContext, MongoEventStore, RelayBus, Subscription};
-use relaybus_harness::TestDb;
+use relaybus_harness::{FailPoint, TestDb};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -120,4 +123,32 @@ pub async fn count(db: &TestDb, collection: &str) -> u64 {
         .count_documents(doc! {})
         .await
         .unwrap()
+}
+
+/// Makes the server answer the next `times` `command`s of the client named `app` with the error
+/// `code` labelled `label`, until the returned fail point is disabled or dropped. The client's
+/// name keeps the failures away from the other tests on the server.
+pub async fn fail_command(
+    client: &Client,
+    app: &str,
+    command: &str,
+    times: i32,
+    code: i32,
+    label: &str,
+) -> FailPoint {
+    FailPoint::enable(
+        client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": times },
+            "data": {
+                "failCommands": [command],
+                "appName": app,
+                "errorCode": code,
+                "errorLabels": [label],
+            },
+        },
+    )
+    .await
+    .unwrap()
 }

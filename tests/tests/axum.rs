@@ -13,7 +13,6 @@ use axum::{
     http::{Request, Response, StatusCode, header::RETRY_AFTER},
     routing::{get, post},
 };
-use futures::TryStreamExt;
 use mongodb::{
     Client, Collection,
     bson::{Document, doc},
@@ -21,36 +20,20 @@ use mongodb::{
     options::ClientOptions,
 };
 use relaybus::{
-    BoxError, Event, HandlerContext, MongoEventStore, RelayBus, RelayBusBuilder, RetryPolicy,
-    Subscription,
+    BoxError, HandlerContext, MongoEventStore, RelayBus, RelayBusBuilder, RetryPolicy, Subscription,
 };
 use relaybus_axum::{DispatcherService, Publisher, RelayState, Tx};
-use relaybus_harness::{FailPoint, TestDb, test_db};
-use serde::{Deserialize, Serialize};
+use relaybus_harness::{TestDb, test_db};
+use relaybus_tests::support::{
+    OrderPlaced, count, deliveries, fail_command, next, placed, reports_attempt, starts_and_hangs,
+    store,
+};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     sync::{mpsc, oneshot},
 };
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct OrderPlaced {
-    order_id: String,
-    total_cents: i64,
-}
-
-impl Event for OrderPlaced {
-    const TYPE: &'static str = "order.placed.v1";
-}
-
-/// Waits for a message, failing the test after a generous deadline.
-async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>, what: &str) -> T {
-    tokio::time::timeout(Duration::from_secs(30), rx.recv())
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-        .unwrap_or_else(|| panic!("channel closed waiting for {what}"))
-}
 
 /// A client of its own for one test, whose commands are reported on a channel: its
 /// application name scopes fail points to this test.
@@ -124,14 +107,7 @@ async fn insert_and_publish(publisher: &mut Publisher, id: &str) {
         .session(publisher.session())
         .await
         .unwrap();
-    publisher
-        .publish(&OrderPlaced {
-            order_id: id.to_owned(),
-            total_cents: 1250,
-        })
-        .key(id)
-        .await
-        .unwrap();
+    publisher.publish(&placed(id)).key(id).await.unwrap();
 }
 
 impl Shop {
@@ -179,7 +155,7 @@ impl Shop {
                             projections
                             .update_one(
                                 doc! { "_id": "all" },
-                                doc! { "$inc": { "orders": 1, "total_cents": event.total_cents } },
+                                doc! { "$inc": { "orders": 1, "total_cents": event.total_cents as i64 } },
                             )
                             .upsert(true)
                             .session(&mut *session)
@@ -267,18 +243,10 @@ impl Shop {
     }
 
     async fn counts(&self) -> (u64, u64, u64) {
-        let count = |name: &'static str| async move {
-            self.db
-                .db()
-                .collection::<Document>(name)
-                .count_documents(doc! {})
-                .await
-                .unwrap()
-        };
         (
-            count("orders").await,
-            count("relaybus_events").await,
-            count("relaybus_deliveries").await,
+            count(&self.db, "orders").await,
+            count(&self.db, "relaybus_events").await,
+            count(&self.db, "relaybus_deliveries").await,
         )
     }
 }
@@ -512,21 +480,15 @@ async fn a_write_conflict_at_commit_answers_503_with_retry_after_and_commits_not
         |config| config.retry_after(Duration::from_secs(7)),
     )
     .await;
-    let fail = FailPoint::enable(
+    let fail = fail_command(
         &shop.monitored.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["commitTransaction"],
-                "appName": &shop.monitored.app,
-                "errorCode": 112,
-                "errorLabels": ["TransientTransactionError"],
-            },
-        },
+        &shop.monitored.app,
+        "commitTransaction",
+        1,
+        112,
+        "TransientTransactionError",
     )
-    .await
-    .unwrap();
+    .await;
     shop.monitored.started();
     let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
     fail.disable().await.unwrap();
@@ -545,22 +507,16 @@ async fn a_write_conflict_at_commit_answers_503_with_retry_after_and_commits_not
 #[tokio::test]
 async fn an_unknown_commit_result_sends_the_commit_again() {
     let mut shop = Shop::new("axum_unknown_commit").await;
-    let fail = FailPoint::enable(
+    let fail = fail_command(
         &shop.monitored.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 2 },
-            "data": {
-                "failCommands": ["commitTransaction"],
-                "appName": &shop.monitored.app,
-                // WriteConcernFailed: an unknown outcome that the driver does not retry itself.
-                "errorCode": 64,
-                "errorLabels": ["UnknownTransactionCommitResult"],
-            },
-        },
+        &shop.monitored.app,
+        "commitTransaction",
+        2,
+        // WriteConcernFailed: an unknown outcome that the driver does not retry itself.
+        64,
+        "UnknownTransactionCommitResult",
     )
-    .await
-    .unwrap();
+    .await;
     shop.monitored.started();
     let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
     fail.disable().await.unwrap();
@@ -674,28 +630,14 @@ async fn http_post(address: std::net::SocketAddr, path: &str) -> u16 {
 #[tokio::test]
 async fn graceful_shutdown_drains_requests_releases_deliveries_and_frees_the_lanes() {
     let db = test_db("axum_shutdown").await;
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
+    let store = store(&db).await;
     let (handler_tx, mut handler_started) = mpsc::unbounded_channel();
     let bus = RelayBus::builder(store.clone())
         .owner("web-1")
         .poll_interval(Duration::from_millis(50))
         .lease_duration(Duration::from_secs(600))
         .shutdown_timeout(Duration::from_millis(200))
-        .subscribe(Subscription::new(
-            "slow",
-            move |_: OrderPlaced, _: HandlerContext| {
-                let handler_tx = handler_tx.clone();
-                async move {
-                    handler_tx.send(()).unwrap();
-                    std::future::pending::<()>().await;
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
+        .subscribe(starts_and_hangs::<OrderPlaced>("slow", handler_tx))
         .build()
         .unwrap();
     let (state, layer) = relaybus_axum::setup(bus.clone()).unwrap();
@@ -760,15 +702,7 @@ async fn graceful_shutdown_drains_requests_releases_deliveries_and_frees_the_lan
         0,
         "every lane was handed back"
     );
-    let deliveries: Vec<Document> = db
-        .db()
-        .collection::<Document>("relaybus_deliveries")
-        .find(doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let deliveries = deliveries(&db).await;
     assert_eq!(deliveries.len(), 1);
     assert_eq!(deliveries[0].get_str("status").unwrap(), "pending");
 
@@ -776,16 +710,7 @@ async fn graceful_shutdown_drains_requests_releases_deliveries_and_frees_the_lan
     let (tx, mut rx) = mpsc::unbounded_channel();
     let other = RelayBus::builder(store)
         .owner("web-2")
-        .subscribe(Subscription::new(
-            "slow",
-            move |_: OrderPlaced, ctx: HandlerContext| {
-                let tx = tx.clone();
-                async move {
-                    tx.send(ctx.attempt()).unwrap();
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
+        .subscribe(reports_attempt::<OrderPlaced>("slow", tx))
         .build()
         .unwrap();
     let report = other.run_once().await.unwrap();
@@ -812,11 +737,7 @@ fn requeue_request(body: &str, json: bool) -> Request<Body> {
 #[tokio::test]
 async fn ops_routes_answer_and_refuse_bad_input() {
     let db = test_db("axum_ops").await;
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
+    let store = store(&db).await;
     let bus = RelayBus::builder(store)
         .subscribe(
             Subscription::new("doomed", |_: OrderPlaced, _: HandlerContext| async {
