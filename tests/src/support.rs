@@ -75,7 +75,15 @@ pub fn bare_store(db: &TestDb) -> MongoEventStore {
 
 /// A store on the test's database, set up.
 pub async fn store(db: &TestDb) -> MongoEventStore {
-    let store = bare_store(db);
+    store_on(&db.client, db).await
+}
+
+/// A store on the test's database through a client of the test's own, set up.
+pub async fn store_on(client: &Client, db: &TestDb) -> MongoEventStore {
+    let store = MongoEventStore::builder(client.clone())
+        .database(&db.name)
+        .build()
+        .expect("valid options");
     store.setup().await.expect("setup");
     store
 }

@@ -10,26 +10,19 @@ use std::{
 
 use futures::TryStreamExt;
 use mongodb::{
-    Client, Collection,
+    Client,
     bson::{Bson, Document, doc},
     options::ClientOptions,
 };
 use relaybus::{
-    BoxError, ConfigurationError, Error, Event, EventEnvelope, EventValidationError,
-    HandlerContext, MongoEventStore, RelayBus, Subscription,
+    ConfigurationError, Error, Event, EventEnvelope, EventValidationError, MongoEventStore,
+    RelayBus,
 };
-use relaybus_harness::{FailPoint, TestDb, test_db};
+use relaybus_harness::{TestDb, test_db};
+use relaybus_tests::support::{
+    OrderPlaced, all, count, fail_command, noop, placed, publisher, store, store_on,
+};
 use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct OrderPlaced {
-    order_id: String,
-    total_cents: u64,
-}
-
-impl Event for OrderPlaced {
-    const TYPE: &'static str = "order.placed.v1";
-}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct OrderShipped {
@@ -38,55 +31,6 @@ struct OrderShipped {
 
 impl Event for OrderShipped {
     const TYPE: &'static str = "order.shipped.v1";
-}
-
-fn noop<E: Event>(id: &str) -> Subscription {
-    Subscription::new(id, |_: E, _: HandlerContext| async {
-        Ok::<(), BoxError>(())
-    })
-}
-
-async fn store(db: &TestDb) -> MongoEventStore {
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .expect("valid options");
-    store.setup().await.expect("setup");
-    store
-}
-
-fn bus(store: &MongoEventStore, handlers: &[&str]) -> RelayBus {
-    let mut builder = RelayBus::builder(store.clone());
-    for id in handlers {
-        builder = builder.subscribe(noop::<OrderPlaced>(id));
-    }
-    builder.build().expect("valid bus")
-}
-
-fn placed(id: &str) -> OrderPlaced {
-    OrderPlaced {
-        order_id: id.to_owned(),
-        total_cents: 1250,
-    }
-}
-
-async fn all(collection: &Collection<Document>) -> Vec<Document> {
-    collection
-        .find(doc! {})
-        .sort(doc! { "_id": 1 })
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
-}
-
-async fn count(db: &TestDb, name: &str) -> u64 {
-    db.db()
-        .collection::<Document>(name)
-        .count_documents(doc! {})
-        .await
-        .unwrap()
 }
 
 /// Everything the store and the business collection hold, for "nothing was written" checks.
@@ -131,7 +75,7 @@ async fn commit_writes_the_event_and_one_delivery_per_handler() {
     assert_eq!(appended.new_deliveries, ["send-confirmation", "projector"]);
 
     assert_eq!(count(&db, "orders").await, 1);
-    let events = all(&db.db().collection("relaybus_events")).await;
+    let events = all(&db, "relaybus_events").await;
     assert_eq!(events.len(), 1);
     let event = &events[0];
     assert_eq!(event.get_str("_id").unwrap(), appended.event_id);
@@ -159,7 +103,7 @@ async fn commit_writes_the_event_and_one_delivery_per_handler() {
         assert!(!event.contains_key(absent), "{absent} should be absent");
     }
 
-    let deliveries = all(&db.db().collection("relaybus_deliveries")).await;
+    let deliveries = all(&db, "relaybus_deliveries").await;
     assert_eq!(deliveries.len(), 2);
     let expected_lane = relaybus::event::lane_of(Some("o-1"), "ignored") as i32;
     for (delivery, handler) in deliveries.iter().zip(["send-confirmation", "projector"]) {
@@ -183,7 +127,7 @@ async fn commit_writes_the_event_and_one_delivery_per_handler() {
 async fn unkeyed_events_take_the_lane_of_their_id() {
     let db = test_db("unkeyed").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["a"]);
+    let bus = publisher(&store, &["a"]);
     let appended = bus.publish(&placed("o-1")).await.unwrap();
     assert_eq!(appended.sequence, None);
     let delivery = db
@@ -206,7 +150,7 @@ async fn unkeyed_events_take_the_lane_of_their_id() {
 async fn an_aborted_transaction_leaves_nothing() {
     let db = test_db("abort").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["send-confirmation"]);
+    let bus = publisher(&store, &["send-confirmation"]);
     let orders = db.db().collection::<Document>("orders");
 
     let result: Result<(), Error> = bus
@@ -236,7 +180,7 @@ async fn a_retried_publish_adds_nothing_and_a_new_handler_gets_only_its_own_deli
         .with_key("o-1")
         .unwrap();
 
-    let first = bus(&store, &["a", "b"]);
+    let first = publisher(&store, &["a", "b"]);
     let appended = first.publish_envelope(envelope.clone()).await.unwrap();
     assert!(appended.created);
     assert_eq!(appended.new_deliveries, ["a", "b"]);
@@ -257,11 +201,11 @@ async fn a_retried_publish_adds_nothing_and_a_new_handler_gets_only_its_own_deli
         .unwrap();
 
     // A process that also subscribes "c" publishes the same id: only "c" is new.
-    let second = bus(&store, &["a", "b", "c"]);
+    let second = publisher(&store, &["a", "b", "c"]);
     let appended = second.publish_envelope(envelope.clone()).await.unwrap();
     assert!(!appended.created);
     assert_eq!(appended.new_deliveries, ["c"]);
-    let handlers: Vec<String> = all(&db.db().collection("relaybus_deliveries"))
+    let handlers: Vec<String> = all(&db, "relaybus_deliveries")
         .await
         .iter()
         .map(|d| d.get_str("handler").unwrap().to_owned())
@@ -271,11 +215,11 @@ async fn a_retried_publish_adds_nothing_and_a_new_handler_gets_only_its_own_deli
         ["b", "c"],
         "the completed handler `a` does not run again"
     );
-    let event = &all(&db.db().collection("relaybus_events")).await[0];
+    let event = &all(&db, "relaybus_events").await[0];
     assert_eq!(event.get_array("handlers").unwrap().len(), 3);
     assert_eq!(event.get_i64("revision").unwrap(), 1);
     // The key's counter did not move for the duplicates.
-    let counter = &all(&db.db().collection("relaybus_key_sequences")).await[0];
+    let counter = &all(&db, "relaybus_key_sequences").await[0];
     assert_eq!(counter.get("value").unwrap(), &Bson::Int64(1));
 }
 
@@ -283,7 +227,7 @@ async fn a_retried_publish_adds_nothing_and_a_new_handler_gets_only_its_own_deli
 async fn publish_all_appends_a_batch_with_consecutive_sequences() {
     let db = test_db("batch").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["a"]);
+    let bus = publisher(&store, &["a"]);
     let mut envelopes = Vec::new();
     for i in 0..10 {
         let key = if i % 2 == 0 { "even" } else { "odd" };
@@ -354,7 +298,7 @@ async fn concurrent_publishers_on_one_key_get_gapless_sequences_in_commit_order(
     const EACH: usize = 5;
     let db = test_db("sequence").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["a"]);
+    let bus = publisher(&store, &["a"]);
     let attempts = Arc::new(AtomicU32::new(0));
 
     let mut tasks = Vec::new();
@@ -421,29 +365,11 @@ async fn a_transient_error_runs_the_whole_body_again() {
     let db = test_db("transient").await;
     let app = format!("transient-{}", db.name);
     let client = client_named(&db, &app).await;
-    let store = MongoEventStore::builder(client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
-    let bus = bus(&store, &["a"]);
+    let store = store_on(&client, &db).await;
+    let bus = publisher(&store, &["a"]);
     let orders = client.database(&db.name).collection::<Document>("orders");
 
-    let _fail = FailPoint::enable(
-        &client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["insert"],
-                "appName": &app,
-                "errorCode": 112,
-                "errorLabels": ["TransientTransactionError"],
-            },
-        },
-    )
-    .await
-    .unwrap();
+    let _fail = fail_command(&client, &app, "insert", 1, 112, "TransientTransactionError").await;
 
     let runs = AtomicU32::new(0);
     let value = bus
@@ -468,28 +394,18 @@ async fn an_unknown_commit_result_retries_the_commit_alone() {
     let db = test_db("unknown_commit").await;
     let app = format!("commit-{}", db.name);
     let client = client_named(&db, &app).await;
-    let store = MongoEventStore::builder(client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
-    let bus = bus(&store, &["a"]);
+    let store = store_on(&client, &db).await;
+    let bus = publisher(&store, &["a"]);
 
-    let _fail = FailPoint::enable(
+    let _fail = fail_command(
         &client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 2 },
-            "data": {
-                "failCommands": ["commitTransaction"],
-                "appName": &app,
-                "errorCode": 91,
-                "errorLabels": ["UnknownTransactionCommitResult"],
-            },
-        },
+        &app,
+        "commitTransaction",
+        2,
+        91,
+        "UnknownTransactionCommitResult",
     )
-    .await
-    .unwrap();
+    .await;
 
     let runs = AtomicU32::new(0);
     bus.transaction(async |session| {
@@ -571,7 +487,7 @@ async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() 
             "relaybus_lanes",
         ]
     );
-    let lanes = all(&db.db().collection("relaybus_lanes")).await;
+    let lanes = all(&db, "relaybus_lanes").await;
     assert_eq!(lanes.len(), 256);
     assert_eq!(lanes[255].get_i32("_id").unwrap(), 255);
     assert_eq!(lanes[0].get_i64("epoch").unwrap(), 0);
@@ -683,7 +599,7 @@ async fn a_standalone_server_is_refused_by_setup_and_by_the_first_transaction() 
 async fn a_session_without_a_transaction_is_refused_and_nothing_is_written() {
     let db = test_db("no_txn").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["a"]);
+    let bus = publisher(&store, &["a"]);
     let mut session = db.client.start_session().await.unwrap();
     let error = bus
         .publish(&placed("o-1"))
@@ -725,7 +641,7 @@ async fn a_session_without_a_transaction_is_refused_and_nothing_is_written() {
 async fn invalid_events_are_refused_before_anything_is_written() {
     let db = test_db("bad_events").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["a"]);
+    let bus = publisher(&store, &["a"]);
     let orders = db.db().collection::<Document>("orders");
 
     type Check = Box<dyn Fn(Error) -> bool>;
@@ -877,7 +793,7 @@ async fn invalid_options_are_refused_when_building() {
 async fn payload_keys_with_dots_and_dollars_are_stored_as_they_are() {
     let db = test_db("payload_keys").await;
     let store = store(&db).await;
-    let bus = bus(&store, &[]);
+    let bus = publisher(&store, &[]);
     let envelope = EventEnvelope::from_json(
         "order.placed.v1",
         serde_json::json!({ "a.b": 1, "$oid": "not an id", "nested": { "$set": [1, 2] } }),
@@ -911,7 +827,7 @@ async fn payload_keys_with_dots_and_dollars_are_stored_as_they_are() {
 async fn a_known_event_in_a_keyed_batch_leaves_no_gap_in_the_sequence() {
     let db = test_db("gapless_batch").await;
     let store = store(&db).await;
-    let bus = bus(&store, &["a"]);
+    let bus = publisher(&store, &["a"]);
     let keyed = |order: &str| {
         EventEnvelope::new(&placed(order))
             .unwrap()
@@ -933,7 +849,7 @@ async fn a_known_event_in_a_keyed_batch_leaves_no_gap_in_the_sequence() {
         [(true, Some(2)), (false, Some(1)), (true, Some(3))]
     );
 
-    let stored: Vec<i64> = all(&db.db().collection("relaybus_events"))
+    let stored: Vec<i64> = all(&db, "relaybus_events")
         .await
         .iter()
         .map(|e| e.get_i64("sequence").unwrap())
@@ -941,12 +857,12 @@ async fn a_known_event_in_a_keyed_batch_leaves_no_gap_in_the_sequence() {
         .into_iter()
         .collect();
     assert_eq!(stored, [1, 2, 3]);
-    let delivery_sequences: Vec<i64> = all(&db.db().collection("relaybus_deliveries"))
+    let delivery_sequences: Vec<i64> = all(&db, "relaybus_deliveries")
         .await
         .iter()
         .map(|d| d.get_i64("sequence").unwrap())
         .collect();
     assert_eq!(delivery_sequences, [1, 2, 3]);
-    let counter = &all(&db.db().collection("relaybus_key_sequences")).await[0];
+    let counter = &all(&db, "relaybus_key_sequences").await[0];
     assert_eq!(counter.get("value").unwrap(), &Bson::Int64(3));
 }
