@@ -10,16 +10,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::TryStreamExt;
 use mongodb::{
     Database,
     bson::{Document, doc},
 };
 use relaybus::{
-    ConfigurationError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
-    RetryPolicy, registry,
+    ConfigurationError, Event, EventEnvelope, HandlerContext, RelayBus, RetryPolicy, registry,
 };
-use relaybus_harness::{TestDb, test_db};
+use relaybus_harness::test_db;
+use relaybus_tests::support::{all, store};
 
 /// Calls of the handlers: (handler id, order id, attempt).
 static CALLS: Mutex<Vec<(&'static str, String, u32)>> = Mutex::new(Vec::new());
@@ -141,27 +140,6 @@ mod mailing {
 
 use mailing::OrderShipped;
 use orders::OrderPlaced;
-
-async fn store(db: &TestDb) -> MongoEventStore {
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
-    store
-}
-
-async fn all(db: &TestDb, collection: &str) -> Vec<Document> {
-    db.db()
-        .collection::<Document>(collection)
-        .find(doc! {})
-        .sort(doc! { "_id": 1 })
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
-}
 
 #[test]
 fn the_registry_lists_what_the_macros_declared() {
