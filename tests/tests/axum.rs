@@ -19,14 +19,12 @@ use mongodb::{
     event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
-use relaybus::{
-    BoxError, HandlerContext, MongoEventStore, RelayBus, RelayBusBuilder, RetryPolicy, Subscription,
-};
+use relaybus::{BoxError, HandlerContext, RelayBus, RelayBusBuilder, RetryPolicy, Subscription};
 use relaybus_axum::{DispatcherService, Publisher, RelayState, Tx};
 use relaybus_harness::{TestDb, test_db};
 use relaybus_tests::support::{
     OrderPlaced, count, deliveries, fail_command, next, placed, reports_attempt, starts_and_hangs,
-    store,
+    store, store_on,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -122,11 +120,7 @@ impl Shop {
     ) -> Self {
         let db = test_db(hint).await;
         let mut monitored = Monitored::new(&db).await;
-        let store = MongoEventStore::builder(monitored.client.clone())
-            .database(&db.name)
-            .build()
-            .unwrap();
-        store.setup().await.unwrap();
+        let store = store_on(&monitored.client, &db).await;
         let (tx, confirmations) = mpsc::unbounded_channel();
         let projections = monitored
             .client
