@@ -21,18 +21,18 @@ use axum::{
     body::Body,
     http::{Request, Response, StatusCode, header::CONTENT_TYPE},
 };
-use futures::TryStreamExt;
 use mongodb::{
     Client,
     bson::{DateTime, Document, doc, oid::ObjectId},
     options::{ReadConcern, TransactionOptions},
 };
 use relaybus::{
-    AppendRequest, BoxError, ConfigurationError, DeliveryQuery, DeliveryStatus, Error, Event,
-    EventEnvelope, EventValidationError, HandlerContext, Lease, LeaseError, MongoEventStore,
-    PurgeOptions, RelayBus, RelayBusBuilder, Retention, RetryPolicy, Subscription,
+    AppendRequest, ConfigurationError, DeliveryQuery, DeliveryStatus, Error, Event, EventEnvelope,
+    EventValidationError, Lease, LeaseError, MongoEventStore, PurgeOptions, RelayBus,
+    RelayBusBuilder, Retention, RetryPolicy,
 };
 use relaybus_harness::{TestDb, test_db};
+use relaybus_tests::support::{all, bare_store, noop, store};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tower::ServiceExt;
@@ -146,27 +146,6 @@ fn placed(id: &str) -> OrderPlaced {
     }
 }
 
-fn noop<E: Event>(id: &str) -> Subscription {
-    Subscription::new(id, |_: E, _: HandlerContext| async {
-        Ok::<(), BoxError>(())
-    })
-}
-
-/// A store on the test's database, not set up.
-fn bare_store(db: &TestDb) -> MongoEventStore {
-    MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .expect("valid options")
-}
-
-/// A store on the test's database, set up.
-async fn store(db: &TestDb) -> MongoEventStore {
-    let store = bare_store(db);
-    store.setup().await.expect("setup");
-    store
-}
-
 /// A bus builder that leaves the handlers registered in this binary out.
 fn bus_builder(store: &MongoEventStore) -> RelayBusBuilder {
     RelayBus::builder(store.clone()).without_registered_handlers()
@@ -183,24 +162,15 @@ fn bus(store: &MongoEventStore, handlers: &[&str]) -> RelayBus {
 
 /// Every document of every collection of the test database, by collection, in `_id` order.
 async fn contents(db: &TestDb) -> BTreeMap<String, Vec<Document>> {
-    let mut all = BTreeMap::new();
+    let mut collections = BTreeMap::new();
     for name in db.db().list_collection_names().await.unwrap() {
         if name.starts_with("system.") {
             continue;
         }
-        let documents: Vec<Document> = db
-            .db()
-            .collection::<Document>(&name)
-            .find(doc! {})
-            .sort(doc! { "_id": 1 })
-            .await
-            .unwrap()
-            .try_collect()
-            .await
-            .unwrap();
-        all.insert(name, documents);
+        let documents = all(db, &name).await;
+        collections.insert(name, documents);
     }
-    all
+    collections
 }
 
 /// How many documents the collections of the test database hold, in all.
