@@ -22,6 +22,7 @@ use relaybus::{
     EventEnvelope, Lease, LeaseError, MongoEventStore, PurgeOptions, event::lane_of,
 };
 use relaybus_harness::{FailPoint, TestDb, test_db};
+use relaybus_tests::support::{bare_store, deliveries};
 use serde_json::json;
 use tokio::sync::Notify;
 
@@ -52,10 +53,7 @@ async fn store(db: &TestDb) -> MongoEventStore {
 
 /// Another store instance on the same database, as a second process would have.
 async fn another_instance(db: &TestDb) -> MongoEventStore {
-    MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .build()
-        .expect("valid options")
+    bare_store(db)
 }
 
 /// A client that counts the commands it starts.
@@ -122,18 +120,6 @@ async fn claim(
         .claim(owner, &[HANDLER], limit, LEASE, now)
         .await
         .expect("claim")
-}
-
-async fn deliveries(db: &TestDb) -> Vec<Document> {
-    db.db()
-        .collection::<Document>("relaybus_deliveries")
-        .find(doc! {})
-        .sort(doc! { "_id": 1 })
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
 }
 
 async fn delivery(db: &TestDb, id: ObjectId) -> Option<Document> {
