@@ -19,9 +19,9 @@
 //!    first with a conditional `findAndModify` that increments the lane epoch and moves the
 //!    previous holder's in-flight list to `lost`, which the claim charges before reading
 //!    anything from the lane;
-//! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
-//!    ones it already runs, and applies the per-key rules until it has `limit`;
-//! 6. reads the events of its picks, then records the batch with one conditional write per lane,
+//! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, with their events,
+//!    leaving out the ones it already runs, and applies the per-key rules until it has `limit`;
+//! 6. reads the events of picks from beyond a first page, then records the batch with one conditional write per lane,
 //!    all in one `update` command: it takes the free lanes it picked from (the epoch grows by
 //!    one), takes and hands back at once the free lanes that yielded nothing, and hands back the
 //!    held lanes that yielded nothing and run nothing. A lane whose condition no longer holds
@@ -38,7 +38,7 @@ use std::{
 use futures::{TryStreamExt, future};
 use mongodb::{
     ClientSession,
-    bson::{Bson, DateTime, Document, RawDocumentBuf, doc, oid::ObjectId},
+    bson::{Bson, DateTime, Document, RawBsonRef, RawDocument, RawDocumentBuf, doc, oid::ObjectId},
     options::{Hint, ReturnDocument},
 };
 
@@ -159,6 +159,27 @@ struct Candidate {
 }
 
 impl Candidate {
+    fn from_raw(doc: &RawDocument) -> Option<Candidate> {
+        let int = |name: &str| match doc.get(name).ok()?? {
+            RawBsonRef::Int32(i) => Some(i64::from(i)),
+            RawBsonRef::Int64(i) => Some(i),
+            RawBsonRef::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(f as i64),
+            _ => None,
+        };
+        let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
+        Some(Candidate {
+            id: doc.get_object_id("_id").ok()?,
+            lane: int("laneId").and_then(|l| i32::try_from(l).ok())?,
+            event_id: text("eventId")?,
+            handler: text("handler")?,
+            key: text("key"),
+            sequence: int("sequence"),
+            attempts: int("attempts").unwrap_or(0),
+            claims: int("claims").unwrap_or(0),
+            due_at: doc.get_datetime("dueAt").ok()?,
+        })
+    }
+
     fn from_document(doc: &Document) -> Option<Candidate> {
         Some(Candidate {
             id: doc.get_object_id("_id").ok()?,
@@ -275,6 +296,8 @@ struct Scan {
     picks: Vec<Candidate>,
     /// Deliveries found waiting behind an unfinished predecessor, per key.
     waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
+    /// The events of the deliveries seen, as raw documents, by event id.
+    events: HashMap<String, RawDocumentBuf>,
 }
 
 impl Scan {
@@ -305,9 +328,10 @@ impl MongoEventStore {
     ///
     /// # Cost
     ///
-    /// With its lanes already held, an unkeyed claim costs the same four commands whatever
-    /// `limit` is, and writes no delivery document. Each round over free lanes adds two reads
-    /// (one per 128 lanes ranked, in parallel, and one scan); a free lane with lost claims to
+    /// With its lanes already held, an unkeyed claim costs the same three commands whatever
+    /// `limit` is (the scan brings the events along), and writes no delivery document. Each
+    /// round over free lanes adds two reads (one per 128 lanes ranked, in parallel, and one
+    /// scan); a free lane with lost claims to
     /// charge adds one write before it is read. A keyed claim adds one lookup per key, in
     /// parallel, and parked keys one lookup per key whose lane runs nothing of it.
     ///
@@ -573,7 +597,17 @@ impl MongoEventStore {
         }
 
         // 4. The events of the picks, read before anything is recorded.
-        let events = self.read_events(&scan.picks).await?;
+        let mut events = std::mem::take(&mut scan.events);
+        let missing: Vec<Candidate> = scan
+            .picks
+            .iter()
+            .filter(|pick| !events.contains_key(&pick.event_id))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            // Picks from beyond a scan's first page.
+            events.extend(self.read_events(&missing).await?);
+        }
         let mut picks = std::mem::take(&mut scan.picks);
         picks.retain(|pick| {
             let found = events.contains_key(&pick.event_id);
@@ -974,26 +1008,55 @@ impl MongoEventStore {
                 "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
                 "attempts": 1, "claims": 1, "dueAt": 1,
             };
-            // The first page is sized to fill the claim, plus the running deliveries it may
-            // see again and a few blocked ones; it is one command.
+            // The first page is sized to fill the claim, plus a few blocked ones; the deliveries
+            // already running are left out on the index keys. It is one command, and brings the
+            // events of its deliveries along.
             let need = scan.limit - scan.picks.len();
-            let window = (need + scan.running.len() + 16).min(MAX_CLAIM_LIMIT as usize * 2);
-            let page: Vec<Candidate> = self
+            let window = (need + 16).min(MAX_CLAIM_LIMIT as usize * 2);
+            let mut first = filter.clone();
+            if !scan.running.is_empty() {
+                let running: Vec<ObjectId> = scan.running.iter().copied().collect();
+                first.insert("_id", doc! { "$nin": running });
+            }
+            let raw: Vec<RawDocumentBuf> = self
                 .inner
                 .deliveries
-                .find(filter.clone())
-                .sort(doc! { "dueAt": 1, "_id": 1 })
-                .projection(projection.clone())
+                .aggregate([
+                    doc! { "$match": first },
+                    doc! { "$sort": { "dueAt": 1, "_id": 1 } },
+                    doc! { "$limit": window as i64 },
+                    doc! { "$project": projection.clone() },
+                    doc! { "$lookup": {
+                        "from": self.inner.events.name(),
+                        "localField": "eventId",
+                        "foreignField": "_id",
+                        "pipeline": [{ "$project": { "handlers": 0 } }],
+                        "as": "event",
+                    } },
+                ])
                 .hint(Hint::Name("claim".to_owned()))
-                .limit(window as i64)
-                .batch_size(window as u32)
+                // One more than the page holds, so that the first batch ends the cursor.
+                .batch_size(window as u32 + 1)
                 .await?
-                .try_collect::<Vec<Document>>()
-                .await?
-                .iter()
-                .filter_map(Candidate::from_document)
-                .collect();
-            let exhausted = page.len() < window;
+                .with_type::<RawDocumentBuf>()
+                .try_collect()
+                .await?;
+            let mut page = Vec::with_capacity(raw.len());
+            for doc in &raw {
+                let Some(candidate) = Candidate::from_raw(doc) else {
+                    continue;
+                };
+                if let Ok(events) = doc.get_array("event")
+                    && let Some(Ok(event)) = events.into_iter().next()
+                    && let Some(event) = event.as_document()
+                {
+                    scan.events
+                        .entry(candidate.event_id.clone())
+                        .or_insert_with(|| event.to_raw_document_buf());
+                }
+                page.push(candidate);
+            }
+            let exhausted = raw.len() < window;
             let mut last = page.last().map(|c| (c.due_at, c.id));
             self.pick(page, scan).await?;
             if exhausted || scan.full() {
