@@ -103,6 +103,8 @@ pub enum HarnessError {
     Start(String),
     /// The MongoDB driver reported an error while setting a server up.
     Mongo(mongodb::error::Error),
+    /// A server refused an administrative command; the message says which and why.
+    Command(String),
 }
 
 impl HarnessError {
@@ -118,6 +120,7 @@ impl fmt::Display for HarnessError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             HarnessError::Install(msg) => write!(f, "cannot install mongod: {msg}"),
+            HarnessError::Command(msg) => f.write_str(msg),
             HarnessError::Io { context, error } => write!(f, "{context}: {error}"),
             HarnessError::Start(msg) => write!(f, "{msg}"),
             HarnessError::Mongo(e) => write!(f, "MongoDB error: {e}"),

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use mongodb::bson::doc;
 
+use crate::HarnessError;
 use crate::instance::Instance;
 use crate::server::{self, STARTUP_TIMEOUT};
 
@@ -162,6 +163,23 @@ impl ReplicaSet {
     ///
     /// When there is no primary within 60 s, or the command fails.
     pub async fn step_down(&self) -> usize {
+        match self.try_step_down().await {
+            Ok(primary) => primary,
+            Err(e) => panic!("relaybus-harness: {e}"),
+        }
+    }
+
+    /// As [`ReplicaSet::step_down`], but a primary that refuses to step down (no secondary
+    /// caught up within 5 s, say) is an error rather than a panic.
+    ///
+    /// # Errors
+    ///
+    /// The refusal of `replSetStepDown`, naming the node and the set.
+    ///
+    /// # Panics
+    ///
+    /// When there is no primary within 60 s.
+    pub async fn try_step_down(&self) -> Result<usize, HarnessError> {
         let primary = self.wait_for_primary().await;
         let command = if self.node_count() == 1 {
             // No secondary to catch up: force it, briefly.
@@ -169,15 +187,15 @@ impl ReplicaSet {
         } else {
             doc! { "replSetStepDown": 10, "secondaryCatchUpPeriodSecs": 5 }
         };
-        let reply =
-            server::admin_command(self.port(primary), command, Duration::from_secs(30)).await;
-        if let Err(e) = reply {
-            panic!(
-                "relaybus-harness: replSetStepDown on node {primary} of {} failed: {e}",
-                self.name
-            );
-        }
-        primary
+        server::admin_command(self.port(primary), command, Duration::from_secs(30))
+            .await
+            .map_err(|e| {
+                HarnessError::Command(format!(
+                    "replSetStepDown on node {primary} of {} failed: {e}",
+                    self.name
+                ))
+            })?;
+        Ok(primary)
     }
 
     /// Ports of running nodes; a killed node's port stays in place as 0 so
