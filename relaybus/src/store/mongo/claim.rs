@@ -63,6 +63,8 @@ use crate::{
 const LANES_PER_QUERY: usize = 128;
 /// Free lanes taken in the first round; every further round takes twice as many.
 const FIRST_ROUND: usize = 4;
+/// Further passes of a claim after it lost lanes to other claimers.
+const RACE_RETRIES: usize = 2;
 /// Deliveries a claim expects from a free lane when it sizes its first round.
 const DELIVERIES_PER_LANE: usize = 8;
 /// The most free lanes the first round takes.
@@ -142,6 +144,14 @@ impl ClaimedDelivery {
     pub fn into_event(self) -> EventEnvelope {
         self.event
     }
+}
+
+/// What one pass of a claim hands out.
+#[derive(Debug, Default)]
+struct Batch {
+    claimed: Vec<ClaimedDelivery>,
+    /// Some picks were given up because another claimer took their lane first.
+    raced: bool,
 }
 
 /// A due, ready delivery seen by a claim.
@@ -428,7 +438,41 @@ impl MongoEventStore {
             };
         }
         match outcome.map(Option::unwrap_or_default) {
-            Ok(claimed) => {
+            Ok(Batch {
+                mut claimed,
+                mut raced,
+            }) => {
+                // Lanes another claimer took first were given up at the record: try other
+                // lanes for what is missing, a few times at most.
+                let mut retries = 0;
+                while raced && claimed.len() < limit as usize && retries < RACE_RETRIES {
+                    retries += 1;
+                    let more = self
+                        .claim_locked(
+                            owner,
+                            &wanted,
+                            limit as usize - claimed.len(),
+                            expires_at,
+                            now,
+                        )
+                        .await;
+                    match more {
+                        Ok(Some(more)) => {
+                            claimed.extend(more.claimed);
+                            raced = more.raced;
+                        }
+                        Ok(None) => break,
+                        Err(error) => {
+                            // What this claim handed out so far stays handed out; whatever the
+                            // failed attempt may have recorded is reconciled.
+                            tracing::warn!(owner, %error, "relaybus: claiming more after a lost race failed");
+                            if self.reconcile(owner, now).await.is_err() {
+                                return Ok(claimed);
+                            }
+                            break;
+                        }
+                    }
+                }
                 state.interrupted = false;
                 Ok(claimed)
             }
@@ -456,7 +500,7 @@ impl MongoEventStore {
         limit: usize,
         expires_at: DateTime,
         now: DateTime,
-    ) -> Result<Option<Vec<ClaimedDelivery>>> {
+    ) -> Result<Option<Batch>> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
 
@@ -736,13 +780,16 @@ impl MongoEventStore {
             matched += reply_count(&reply);
         }
         inner.claims.forget(gone_ids);
+        let mut raced = false;
         if matched < statements.len() as u64 && !recorded_lanes.is_empty() {
             // A lane changed hands, or a requeue touched it, since it was read: keep only the
             // picks of lanes that list them under the epoch they were read in.
             let confirmed = self
                 .confirm_recorded(&lanes, &recorded_lanes, &by_lane, owner)
                 .await?;
+            let before = picks.len();
             picks.retain(|pick| confirmed.contains(&pick.lane));
+            raced = picks.len() < before;
         }
 
         // 6. Park what waits, best effort: big backlogs of one key, and whatever waits in a
@@ -801,7 +848,7 @@ impl MongoEventStore {
             });
         }
         inner.claims.issue(claimed.iter().map(|c| c.lease));
-        Ok(Some(claimed))
+        Ok(Some(Batch { claimed, raced }))
     }
 
     /// The claim's first read, one aggregation: every lane document (in-flight and lost lists
