@@ -271,7 +271,11 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
                 continue;
             }
         };
-        let full = batch.len() == want as usize;
+        // A claim that found something may have left more behind (lanes another worker took
+        // first, deliveries not yet due when it looked): claim again at once, and wait for a
+        // wake-up or the poll interval only after a claim that found nothing. Lanes this
+        // worker holds are not left idle for a poll interval while they still have work.
+        let found = !batch.is_empty();
         for delivery in batch {
             let permit = match Arc::clone(&semaphore).try_acquire_owned() {
                 Ok(permit) => permit,
@@ -320,7 +324,7 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
                 entry.abort = Some(handle.abort_handle());
             }
         }
-        if full {
+        if found {
             continue;
         }
         tokio::select! {
