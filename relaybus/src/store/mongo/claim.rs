@@ -1389,7 +1389,9 @@ impl MongoEventStore {
     /// transaction, which then runs again and leaves the new holder's lane alone.
     pub(crate) async fn reconcile(&self, owner: &str, now: DateTime) -> Result<()> {
         let dropped = self
-            .own_transaction((self, owner, now), |session, (store, owner, now)| {
+            // The failed claim's record may have been applied without being majority-committed
+            // yet (a write concern error): read the latest data, or the record could be missed.
+            .own_transaction_reading_latest((self, owner, now), |session, (store, owner, now)| {
                 Box::pin(store.reconcile_in(session, owner, *now))
             })
             .await?;

@@ -40,13 +40,20 @@ pub(crate) fn in_transaction_body() -> bool {
 /// written once as a macro because an async closure that borrows cannot be proven `Send` by the
 /// compiler, while inline code can.
 macro_rules! transaction_loop {
-    ($store:expr, $budget:expr, |$session:ident| $work:expr) => {{
+    ($store:expr, $budget:expr, |$session:ident| $work:expr) => {
+        transaction_loop!($store, $budget, None, |$session| $work)
+    };
+    ($store:expr, $budget:expr, $read_concern:expr, |$session:ident| $work:expr) => {{
         let store: &MongoEventStore = $store;
         let budget: Option<Duration> = $budget;
+        let read_concern: Option<mongodb::options::ReadConcern> = $read_concern;
         store.ensure_transactions_supported().await?;
         let mut options = store.inner.transaction_options.clone();
         if let Some(budget) = budget {
             options.max_commit_time = Some(budget);
+        }
+        if read_concern.is_some() {
+            options.read_concern = read_concern;
         }
         let started = Instant::now();
         let mut session = store.inner.client.start_session().await?;
@@ -221,6 +228,29 @@ impl MongoEventStore {
         ) -> futures::future::BoxFuture<'b, Result<R>>,
     {
         transaction_loop!(self, None, |session| work(session, &mut context))
+    }
+
+    /// As [`own_transaction`](Self::own_transaction), reading the latest data the primary has
+    /// applied rather than the majority-committed snapshot: for work that must see this
+    /// process's own last write even when that write's reply reported a failure before it was
+    /// majority-committed. The commit still waits for a majority.
+    pub(crate) async fn own_transaction_reading_latest<C, R, F>(
+        &self,
+        mut context: C,
+        mut work: F,
+    ) -> Result<R>
+    where
+        F: for<'b> FnMut(
+            &'b mut ClientSession,
+            &'b mut C,
+        ) -> futures::future::BoxFuture<'b, Result<R>>,
+    {
+        transaction_loop!(
+            self,
+            None,
+            Some(mongodb::options::ReadConcern::local()),
+            |session| work(session, &mut context)
+        )
     }
 
     /// Refuses a standalone server once, then remembers that the server is fine.
