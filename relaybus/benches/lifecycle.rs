@@ -297,8 +297,9 @@ async fn baseline(
 }
 
 /// Median time of a claim of `batch` unkeyed deliveries (each batch completed before the next
-/// claim), without and then with `backlog` deliveries of another key waiting behind its running
-/// head.
+/// claim), in two databases side by side: one plain, one with `backlog` deliveries of another
+/// key waiting behind its running head. Claims alternate between the two, so that both see the
+/// same server conditions.
 async fn claim_latency(
     client: &Client,
     db: &Database,
@@ -306,47 +307,39 @@ async fn claim_latency(
     backlog: usize,
     rounds: usize,
 ) -> Result<(f64, f64), BoxError> {
-    let store = store(client, db).await?;
-    let measure = async |tag: &str| -> Result<f64, BoxError> {
-        publish(
-            &store,
-            tag,
-            batch as usize * rounds,
-            |_| None,
-            DateTime::now(),
-        )
-        .await?;
-        let mut times = Vec::with_capacity(rounds);
-        for _ in 0..rounds {
-            let started = Instant::now();
-            let claimed = store
-                .claim("w", &[HANDLER], batch, LEASE, DateTime::now())
-                .await?;
-            times.push(started.elapsed().as_secs_f64());
-            let leases: Vec<_> = claimed
-                .iter()
-                .filter(|d| d.key().is_none())
-                .map(|d| *d.lease())
-                .collect();
-            store.complete_many(&leases, DateTime::now()).await?;
-        }
-        times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
-    };
-    let plain = measure("plain").await?;
-    publish(
-        &store,
-        "hot",
-        backlog,
-        |_| Some("hot".to_owned()),
-        DateTime::now(),
-    )
-    .await?;
-    // The first claim takes the hot key's head, which keeps running, and parks the rest.
-    let head = store
+    let backlog_db = client.database(&format!("{}_backlog", db.name()));
+    let plain = store(client, db).await?;
+    let blocked = store(client, &backlog_db).await?;
+    let now = DateTime::now();
+    publish(&blocked, "hot", backlog, |_| Some("hot".to_owned()), now).await?;
+    // The hot key's head keeps running; the first measured claim parks the rest of its key.
+    let head = blocked
         .claim("w", &[HANDLER], 1, LEASE, DateTime::now())
         .await?;
     assert_eq!(head.len(), 1, "the head of the hot key");
-    let with_backlog = measure("backlog").await?;
-    Ok((plain, with_backlog))
+    for store in [&plain, &blocked] {
+        publish(store, "e", batch as usize * rounds, |_| None, now).await?;
+    }
+    let claim = async |store: &MongoEventStore| -> Result<f64, BoxError> {
+        let started = Instant::now();
+        let claimed = store
+            .claim("w", &[HANDLER], batch, LEASE, DateTime::now())
+            .await?;
+        let elapsed = started.elapsed().as_secs_f64();
+        let leases: Vec<_> = claimed.iter().map(|d| *d.lease()).collect();
+        store.complete_many(&leases, DateTime::now()).await?;
+        Ok(elapsed)
+    };
+    let mut plain_times = Vec::with_capacity(rounds);
+    let mut backlog_times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        plain_times.push(claim(&plain).await?);
+        backlog_times.push(claim(&blocked).await?);
+    }
+    backlog_db.drop().await?;
+    let median = |mut times: Vec<f64>| {
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    Ok((median(plain_times), median(backlog_times)))
 }

@@ -20,7 +20,7 @@ use relaybus::{
 };
 use relaybus_harness::{TestDb, test_db};
 use relaybus_tests::support::{
-    OrderPlaced, all, count, fail_command, noop, placed, publisher, store, store_on,
+    OrderPlaced, all, bare_store, count, fail_command, noop, placed, publisher, store, store_on,
 };
 use serde::{Deserialize, Serialize};
 
@@ -538,6 +538,10 @@ async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() 
         &doc! { "lane": "parked" }
     );
     assert_eq!(
+        find("parked").get_document("keys").unwrap(),
+        &doc! { "lane": 1, "handler": 1, "key": 1, "sequence": 1 }
+    );
+    assert_eq!(
         find("ordering").get_document("keys").unwrap(),
         &doc! { "handler": 1, "key": 1, "sequence": 1 }
     );
@@ -551,6 +555,50 @@ async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() 
     ] {
         find(name);
     }
+}
+
+#[tokio::test]
+async fn setup_replaces_a_parked_index_with_the_earlier_key() {
+    let db = test_db("setup_parked_upgrade").await;
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    db.db()
+        .create_collection("relaybus_deliveries")
+        .await
+        .unwrap();
+    deliveries
+        .create_index(
+            mongodb::IndexModel::builder()
+                .keys(doc! { "handler": 1, "key": 1, "sequence": 1 })
+                .options(
+                    mongodb::options::IndexOptions::builder()
+                        .name("parked".to_owned())
+                        .partial_filter_expression(doc! { "lane": "parked" })
+                        .build(),
+                )
+                .build(),
+        )
+        .await
+        .unwrap();
+
+    let store = bare_store(&db);
+    store.setup().await.unwrap();
+    store.setup().await.unwrap();
+
+    let parked: Vec<Document> = deliveries
+        .list_indexes()
+        .await
+        .unwrap()
+        .try_filter_map(|model| async move {
+            let name = model.options.as_ref().and_then(|o| o.name.clone());
+            Ok((name.as_deref() == Some("parked")).then_some(model.keys))
+        })
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(
+        parked,
+        vec![doc! { "lane": 1, "handler": 1, "key": 1, "sequence": 1 }]
+    );
 }
 
 #[tokio::test]

@@ -19,10 +19,10 @@
 //!    first with a conditional `findAndModify` that increments the lane epoch and moves the
 //!    previous holder's in-flight list to `lost`, which the claim charges before reading
 //!    anything from the lane;
-//! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, with their events,
-//!    leaving out the ones it already runs, and applies the per-key rules until it has `limit`;
-//! 6. reads the events of picks from beyond a first page, then records the batch with one conditional write per lane,
-//!    all in one `update` command: it takes the free lanes it picked from (the epoch grows by
+//! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
+//!    ones it already runs, and applies the per-key rules until it has `limit`;
+//! 6. reads the events of its picks in one query, then records the batch with one conditional
+//!    write per lane, all in one `update` command: it takes the free lanes it picked from (the epoch grows by
 //!    one), takes and hands back at once the free lanes that yielded nothing, and hands back the
 //!    held lanes that yielded nothing and run nothing. A lane whose condition no longer holds
 //!    (another claimer took it first) keeps nothing of this claim.
@@ -50,7 +50,7 @@ use super::{
         Lane, MAX_CLAIM_LIMIT, STATEMENTS_PER_COMMAND, add, check_lease_duration, check_owner, int,
         reply_count, string,
     },
-    lease::{Issued, Lease},
+    lease::{Issued, Lease, RankedLanes},
     park::{PARK_THRESHOLD, ParkedHead, parked_heads_stages},
 };
 use crate::{
@@ -291,6 +291,38 @@ fn choose(mut ranked: Vec<i32>, count: usize, spread: usize) -> Vec<i32> {
     ranked
 }
 
+/// How long the rest of a ranking of free lanes serves the owner's next claims, by the claims'
+/// clock. New deliveries are never due before the ones ranked; a retry that became due since is
+/// seen by the next ranking, at most this much later.
+const RANKING_REUSE: Duration = Duration::from_secs(1);
+
+/// The lanes of a kept ranking that are still free, in ranking order, with the time of the
+/// ranking; `None` when it was for other handlers or is too old.
+fn reusable(
+    ranking: Option<RankedLanes>,
+    handlers: &[&str],
+    now: DateTime,
+    free: &[i32],
+) -> Option<(Vec<i32>, DateTime)> {
+    let ranking = ranking?;
+    let age = now
+        .timestamp_millis()
+        .checked_sub(ranking.at.timestamp_millis())?;
+    if age < 0
+        || age > RANKING_REUSE.as_millis() as i64
+        || ranking.handlers.len() != handlers.len()
+        || ranking.handlers.iter().zip(handlers).any(|(a, b)| a != b)
+    {
+        return None;
+    }
+    let lanes: Vec<i32> = ranking
+        .lanes
+        .into_iter()
+        .filter(|lane| free.contains(lane))
+        .collect();
+    Some((lanes, ranking.at))
+}
+
 /// What one claim learns as it goes.
 #[derive(Debug, Default)]
 struct Scan {
@@ -306,8 +338,6 @@ struct Scan {
     picks: Vec<Candidate>,
     /// Deliveries found waiting behind an unfinished predecessor, per key.
     waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
-    /// The events of the deliveries seen, as raw documents, by event id.
-    events: HashMap<String, RawDocumentBuf>,
 }
 
 impl Scan {
@@ -338,11 +368,11 @@ impl MongoEventStore {
     ///
     /// # Cost
     ///
-    /// With its lanes already held, an unkeyed claim costs the same three commands whatever
-    /// `limit` is (the scan brings the events along), and writes no delivery document. Each
-    /// round over free lanes adds two reads (one per 128 lanes ranked, in parallel, and one
-    /// scan); a free lane with lost claims to
-    /// charge adds one write before it is read. A keyed claim adds one lookup per key, in
+    /// With its lanes already held, an unkeyed claim costs the same four commands whatever
+    /// `limit` is (lanes, deliveries, their events, the record), and writes no delivery
+    /// document. Each round over free lanes adds two reads (one per 128 lanes ranked, in
+    /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
+    /// is read. A keyed claim adds one lookup per key, in
     /// parallel, and parked keys one lookup per key whose lane runs nothing of it.
     ///
     /// # Errors
@@ -424,15 +454,29 @@ impl MongoEventStore {
         }
         state.interrupted = true;
         let mut outcome = self
-            .claim_locked(owner, &wanted, limit as usize, expires_at, now)
+            .claim_locked(
+                owner,
+                &wanted,
+                limit as usize,
+                expires_at,
+                now,
+                &mut state.ranked,
+            )
             .await;
         if matches!(outcome, Ok(None)) {
             // The owner's lanes list deliveries this instance did not hand out (a claim that
             // was dropped, or whose record landed late): reconcile, then claim again.
             outcome = match self.reconcile(owner, now).await {
                 Ok(()) => {
-                    self.claim_locked(owner, &wanted, limit as usize, expires_at, now)
-                        .await
+                    self.claim_locked(
+                        owner,
+                        &wanted,
+                        limit as usize,
+                        expires_at,
+                        now,
+                        &mut state.ranked,
+                    )
+                    .await
                 }
                 Err(error) => Err(error),
             };
@@ -454,6 +498,7 @@ impl MongoEventStore {
                             limit as usize - claimed.len(),
                             expires_at,
                             now,
+                            &mut state.ranked,
                         )
                         .await;
                     match more {
@@ -500,6 +545,7 @@ impl MongoEventStore {
         limit: usize,
         expires_at: DateTime,
         now: DateTime,
+        ranking: &mut Option<RankedLanes>,
     ) -> Result<Option<Batch>> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
@@ -604,13 +650,30 @@ impl MongoEventStore {
                 break;
             }
             let free_ids: Vec<i32> = free.iter().map(|lane| lane.lane.id).collect();
-            let ranked = self
-                .rank_lanes(&free_ids, handlers, now, round.saturating_mul(spread))
-                .await?;
+            // The rest of a recent ranking serves while it has enough lanes that are still
+            // free: ranking reads one index range per free lane, scanning a few lanes does not.
+            let kept = reusable(ranking.take(), handlers, now, &free_ids);
+            let (ranked, ranked_at) = match kept {
+                Some((kept, at)) if kept.len() >= round => (kept, at),
+                _ => (
+                    self.rank_lanes(&free_ids, handlers, now, round.saturating_mul(spread))
+                        .await?,
+                    now,
+                ),
+            };
             if ranked.is_empty() {
                 break;
             }
-            let chosen = choose(ranked, round, spread);
+            let chosen = choose(ranked.clone(), round, spread);
+            let rest: Vec<i32> = ranked
+                .into_iter()
+                .filter(|lane| !chosen.contains(lane))
+                .collect();
+            *ranking = (!rest.is_empty()).then(|| RankedLanes {
+                handlers: handlers.iter().map(|h| (*h).to_owned()).collect(),
+                at: ranked_at,
+                lanes: rest,
+            });
             tried.extend(chosen.iter().copied());
             let mut dirty = Vec::new();
             let mut scanned = Vec::new();
@@ -640,18 +703,8 @@ impl MongoEventStore {
             round = round.saturating_mul(2);
         }
 
-        // 4. The events of the picks, read before anything is recorded.
-        let mut events = std::mem::take(&mut scan.events);
-        let missing: Vec<Candidate> = scan
-            .picks
-            .iter()
-            .filter(|pick| !events.contains_key(&pick.event_id))
-            .cloned()
-            .collect();
-        if !missing.is_empty() {
-            // Picks from beyond a scan's first page.
-            events.extend(self.read_events(&missing).await?);
-        }
+        // 4. The events of the picks, in one query, read before anything is recorded.
+        let events = self.read_events(&scan.picks).await?;
         let mut picks = std::mem::take(&mut scan.picks);
         picks.retain(|pick| {
             let found = events.contains_key(&pick.event_id);
@@ -1056,8 +1109,9 @@ impl MongoEventStore {
                 "attempts": 1, "claims": 1, "dueAt": 1,
             };
             // The first page is sized to fill the claim, plus a few blocked ones; the deliveries
-            // already running are left out on the index keys. It is one command, and brings the
-            // events of its deliveries along.
+            // already running are left out on the index keys. The events of the picks are read
+            // afterwards, in one query: a `$lookup` here costs the server more than that
+            // extra round trip, and it would read events of deliveries that are not picked.
             let need = scan.limit - scan.picks.len();
             let window = (need + 16).min(MAX_CLAIM_LIMIT as usize * 2);
             let mut first = filter.clone();
@@ -1068,41 +1122,21 @@ impl MongoEventStore {
             let raw: Vec<RawDocumentBuf> = self
                 .inner
                 .deliveries
-                .aggregate([
-                    doc! { "$match": first },
-                    doc! { "$sort": { "dueAt": 1, "_id": 1 } },
-                    doc! { "$limit": window as i64 },
-                    doc! { "$project": projection.clone() },
-                    doc! { "$lookup": {
-                        "from": self.inner.events.name(),
-                        "localField": "eventId",
-                        "foreignField": "_id",
-                        "pipeline": [{ "$project": { "handlers": 0 } }],
-                        "as": "event",
-                    } },
-                ])
+                .clone_with_type::<RawDocumentBuf>()
+                .find(first)
+                .sort(doc! { "dueAt": 1, "_id": 1 })
+                .projection(projection.clone())
                 .hint(Hint::Name("claim".to_owned()))
+                .limit(window as i64)
                 // One more than the page holds, so that the first batch ends the cursor.
                 .batch_size(window as u32 + 1)
                 .await?
-                .with_type::<RawDocumentBuf>()
                 .try_collect()
                 .await?;
-            let mut page = Vec::with_capacity(raw.len());
-            for doc in &raw {
-                let Some(candidate) = Candidate::from_raw(doc) else {
-                    continue;
-                };
-                if let Ok(events) = doc.get_array("event")
-                    && let Some(Ok(event)) = events.into_iter().next()
-                    && let Some(event) = event.as_document()
-                {
-                    scan.events
-                        .entry(candidate.event_id.clone())
-                        .or_insert_with(|| event.to_raw_document_buf());
-                }
-                page.push(candidate);
-            }
+            let page: Vec<Candidate> = raw
+                .iter()
+                .filter_map(|doc| Candidate::from_raw(doc))
+                .collect();
             let exhausted = raw.len() < window;
             let mut last = page.last().map(|c| (c.due_at, c.id));
             self.pick(page, scan).await?;
@@ -1213,8 +1247,9 @@ impl MongoEventStore {
         Ok(())
     }
 
-    /// Up to `count` of `free` lanes that have due deliveries of `handlers`, the lane with the
-    /// oldest due delivery first. Reads only index entries.
+    /// The `free` lanes with due deliveries of `handlers` that the oldest entries of the claim
+    /// index show (enough to find `count` lanes, unless a few lanes hold all the oldest work),
+    /// the lane with the oldest due delivery first.
     async fn rank_lanes(
         &self,
         free: &[i32],
@@ -1263,11 +1298,7 @@ impl MongoEventStore {
         }
         let mut ranked: Vec<(DateTime, i32)> = oldest.into_iter().map(|(l, d)| (d, l)).collect();
         ranked.sort();
-        Ok(ranked
-            .into_iter()
-            .take(count)
-            .map(|(_, lane)| lane)
-            .collect())
+        Ok(ranked.into_iter().map(|(_, lane)| lane).collect())
     }
 
     /// Takes free lanes, in parallel, each with one conditional `findAndModify`: the epoch grows

@@ -201,6 +201,20 @@ pub(crate) struct OwnerState {
     /// Set while a claim runs; still set at the start of the next claim when the previous one
     /// was dropped half-way, which then reconciles the owner's lanes first.
     pub(crate) interrupted: bool,
+    /// Free lanes with due deliveries that the owner's last ranking found and its claims have
+    /// not tried yet, oldest due delivery first.
+    pub(crate) ranked: Option<RankedLanes>,
+}
+
+/// The rest of a ranking of free lanes, kept for the owner's next claims.
+#[derive(Debug)]
+pub(crate) struct RankedLanes {
+    /// The handlers the ranking was for.
+    pub(crate) handlers: Vec<String>,
+    /// The `now` of the claim that ranked them.
+    pub(crate) at: mongodb::bson::DateTime,
+    /// Lane ids, oldest due delivery first.
+    pub(crate) lanes: Vec<i32>,
 }
 
 /// What one store instance (one `build()`, shared by clones) knows about its claims.

@@ -64,8 +64,8 @@ impl ParkedHead {
 /// `parkedHandler`, `parkedKey`, `id`, `sequence` and `laneId`.
 pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
     vec![
-        doc! { "$match": { "handler": handler, "lane": "parked" } },
-        doc! { "$sort": { "handler": 1, "key": 1, "sequence": 1 } },
+        doc! { "$match": { "lane": "parked", "handler": handler } },
+        doc! { "$sort": { "lane": 1, "handler": 1, "key": 1, "sequence": 1 } },
         doc! { "$group": {
             "_id": "$key",
             "id": { "$first": "$_id" },

@@ -13,6 +13,10 @@ use crate::{error::Result, event::LANE_COUNT};
 
 /// `NamespaceExists`.
 const NAMESPACE_EXISTS: i32 = 48;
+/// `IndexKeySpecsConflict`: an index of that name exists with other keys.
+const INDEX_KEY_SPECS_CONFLICT: i32 = 86;
+/// `IndexNotFound`.
+const INDEX_NOT_FOUND: i32 = 27;
 /// Codes a concurrent, identical `setup()` can provoke; trying again settles them.
 const SETUP_RACE_CODES: [i32; 4] = [
     11000, // duplicate key: two upserts of one lane document
@@ -71,7 +75,19 @@ impl MongoEventStore {
             }
         }
 
-        inner.deliveries.create_indexes(delivery_indexes()).await?;
+        match inner.deliveries.create_indexes(delivery_indexes()).await {
+            Ok(_) => {}
+            Err(e) if error_code(&e) == Some(INDEX_KEY_SPECS_CONFLICT) => {
+                // A database set up before the `parked` index led with `lane`: replace it. A
+                // concurrent setup may have dropped it first.
+                match inner.deliveries.drop_index("parked").await {
+                    Err(e) if error_code(&e) != Some(INDEX_NOT_FOUND) => return Err(e.into()),
+                    _ => {}
+                }
+                inner.deliveries.create_indexes(delivery_indexes()).await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
         inner
             .events
             .create_index(index(doc! { "createdAt": 1, "_id": 1 }, "created", None))
@@ -151,9 +167,11 @@ fn delivery_indexes() -> Vec<IndexModel> {
             "ordering",
             Some(doc! { "status": "pending", "key": { "$exists": true } }),
         ),
-        // The lowest parked delivery of each key.
+        // The lowest parked delivery of each key. `lane` leads although it is the same in every
+        // entry: with it in the key, the query for the lowest delivery of each key is a distinct
+        // scan that reads one entry per key, however long a key's backlog is.
         index(
-            doc! { "handler": 1, "key": 1, "sequence": 1 },
+            doc! { "lane": 1, "handler": 1, "key": 1, "sequence": 1 },
             "parked",
             Some(doc! { "lane": "parked" }),
         ),
