@@ -83,6 +83,8 @@ pub(crate) struct Shared {
     pub(crate) handler_ids: Vec<String>,
     pub(crate) settings: Settings,
     running: StdMutex<HashMap<ObjectId, Running>>,
+    /// Lanes the change stream reported new deliveries in since the last claim.
+    reported: StdMutex<Vec<i32>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -93,6 +95,9 @@ impl std::fmt::Debug for Shared {
             .finish_non_exhaustive()
     }
 }
+
+/// The most reported lanes remembered between two claims.
+const MAX_REPORTED_LANES: usize = 64;
 
 /// What one [`RelayBus::run_once`](crate::RelayBus::run_once) did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -123,6 +128,7 @@ impl Shared {
             handler_ids,
             settings,
             running: StdMutex::new(HashMap::new()),
+            reported: StdMutex::new(Vec::new()),
         }
     }
 
@@ -131,10 +137,34 @@ impl Shared {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn claim(&self, limit: u32) -> Result<Vec<crate::store::mongo::ClaimedDelivery>> {
+    /// Remembers a lane the change stream reported a new delivery in.
+    pub(super) fn report_lane(&self, lane: i32) {
+        let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
+        if reported.len() < MAX_REPORTED_LANES && !reported.contains(&lane) {
+            reported.push(lane);
+        }
+    }
+
+    /// The lanes reported since the last call.
+    fn take_reported(&self) -> Vec<i32> {
+        std::mem::take(&mut *self.reported.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Claims up to `limit` deliveries. `after_wait`: the loop waited idle before this claim,
+    /// so the lanes the change stream reported meanwhile hold the only new work and are looked
+    /// at first.
+    async fn claim(
+        &self,
+        limit: u32,
+        after_wait: bool,
+    ) -> Result<Vec<crate::store::mongo::ClaimedDelivery>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
+        let reported = self.take_reported();
         async {
+            if after_wait && !reported.is_empty() {
+                self.store.hint_lanes(&settings.owner, reported).await;
+            }
             let batch = self
                 .store
                 .claim(
@@ -159,7 +189,7 @@ impl Shared {
         if self.handler_ids.is_empty() {
             return Ok(RunReport::default());
         }
-        let claimed = self.claim(self.settings.batch_size).await?;
+        let claimed = self.claim(self.settings.batch_size, false).await?;
         let mut report = RunReport {
             claimed: claimed.len(),
             ..RunReport::default()
@@ -250,6 +280,7 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
     });
     info!(handlers = ?shared.handler_ids, "dispatcher started");
 
+    let mut after_wait = false;
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
         let available = semaphore.available_permits();
         if available == 0 {
@@ -260,7 +291,7 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
             continue;
         }
         let want = available.min(settings.batch_size as usize) as u32;
-        let batch = match shared.claim(want).await {
+        let batch = match shared.claim(want, std::mem::take(&mut after_wait)).await {
             Ok(batch) => batch,
             Err(error) => {
                 warn!(%error, "claim failed; trying again after the poll interval");
@@ -332,6 +363,7 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
             _ = notify.notified() => {}
             _ = tokio::time::sleep(settings.poll_interval) => {}
         }
+        after_wait = true;
     }
 
     // Shutdown: no more claims; running handlers get the shutdown timeout to finish.

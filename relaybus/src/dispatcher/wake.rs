@@ -22,8 +22,9 @@ pub(super) async fn watch(shared: Arc<Shared>, notify: Arc<Notify>, cancel: Canc
                 "operationType": "insert",
                 "fullDocument.handler": { "$in": &shared.handler_ids },
             } },
-            // Only the resume token (`_id`) is needed; the driver requires `operationType`.
-            doc! { "$project": { "operationType": 1 } },
+            // The resume token (`_id`), `operationType` (the driver requires it), and the lane,
+            // which the next claim after an idle wait looks at first.
+            doc! { "$project": { "operationType": 1, "fullDocument.laneId": 1 } },
         ];
         let opened = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -41,7 +42,16 @@ pub(super) async fn watch(shared: Arc<Shared>, notify: Arc<Notify>, cancel: Canc
                         next = stream.next() => next,
                     };
                     match next {
-                        Some(Ok(_)) => notify.notify_one(),
+                        Some(Ok(change)) => {
+                            if let Some(lane) = change
+                                .full_document
+                                .as_ref()
+                                .and_then(|doc| doc.get_i32("laneId").ok())
+                            {
+                                shared.report_lane(lane);
+                            }
+                            notify.notify_one();
+                        }
                         Some(Err(error)) => {
                             warn!(%error, "change stream failed; polling until it is reopened");
                             break;

@@ -2,9 +2,9 @@
 //!
 //! Workers lease lanes, not deliveries. A claim
 //!
-//! 1. reads, in one aggregation, every lane document (which lanes are free), the lanes its
-//!    owner holds on this store instance with the deliveries they list, and the lowest parked
-//!    delivery of each key of its handlers;
+//! 1. reads, in two queries at once, every lane document (which lanes are free, which this
+//!    owner holds on this store instance), and the deliveries its held lanes list with the
+//!    lowest parked delivery of each key of its handlers;
 //! 2. moves parked deliveries whose predecessors finished back to the ready lane, for the keys of
 //!    every lane no other live owner holds and in which nothing of the key runs;
 //! 3. claims from the lanes its owner already holds, after charging any lost claims an earlier
@@ -13,19 +13,24 @@
 //!    deliveries of its handlers, in rounds of twice as many lanes each (4 at first, more for a
 //!    big claim), the lanes with the oldest due deliveries first; with other live holders
 //!    around, it picks among a wider set of old lanes at random, so that concurrent claimers
-//!    mostly look at different lanes. A free lane with nothing in flight and nothing lost is
-//!    read without a write: the record of step 6 takes it, on condition that its epoch, its
-//!    requeue count and its empty lists are still what was read. Any other free lane is taken
-//!    first with a conditional `findAndModify` that increments the lane epoch and moves the
-//!    previous holder's in-flight list to `lost`, which the claim charges before reading
-//!    anything from the lane;
+//!    mostly look at different lanes. The rest of a ranking serves the owner's next claims for
+//!    a second. A free lane with nothing in flight and nothing lost is read without a write:
+//!    the record of step 6 takes it, on condition that its epoch, its requeue count and its
+//!    empty lists are still what was read. Any other free lane is taken first with a
+//!    conditional `findAndModify` that increments the lane epoch and moves the previous
+//!    holder's in-flight list to `lost`, which the claim charges before reading anything from
+//!    the lane;
 //! 5. reads the due, ready deliveries of those lanes in `(dueAt, _id)` order, leaving out the
 //!    ones it already runs, and applies the per-key rules until it has `limit`;
 //! 6. reads the events of its picks in one query, then records the batch with one conditional
-//!    write per lane, all in one `update` command: it takes the free lanes it picked from (the epoch grows by
-//!    one), takes and hands back at once the free lanes that yielded nothing, and hands back the
-//!    held lanes that yielded nothing and run nothing. A lane whose condition no longer holds
-//!    (another claimer took it first) keeps nothing of this claim.
+//!    write per lane, all in one `update` command: it takes the free lanes it picked from (the
+//!    epoch grows by one), takes and hands back at once the free lanes that yielded nothing,
+//!    and hands back the held lanes that yielded nothing and run nothing. A lane whose
+//!    condition no longer holds (another claimer took it first) keeps nothing of this claim.
+//!
+//! The dispatcher's first claim after an idle wait is told which lanes the change stream
+//! reported new deliveries in; it reads those lanes alone, held or free, instead of steps 3
+//! and 4: nothing older was due when the dispatcher went idle.
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes (see
 //! [`reconcile`](MongoEventStore::reconcile)).
@@ -50,7 +55,7 @@ use super::{
         Lane, MAX_CLAIM_LIMIT, STATEMENTS_PER_COMMAND, add, check_lease_duration, check_owner, int,
         reply_count, string,
     },
-    lease::{Issued, Lease, RankedLanes},
+    lease::{Issued, Lease, OwnerState, RankedLanes},
     park::{PARK_THRESHOLD, ParkedHead, parked_heads_stages},
 };
 use crate::{
@@ -235,6 +240,44 @@ struct FreeLane {
     stored_epoch: Bson,
 }
 
+impl FreeLane {
+    /// Reads a lane document found free, without decoding its lists: a lane that lists
+    /// anything is taken with a write that reads them.
+    fn from_raw(raw: &RawDocument) -> Option<FreeLane> {
+        let value = |name: &str| {
+            raw.get(name)
+                .ok()
+                .flatten()
+                .and_then(|value| Bson::try_from(value).ok())
+                .unwrap_or(Bson::Null)
+        };
+        let empty = |name: &str| match raw.get(name).ok().flatten() {
+            None | Some(RawBsonRef::Null) => true,
+            Some(RawBsonRef::Array(items)) => items.into_iter().next().is_none(),
+            Some(_) => false,
+        };
+        let number = |bson: &Bson| match bson {
+            Bson::Int32(i) => Some(i64::from(*i)),
+            Bson::Int64(i) => Some(*i),
+            Bson::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(*f as i64),
+            _ => None,
+        };
+        let stored_epoch = value("epoch");
+        Some(FreeLane {
+            lane: Lane {
+                id: number(&value("_id")).and_then(|id| i32::try_from(id).ok())?,
+                epoch: number(&stored_epoch).unwrap_or(0),
+                lease_expires_at: raw.get_datetime("leaseExpiresAt").ok(),
+                in_flight: Vec::new(),
+                lost: Vec::new(),
+                requeues: value("requeues"),
+            },
+            clean: empty("inFlight") && empty("lost"),
+            stored_epoch,
+        })
+    }
+}
+
 /// What the claim's first read finds.
 #[derive(Debug, Default)]
 struct LaneView {
@@ -338,6 +381,12 @@ struct Scan {
     picks: Vec<Candidate>,
     /// Deliveries found waiting behind an unfinished predecessor, per key.
     waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
+    /// Whether a scan's first page brings the events of its deliveries along: for a scan that
+    /// expects a few deliveries, where one round trip less matters more than the server's
+    /// cost of a `$lookup` per delivery.
+    with_events: bool,
+    /// The events the scans brought along, by event id.
+    events: HashMap<String, RawDocumentBuf>,
 }
 
 impl Scan {
@@ -454,29 +503,15 @@ impl MongoEventStore {
         }
         state.interrupted = true;
         let mut outcome = self
-            .claim_locked(
-                owner,
-                &wanted,
-                limit as usize,
-                expires_at,
-                now,
-                &mut state.ranked,
-            )
+            .claim_locked(owner, &wanted, limit as usize, expires_at, now, &mut state)
             .await;
         if matches!(outcome, Ok(None)) {
             // The owner's lanes list deliveries this instance did not hand out (a claim that
             // was dropped, or whose record landed late): reconcile, then claim again.
             outcome = match self.reconcile(owner, now).await {
                 Ok(()) => {
-                    self.claim_locked(
-                        owner,
-                        &wanted,
-                        limit as usize,
-                        expires_at,
-                        now,
-                        &mut state.ranked,
-                    )
-                    .await
+                    self.claim_locked(owner, &wanted, limit as usize, expires_at, now, &mut state)
+                        .await
                 }
                 Err(error) => Err(error),
             };
@@ -498,7 +533,7 @@ impl MongoEventStore {
                             limit as usize - claimed.len(),
                             expires_at,
                             now,
-                            &mut state.ranked,
+                            &mut state,
                         )
                         .await;
                     match more {
@@ -536,6 +571,54 @@ impl MongoEventStore {
         }
     }
 
+    /// Joins the `chosen` free lanes to the claim and returns the ids to scan. A clean lane
+    /// (nothing in flight, nothing lost) is only remembered: the record takes it on condition
+    /// that it is unchanged. Any other is taken at once with a conditional write and its lost
+    /// claims are charged before it is read; a lane another claimer took first is left out.
+    async fn join_lanes(
+        &self,
+        chosen: &[i32],
+        free: &[FreeLane],
+        lanes: &mut Vec<(Lane, Hold)>,
+        owner: &str,
+        expires_at: DateTime,
+        now: DateTime,
+    ) -> Result<Vec<i32>> {
+        let mut dirty = Vec::new();
+        let mut scanned = Vec::new();
+        for id in chosen {
+            let Some(lane) = free.iter().find(|lane| lane.lane.id == *id) else {
+                continue;
+            };
+            if lane.clean {
+                scanned.push(*id);
+                lanes.push((
+                    lane.lane.clone(),
+                    Hold::Joining {
+                        epoch: lane.stored_epoch.clone(),
+                    },
+                ));
+            } else {
+                dirty.push(*id);
+            }
+        }
+        if !dirty.is_empty() {
+            let taken = self.take_lanes(&dirty, owner, expires_at, now).await?;
+            self.charge_lost(&taken, now).await?;
+            scanned.extend(taken.iter().map(|lane| lane.id));
+            lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
+        }
+        Ok(scanned)
+    }
+
+    /// Tells the next claim of `owner` on this instance which lanes just received new
+    /// deliveries (a change stream reported them), for it to look at before ranking free lanes.
+    /// Meant for a claim after an idle wait, when nothing older was due.
+    pub(crate) async fn hint_lanes(&self, owner: &str, lanes: Vec<i32>) {
+        let lock = self.inner.claims.owner(owner);
+        lock.lock().await.hints = lanes;
+    }
+
     /// One claim, with the owner's lock held. `None` when the owner's lanes list a delivery
     /// this instance did not hand out; nothing was recorded then.
     async fn claim_locked(
@@ -545,13 +628,13 @@ impl MongoEventStore {
         limit: usize,
         expires_at: DateTime,
         now: DateTime,
-        ranking: &mut Option<RankedLanes>,
+        state: &mut OwnerState,
     ) -> Result<Option<Batch>> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
 
-        // 1. One aggregation: every lane document, what runs in the lanes this owner holds on
-        //    this instance, and (for a few handlers) the lowest parked delivery of each key.
+        // 1. Every lane document, what runs in the lanes this owner holds on this instance, and
+        //    (for a few handlers) the lowest parked delivery of each key.
         let view = self.read_lanes(owner, handlers, now).await?;
         let LaneView {
             held,
@@ -632,7 +715,30 @@ impl MongoEventStore {
             }
         }
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
-        self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
+        let hints = std::mem::take(&mut state.hints);
+        if hints.is_empty() {
+            self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
+        } else {
+            // After an idle wait, the lanes where new deliveries were reported meanwhile hold
+            // the only new work: one scan of them, held or free, and no ranking.
+            let mut scanned: Vec<i32> = held_ids
+                .iter()
+                .filter(|lane| hints.contains(lane))
+                .copied()
+                .collect();
+            let chosen: Vec<i32> = hints
+                .iter()
+                .filter(|id| free.iter().any(|lane| lane.lane.id == **id))
+                .copied()
+                .collect();
+            scanned.extend(
+                self.join_lanes(&chosen, &free, &mut lanes, owner, expires_at, now)
+                    .await?,
+            );
+            scan.with_events = true;
+            self.scan_lanes(&scanned, handlers, now, &mut scan).await?;
+            scan.with_events = false;
+        }
 
         // 4. Free lanes, 4, 8, 16, ... per round, oldest due delivery first. Nothing is written
         //    yet for a lane with nothing to charge: the record below takes it, on condition that
@@ -644,22 +750,29 @@ impl MongoEventStore {
         let mut round = ((limit - scan.picks.len().min(limit)) / DELIVERIES_PER_LANE)
             .clamp(FIRST_ROUND, MAX_FIRST_ROUND);
         let spread = contenders.clamp(1, MAX_SPREAD);
-        while !scan.full() {
+        // Set once a ranking of this claim saw every due delivery of the lanes it ranked: the
+        // free lanes it did not list have nothing to claim.
+        let mut complete = false;
+        while hints.is_empty() && !scan.full() {
             free.retain(|lane| !tried.contains(&lane.lane.id));
             if free.is_empty() {
                 break;
             }
             let free_ids: Vec<i32> = free.iter().map(|lane| lane.lane.id).collect();
             // The rest of a recent ranking serves while it has enough lanes that are still
-            // free: ranking reads one index range per free lane, scanning a few lanes does not.
-            let kept = reusable(ranking.take(), handlers, now, &free_ids);
+            // free: ranking reads one index range per free lane, scanning a few lanes
+            // does not.
+            let kept = reusable(state.ranked.take(), handlers, now, &free_ids);
             let (ranked, ranked_at) = match kept {
-                Some((kept, at)) if kept.len() >= round => (kept, at),
-                _ => (
-                    self.rank_lanes(&free_ids, handlers, now, round.saturating_mul(spread))
-                        .await?,
-                    now,
-                ),
+                Some((kept, at)) if kept.len() >= round || complete => (kept, at),
+                _ if complete => break,
+                _ => {
+                    let (ranked, seen_all) = self
+                        .rank_lanes(&free_ids, handlers, now, round.saturating_mul(spread))
+                        .await?;
+                    complete = seen_all;
+                    (ranked, now)
+                }
             };
             if ranked.is_empty() {
                 break;
@@ -669,42 +782,31 @@ impl MongoEventStore {
                 .into_iter()
                 .filter(|lane| !chosen.contains(lane))
                 .collect();
-            *ranking = (!rest.is_empty()).then(|| RankedLanes {
+            state.ranked = (!rest.is_empty()).then(|| RankedLanes {
                 handlers: handlers.iter().map(|h| (*h).to_owned()).collect(),
                 at: ranked_at,
                 lanes: rest,
             });
             tried.extend(chosen.iter().copied());
-            let mut dirty = Vec::new();
-            let mut scanned = Vec::new();
-            for id in &chosen {
-                let Some(lane) = free.iter().find(|lane| lane.lane.id == *id) else {
-                    continue;
-                };
-                if lane.clean {
-                    scanned.push(*id);
-                    lanes.push((
-                        lane.lane.clone(),
-                        Hold::Joining {
-                            epoch: lane.stored_epoch.clone(),
-                        },
-                    ));
-                } else {
-                    dirty.push(*id);
-                }
-            }
-            if !dirty.is_empty() {
-                let taken = self.take_lanes(&dirty, owner, expires_at, now).await?;
-                self.charge_lost(&taken, now).await?;
-                scanned.extend(taken.iter().map(|lane| lane.id));
-                lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
-            }
+            let scanned = self
+                .join_lanes(&chosen, &free, &mut lanes, owner, expires_at, now)
+                .await?;
             self.scan_lanes(&scanned, handlers, now, &mut scan).await?;
             round = round.saturating_mul(2);
         }
 
-        // 4. The events of the picks, in one query, read before anything is recorded.
-        let events = self.read_events(&scan.picks).await?;
+        // 4. The events of the picks, in one query unless the scans brought them along, read
+        //    before anything is recorded.
+        let mut events = std::mem::take(&mut scan.events);
+        let missing: Vec<Candidate> = scan
+            .picks
+            .iter()
+            .filter(|pick| !events.contains_key(&pick.event_id))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            events.extend(self.read_events(&missing).await?);
+        }
         let mut picks = std::mem::take(&mut scan.picks);
         picks.retain(|pick| {
             let found = events.contains_key(&pick.event_id);
@@ -904,44 +1006,42 @@ impl MongoEventStore {
         Ok(Some(Batch { claimed, raced }))
     }
 
-    /// The claim's first read, one aggregation: every lane document (in-flight and lost lists
-    /// only as whether they are empty), the lanes `owner` holds on this instance in full with
-    /// the documents of the deliveries they list, and, for up to 32 handlers, the lowest parked
-    /// delivery of each of their keys.
+    /// The claim's first read, two queries at once: every lane document; and the documents of
+    /// the deliveries listed by the lanes `owner` holds on this instance with, for up to 32
+    /// handlers, the lowest parked delivery of each of their keys.
     async fn read_lanes(&self, owner: &str, handlers: &[&str], now: DateTime) -> Result<LaneView> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
-        let mut pipeline = vec![
-            doc! { "$match": { "$nor": [{ "owner": owner, "instance": instance }] } },
-            doc! { "$project": {
-                "owner": 1,
-                "instance": 1,
-                "epoch": 1,
-                "leaseExpiresAt": 1,
-                "requeues": 1,
-                "clean": { "$and": [
-                    { "$eq": [{ "$ifNull": ["$inFlight", []] }, []] },
-                    { "$eq": [{ "$ifNull": ["$lost", []] }, []] },
-                ] },
-            } },
-            doc! { "$unionWith": {
-                "coll": inner.lanes.name(),
-                "pipeline": [
-                    { "$match": { "owner": owner, "instance": instance } },
-                    { "$lookup": {
-                        "from": inner.deliveries.name(),
-                        "localField": "inFlight",
-                        "foreignField": "_id",
-                        "pipeline": [{ "$project": {
-                            "handler": 1, "key": 1, "claims": 1, "status": 1,
-                        } }],
-                        "as": "running",
-                    } },
-                    { "$addFields": { "mine": true } },
-                ],
-            } },
-        ];
+        // The whole small collection, read as raw documents: the in-flight lists of other
+        // holders' lanes are only looked at, never decoded.
+        let lanes = async {
+            inner
+                .lanes
+                .clone_with_type::<RawDocumentBuf>()
+                .find(doc! {})
+                // Large enough that the first batch ends the cursor.
+                .batch_size(1_000)
+                .await?
+                .try_collect::<Vec<RawDocumentBuf>>()
+                .await
+        };
+        // At the same time, one aggregation: the deliveries listed by the lanes this owner
+        // holds on this instance, and the lowest parked delivery of each key.
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
+        let mut pipeline = vec![
+            doc! { "$match": { "owner": owner, "instance": instance } },
+            doc! { "$project": { "inFlight": 1 } },
+            doc! { "$lookup": {
+                "from": inner.deliveries.name(),
+                "localField": "inFlight",
+                "foreignField": "_id",
+                "pipeline": [{ "$project": {
+                    "handler": 1, "key": 1, "claims": 1, "status": 1,
+                } }],
+                "as": "running",
+            } },
+            doc! { "$project": { "running": 1 } },
+        ];
         if fold_parked {
             for handler in handlers {
                 pipeline.push(doc! { "$unionWith": {
@@ -950,66 +1050,77 @@ impl MongoEventStore {
                 } });
             }
         }
-        let docs: Vec<Document> = inner
-            .lanes
-            .aggregate(pipeline)
-            // Large enough that the first batch ends the cursor.
-            .batch_size(100_000)
-            .await?
-            .try_collect()
-            .await?;
+        let around = async {
+            inner
+                .lanes
+                .aggregate(pipeline)
+                .batch_size(100_000)
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        };
+        let (lanes, around) = futures::try_join!(lanes, around)?;
+
         let mut view = LaneView {
             parked: fold_parked.then(Vec::new),
             ..LaneView::default()
         };
-        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
-        let mut rest = Vec::new();
-        for doc in &docs {
+        let mut listed_docs = Vec::new();
+        for doc in &around {
             if doc.contains_key("parkedKey") {
                 if let (Some(parked), Some(head)) =
                     (view.parked.as_mut(), ParkedHead::from_document(doc))
                 {
                     parked.push(head);
                 }
-                continue;
-            }
-            let Some(lane) = Lane::from_document(doc) else {
-                continue;
-            };
-            if doc.get_bool("mine") == Ok(true) {
-                if let Ok(running) = doc.get_array("running") {
-                    view.running_docs
-                        .extend(running.iter().filter_map(|d| d.as_document().cloned()));
-                }
-                view.held.push(lane);
-            } else {
-                rest.push((doc, lane));
+            } else if let Ok(running) = doc.get_array("running") {
+                listed_docs.extend(running.iter().filter_map(|d| d.as_document().cloned()));
             }
         }
-        for (doc, lane) in rest {
-            // A lane that changed hands between the two reads counts as held: its writes are
-            // conditional on that.
-            if view.held.iter().any(|held| held.id == lane.id) {
+        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
+        for raw in &lanes {
+            let owned_by = raw.get_str("owner").ok();
+            let held_by = raw.get_object_id("instance").ok();
+            if owned_by == Some(owner) && held_by == Some(instance) {
+                if let Some(lane) = Document::try_from(raw.as_ref())
+                    .ok()
+                    .as_ref()
+                    .and_then(Lane::from_document)
+                {
+                    view.held.push(lane);
+                }
                 continue;
             }
-            let expired = doc
+            let expired = raw
                 .get_datetime("leaseExpiresAt")
-                .map_or(true, |expiry| *expiry <= now);
-            let owner = doc.get_str("owner").ok();
-            if matches!(doc.get("owner"), None | Some(Bson::Null)) || expired {
-                view.free.push(FreeLane {
-                    clean: doc.get_bool("clean") == Ok(true),
-                    stored_epoch: doc.get("epoch").cloned().unwrap_or(Bson::Null),
-                    lane,
-                });
-            } else {
-                if let Some(owner) = owner {
-                    others.insert((owner.to_owned(), doc.get_object_id("instance").ok()));
+                .ok()
+                .is_none_or(|expiry| expiry <= now);
+            if owned_by.is_none() || expired {
+                if let Some(lane) = FreeLane::from_raw(raw) {
+                    view.free.push(lane);
                 }
-                view.taken_by_others.insert(lane.id);
+            } else {
+                if let (Some(owner), Ok(id)) = (owned_by, raw.get_i32("_id")) {
+                    others.insert((owner.to_owned(), held_by));
+                    view.taken_by_others.insert(id);
+                }
             }
         }
         view.contenders = 1 + others.len();
+        // The documents of the deliveries the held lanes list, as read; a lane that changed
+        // hands between the two reads lists other ids, and conditions its writes on that.
+        let listed: HashSet<ObjectId> = view
+            .held
+            .iter()
+            .flat_map(|lane| lane.in_flight.iter().copied())
+            .collect();
+        view.running_docs = listed_docs
+            .into_iter()
+            .filter(|doc| {
+                doc.get_object_id("_id")
+                    .is_ok_and(|id| listed.contains(&id))
+            })
+            .collect();
         Ok(view)
     }
 
@@ -1110,8 +1221,8 @@ impl MongoEventStore {
             };
             // The first page is sized to fill the claim, plus a few blocked ones; the deliveries
             // already running are left out on the index keys. The events of the picks are read
-            // afterwards, in one query: a `$lookup` here costs the server more than that
-            // extra round trip, and it would read events of deliveries that are not picked.
+            // afterwards, in one query: for a big page, a `$lookup` here costs the server more
+            // than that extra round trip, and it would read events of deliveries not picked.
             let need = scan.limit - scan.picks.len();
             let window = (need + 16).min(MAX_CLAIM_LIMIT as usize * 2);
             let mut first = filter.clone();
@@ -1119,24 +1230,58 @@ impl MongoEventStore {
                 let running: Vec<ObjectId> = scan.running.iter().copied().collect();
                 first.insert("_id", doc! { "$nin": running });
             }
-            let raw: Vec<RawDocumentBuf> = self
-                .inner
-                .deliveries
-                .clone_with_type::<RawDocumentBuf>()
-                .find(first)
-                .sort(doc! { "dueAt": 1, "_id": 1 })
-                .projection(projection.clone())
-                .hint(Hint::Name("claim".to_owned()))
-                .limit(window as i64)
-                // One more than the page holds, so that the first batch ends the cursor.
-                .batch_size(window as u32 + 1)
-                .await?
-                .try_collect()
-                .await?;
-            let page: Vec<Candidate> = raw
-                .iter()
-                .filter_map(|doc| Candidate::from_raw(doc))
-                .collect();
+            let raw: Vec<RawDocumentBuf> = if scan.with_events {
+                self.inner
+                    .deliveries
+                    .aggregate([
+                        doc! { "$match": first },
+                        doc! { "$sort": { "dueAt": 1, "_id": 1 } },
+                        doc! { "$limit": window as i64 },
+                        doc! { "$project": projection.clone() },
+                        doc! { "$lookup": {
+                            "from": self.inner.events.name(),
+                            "localField": "eventId",
+                            "foreignField": "_id",
+                            "pipeline": [{ "$project": { "handlers": 0 } }],
+                            "as": "event",
+                        } },
+                    ])
+                    .hint(Hint::Name("claim".to_owned()))
+                    .batch_size(window as u32 + 1)
+                    .await?
+                    .with_type::<RawDocumentBuf>()
+                    .try_collect()
+                    .await?
+            } else {
+                self.inner
+                    .deliveries
+                    .clone_with_type::<RawDocumentBuf>()
+                    .find(first)
+                    .sort(doc! { "dueAt": 1, "_id": 1 })
+                    .projection(projection.clone())
+                    .hint(Hint::Name("claim".to_owned()))
+                    .limit(window as i64)
+                    // One more than the page holds, so that the first batch ends the cursor.
+                    .batch_size(window as u32 + 1)
+                    .await?
+                    .try_collect()
+                    .await?
+            };
+            let mut page = Vec::with_capacity(raw.len());
+            for doc in &raw {
+                let Some(candidate) = Candidate::from_raw(doc) else {
+                    continue;
+                };
+                if let Ok(events) = doc.get_array("event")
+                    && let Some(Ok(event)) = events.into_iter().next()
+                    && let Some(event) = event.as_document()
+                {
+                    scan.events
+                        .entry(candidate.event_id.clone())
+                        .or_insert_with(|| event.to_raw_document_buf());
+                }
+                page.push(candidate);
+            }
             let exhausted = raw.len() < window;
             let mut last = page.last().map(|c| (c.due_at, c.id));
             self.pick(page, scan).await?;
@@ -1249,14 +1394,15 @@ impl MongoEventStore {
 
     /// The `free` lanes with due deliveries of `handlers` that the oldest entries of the claim
     /// index show (enough to find `count` lanes, unless a few lanes hold all the oldest work),
-    /// the lane with the oldest due delivery first.
+    /// the lane with the oldest due delivery first; and whether these are all the `free` lanes
+    /// with due deliveries (the queries read fewer entries than they could).
     async fn rank_lanes(
         &self,
         free: &[i32],
         handlers: &[&str],
         now: DateTime,
         count: usize,
-    ) -> Result<Vec<i32>> {
+    ) -> Result<(Vec<i32>, bool)> {
         // Enough index entries to find `count` lanes unless a few lanes hold all the oldest
         // work; the next round then looks again without them.
         let window = (count as i64 * 8).clamp(32, DISCOVERY_WINDOW);
@@ -1279,10 +1425,13 @@ impl MongoEventStore {
                 .await?
                 .try_collect()
                 .await?;
-            Ok::<_, Error>(docs)
+            let seen_all = (docs.len() as i64) < window;
+            Ok::<_, Error>((docs, seen_all))
         });
         let mut oldest: HashMap<i32, DateTime> = HashMap::new();
-        for docs in future::try_join_all(queries).await? {
+        let mut seen_all = true;
+        for (docs, all) in future::try_join_all(queries).await? {
+            seen_all &= all;
             for doc in docs {
                 let (Some(lane), Ok(due)) = (int(&doc, "laneId"), doc.get_datetime("dueAt")) else {
                     continue;
@@ -1298,7 +1447,7 @@ impl MongoEventStore {
         }
         let mut ranked: Vec<(DateTime, i32)> = oldest.into_iter().map(|(l, d)| (d, l)).collect();
         ranked.sort();
-        Ok(ranked.into_iter().map(|(_, lane)| lane).collect())
+        Ok((ranked.into_iter().map(|(_, lane)| lane).collect(), seen_all))
     }
 
     /// Takes free lanes, in parallel, each with one conditional `findAndModify`: the epoch grows
@@ -1553,6 +1702,55 @@ fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kept_ranking_serves_the_same_handlers_for_a_second_and_only_free_lanes() {
+        let at = DateTime::from_millis(10_000);
+        let kept = || {
+            Some(RankedLanes {
+                handlers: vec!["a".into(), "b".into()],
+                at,
+                lanes: vec![5, 3, 9],
+            })
+        };
+        let later = |ms: i64| DateTime::from_millis(10_000 + ms);
+        assert_eq!(
+            reusable(kept(), &["a", "b"], later(1_000), &[9, 5, 7]),
+            Some((vec![5, 9], at))
+        );
+        assert_eq!(reusable(kept(), &["a", "b"], later(1_001), &[5]), None);
+        assert_eq!(reusable(kept(), &["a", "b"], later(-1), &[5]), None);
+        assert_eq!(reusable(kept(), &["a"], later(0), &[5]), None);
+        assert_eq!(reusable(kept(), &["b", "a"], later(0), &[5]), None);
+        assert_eq!(reusable(None, &["a", "b"], later(0), &[5]), None);
+    }
+
+    #[test]
+    fn a_free_lane_is_clean_only_with_empty_lists() {
+        let read = |doc: Document| {
+            FreeLane::from_raw(&RawDocumentBuf::from_document(&doc).unwrap()).unwrap()
+        };
+        let clean =
+            read(doc! { "_id": 3, "epoch": 7_i64, "owner": null, "inFlight": [], "lost": [] });
+        assert!(clean.clean);
+        assert_eq!((clean.lane.id, clean.lane.epoch), (3, 7));
+        assert_eq!(clean.stored_epoch, Bson::Int64(7));
+        assert_eq!(clean.lane.requeues, Bson::Null);
+        let seeded = read(doc! { "_id": 4_i64 });
+        assert!(seeded.clean);
+        assert_eq!(seeded.stored_epoch, Bson::Null);
+        let running =
+            read(doc! { "_id": 5, "epoch": 1, "inFlight": [ObjectId::new()], "requeues": 2 });
+        assert!(!running.clean);
+        assert_eq!(running.lane.requeues, Bson::Int32(2));
+        let lost =
+            read(doc! { "_id": 6, "inFlight": [], "lost": [{ "d": ObjectId::new(), "e": 1_i64 }] });
+        assert!(!lost.clean);
+        assert!(
+            FreeLane::from_raw(&RawDocumentBuf::from_document(&doc! { "_id": "x" }).unwrap())
+                .is_none()
+        );
+    }
 
     #[test]
     fn envelopes_are_read_raw() {

@@ -204,6 +204,9 @@ pub(crate) struct OwnerState {
     /// Free lanes with due deliveries that the owner's last ranking found and its claims have
     /// not tried yet, oldest due delivery first.
     pub(crate) ranked: Option<RankedLanes>,
+    /// Lanes where new deliveries were just reported, for the owner's next claim to look at
+    /// before ranking free lanes.
+    pub(crate) hints: Vec<i32>,
 }
 
 /// The rest of a ranking of free lanes, kept for the owner's next claims.
