@@ -2,9 +2,9 @@
 //!
 //! Workers lease lanes, not deliveries. A claim
 //!
-//! 1. reads, in two queries at once, every lane document (which lanes are free, which this
-//!    owner holds on this store instance), and the deliveries its held lanes list with the
-//!    lowest parked delivery of each key of its handlers;
+//! 1. reads, in one aggregation, every lane document (which lanes are free, which this owner
+//!    holds on this store instance), the deliveries its held lanes list, and the lowest parked
+//!    delivery of each key of its handlers;
 //! 2. moves parked deliveries whose predecessors finished back to the ready lane, for the keys of
 //!    every lane no other live owner holds and in which nothing of the key runs;
 //! 3. claims from the lanes its owner already holds, after charging any lost claims an earlier
@@ -29,8 +29,8 @@
 //!    condition no longer holds (another claimer took it first) keeps nothing of this claim.
 //!
 //! The dispatcher's first claim after an idle wait is told which lanes the change stream
-//! reported new deliveries in; it reads those lanes alone, held or free, instead of steps 3
-//! and 4: nothing older was due when the dispatcher went idle.
+//! reported new deliveries in; it reads those lanes alone, held or free, in the aggregation of
+//! step 1, instead of steps 3 and 4: nothing older was due when the dispatcher went idle.
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes (see
 //! [`reconcile`](MongoEventStore::reconcile)).
@@ -278,6 +278,39 @@ impl FreeLane {
     }
 }
 
+/// The first page of a scan as aggregation stages: the due, ready deliveries matching
+/// `filter` in `(dueAt, _id)` order, at most `window`, each with its event (`event`, an array
+/// of at most one document).
+fn page_with_events(filter: Document, window: usize, events: &str) -> Vec<Document> {
+    vec![
+        doc! { "$match": filter },
+        doc! { "$sort": { "dueAt": 1, "_id": 1 } },
+        doc! { "$limit": window as i64 },
+        doc! { "$project": {
+            "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
+            "attempts": 1, "claims": 1, "dueAt": 1,
+        } },
+        doc! { "$lookup": {
+            "from": events,
+            "localField": "eventId",
+            "foreignField": "_id",
+            "pipeline": [{ "$project": { "handlers": 0 } }],
+            "as": "event",
+        } },
+    ]
+}
+
+/// The filter of a scan of `lanes`.
+fn scan_filter(lanes: &[i32], handlers: &[&str], now: DateTime) -> Document {
+    doc! {
+        "laneId": { "$in": lanes },
+        "status": "pending",
+        "lane": "ready",
+        "dueAt": { "$lte": now },
+        "handler": { "$in": handlers },
+    }
+}
+
 /// What the claim's first read finds.
 #[derive(Debug, Default)]
 struct LaneView {
@@ -291,6 +324,8 @@ struct LaneView {
     contenders: usize,
     /// The lowest parked delivery of each key, when the read looked them up.
     parked: Option<Vec<ParkedHead>>,
+    /// The first page of a scan of the lanes the read was asked to look into, with events.
+    prescanned: Vec<Document>,
 }
 
 /// The running set, running keys and claim generations of the listed delivery documents.
@@ -634,8 +669,18 @@ impl MongoEventStore {
         let instance = inner.claims.instance;
 
         // 1. Every lane document, what runs in the lanes this owner holds on this instance, and
-        //    (for a few handlers) the lowest parked delivery of each key.
-        let view = self.read_lanes(owner, handlers, now).await?;
+        //    (for a few handlers) the lowest parked delivery of each key. After an idle wait,
+        //    the first page of the lanes where new deliveries were reported comes along.
+        let hints = std::mem::take(&mut state.hints);
+        let window = (limit + 16).min(MAX_CLAIM_LIMIT as usize * 2);
+        let view = self
+            .read_lanes(
+                owner,
+                handlers,
+                now,
+                (!hints.is_empty()).then_some((hints.as_slice(), window)),
+            )
+            .await?;
         let LaneView {
             held,
             running_docs,
@@ -643,6 +688,7 @@ impl MongoEventStore {
             taken_by_others,
             contenders,
             parked,
+            prescanned,
         } = view;
         let mut free = free;
 
@@ -715,13 +761,12 @@ impl MongoEventStore {
             }
         }
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
-        let hints = std::mem::take(&mut state.hints);
         if hints.is_empty() {
             self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
         } else {
             // After an idle wait, the lanes where new deliveries were reported meanwhile hold
-            // the only new work: one scan of them, held or free, and no ranking.
-            let mut scanned: Vec<i32> = held_ids
+            // the only new work: they are read alone, held or free, and nothing is ranked.
+            let mut ready: Vec<i32> = held_ids
                 .iter()
                 .filter(|lane| hints.contains(lane))
                 .copied()
@@ -731,12 +776,47 @@ impl MongoEventStore {
                 .filter(|id| free.iter().any(|lane| lane.lane.id == **id))
                 .copied()
                 .collect();
-            scanned.extend(
-                self.join_lanes(&chosen, &free, &mut lanes, owner, expires_at, now)
-                    .await?,
+            // The first read's page holds for held lanes and for free lanes read without a
+            // write; a lane taken with a write (lost claims charged) is read again.
+            ready.extend(
+                chosen
+                    .iter()
+                    .filter(|id| free.iter().any(|lane| lane.lane.id == **id && lane.clean)),
             );
+            let joined = self
+                .join_lanes(&chosen, &free, &mut lanes, owner, expires_at, now)
+                .await?;
             scan.with_events = true;
-            self.scan_lanes(&scanned, handlers, now, &mut scan).await?;
+            if prescanned.len() < window {
+                let mut page = Vec::with_capacity(prescanned.len());
+                for doc in &prescanned {
+                    let Some(candidate) = Candidate::from_document(doc) else {
+                        continue;
+                    };
+                    if !ready.contains(&candidate.lane) {
+                        continue;
+                    }
+                    if let Ok(events) = doc.get_array("event")
+                        && let Some(Bson::Document(event)) = events.first()
+                        && let Ok(raw) = RawDocumentBuf::from_document(event)
+                    {
+                        scan.events.insert(candidate.event_id.clone(), raw);
+                    }
+                    page.push(candidate);
+                }
+                self.pick(page, &mut scan).await?;
+                let again: Vec<i32> = joined
+                    .into_iter()
+                    .filter(|lane| !ready.contains(lane))
+                    .collect();
+                self.scan_lanes(&again, handlers, now, &mut scan).await?;
+            } else {
+                // More than one page: scan them as usual.
+                ready.extend(joined);
+                ready.sort_unstable();
+                ready.dedup();
+                self.scan_lanes(&ready, handlers, now, &mut scan).await?;
+            }
             scan.with_events = false;
         }
 
@@ -1006,42 +1086,39 @@ impl MongoEventStore {
         Ok(Some(Batch { claimed, raced }))
     }
 
-    /// The claim's first read, two queries at once: every lane document; and the documents of
-    /// the deliveries listed by the lanes `owner` holds on this instance with, for up to 32
-    /// handlers, the lowest parked delivery of each of their keys.
-    async fn read_lanes(&self, owner: &str, handlers: &[&str], now: DateTime) -> Result<LaneView> {
+    /// The claim's first read, one aggregation: every lane document; the documents of the
+    /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
+    /// lowest parked delivery of each of their keys; and, when asked, the first page of a scan
+    /// of some lanes. The lanes are read first: deliveries read after them can only be newer,
+    /// so a lane taken and handed back meanwhile shows a new epoch to the record's condition.
+    async fn read_lanes(
+        &self,
+        owner: &str,
+        handlers: &[&str],
+        now: DateTime,
+        prescan: Option<(&[i32], usize)>,
+    ) -> Result<LaneView> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
-        // The whole small collection, read as raw documents: the in-flight lists of other
-        // holders' lanes are only looked at, never decoded.
-        let lanes = async {
-            inner
-                .lanes
-                .clone_with_type::<RawDocumentBuf>()
-                .find(doc! {})
-                // Large enough that the first batch ends the cursor.
-                .batch_size(1_000)
-                .await?
-                .try_collect::<Vec<RawDocumentBuf>>()
-                .await
-        };
-        // At the same time, one aggregation: the deliveries listed by the lanes this owner
-        // holds on this instance, and the lowest parked delivery of each key.
+        // The lane documents pass through as they are (read raw: the in-flight lists of other
+        // holders' lanes are only looked at, never decoded); the rest comes after them.
+        let mut pipeline = vec![doc! { "$unionWith": {
+            "coll": inner.lanes.name(),
+            "pipeline": [
+                { "$match": { "owner": owner, "instance": instance } },
+                { "$lookup": {
+                    "from": inner.deliveries.name(),
+                    "localField": "inFlight",
+                    "foreignField": "_id",
+                    "pipeline": [{ "$project": {
+                        "handler": 1, "key": 1, "claims": 1, "status": 1,
+                    } }],
+                    "as": "running",
+                } },
+                { "$project": { "_id": 0, "running": 1 } },
+            ],
+        } }];
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
-        let mut pipeline = vec![
-            doc! { "$match": { "owner": owner, "instance": instance } },
-            doc! { "$project": { "inFlight": 1 } },
-            doc! { "$lookup": {
-                "from": inner.deliveries.name(),
-                "localField": "inFlight",
-                "foreignField": "_id",
-                "pipeline": [{ "$project": {
-                    "handler": 1, "key": 1, "claims": 1, "status": 1,
-                } }],
-                "as": "running",
-            } },
-            doc! { "$project": { "running": 1 } },
-        ];
         if fold_parked {
             for handler in handlers {
                 pipeline.push(doc! { "$unionWith": {
@@ -1050,26 +1127,48 @@ impl MongoEventStore {
                 } });
             }
         }
-        let around = async {
-            inner
-                .lanes
-                .aggregate(pipeline)
-                .batch_size(100_000)
-                .await?
-                .try_collect::<Vec<Document>>()
-                .await
-        };
-        let (lanes, around) = futures::try_join!(lanes, around)?;
+        if let Some((lanes, window)) = prescan {
+            let mut stages = page_with_events(
+                scan_filter(lanes, handlers, now),
+                window,
+                inner.events.name(),
+            );
+            stages.push(doc! { "$addFields": { "prescanned": true } });
+            pipeline.push(doc! { "$unionWith": {
+                "coll": inner.deliveries.name(),
+                "pipeline": stages,
+            } });
+        }
+        let docs: Vec<RawDocumentBuf> = inner
+            .lanes
+            .aggregate(pipeline)
+            // Large enough that the first batch ends the cursor.
+            .batch_size(100_000)
+            .await?
+            .with_type::<RawDocumentBuf>()
+            .try_collect()
+            .await?;
 
         let mut view = LaneView {
             parked: fold_parked.then(Vec::new),
             ..LaneView::default()
         };
         let mut listed_docs = Vec::new();
-        for doc in &around {
-            if doc.contains_key("parkedKey") {
+        let mut lanes = Vec::new();
+        for raw in docs {
+            let has = |name: &str| raw.get(name).ok().flatten().is_some();
+            if !(has("prescanned") || has("parkedKey") || has("running")) {
+                lanes.push(raw);
+                continue;
+            }
+            let Ok(doc) = Document::try_from(raw.as_ref()) else {
+                continue;
+            };
+            if doc.contains_key("prescanned") {
+                view.prescanned.push(doc);
+            } else if doc.contains_key("parkedKey") {
                 if let (Some(parked), Some(head)) =
-                    (view.parked.as_mut(), ParkedHead::from_document(doc))
+                    (view.parked.as_mut(), ParkedHead::from_document(&doc))
                 {
                     parked.push(head);
                 }
@@ -1208,13 +1307,7 @@ impl MongoEventStore {
             if scan.full() {
                 return Ok(());
             }
-            let filter = doc! {
-                "laneId": { "$in": group },
-                "status": "pending",
-                "lane": "ready",
-                "dueAt": { "$lte": now },
-                "handler": { "$in": handlers },
-            };
+            let filter = scan_filter(group, handlers, now);
             let projection = doc! {
                 "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
                 "attempts": 1, "claims": 1, "dueAt": 1,
@@ -1233,19 +1326,7 @@ impl MongoEventStore {
             let raw: Vec<RawDocumentBuf> = if scan.with_events {
                 self.inner
                     .deliveries
-                    .aggregate([
-                        doc! { "$match": first },
-                        doc! { "$sort": { "dueAt": 1, "_id": 1 } },
-                        doc! { "$limit": window as i64 },
-                        doc! { "$project": projection.clone() },
-                        doc! { "$lookup": {
-                            "from": self.inner.events.name(),
-                            "localField": "eventId",
-                            "foreignField": "_id",
-                            "pipeline": [{ "$project": { "handlers": 0 } }],
-                            "as": "event",
-                        } },
-                    ])
+                    .aggregate(page_with_events(first, window, self.inner.events.name()))
                     .hint(Hint::Name("claim".to_owned()))
                     .batch_size(window as u32 + 1)
                     .await?
