@@ -7,6 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
 use relaybus::{
     BoxError, ConfigurationError, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
@@ -491,6 +492,53 @@ async fn the_change_stream_wakes_an_idle_dispatcher() {
         latencies.iter().all(|l| *l < Duration::from_secs(10)),
         "{latencies:?}"
     );
+}
+
+#[tokio::test]
+async fn a_wake_up_into_a_lane_a_dead_worker_held_charges_its_claim_and_keeps_key_order() {
+    let db = test_db("wake_dead_lane").await;
+    let store = store(&db).await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        // Only the change stream's wake-up can find the work within the test.
+        .poll_interval(Duration::from_secs(60))
+        .lease_duration(Duration::from_secs(120))
+        .subscribe(reports_attempt::<OrderPlaced>("woken", tx))
+        .build()
+        .unwrap();
+
+    // A worker claims the first order of key `k` under a short lease and dies with it.
+    publish(&bus, "o-1", Some("k")).await;
+    let dead = bare_store(&db);
+    let lease = Duration::from_millis(300);
+    let claimed = dead
+        .claim("dead", &["woken"], 1, lease, mongodb::bson::DateTime::now())
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let lane = claimed[0].lease().lane() as i32;
+
+    // The bus starts while that lane is still leased, and goes idle.
+    bus.start().await.unwrap();
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+
+    // A new order of the same key wakes it: the reported lane is free again but lists the dead
+    // worker's claim, which is charged before the lane is read.
+    publish(&bus, "o-2", Some("k")).await;
+    assert_eq!(next(&mut rx, "the dead worker's order").await, 2);
+    assert_eq!(next(&mut rx, "the new order, after it").await, 1);
+    bus.shutdown().await.unwrap();
+    assert!(deliveries(&db).await.is_empty());
+    let lanes: Vec<Document> = db
+        .db()
+        .collection::<Document>("relaybus_lanes")
+        .find(doc! { "_id": lane })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert!(lanes[0].get_i64("epoch").unwrap() >= 2, "{lanes:?}");
 }
 
 #[tokio::test]
