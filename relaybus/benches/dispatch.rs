@@ -6,7 +6,7 @@
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
 //! deliveries per throughput run (default 4000), `RELAYBUS_BENCH_SAMPLES` the latency samples
-//! (default 60). Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
+//! (default 150). Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
 
 use std::{
     sync::{
@@ -56,7 +56,7 @@ async fn main() -> Result<(), BoxError> {
     let samples = if smoke {
         3
     } else {
-        env_number("RELAYBUS_BENCH_SAMPLES", 60)
+        env_number("RELAYBUS_BENCH_SAMPLES", 150)
     };
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
