@@ -53,7 +53,7 @@ use super::{
     bson_json::{raw_document_to_json, raw_to_json},
     lane::{
         Lane, MAX_CLAIM_LIMIT, STATEMENTS_PER_COMMAND, add, check_lease_duration, check_owner, int,
-        reply_count, string,
+        raw_int, reply_count, string,
     },
     lease::{Issued, Lease, OwnerState, RankedLanes},
     park::{PARK_THRESHOLD, ParkedHead, parked_heads_stages},
@@ -175,12 +175,7 @@ struct Candidate {
 
 impl Candidate {
     fn from_raw(doc: &RawDocument) -> Option<Candidate> {
-        let int = |name: &str| match doc.get(name).ok()?? {
-            RawBsonRef::Int32(i) => Some(i64::from(i)),
-            RawBsonRef::Int64(i) => Some(i),
-            RawBsonRef::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(f as i64),
-            _ => None,
-        };
+        let int = |name: &str| raw_int(doc, name);
         let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
         Some(Candidate {
             id: doc.get_object_id("_id").ok()?,
@@ -256,24 +251,17 @@ impl FreeLane {
             Some(RawBsonRef::Array(items)) => items.into_iter().next().is_none(),
             Some(_) => false,
         };
-        let number = |bson: &Bson| match bson {
-            Bson::Int32(i) => Some(i64::from(*i)),
-            Bson::Int64(i) => Some(*i),
-            Bson::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(*f as i64),
-            _ => None,
-        };
-        let stored_epoch = value("epoch");
         Some(FreeLane {
             lane: Lane {
-                id: number(&value("_id")).and_then(|id| i32::try_from(id).ok())?,
-                epoch: number(&stored_epoch).unwrap_or(0),
+                id: raw_int(raw, "_id").and_then(|id| i32::try_from(id).ok())?,
+                epoch: raw_int(raw, "epoch").unwrap_or(0),
                 lease_expires_at: raw.get_datetime("leaseExpiresAt").ok(),
                 in_flight: Vec::new(),
                 lost: Vec::new(),
                 requeues: value("requeues"),
             },
             clean: empty("inFlight") && empty("lost"),
-            stored_epoch,
+            stored_epoch: value("epoch"),
         })
     }
 }
@@ -286,10 +274,7 @@ fn page_with_events(filter: Document, window: usize, events: &str) -> Vec<Docume
         doc! { "$match": filter },
         doc! { "$sort": { "dueAt": 1, "_id": 1 } },
         doc! { "$limit": window as i64 },
-        doc! { "$project": {
-            "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
-            "attempts": 1, "claims": 1, "dueAt": 1,
-        } },
+        doc! { "$project": candidate_fields() },
         doc! { "$lookup": {
             "from": events,
             "localField": "eventId",
@@ -298,6 +283,14 @@ fn page_with_events(filter: Document, window: usize, events: &str) -> Vec<Docume
             "as": "event",
         } },
     ]
+}
+
+/// The fields of a delivery a scan reads (see [`Candidate`]).
+fn candidate_fields() -> Document {
+    doc! {
+        "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
+        "attempts": 1, "claims": 1, "dueAt": 1,
+    }
 }
 
 /// The filter of a scan of `lanes`.
@@ -1199,7 +1192,10 @@ impl MongoEventStore {
                     view.free.push(lane);
                 }
             } else {
-                if let (Some(owner), Ok(id)) = (owned_by, raw.get_i32("_id")) {
+                if let (Some(owner), Some(id)) = (
+                    owned_by,
+                    raw_int(raw, "_id").and_then(|id| i32::try_from(id).ok()),
+                ) {
                     others.insert((owner.to_owned(), held_by));
                     view.taken_by_others.insert(id);
                 }
@@ -1308,10 +1304,7 @@ impl MongoEventStore {
                 return Ok(());
             }
             let filter = scan_filter(group, handlers, now);
-            let projection = doc! {
-                "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
-                "attempts": 1, "claims": 1, "dueAt": 1,
-            };
+            let projection = candidate_fields();
             // The first page is sized to fill the claim, plus a few blocked ones; the deliveries
             // already running are left out on the index keys. The events of the picks are read
             // afterwards, in one query: for a big page, a `$lookup` here costs the server more

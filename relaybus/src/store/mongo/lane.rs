@@ -6,7 +6,7 @@
 //! to be charged; `requeues` counts the requeues of dead deliveries of the lane and is absent
 //! until the first one.
 
-use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, Document, RawBsonRef, RawDocument, doc, oid::ObjectId};
 
 use crate::error::{Error, InvalidArgumentError, Result};
 
@@ -85,6 +85,16 @@ pub(crate) fn int(doc: &Document, key: &str) -> Option<i64> {
         Bson::Int32(i) => Some(i64::from(*i)),
         Bson::Int64(i) => Some(*i),
         Bson::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(*f as i64),
+        _ => None,
+    }
+}
+
+/// An integer field of a raw document, whatever numeric type it was stored as.
+pub(crate) fn raw_int(doc: &RawDocument, key: &str) -> Option<i64> {
+    match doc.get(key).ok()?? {
+        RawBsonRef::Int32(i) => Some(i64::from(i)),
+        RawBsonRef::Int64(i) => Some(i),
+        RawBsonRef::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(f as i64),
         _ => None,
     }
 }
