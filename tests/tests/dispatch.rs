@@ -7,7 +7,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::TryStreamExt;
 use mongodb::bson::{Document, doc};
 use relaybus::{
     BoxError, ConfigurationError, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
@@ -15,7 +14,7 @@ use relaybus::{
 };
 use relaybus_harness::test_db;
 use relaybus_tests::support::{
-    OrderPlaced, bare_store, deliveries, next, noop, placed, publisher, reports_attempt,
+    OrderPlaced, all, bare_store, deliveries, next, noop, placed, publisher, reports_attempt,
     starts_and_hangs, store,
 };
 use tokio::sync::mpsc;
@@ -529,16 +528,10 @@ async fn a_wake_up_into_a_lane_a_dead_worker_held_charges_its_claim_and_keeps_ke
     assert_eq!(next(&mut rx, "the new order, after it").await, 1);
     bus.shutdown().await.unwrap();
     assert!(deliveries(&db).await.is_empty());
-    let lanes: Vec<Document> = db
-        .db()
-        .collection::<Document>("relaybus_lanes")
-        .find(doc! { "_id": lane })
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
-    assert!(lanes[0].get_i64("epoch").unwrap() >= 2, "{lanes:?}");
+    let lanes = all(&db, "relaybus_lanes").await;
+    let taken = &lanes[lane as usize];
+    assert_eq!(taken.get_i32("_id"), Ok(lane));
+    assert!(taken.get_i64("epoch").unwrap() >= 2, "{taken:?}");
 }
 
 #[tokio::test]
