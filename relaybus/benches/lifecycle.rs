@@ -2,6 +2,13 @@
 //! driver reading and deleting plain documents in batches of the same size, in the same run on the
 //! same server. Also the latency of a claim with and without a blocked backlog of another key.
 //!
+//! A third subject, the floor, is the raw driver doing per batch what the store's document model
+//! needs and nothing more, on collections set up by `setup()`: read the due deliveries of its own
+//! lanes and their events, record the batch on a lane document, then record the completion time on
+//! the events and delete the deliveries. It skips everything the store does to be safe: ranking
+//! lanes, taking them, fencing, per-key rules. Relaybus against the floor is the cost of that
+//! work; the floor against the baseline is the cost of the document model.
+//!
 //! Run with `cargo bench -p relaybus --bench lifecycle`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
 //! deliveries per run (default 10000), `RELAYBUS_BENCH_BATCH` the batch size (default 100). The
@@ -77,6 +84,15 @@ async fn main() -> Result<(), BoxError> {
             "baseline", "-", claimers, rate
         );
         figures.insert(format!("baseline_{claimers}"), rate.round().into());
+        n += 1;
+        let db = client.database(&format!("{prefix}_{n}"));
+        let rate = floor(&client, &db, deliveries, batch, claimers).await?;
+        db.drop().await?;
+        println!(
+            "{:<10} {:<8} {:>9} {:>14.0}",
+            "floor", "unkeyed", claimers, rate
+        );
+        figures.insert(format!("floor_{claimers}"), rate.round().into());
         for keyed in [false, true] {
             n += 1;
             let db = client.database(&format!("{prefix}_{n}"));
@@ -108,6 +124,7 @@ async fn main() -> Result<(), BoxError> {
             .unwrap_or(f64::NAN)
     };
     let ratio = number("unkeyed_4") / number("baseline_4");
+    let floor_ratio = number("floor_4") / number("baseline_4");
     let slowdown = with_backlog / plain;
     figures.insert("claim_ms".into(), round3(plain * 1e3).into());
     figures.insert(
@@ -118,9 +135,11 @@ async fn main() -> Result<(), BoxError> {
     figures.insert("backlog_slowdown".into(), round3(slowdown).into());
     figures.insert("deliveries_per_run".into(), deliveries.into());
     figures.insert("batch".into(), batch.into());
+    figures.insert("floor_ratio".into(), round3(floor_ratio).into());
     figures.insert("ratio".into(), round3(ratio).into());
     println!(
-        "ratio (relaybus unkeyed / baseline, 4 claimers): {ratio:.3}; backlog slowdown: {slowdown:.2}x"
+        "ratio (relaybus unkeyed / baseline, 4 claimers): {ratio:.3}; the floor of the document \
+         model: {floor_ratio:.3}; backlog slowdown: {slowdown:.2}x"
     );
     let mut line = serde_json::Map::new();
     line.insert("bench".into(), "lifecycle".into());
@@ -287,6 +306,77 @@ async fn baseline(
                     .filter_map(|d| d.get_object_id("_id").ok())
                     .collect();
                 outbox.delete_many(doc! { "_id": { "$in": ids } }).await?;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The floor: `workers` workers, each with its own share of the lanes, drain `deliveries`
+/// published by the store with the raw driver, doing per batch only the reads and writes the
+/// document model needs (see the module documentation); deliveries/s.
+async fn floor(
+    client: &Client,
+    db: &Database,
+    deliveries: usize,
+    batch: u32,
+    workers: usize,
+) -> Result<f64, BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, "e", deliveries, |_| None, DateTime::now()).await?;
+    let deliveries_coll: Collection<Document> = db.collection(&store.collection_name("deliveries"));
+    let events: Collection<Document> = db.collection(&store.collection_name("events"));
+    let lanes: Collection<Document> = db.collection(&store.collection_name("lanes"));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let (deliveries_coll, events, lanes) =
+            (deliveries_coll.clone(), events.clone(), lanes.clone());
+        let own: Vec<i32> = (0..256)
+            .filter(|lane| *lane as usize % workers == w)
+            .collect();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let found: Vec<Document> = deliveries_coll
+                    .find(doc! { "laneId": { "$in": &own }, "status": "pending", "lane": "ready" })
+                    .limit(i64::from(batch))
+                    .batch_size(batch)
+                    .await?
+                    .try_collect()
+                    .await?;
+                if found.is_empty() {
+                    return Ok::<(), mongodb::error::Error>(());
+                }
+                let ids: Vec<ObjectId> = found
+                    .iter()
+                    .filter_map(|d| d.get_object_id("_id").ok())
+                    .collect();
+                let event_ids: Vec<&str> =
+                    found.iter().filter_map(|d| d.get_str("eventId").ok()).collect();
+                let _payloads: Vec<Document> = events
+                    .find(doc! { "_id": { "$in": &event_ids } })
+                    .batch_size(batch)
+                    .await?
+                    .try_collect()
+                    .await?;
+                lanes
+                    .update_one(
+                        doc! { "_id": own[0] },
+                        doc! { "$set": { "owner": "floor", "inFlight": &ids }, "$inc": { "epoch": 1 } },
+                    )
+                    .await?;
+                events
+                    .update_many(
+                        doc! { "_id": { "$in": &event_ids } },
+                        doc! { "$max": { "completedAt": DateTime::now() } },
+                    )
+                    .await?;
+                deliveries_coll
+                    .delete_many(doc! { "_id": { "$in": ids } })
+                    .await?;
             }
         }));
     }
