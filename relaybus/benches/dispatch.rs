@@ -1,7 +1,8 @@
 //! Dispatch throughput and latency: deliveries per second through the whole bus (claim, no-op
 //! handler, batched completion) with 1, 2 and 4 buses, next to the raw driver reading and
 //! deleting plain documents in batches of the same size; and the time from a publish's commit to
-//! its handler starting, on idle buses with and without the change stream.
+//! its handler starting, on idle buses with and without the change stream. The floor of the
+//! document model (see `common::floor`) runs next to them with the same batch size.
 //!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
@@ -16,16 +17,20 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::{TryStreamExt, future::try_join_all};
+use futures::future::try_join_all;
 use mongodb::{
-    Client, Collection, Database,
-    bson::{Bson, Document, doc},
+    Client, Database,
+    bson::{Document, doc},
 };
 use relaybus::{
     BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, mpsc};
+
+mod common;
+
+use common::{baseline, floor, store};
 
 const BATCH: u32 = 32;
 
@@ -74,12 +79,18 @@ async fn main() -> Result<(), BoxError> {
     let mut throughput = Vec::new();
     for buses in [1_usize, 2, 4] {
         let db = fresh_db();
-        let baseline = baseline_run(&db, deliveries, buses).await?;
+        let baseline = baseline(&db, deliveries, BATCH, buses).await?;
         db.drop().await?;
         println!(
             "{:<10} {:<8} {:>6} {:>16.0}",
             "baseline", "-", buses, baseline
         );
+        let db = fresh_db();
+        let floor_store = store(&client, &db).await?;
+        publish(&floor_store, deliveries, false).await?;
+        let floor = floor(&floor_store, deliveries, BATCH, buses).await?;
+        db.drop().await?;
+        println!("{:<10} {:<8} {:>6} {:>16.0}", "floor", "none", buses, floor);
         for keyed in [false, true] {
             let db = fresh_db();
             let ours = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
@@ -91,7 +102,9 @@ async fn main() -> Result<(), BoxError> {
                 "keyed": keyed,
                 "relaybus_per_sec": ours.round(),
                 "baseline_per_sec": baseline.round(),
+                "floor_per_sec": floor.round(),
                 "ratio": ((ours / baseline) * 1000.0).round() / 1000.0,
+                "floor_ratio": ((floor / baseline) * 1000.0).round() / 1000.0,
             }));
         }
     }
@@ -122,9 +135,13 @@ async fn main() -> Result<(), BoxError> {
 
     let headline = throughput
         .iter()
-        .find(|r| r["buses"] == 4 && r["keyed"] == false)
-        .and_then(|r| r["ratio"].as_f64())
-        .unwrap_or(f64::NAN);
+        .find(|r| r["buses"] == 4 && r["keyed"] == false);
+    let figure = |name: &str| headline.and_then(|r| r[name].as_f64()).unwrap_or(f64::NAN);
+    let (ratio, floor_ratio) = (figure("ratio"), figure("floor_ratio"));
+    println!(
+        "ratio (relaybus unkeyed / baseline, 4 buses): {ratio:.3}; the floor of the document \
+         model: {floor_ratio:.3}"
+    );
     println!(
         "{}",
         serde_json::json!({
@@ -133,18 +150,11 @@ async fn main() -> Result<(), BoxError> {
             "batch": BATCH,
             "throughput": throughput,
             "latency": latency,
-            "ratio": headline,
+            "floor_ratio": floor_ratio,
+            "ratio": ratio,
         })
     );
     Ok(())
-}
-
-async fn store_on(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
-    let store = MongoEventStore::builder(client.clone())
-        .database(db.name())
-        .build()?;
-    store.setup().await?;
-    Ok(store)
 }
 
 /// Publishes `count` events for the handler `tick`, keyed over 100 keys or not.
@@ -180,7 +190,7 @@ async fn relaybus_run(
     buses: usize,
     keyed: bool,
 ) -> Result<f64, BoxError> {
-    let store = store_on(client, db).await?;
+    let store = store(client, db).await?;
     publish(&store, count, keyed).await?;
     let handled = Arc::new(AtomicUsize::new(0));
     let all_done = Arc::new(Notify::new());
@@ -224,54 +234,6 @@ async fn relaybus_run(
     Ok(count as f64 / elapsed.as_secs_f64())
 }
 
-/// The raw driver: `workers` loops, each reading its own plain documents in batches and deleting
-/// each batch.
-async fn baseline_run(db: &Database, count: usize, workers: usize) -> Result<f64, BoxError> {
-    let queue: Collection<Document> = db.collection("queue");
-    let documents: Vec<Document> = (0..count)
-        .map(|n| {
-            doc! {
-                "worker": (n % workers) as i32,
-                "type": "bench.tick.v1",
-                "payload": { "n": n as i64 },
-                "createdAt": mongodb::bson::DateTime::now(),
-            }
-        })
-        .collect();
-    for chunk in documents.chunks(1000) {
-        queue.insert_many(chunk.to_vec()).await?;
-    }
-    queue
-        .create_index(
-            mongodb::IndexModel::builder()
-                .keys(doc! { "worker": 1, "_id": 1 })
-                .build(),
-        )
-        .await?;
-    let started = Instant::now();
-    let tasks = (0..workers).map(|worker| {
-        let queue = queue.clone();
-        async move {
-            loop {
-                let batch: Vec<Document> = queue
-                    .find(doc! { "worker": worker as i32 })
-                    .sort(doc! { "worker": 1, "_id": 1 })
-                    .limit(i64::from(BATCH))
-                    .await?
-                    .try_collect()
-                    .await?;
-                if batch.is_empty() {
-                    return Ok::<(), BoxError>(());
-                }
-                let ids: Vec<Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
-                queue.delete_many(doc! { "_id": { "$in": ids } }).await?;
-            }
-        }
-    });
-    try_join_all(tasks).await?;
-    Ok(count as f64 / started.elapsed().as_secs_f64())
-}
-
 /// Commit-to-handler latency percentiles (ms) on one idle bus.
 async fn latency_run(
     client: &Client,
@@ -280,7 +242,7 @@ async fn latency_run(
     change_stream: bool,
     poll_interval: Duration,
 ) -> Result<(f64, f64), BoxError> {
-    let store = store_on(client, db).await?;
+    let store = store(client, db).await?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Instant>();
     let bus = RelayBus::builder(store.clone())
         .owner("bench-latency")

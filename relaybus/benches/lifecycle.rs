@@ -2,12 +2,10 @@
 //! driver reading and deleting plain documents in batches of the same size, in the same run on the
 //! same server. Also the latency of a claim with and without a blocked backlog of another key.
 //!
-//! A third subject, the floor, is the raw driver doing per batch what the store's document model
-//! needs and nothing more, on collections set up by `setup()`: read the due deliveries of its own
-//! lanes and their events, record the batch on a lane document, then record the completion time on
-//! the events and delete the deliveries. It skips everything the store does to be safe: ranking
-//! lanes, taking them, fencing, per-key rules. Relaybus against the floor is the cost of that
-//! work; the floor against the baseline is the cost of the document model.
+//! A third subject, the floor, is the raw driver doing per batch only what the store's document
+//! model needs, on collections set up by `setup()` (see `common::floor`). Relaybus against the
+//! floor is the cost of the store's own work; the floor against the baseline is the cost of the
+//! document model.
 //!
 //! Run with `cargo bench -p relaybus --bench lifecycle`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
@@ -23,13 +21,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::TryStreamExt;
-use mongodb::{
-    Client, Collection, Database,
-    bson::{DateTime, Document, doc, oid::ObjectId},
-};
+use mongodb::{Client, Database, bson::DateTime};
 use relaybus::{AppendRequest, BoxError, EventEnvelope, MongoEventStore};
 use tokio::sync::Notify;
+
+mod common;
+
+use common::{baseline, floor, store};
 
 const HANDLER: &str = "projector";
 const LEASE: Duration = Duration::from_secs(60);
@@ -86,7 +84,9 @@ async fn main() -> Result<(), BoxError> {
         figures.insert(format!("baseline_{claimers}"), rate.round().into());
         n += 1;
         let db = client.database(&format!("{prefix}_{n}"));
-        let rate = floor(&client, &db, deliveries, batch, claimers).await?;
+        let floor_store = store(&client, &db).await?;
+        publish(&floor_store, "e", deliveries, |_| None, DateTime::now()).await?;
+        let rate = floor(&floor_store, deliveries, batch, claimers).await?;
         db.drop().await?;
         println!(
             "{:<10} {:<8} {:>9} {:>14.0}",
@@ -150,14 +150,6 @@ async fn main() -> Result<(), BoxError> {
 
 fn round3(value: f64) -> f64 {
     (value * 1000.0).round() / 1000.0
-}
-
-async fn store(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
-    let store = MongoEventStore::builder(client.clone())
-        .database(db.name())
-        .build()?;
-    store.setup().await?;
-    Ok(store)
 }
 
 /// Appends `count` events, unkeyed or over 100 keys, in transactions of 1000.
@@ -246,138 +238,6 @@ async fn relaybus(
             }
             progress.notify_waiters();
             Ok::<(), relaybus::Error>(())
-        }));
-    }
-    for task in tasks {
-        task.await??;
-    }
-    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
-}
-
-/// The raw driver: insert plain documents (not timed), then read and delete them in batches of
-/// `batch`, each worker in its own partition so that workers never read each other's documents.
-async fn baseline(
-    db: &Database,
-    deliveries: usize,
-    batch: u32,
-    workers: usize,
-) -> Result<f64, BoxError> {
-    let outbox: Collection<Document> = db.collection("outbox");
-    outbox
-        .create_index(
-            mongodb::IndexModel::builder()
-                .keys(doc! { "w": 1, "_id": 1 })
-                .build(),
-        )
-        .await?;
-    let documents: Vec<Document> = (0..deliveries)
-        .map(|i| {
-            doc! {
-                "_id": ObjectId::new(),
-                "w": (i % workers) as i32,
-                "type": "order.placed.v1",
-                "payload": { "order": i as i64, "total_cents": 1250 },
-                "createdAt": DateTime::now(),
-            }
-        })
-        .collect();
-    for chunk in documents.chunks(1_000) {
-        outbox.insert_many(chunk.to_vec()).await?;
-    }
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for w in 0..workers {
-        let outbox = outbox.clone();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let found: Vec<Document> = outbox
-                    .find(doc! { "w": w as i32 })
-                    .sort(doc! { "_id": 1 })
-                    .limit(i64::from(batch))
-                    .batch_size(batch)
-                    .await?
-                    .try_collect()
-                    .await?;
-                if found.is_empty() {
-                    return Ok::<(), mongodb::error::Error>(());
-                }
-                let ids: Vec<ObjectId> = found
-                    .iter()
-                    .filter_map(|d| d.get_object_id("_id").ok())
-                    .collect();
-                outbox.delete_many(doc! { "_id": { "$in": ids } }).await?;
-            }
-        }));
-    }
-    for task in tasks {
-        task.await??;
-    }
-    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
-}
-
-/// The floor: `workers` workers, each with its own share of the lanes, drain `deliveries`
-/// published by the store with the raw driver, doing per batch only the reads and writes the
-/// document model needs (see the module documentation); deliveries/s.
-async fn floor(
-    client: &Client,
-    db: &Database,
-    deliveries: usize,
-    batch: u32,
-    workers: usize,
-) -> Result<f64, BoxError> {
-    let store = store(client, db).await?;
-    publish(&store, "e", deliveries, |_| None, DateTime::now()).await?;
-    let deliveries_coll: Collection<Document> = db.collection(&store.collection_name("deliveries"));
-    let events: Collection<Document> = db.collection(&store.collection_name("events"));
-    let lanes: Collection<Document> = db.collection(&store.collection_name("lanes"));
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for w in 0..workers {
-        let (deliveries_coll, events, lanes) =
-            (deliveries_coll.clone(), events.clone(), lanes.clone());
-        let own: Vec<i32> = (0..256)
-            .filter(|lane| *lane as usize % workers == w)
-            .collect();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let found: Vec<Document> = deliveries_coll
-                    .find(doc! { "laneId": { "$in": &own }, "status": "pending", "lane": "ready" })
-                    .limit(i64::from(batch))
-                    .batch_size(batch)
-                    .await?
-                    .try_collect()
-                    .await?;
-                if found.is_empty() {
-                    return Ok::<(), mongodb::error::Error>(());
-                }
-                let ids: Vec<ObjectId> = found
-                    .iter()
-                    .filter_map(|d| d.get_object_id("_id").ok())
-                    .collect();
-                let event_ids: Vec<&str> =
-                    found.iter().filter_map(|d| d.get_str("eventId").ok()).collect();
-                let _payloads: Vec<Document> = events
-                    .find(doc! { "_id": { "$in": &event_ids } })
-                    .batch_size(batch)
-                    .await?
-                    .try_collect()
-                    .await?;
-                lanes
-                    .update_one(
-                        doc! { "_id": own[0] },
-                        doc! { "$set": { "owner": "floor", "inFlight": &ids }, "$inc": { "epoch": 1 } },
-                    )
-                    .await?;
-                events
-                    .update_many(
-                        doc! { "_id": { "$in": &event_ids } },
-                        doc! { "$max": { "completedAt": DateTime::now() } },
-                    )
-                    .await?;
-                deliveries_coll
-                    .delete_many(doc! { "_id": { "$in": ids } })
-                    .await?;
-            }
         }));
     }
     for task in tasks {

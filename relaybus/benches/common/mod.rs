@@ -1,0 +1,153 @@
+//! What the benchmarks share: a store on a fresh database, the raw-driver baseline and the
+//! floor of the document model.
+
+use std::time::Instant;
+
+use futures::TryStreamExt;
+use mongodb::{
+    Client, Collection, Database,
+    bson::{DateTime, Document, doc, oid::ObjectId},
+};
+use relaybus::{BoxError, MongoEventStore};
+
+/// A store on `db`, set up.
+pub(crate) async fn store(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
+    let store = MongoEventStore::builder(client.clone())
+        .database(db.name())
+        .build()?;
+    store.setup().await?;
+    Ok(store)
+}
+
+/// The raw driver: insert plain documents (not timed), then read and delete them in batches of
+/// `batch`, each worker in its own partition so that workers never read each other's documents.
+pub(crate) async fn baseline(
+    db: &Database,
+    deliveries: usize,
+    batch: u32,
+    workers: usize,
+) -> Result<f64, BoxError> {
+    let outbox: Collection<Document> = db.collection("outbox");
+    outbox
+        .create_index(
+            mongodb::IndexModel::builder()
+                .keys(doc! { "w": 1, "_id": 1 })
+                .build(),
+        )
+        .await?;
+    let documents: Vec<Document> = (0..deliveries)
+        .map(|i| {
+            doc! {
+                "_id": ObjectId::new(),
+                "w": (i % workers) as i32,
+                "type": "order.placed.v1",
+                "payload": { "order": i as i64, "total_cents": 1250 },
+                "createdAt": DateTime::now(),
+            }
+        })
+        .collect();
+    for chunk in documents.chunks(1_000) {
+        outbox.insert_many(chunk.to_vec()).await?;
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let outbox = outbox.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let found: Vec<Document> = outbox
+                    .find(doc! { "w": w as i32 })
+                    .sort(doc! { "_id": 1 })
+                    .limit(i64::from(batch))
+                    .batch_size(batch)
+                    .await?
+                    .try_collect()
+                    .await?;
+                if found.is_empty() {
+                    return Ok::<(), mongodb::error::Error>(());
+                }
+                let ids: Vec<ObjectId> = found
+                    .iter()
+                    .filter_map(|d| d.get_object_id("_id").ok())
+                    .collect();
+                outbox.delete_many(doc! { "_id": { "$in": ids } }).await?;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The floor of the document model: `workers` workers, each with its own share of the lanes,
+/// drain the `deliveries` unkeyed deliveries the caller published to `store`, with the raw
+/// driver. Per batch they do only what the document model needs: read the due deliveries of
+/// their lanes and their events, record the batch on a lane document, then record the completion
+/// time on the events and delete the deliveries. Everything the store does to be safe is left
+/// out: ranking and taking lanes, fencing, per-key rules. Returns deliveries/s.
+pub(crate) async fn floor(
+    store: &MongoEventStore,
+    deliveries: usize,
+    batch: u32,
+    workers: usize,
+) -> Result<f64, BoxError> {
+    let db = store.database();
+    let deliveries_coll: Collection<Document> = db.collection(&store.collection_name("deliveries"));
+    let events: Collection<Document> = db.collection(&store.collection_name("events"));
+    let lanes: Collection<Document> = db.collection(&store.collection_name("lanes"));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let (deliveries_coll, events, lanes) =
+            (deliveries_coll.clone(), events.clone(), lanes.clone());
+        let own: Vec<i32> = (0..256)
+            .filter(|lane| *lane as usize % workers == w)
+            .collect();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let found: Vec<Document> = deliveries_coll
+                    .find(doc! { "laneId": { "$in": &own }, "status": "pending", "lane": "ready" })
+                    .limit(i64::from(batch))
+                    .batch_size(batch)
+                    .await?
+                    .try_collect()
+                    .await?;
+                if found.is_empty() {
+                    return Ok::<(), mongodb::error::Error>(());
+                }
+                let ids: Vec<ObjectId> = found
+                    .iter()
+                    .filter_map(|d| d.get_object_id("_id").ok())
+                    .collect();
+                let event_ids: Vec<&str> =
+                    found.iter().filter_map(|d| d.get_str("eventId").ok()).collect();
+                let _payloads: Vec<Document> = events
+                    .find(doc! { "_id": { "$in": &event_ids } })
+                    .batch_size(batch)
+                    .await?
+                    .try_collect()
+                    .await?;
+                lanes
+                    .update_one(
+                        doc! { "_id": own[0] },
+                        doc! { "$set": { "owner": "floor", "inFlight": &ids }, "$inc": { "epoch": 1 } },
+                    )
+                    .await?;
+                events
+                    .update_many(
+                        doc! { "_id": { "$in": &event_ids } },
+                        doc! { "$max": { "completedAt": DateTime::now() } },
+                    )
+                    .await?;
+                deliveries_coll
+                    .delete_many(doc! { "_id": { "$in": ids } })
+                    .await?;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
