@@ -12,6 +12,7 @@ use futures::TryStreamExt;
 use mongodb::{
     ClientSession,
     bson::{Bson, DateTime, Document, doc, oid::ObjectId},
+    options::WriteConcern,
 };
 
 use super::{
@@ -176,6 +177,10 @@ impl MongoEventStore {
         // The completion time goes on the events before the deliveries go, so that a purge
         // never sees an event without deliveries and without a completion time while it is
         // being completed: it would take it for one that never completed.
+        //
+        // This write waits for the primary alone. The delete after it waits for a majority, and
+        // a majority that holds the delete holds every write the primary applied before it, so
+        // the completion is proven all the same, with one wait for the journal instead of two.
         let event_ids = event_ids(&fenced, &found);
         inner
             .events
@@ -183,6 +188,7 @@ impl MongoEventStore {
                 doc! { "_id": { "$in": event_ids } },
                 doc! { "$max": { "completedAt": now } },
             )
+            .write_concern(WriteConcern::nodes(1))
             .await?;
         let deleted = inner
             .deliveries

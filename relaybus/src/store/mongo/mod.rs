@@ -221,7 +221,9 @@ impl MongoEventStoreBuilder {
                 .build()
         });
         // Writes outside transactions (claims, renewals, setup) always use majority write concern
-        // and read from the primary, whatever the client's defaults are.
+        // and read from the primary, whatever the client's defaults are. One write waits for the
+        // primary alone: a completion's event update, which the completion's majority delete
+        // follows and so proves.
         let db = self.client.database_with_options(
             &database,
             mongodb::options::DatabaseOptions::builder()
