@@ -3,11 +3,19 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
-use mongodb::bson::{Document, doc};
+use mongodb::{
+    Client,
+    bson::{Document, doc},
+    event::{EventHandler, command::CommandEvent},
+    options::ClientOptions,
+};
 use relaybus::{
     BoxError, ConfigurationError, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
     RelayBusBuilder, RetryPolicy, Subscription,
@@ -15,7 +23,7 @@ use relaybus::{
 use relaybus_harness::test_db;
 use relaybus_tests::support::{
     OrderPlaced, all, bare_store, deliveries, next, noop, placed, publisher, reports_attempt,
-    starts_and_hangs, store,
+    starts_and_hangs, store, store_on,
 };
 use tokio::sync::mpsc;
 
@@ -448,6 +456,66 @@ async fn a_panicking_handler_is_retried_and_the_dispatcher_keeps_running() {
     done.sort();
     assert_eq!(done, [("boom".to_owned(), 2), ("fine".to_owned(), 1)]);
     assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_busy_bus_claims_on_while_its_completions_land_and_never_waits_for_a_poll() {
+    // The dispatcher completes deliveries while it claims more. A claim whose read saw a
+    // delivery that a completion deleted and let go of just after took it for somebody else's
+    // claim: it reconciled (a transaction), and when that happened twice in a row it came back
+    // empty and the bus waited a whole poll interval with work due. Without the change stream
+    // and with a one-minute poll, such a wait fails this; a reconciliation fails it too.
+    const EVENTS: usize = 2_000;
+    let db = test_db("busy").await;
+    let transactions = Arc::new(AtomicUsize::new(0));
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    let counter = Arc::clone(&transactions);
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "commitTransaction"
+        {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let store = store_on(&client, &db).await;
+    let envelopes: Vec<EventEnvelope> = (0..EVENTS)
+        .map(|i| EventEnvelope::new(&placed(&format!("o-{i}"))).unwrap())
+        .collect();
+    publisher(&store, &["busy"])
+        .publish_all(envelopes)
+        .await
+        .unwrap();
+    let published = transactions.load(Ordering::SeqCst);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .poll_interval(Duration::from_secs(60))
+        .lease_duration(Duration::from_secs(120))
+        .change_stream(false)
+        .batch_size(32)
+        .subscribe(Subscription::new(
+            "busy",
+            move |_: OrderPlaced, _: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(()).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    for _ in 0..EVENTS {
+        next(&mut rx, "a handler run, well before the next poll").await;
+    }
+    bus.shutdown().await.unwrap();
+    assert!(deliveries(&db).await.is_empty(), "every delivery completed");
+    assert_eq!(
+        transactions.load(Ordering::SeqCst) - published,
+        0,
+        "no claim reconciled"
+    );
 }
 
 #[tokio::test]

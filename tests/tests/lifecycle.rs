@@ -5,7 +5,7 @@ use std::{
     collections::{HashMap, HashSet},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -754,6 +754,100 @@ async fn a_listing_the_instance_did_not_hand_out_is_reconciled_by_the_next_claim
         "handed-out claims kept"
     );
     assert!(store.complete(next[0].lease(), at(4)).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_completion_that_lands_while_a_claim_reads_is_not_taken_for_an_orphan() {
+    let db = test_db("settled_meanwhile").await;
+    let app = format!("{}-watched", db.name);
+    // Armed just before the claim under test: wakes the test when that claim writes to the
+    // deliveries (its unparking, after it has read its lanes), and counts transactions.
+    let armed = Arc::new(AtomicBool::new(false));
+    let unparking = Arc::new(Notify::new());
+    let transactions = Arc::new(AtomicUsize::new(0));
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.clone());
+    let (a, u, t) = (
+        Arc::clone(&armed),
+        Arc::clone(&unparking),
+        Arc::clone(&transactions),
+    );
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        let CommandEvent::Started(started) = event else {
+            return;
+        };
+        if !a.load(Ordering::SeqCst) {
+            return;
+        }
+        match started.command_name.as_str() {
+            "update" if started.command.get_str("update") == Ok("relaybus_deliveries") => {
+                u.notify_one();
+            }
+            "commitTransaction" => {
+                t.fetch_add(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let store = store_with(&client, &db, false).await;
+    publish_unkeyed(&store, "s", 20, at(0)).await;
+    let first = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(first.len(), 10);
+    // A parked delivery with nothing before it: the next claim moves it back to the ready lane,
+    // a write it makes after reading its lanes and before judging what they list.
+    publish(&store, &[event("s-keyed", Some("k"))], &[HANDLER], at(0)).await;
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .update_one(
+            doc! { "eventId": "s-keyed" },
+            doc! { "$set": { "lane": "parked" } },
+        )
+        .await
+        .unwrap();
+    let hold = FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "blockConnection": true,
+                "blockTimeMS": 1000,
+                "appName": &app,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    armed.store(true, Ordering::SeqCst);
+    let claiming = tokio::spawn({
+        let store = store.clone();
+        async move { claim(&store, "w", 20, at(2)).await }
+    });
+    tokio::time::timeout(Duration::from_secs(30), unparking.notified())
+        .await
+        .expect("the claim unparks");
+    // While that write is held, the first batch completes: its deliveries are deleted, and
+    // then the store lets go of their claims. The claim's read still lists and shows them.
+    let completed = store.complete_many(&leases(&first), at(2)).await.unwrap();
+    assert!(completed.iter().all(|c| *c), "{completed:?}");
+    let second = claiming.await.unwrap();
+    hold.disable().await.unwrap();
+    assert_eq!(
+        transactions.load(Ordering::SeqCst),
+        0,
+        "the claim took the completed deliveries for its own and reconciled nothing"
+    );
+    assert_eq!(second.len(), 11, "the other ten and the unparked one");
+    assert!(
+        store
+            .complete_many(&leases(&second), at(3))
+            .await
+            .unwrap()
+            .iter()
+            .all(|c| *c)
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

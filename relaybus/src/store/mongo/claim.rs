@@ -666,6 +666,7 @@ impl MongoEventStore {
         //    the first page of the lanes where new deliveries were reported comes along.
         let hints = std::mem::take(&mut state.hints);
         let window = (limit + 16).min(MAX_CLAIM_LIMIT as usize * 2);
+        let issued = inner.claims.snapshot();
         let view = self
             .read_lanes(
                 owner,
@@ -736,11 +737,13 @@ impl MongoEventStore {
         };
         if !generations.is_empty() {
             // Everything a lane of this instance lists was handed out by this instance, unless
-            // a claim failed or was dropped after its record reached the database.
+            // a claim failed or was dropped after its record reached the database. It is judged
+            // against the claims outstanding when the read began: one completed meanwhile may
+            // still show in the read.
             let orphaned = lanes.iter().any(|(lane, _)| {
                 lane.in_flight.iter().any(|id| {
                     generations.get(id).is_some_and(|&claims| {
-                        inner.claims.issued(id)
+                        issued.get(id).copied()
                             != Some(Issued {
                                 lane: lane.id,
                                 epoch: lane.epoch,

@@ -296,6 +296,16 @@ impl ClaimRegistry {
         lock(&self.issued).get(id).copied()
     }
 
+    /// Every claim this instance has handed out and not seen settled, as of now.
+    ///
+    /// A claim takes this before it reads its lanes and judges what they list against it. A
+    /// completion settles its deliveries only after deleting them, so a read that started
+    /// before the delete can still find a delivery the registry has already let go of; judged
+    /// against the registry of that moment, it is still this instance's own claim.
+    pub(crate) fn snapshot(&self) -> HashMap<ObjectId, Issued> {
+        lock(&self.issued).clone()
+    }
+
     /// How many claims this instance has handed out and not seen settled.
     #[cfg(test)]
     pub(crate) fn outstanding(&self) -> usize {
