@@ -181,6 +181,9 @@ impl MongoEventStore {
         // This write waits for the primary alone. The delete after it waits for a majority, and
         // a majority that holds the delete holds every write the primary applied before it, so
         // the completion is proven all the same, with one wait for the journal instead of two.
+        // Should the primary fail between the two and the delete then run on the new one, the
+        // event may lack its completion time; a purge then keeps it as a dedupe record only until
+        // the earliest cutoff it is given, as for an event that never completed.
         let event_ids = event_ids(&fenced, &found);
         inner
             .events
