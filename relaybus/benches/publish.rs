@@ -299,47 +299,32 @@ async fn relaybus_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(),
 }
 
 /// The same transaction with the raw driver: the business documents plus one plain outbox
-/// document per event, committed with the same options relaybus uses.
+/// document per event.
 async fn baseline_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), BoxError> {
-    let orders = orders_for(prefix, per_tx);
     let outbox: Vec<Document> = (0..per_tx)
         .map(|i| {
             doc! {
+                "_id": mongodb::bson::oid::ObjectId::new(),
                 "type": "order.placed.v1",
                 "payload": { "order_id": format!("{prefix}-{i}"), "total_cents": 1250 },
                 "createdAt": mongodb::bson::DateTime::now(),
             }
         })
         .collect();
-    let mut session = target.client.start_session().await?;
-    let options = TransactionOptions::builder()
-        .read_concern(ReadConcern::snapshot())
-        .write_concern(WriteConcern::majority())
-        .build();
-    let (orders_coll, outbox_coll) = (target.orders.clone(), target.outbox.clone());
-    session
-        .start_transaction()
-        .with_options(options)
-        .and_run2(async move |session| {
-            orders_coll
-                .insert_many(orders.clone())
-                .session(&mut *session)
-                .await?;
-            outbox_coll
-                .insert_many(outbox.clone())
-                .session(&mut *session)
-                .await?;
-            Ok(())
-        })
-        .await?;
-    Ok(())
+    raw_transaction(
+        target,
+        vec![
+            doc! { "insert": target.orders.name(), "documents": orders_for(prefix, per_tx) },
+            doc! { "insert": target.outbox.name(), "documents": outbox },
+        ],
+    )
+    .await
 }
 
 /// The floor: the same transaction with the raw driver writing what the store's document model
 /// needs, the event documents by upsert (in one command) and one delivery document per event, with
 /// none of the store's reads, checks or sequence counters.
 async fn floor_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), BoxError> {
-    let orders = orders_for(prefix, per_tx);
     let now = mongodb::bson::DateTime::now();
     let event_id = |i: usize| format!("{prefix}-{i}-event");
     let upserts: Vec<Document> = (0..per_tx)
@@ -359,6 +344,7 @@ async fn floor_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), Bo
     let deliveries: Vec<Document> = (0..per_tx)
         .map(|i| {
             doc! {
+                "_id": mongodb::bson::oid::ObjectId::new(),
                 "eventId": event_id(i),
                 "handler": "send-confirmation",
                 "eventType": "order.placed.v1",
@@ -371,30 +357,40 @@ async fn floor_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), Bo
             }
         })
         .collect();
+    raw_transaction(
+        target,
+        vec![
+            doc! { "insert": target.orders.name(), "documents": orders_for(prefix, per_tx) },
+            doc! { "update": target.events.name(), "updates": upserts },
+            doc! { "insert": target.deliveries.name(), "documents": deliveries },
+        ],
+    )
+    .await
+}
+
+/// Runs `commands` one after the other in one transaction of the raw driver, with the options
+/// relaybus uses (snapshot reads, majority commit), the whole transaction run again on a
+/// transient error.
+async fn raw_transaction(target: &Target, commands: Vec<Document>) -> Result<(), BoxError> {
+    let db = target.client.database(&target.orders.namespace().db);
     let mut session = target.client.start_session().await?;
     let options = TransactionOptions::builder()
         .read_concern(ReadConcern::snapshot())
         .write_concern(WriteConcern::majority())
         .build();
-    let orders_coll = target.orders.clone();
-    let deliveries_coll = target.deliveries.clone();
-    let events = target.events.name().to_owned();
-    let db = target.client.database(&target.events.namespace().db);
     session
         .start_transaction()
         .with_options(options)
         .and_run2(async move |session| {
-            orders_coll
-                .insert_many(orders.clone())
-                .session(&mut *session)
-                .await?;
-            db.run_command(doc! { "update": &events, "updates": upserts.clone() })
-                .session(&mut *session)
-                .await?;
-            deliveries_coll
-                .insert_many(deliveries.clone())
-                .session(&mut *session)
-                .await?;
+            for command in &commands {
+                let reply = db
+                    .run_command(command.clone())
+                    .session(&mut *session)
+                    .await?;
+                if let Ok(errors) = reply.get_array("writeErrors") {
+                    return Err(mongodb::error::Error::custom(format!("{errors:?}")));
+                }
+            }
             Ok(())
         })
         .await?;

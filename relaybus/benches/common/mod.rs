@@ -66,10 +66,7 @@ pub(crate) async fn baseline(
                 if found.is_empty() {
                     return Ok::<(), mongodb::error::Error>(());
                 }
-                let ids: Vec<ObjectId> = found
-                    .iter()
-                    .filter_map(|d| d.get_object_id("_id").ok())
-                    .collect();
+                let ids = ids_of(&found);
                 outbox.delete_many(doc! { "_id": { "$in": ids } }).await?;
             }
         }));
@@ -116,10 +113,7 @@ pub(crate) async fn floor(
                 if found.is_empty() {
                     return Ok::<(), mongodb::error::Error>(());
                 }
-                let ids: Vec<ObjectId> = found
-                    .iter()
-                    .filter_map(|d| d.get_object_id("_id").ok())
-                    .collect();
+                let ids = ids_of(&found);
                 let event_ids: Vec<&str> =
                     found.iter().filter_map(|d| d.get_str("eventId").ok()).collect();
                 let _payloads: Vec<Document> = events
@@ -150,4 +144,12 @@ pub(crate) async fn floor(
         task.await??;
     }
     Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The `_id`s of documents read.
+fn ids_of(found: &[Document]) -> Vec<ObjectId> {
+    found
+        .iter()
+        .filter_map(|d| d.get_object_id("_id").ok())
+        .collect()
 }
