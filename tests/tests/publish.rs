@@ -1,6 +1,7 @@
 //! The publish path on a real replica set: events written in the caller's transaction.
 
 use std::{
+    collections::HashMap,
     sync::{
         Arc,
         atomic::{AtomicU32, Ordering},
@@ -543,7 +544,7 @@ async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() 
     );
     assert_eq!(
         find("ordering").get_document("keys").unwrap(),
-        &doc! { "handler": 1, "key": 1, "sequence": 1 }
+        &doc! { "status": 1, "handler": 1, "key": 1, "sequence": 1 }
     );
     for name in [
         "due",
@@ -558,46 +559,60 @@ async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() 
 }
 
 #[tokio::test]
-async fn setup_replaces_a_parked_index_with_the_earlier_key() {
-    let db = test_db("setup_parked_upgrade").await;
+async fn setup_replaces_the_parked_and_ordering_indexes_of_an_earlier_setup() {
+    let db = test_db("setup_index_upgrade").await;
     let deliveries = db.db().collection::<Document>("relaybus_deliveries");
     db.db()
         .create_collection("relaybus_deliveries")
         .await
         .unwrap();
-    deliveries
-        .create_index(
-            mongodb::IndexModel::builder()
-                .keys(doc! { "handler": 1, "key": 1, "sequence": 1 })
-                .options(
-                    mongodb::options::IndexOptions::builder()
-                        .name("parked".to_owned())
-                        .partial_filter_expression(doc! { "lane": "parked" })
-                        .build(),
-                )
-                .build(),
-        )
-        .await
-        .unwrap();
+    // The keys earlier versions gave them: without the constant leading field.
+    for (name, partial) in [
+        ("parked", doc! { "lane": "parked" }),
+        (
+            "ordering",
+            doc! { "status": "pending", "key": { "$exists": true } },
+        ),
+    ] {
+        deliveries
+            .create_index(
+                mongodb::IndexModel::builder()
+                    .keys(doc! { "handler": 1, "key": 1, "sequence": 1 })
+                    .options(
+                        mongodb::options::IndexOptions::builder()
+                            .name(name.to_owned())
+                            .partial_filter_expression(partial)
+                            .build(),
+                    )
+                    .build(),
+            )
+            .await
+            .unwrap();
+    }
 
     let store = bare_store(&db);
     store.setup().await.unwrap();
     store.setup().await.unwrap();
 
-    let parked: Vec<Document> = deliveries
+    let keys: HashMap<String, Document> = deliveries
         .list_indexes()
         .await
         .unwrap()
         .try_filter_map(|model| async move {
             let name = model.options.as_ref().and_then(|o| o.name.clone());
-            Ok((name.as_deref() == Some("parked")).then_some(model.keys))
+            Ok(name.map(|name| (name, model.keys)))
         })
         .try_collect()
         .await
         .unwrap();
+    assert_eq!(keys.len(), 11, "{keys:?}");
     assert_eq!(
-        parked,
-        vec![doc! { "lane": 1, "handler": 1, "key": 1, "sequence": 1 }]
+        keys["parked"],
+        doc! { "lane": 1, "handler": 1, "key": 1, "sequence": 1 }
+    );
+    assert_eq!(
+        keys["ordering"],
+        doc! { "status": 1, "handler": 1, "key": 1, "sequence": 1 }
     );
 }
 

@@ -1420,24 +1420,10 @@ impl MongoEventStore {
             }
         }
         if !unknown.is_empty() {
-            let probes = unknown
-                .iter()
-                .map(|(handler, key)| doc! { "handler": handler, "key": key, "status": "pending" })
-                .collect();
-            let found = self
-                .first_of_each(probes, Some(doc! { "sequence": 1 }))
-                .await?;
+            let lowest = self.lowest_pending(&unknown).await?;
             for key_of in unknown {
-                scan.heads.insert(key_of, None);
-            }
-            for head in &found {
-                if let (Some(handler), Some(key), Ok(id)) = (
-                    string(head, "handler"),
-                    string(head, "key"),
-                    head.get_object_id("_id"),
-                ) {
-                    scan.heads.insert((handler, key), Some(id));
-                }
+                let head = lowest.get(&key_of).map(|(id, _)| *id);
+                scan.heads.insert(key_of, head);
             }
         }
 

@@ -7,7 +7,7 @@
 //! finished while its followers were being parked, delays a key until the next claim and never
 //! strands it.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt, stream};
 use mongodb::{
@@ -23,8 +23,8 @@ use crate::error::Result;
 pub(crate) const PARK_THRESHOLD: usize = 32;
 /// Lookup queries run at the same time.
 pub(crate) const LOOKUP_CONCURRENCY: usize = 8;
-/// Index probes per lookup query.
-const PROBES_PER_QUERY: usize = 100;
+/// Keys per lookup query.
+const KEYS_PER_QUERY: usize = 500;
 /// Delivery ids per parking update.
 const IDS_PER_UPDATE: usize = 10_000;
 
@@ -127,27 +127,20 @@ impl MongoEventStore {
         if heads.is_empty() {
             return Ok(0);
         }
-        let probes = heads
+        let keys: Vec<(String, String)> = heads
             .iter()
-            .map(|head| {
-                doc! {
-                    "handler": &head.handler,
-                    "key": &head.key,
-                    "status": "pending",
-                    "sequence": { "$lt": head.sequence },
-                }
-            })
+            .map(|head| (head.handler.clone(), head.key.clone()))
             .collect();
-        let blocked: HashSet<(String, String)> = self
-            .first_of_each(probes, None)
-            .await?
+        let lowest = self.lowest_pending(&keys).await?;
+        // A head with a lower pending sequence of its key before it stays parked.
+        let blocked: HashSet<(String, String)> = heads
             .iter()
-            .filter_map(|doc| {
-                Some((
-                    doc.get_str("handler").ok()?.to_owned(),
-                    doc.get_str("key").ok()?.to_owned(),
-                ))
+            .filter(|head| {
+                lowest
+                    .get(&(head.handler.clone(), head.key.clone()))
+                    .is_some_and(|(_, sequence)| *sequence < head.sequence)
             })
+            .map(|head| (head.handler.clone(), head.key.clone()))
             .collect();
         let ids: Vec<ObjectId> = heads
             .into_iter()
@@ -168,52 +161,71 @@ impl MongoEventStore {
         Ok(moved.modified_count)
     }
 
-    /// The first delivery matching each of `probes` (in `sort` order), `_id`, `handler` and `key`
-    /// only: one index probe per filter, sent as one aggregation per group of filters, the groups
-    /// in parallel. Filters that match nothing leave nothing in the result.
-    pub(crate) async fn first_of_each(
+    /// The lowest pending delivery of each of `keys` (handler and key): its id and sequence.
+    /// Keys with nothing pending are left out. One aggregation per handler and group of keys,
+    /// the groups in parallel, each a distinct scan of the `ordering` index that reads one
+    /// entry per key however long the key's backlog is.
+    pub(crate) async fn lowest_pending(
         &self,
-        probes: Vec<Document>,
-        sort: Option<Document>,
-    ) -> Result<Vec<Document>> {
-        let name = self.inner.deliveries.name();
-        let stages = |probe: Document| {
-            let mut stages = vec![doc! { "$match": probe }];
-            if let Some(sort) = &sort {
-                stages.push(doc! { "$sort": sort.clone() });
+        keys: &[(String, String)],
+    ) -> Result<HashMap<(String, String), (ObjectId, i64)>> {
+        let mut by_handler: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (handler, key) in keys {
+            let keys = by_handler.entry(handler.as_str()).or_default();
+            if !keys.contains(&key.as_str()) {
+                keys.push(key.as_str());
             }
-            stages.push(doc! { "$limit": 1 });
-            stages.push(doc! { "$project": { "handler": 1, "key": 1 } });
-            stages
-        };
-        let pipelines: Vec<Vec<Document>> = probes
-            .chunks(PROBES_PER_QUERY)
-            .map(|group| {
-                let mut group = group.iter().cloned();
-                let mut pipeline = group.next().map(stages).unwrap_or_default();
-                for probe in group {
-                    pipeline
-                        .push(doc! { "$unionWith": { "coll": name, "pipeline": stages(probe) } });
-                }
-                pipeline
+        }
+        // Owned, so that the queries' futures borrow nothing but the store.
+        let queries: Vec<(String, Vec<String>)> = by_handler
+            .iter()
+            .flat_map(|(handler, keys)| {
+                keys.chunks(KEYS_PER_QUERY).map(move |group| {
+                    let group = group.iter().map(|key| (*key).to_owned()).collect();
+                    ((*handler).to_owned(), group)
+                })
             })
-            .filter(|pipeline| !pipeline.is_empty())
             .collect();
-        let found: Vec<Vec<Document>> = stream::iter(pipelines)
-            .map(|pipeline| async move {
+        let found: Vec<(String, Vec<Document>)> = stream::iter(queries)
+            .map(|(handler, group)| async move {
                 let docs: Vec<Document> = self
                     .inner
                     .deliveries
-                    .aggregate(pipeline)
+                    .aggregate([
+                        doc! { "$match": {
+                            "status": "pending",
+                            "handler": &handler,
+                            "key": { "$in": &group },
+                        } },
+                        doc! { "$sort": { "status": 1, "handler": 1, "key": 1, "sequence": 1 } },
+                        doc! { "$group": {
+                            "_id": "$key",
+                            "id": { "$first": "$_id" },
+                            "sequence": { "$first": "$sequence" },
+                        } },
+                    ])
+                    .hint(Hint::Name("ordering".to_owned()))
                     .await?
                     .try_collect()
                     .await?;
-                Ok::<_, crate::Error>(docs)
+                Ok::<_, crate::Error>((handler, docs))
             })
             .buffer_unordered(LOOKUP_CONCURRENCY)
             .try_collect()
             .await?;
-        Ok(found.into_iter().flatten().collect())
+        let mut lowest = HashMap::new();
+        for (handler, docs) in found {
+            for doc in docs {
+                if let (Ok(key), Ok(id), Some(sequence)) = (
+                    doc.get_str("_id"),
+                    doc.get_object_id("id"),
+                    int(&doc, "sequence"),
+                ) {
+                    lowest.insert((handler.clone(), key.to_owned()), (id, sequence));
+                }
+            }
+        }
+        Ok(lowest)
     }
 
     /// Moves waiting deliveries to the parked lane. Best effort: the caller logs a failure.

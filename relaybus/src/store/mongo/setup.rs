@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use futures::TryStreamExt;
 use mongodb::{
     IndexModel,
     bson::{Document, doc},
@@ -78,13 +79,29 @@ impl MongoEventStore {
         match inner.deliveries.create_indexes(delivery_indexes()).await {
             Ok(_) => {}
             Err(e) if error_code(&e) == Some(INDEX_KEY_SPECS_CONFLICT) => {
-                // A database set up before the `parked` index led with `lane`: replace it. A
-                // concurrent setup may have dropped it first.
-                match inner.deliveries.drop_index("parked").await {
-                    Err(e) if error_code(&e) != Some(INDEX_NOT_FOUND) => return Err(e.into()),
-                    _ => {}
+                // A database set up before `parked` led with `lane` and `ordering` with `status`:
+                // replace the indexes whose keys changed. A concurrent setup may have dropped
+                // one first.
+                let wanted = delivery_indexes();
+                let existing: Vec<IndexModel> =
+                    inner.deliveries.list_indexes().await?.try_collect().await?;
+                for model in &existing {
+                    let Some(name) = index_name(model) else {
+                        continue;
+                    };
+                    let changed = wanted
+                        .iter()
+                        .any(|w| index_name(w) == Some(name) && w.keys != model.keys);
+                    if changed {
+                        match inner.deliveries.drop_index(name).await {
+                            Err(e) if error_code(&e) != Some(INDEX_NOT_FOUND) => {
+                                return Err(e.into());
+                            }
+                            _ => {}
+                        }
+                    }
                 }
-                inner.deliveries.create_indexes(delivery_indexes()).await?;
+                inner.deliveries.create_indexes(wanted).await?;
             }
             Err(e) => return Err(e.into()),
         }
@@ -137,6 +154,10 @@ impl MongoEventStore {
     }
 }
 
+fn index_name(model: &IndexModel) -> Option<&str> {
+    model.options.as_ref()?.name.as_deref()
+}
+
 fn index(keys: Document, name: &str, partial: Option<Document>) -> IndexModel {
     let options = IndexOptions::builder()
         .name(name.to_owned())
@@ -161,9 +182,11 @@ fn delivery_indexes() -> Vec<IndexModel> {
             "claim",
             Some(doc! { "status": "pending", "lane": "ready" }),
         ),
-        // Predecessor check of keyed deliveries.
+        // Predecessor check of keyed deliveries. `status` leads although it is the same in every
+        // entry: with it in the key, the query for the lowest pending delivery of each key is a
+        // distinct scan that reads one entry per key.
         index(
-            doc! { "handler": 1, "key": 1, "sequence": 1 },
+            doc! { "status": 1, "handler": 1, "key": 1, "sequence": 1 },
             "ordering",
             Some(doc! { "status": "pending", "key": { "$exists": true } }),
         ),
