@@ -7,7 +7,7 @@
 //! finished while its followers were being parked, delays a key until the next claim and never
 //! strands it.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt, stream};
 use mongodb::{
@@ -169,23 +169,21 @@ impl MongoEventStore {
         &self,
         keys: &[(String, String)],
     ) -> Result<HashMap<(String, String), (ObjectId, i64)>> {
-        let mut by_handler: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        let mut by_handler: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
         for (handler, key) in keys {
-            let keys = by_handler.entry(handler.as_str()).or_default();
-            if !keys.contains(&key.as_str()) {
-                keys.push(key.as_str());
-            }
+            by_handler
+                .entry(handler.as_str())
+                .or_default()
+                .insert(key.as_str());
         }
         // Owned, so that the queries' futures borrow nothing but the store.
-        let queries: Vec<(String, Vec<String>)> = by_handler
-            .iter()
-            .flat_map(|(handler, keys)| {
-                keys.chunks(KEYS_PER_QUERY).map(move |group| {
-                    let group = group.iter().map(|key| (*key).to_owned()).collect();
-                    ((*handler).to_owned(), group)
-                })
-            })
-            .collect();
+        let mut queries: Vec<(String, Vec<String>)> = Vec::new();
+        for (handler, keys) in by_handler {
+            let keys: Vec<String> = keys.into_iter().map(str::to_owned).collect();
+            for group in keys.chunks(KEYS_PER_QUERY) {
+                queries.push((handler.to_owned(), group.to_vec()));
+            }
+        }
         let found: Vec<(String, Vec<Document>)> = stream::iter(queries)
             .map(|(handler, group)| async move {
                 let docs: Vec<Document> = self
