@@ -3,10 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use mongodb::bson::DateTime;
 use serde::{Serialize, de::DeserializeOwned};
 
-use crate::error::EventValidationError;
+use crate::{error::EventValidationError, time::Timestamp};
 
 /// The longest event type name, in bytes.
 pub const MAX_TYPE_NAME_BYTES: usize = 128;
@@ -153,7 +152,7 @@ pub struct EventEnvelope {
     pub(crate) correlation_id: Option<String>,
     pub(crate) causation_id: Option<String>,
     pub(crate) headers: BTreeMap<String, String>,
-    pub(crate) created_at: DateTime,
+    pub(crate) created_at: Timestamp,
 }
 
 impl EventEnvelope {
@@ -207,7 +206,7 @@ impl EventEnvelope {
             correlation_id: None,
             causation_id: None,
             headers: BTreeMap::new(),
-            created_at: DateTime::now(),
+            created_at: Timestamp::now(),
         })
     }
 
@@ -347,7 +346,7 @@ impl EventEnvelope {
     }
 
     /// When the envelope was made.
-    pub fn created_at(&self) -> DateTime {
+    pub fn created_at(&self) -> Timestamp {
         self.created_at
     }
 }

@@ -3,12 +3,13 @@
 use std::{collections::BTreeMap, fmt, future::Future, sync::Arc, time::Duration};
 
 use futures::future::BoxFuture;
-use mongodb::{ClientSession, bson::DateTime};
+use mongodb::ClientSession;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::{
     error::{BoxError, ConfigurationError},
     event::{Event, EventEnvelope},
+    time::Timestamp,
 };
 
 /// The longest handler id, in bytes.
@@ -51,7 +52,7 @@ pub struct HandlerContext {
     correlation_id: Option<String>,
     causation_id: Option<String>,
     headers: BTreeMap<String, String>,
-    created_at: DateTime,
+    created_at: Timestamp,
     handler: String,
     attempt: u32,
     session: Option<Arc<Mutex<ClientSession>>>,
@@ -141,7 +142,7 @@ impl HandlerContext {
     }
 
     /// When the event was made.
-    pub fn created_at(&self) -> DateTime {
+    pub fn created_at(&self) -> Timestamp {
         self.created_at
     }
 

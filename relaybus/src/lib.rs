@@ -108,6 +108,7 @@ pub mod event;
 mod handler;
 pub mod registry;
 pub mod store;
+mod time;
 
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
 pub use dispatcher::{Retention, RunReport};
@@ -116,6 +117,7 @@ pub use error::{
     Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
+pub use time::Timestamp;
 pub use handler::{
     Handler, HandlerContext, NotTransactional, RetryPolicy, SessionGuard, Subscription,
     validate_handler_id,

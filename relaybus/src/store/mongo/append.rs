@@ -557,7 +557,10 @@ fn event_document(event: &EventEnvelope, handlers: &[&str]) -> Document {
             .collect();
         document.insert("headers", headers);
     }
-    document.insert("createdAt", event.created_at);
+    document.insert(
+        "createdAt",
+        DateTime::from_millis(event.created_at.timestamp_millis()),
+    );
     document.insert("handlers", handlers.to_vec());
     document
 }

@@ -61,6 +61,7 @@ use super::{
 use crate::{
     error::{Error, InvalidArgumentError, Result},
     event::EventEnvelope,
+    time::Timestamp,
     handler::validate_handler_id,
 };
 
@@ -1748,8 +1749,7 @@ fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
     };
     let created_at = raw
         .get_datetime("createdAt")
-        .ok()
-        .unwrap_or(DateTime::from_millis(0));
+        .map_or(Timestamp::EPOCH, |at| Timestamp::from_millis(at.timestamp_millis()));
     EventEnvelope {
         id: pick.event_id.clone(),
         event_type: text("type").unwrap_or_default(),
@@ -1842,6 +1842,6 @@ mod tests {
             serde_json::json!({ "id": { "$oid": "not an id" }, "n": 1 })
         );
         assert_eq!(event.headers.get("$date").map(String::as_str), Some("x"));
-        assert_eq!(event.created_at, DateTime::from_millis(7));
+        assert_eq!(event.created_at, Timestamp::from_millis(7));
     }
 }
