@@ -3,10 +3,7 @@
 use std::{fmt, sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
-use mongodb::options::{
-    ReadConcern, ReadPreference, SelectionCriteria, TransactionOptions, WriteConcern,
-};
-use relaybus::{ConfigurationError, RelayBus};
+use relaybus::{ConfigurationError, RelayBus, Store, store::DefaultStore};
 
 use crate::transaction::RequestTxLayer;
 
@@ -90,16 +87,16 @@ impl fmt::Debug for CommitPolicy {
 /// ```
 #[must_use = "a configuration does nothing until `setup` is called"]
 #[derive(Debug)]
-pub struct Config {
-    bus: RelayBus,
+pub struct Config<S: Store = DefaultStore> {
+    bus: RelayBus<S>,
     policy: CommitPolicy,
     retry_after: Duration,
     commit_retries: u32,
     transaction_timeout: Option<Duration>,
 }
 
-impl Config {
-    pub(crate) fn new(bus: RelayBus) -> Self {
+impl<S: Store> Config<S> {
+    pub(crate) fn new(bus: RelayBus<S>) -> Self {
         Config {
             bus,
             policy: CommitPolicy::default(),
@@ -135,8 +132,9 @@ impl Config {
     /// [`transaction_timeout`](RelayBus::transaction_timeout) by default (1 ms to 60 s).
     ///
     /// A transaction still open after the budget, counted from its first extraction, is
-    /// aborted instead of committed (503). The commit is sent with `maxCommitTimeMS` set to the
-    /// budget, and a commit with no reply a second after the budget ended counts as timed out.
+    /// aborted instead of committed (503). The commit is bounded on the server by the budget
+    /// (MongoDB: `maxCommitTimeMS`), and a commit with no reply a second after the budget
+    /// ended counts as timed out.
     pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
         self.transaction_timeout = Some(timeout);
         self
@@ -148,18 +146,11 @@ impl Config {
     /// # Errors
     ///
     /// [`ConfigurationError::InvalidOption`] for an option out of range.
-    pub fn setup(self) -> Result<(RelayState, RequestTxLayer), ConfigurationError> {
+    pub fn setup(self) -> Result<(RelayState<S>, RequestTxLayer<S>), ConfigurationError> {
         let budget = self
             .transaction_timeout
             .unwrap_or_else(|| self.bus.transaction_timeout());
-        if budget < Duration::from_millis(1) || budget > Duration::from_secs(60) {
-            return Err(ConfigurationError::InvalidOption {
-                option: "transaction_timeout",
-                reason: format!(
-                    "{budget:?} is out of range; use 1 ms to 60 s (MongoDB aborts longer transactions)"
-                ),
-            });
-        }
+        relaybus::store::transaction::validate_budget(budget)?;
         if self.retry_after > Duration::from_secs(3_600) {
             return Err(ConfigurationError::InvalidOption {
                 option: "retry_after",
@@ -172,16 +163,8 @@ impl Config {
                 reason: format!("{} is out of range; use 0 to 10", self.commit_retries),
             });
         }
-        // The store's own transaction options: snapshot reads, majority commits, the primary.
-        let options = TransactionOptions::builder()
-            .read_concern(ReadConcern::snapshot())
-            .write_concern(WriteConcern::majority())
-            .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
-            .max_commit_time(budget)
-            .build();
         let shared = Arc::new(Shared {
             bus: self.bus,
-            options,
             policy: self.policy,
             retry_after: self.retry_after,
             commit_retries: self.commit_retries,
@@ -198,9 +181,8 @@ impl Config {
 
 /// What the layer, the extractors and the state of one [`setup`](crate::setup) share.
 #[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) bus: RelayBus,
-    pub(crate) options: TransactionOptions,
+pub(crate) struct Shared<S: Store> {
+    pub(crate) bus: RelayBus<S>,
     pub(crate) policy: CommitPolicy,
     pub(crate) retry_after: Duration,
     pub(crate) commit_retries: u32,
@@ -229,14 +211,22 @@ pub(crate) struct Shared {
 ///     }
 /// }
 /// ```
-#[derive(Debug, Clone)]
-pub struct RelayState {
-    pub(crate) shared: Arc<Shared>,
+#[derive(Debug)]
+pub struct RelayState<S: Store = DefaultStore> {
+    pub(crate) shared: Arc<Shared<S>>,
 }
 
-impl RelayState {
+impl<S: Store> Clone for RelayState<S> {
+    fn clone(&self) -> Self {
+        RelayState {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: Store> RelayState<S> {
     /// The bus.
-    pub fn bus(&self) -> &RelayBus {
+    pub fn bus(&self) -> &RelayBus<S> {
         &self.shared.bus
     }
 }

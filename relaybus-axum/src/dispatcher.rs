@@ -3,7 +3,7 @@
 use std::{future::IntoFuture, io, time::Duration};
 
 use axum::Router;
-use relaybus::RelayBus;
+use relaybus::{RelayBus, Store, store::DefaultStore};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -40,17 +40,17 @@ const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// ```
 #[derive(Debug)]
 #[must_use = "the service does nothing until `serve` is awaited"]
-pub struct DispatcherService {
-    bus: RelayBus,
+pub struct DispatcherService<S: Store = DefaultStore> {
+    bus: RelayBus<S>,
     token: CancellationToken,
     handle_signals: bool,
     drain_timeout: Duration,
 }
 
-impl DispatcherService {
+impl<S: Store> DispatcherService<S> {
     /// A service for `bus`, with its own shutdown token, signal handling on, and a drain
     /// timeout of 30 seconds.
-    pub fn new(bus: RelayBus) -> Self {
+    pub fn new(bus: RelayBus<S>) -> Self {
         DispatcherService {
             bus,
             token: CancellationToken::new(),
@@ -147,7 +147,11 @@ impl DispatcherService {
 /// # Cancel safety
 ///
 /// Not cancel safe, as [`DispatcherService::serve`]; this one stops on signals only.
-pub async fn serve(bus: RelayBus, listener: TcpListener, router: Router) -> Result<(), ServeError> {
+pub async fn serve<S: Store>(
+    bus: RelayBus<S>,
+    listener: TcpListener,
+    router: Router,
+) -> Result<(), ServeError> {
     DispatcherService::new(bus).serve(listener, router).await
 }
 

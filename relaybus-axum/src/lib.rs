@@ -104,7 +104,7 @@ pub use publisher::Publisher;
 pub use transaction::{RequestTx, RequestTxLayer};
 pub use tx::Tx;
 
-use relaybus::{ConfigurationError, RelayBus};
+use relaybus::{ConfigurationError, RelayBus, Store};
 
 /// The router state and the layer of `bus`, with the default options: commit on 1xx–3xx,
 /// `Retry-After: 1` on a failed commit, the bus's transaction timeout as the budget.
@@ -112,11 +112,13 @@ use relaybus::{ConfigurationError, RelayBus};
 /// # Errors
 ///
 /// [`ConfigurationError::InvalidOption`] when the bus's transaction timeout is out of range.
-pub fn setup(bus: RelayBus) -> Result<(RelayState, RequestTxLayer), ConfigurationError> {
+pub fn setup<S: Store>(
+    bus: RelayBus<S>,
+) -> Result<(RelayState<S>, RequestTxLayer<S>), ConfigurationError> {
     config(bus).setup()
 }
 
 /// The options of the request transactions of `bus`, to set before [`Config::setup`].
-pub fn config(bus: RelayBus) -> Config {
+pub fn config<S: Store>(bus: RelayBus<S>) -> Config<S> {
     Config::new(bus)
 }

@@ -5,13 +5,14 @@
 //! | Route | Answers |
 //! |---|---|
 //! | `GET /statistics` | `{"pending", "running", "parked", "dead", "completed", "oldest_due_at"}` |
-//! | `GET /deliveries` | `{"deliveries": [..], "skip", "limit", "next_skip"}`, oldest first |
+//! | `GET /deliveries` | `{"deliveries": [..], "limit", "next_after"}`, oldest first |
 //! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..]}` |
 //!
 //! `GET /deliveries` takes the query parameters `status` (`pending`, `dead` or `completed`),
-//! `handler`, `event_type`, `created_from` and `created_before` (RFC 3339 times), `skip`
-//! (0 to 100,000) and `limit` (1 to 1,000, 100 by default); `next_skip` is the `skip` of the
-//! next page, or `null` on the last one. `POST /deliveries/requeue` takes a JSON body
+//! `handler`, `event_type`, `created_from` and `created_before` (RFC 3339 times), `after` (the
+//! id of the last record of the previous page) and `limit` (1 to 1,000, 100 by default);
+//! `next_after` is the `after` of the next page, or `null` on the last one. Every page costs
+//! the same, however deep it is. `POST /deliveries/requeue` takes a JSON body
 //! `{"ids": ["<24 hex digits>", ..]}` with 1 to 1,000 ids, sent as `application/json` (which
 //! a cross-site HTML form cannot send).
 //!
@@ -44,13 +45,10 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post},
 };
-use mongodb::bson::DateTime;
-use relaybus::{DeliveryQuery, DeliveryRecord, DeliveryStatus, RelayBus};
+use relaybus::{DeliveryQuery, DeliveryRecord, DeliveryStatus, RelayBus, Store, Timestamp};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-/// The deepest page: listing reads `skip + limit` records.
-const MAX_SKIP: u64 = 100_000;
 /// The most records per page.
 const MAX_LIMIT: u32 = 1_000;
 /// The most ids per requeue.
@@ -58,14 +56,14 @@ const MAX_REQUEUE_IDS: usize = 1_000;
 
 /// The operator routes of `bus`, to nest under a path of your choice behind your own
 /// authentication; see the [module docs](self).
-pub fn router<S>(bus: RelayBus) -> Router<S>
+pub fn router<S, St: Store>(bus: RelayBus<St>) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
     Router::new()
-        .route("/statistics", get(statistics))
-        .route("/deliveries", get(deliveries))
-        .route("/deliveries/requeue", post(requeue))
+        .route("/statistics", get(statistics::<St>))
+        .route("/deliveries", get(deliveries::<St>))
+        .route("/deliveries/requeue", post(requeue::<St>))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .with_state(bus)
@@ -128,7 +126,7 @@ fn bad(message: impl Into<String>) -> OpsError {
     OpsError::BadRequest(message.into())
 }
 
-async fn statistics(State(bus): State<RelayBus>) -> Result<Json<Value>, OpsError> {
+async fn statistics<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
     let stats = bus.store().statistics().await.map_err(OpsError::Store)?;
     Ok(Json(json!({
         "pending": stats.pending,
@@ -149,7 +147,7 @@ struct ListParams {
     event_type: Option<String>,
     created_from: Option<String>,
     created_before: Option<String>,
-    skip: Option<String>,
+    after: Option<String>,
     limit: Option<String>,
 }
 
@@ -157,7 +155,6 @@ struct ListParams {
 #[derive(Debug)]
 struct Listing {
     query: DeliveryQuery,
-    skip: u64,
     limit: u32,
 }
 
@@ -190,19 +187,18 @@ fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
     if let Some(before) = params.created_before {
         query = query.created_before(parse_time("created_before", &before)?);
     }
-    let skip = match params.skip {
-        None => 0,
-        Some(skip) => skip
-            .parse::<u64>()
-            .ok()
-            .filter(|skip| *skip <= MAX_SKIP)
-            .ok_or_else(|| {
-                bad(format!(
-                    "`skip` must be a whole number from 0 to {MAX_SKIP}; narrow the listing with \
-                     `created_from` to reach older records"
-                ))
-            })?,
-    };
+    if let Some(after) = params.after {
+        let usable = (1..=128).contains(&after.len())
+            && after
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'));
+        if !usable {
+            return Err(bad(
+                "`after` must be the `id` of a listed delivery (the last one of the previous page)",
+            ));
+        }
+        query = query.after(after);
+    }
     let limit = match params.limit {
         None => 100,
         Some(limit) => limit
@@ -216,8 +212,7 @@ fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
             })?,
     };
     Ok(Listing {
-        query: query.skip(skip).limit(limit),
-        skip,
+        query: query.limit(limit),
         limit,
     })
 }
@@ -239,7 +234,7 @@ fn serde_urlencoded_params(raw: &str) -> Result<ListParams, OpsError> {
     serde_json::from_value(Value::Object(object)).map_err(|e| {
         bad(format!(
             "{e}; the parameters are status, handler, event_type, created_from, created_before, \
-             skip and limit"
+             after and limit"
         ))
     })
 }
@@ -271,16 +266,16 @@ fn decode(component: &str) -> Result<String, &'static str> {
     String::from_utf8(out).map_err(|_| "the query string is not valid UTF-8 once percent-decoded")
 }
 
-fn parse_time(name: &str, value: &str) -> Result<DateTime, OpsError> {
-    DateTime::parse_rfc3339_str(value).map_err(|_| {
+fn parse_time(name: &str, value: &str) -> Result<Timestamp, OpsError> {
+    Timestamp::parse_rfc3339(value).ok_or_else(|| {
         bad(format!(
             "`{name}` must be an RFC 3339 time such as 2025-01-31T12:00:00Z"
         ))
     })
 }
 
-async fn deliveries(
-    State(bus): State<RelayBus>,
+async fn deliveries<St: Store>(
+    State(bus): State<RelayBus<St>>,
     RawQuery(raw): RawQuery,
 ) -> Result<Json<Value>, OpsError> {
     let listing = parse_listing(raw.as_deref())?;
@@ -290,18 +285,17 @@ async fn deliveries(
         .await
         .map_err(OpsError::Store)?;
     let full = records.len() == listing.limit as usize;
-    let next_skip = full.then(|| listing.skip + u64::from(listing.limit));
+    let next_after = records.last().filter(|_| full).map(|last| last.id.clone());
     Ok(Json(json!({
         "deliveries": records.iter().map(record_json).collect::<Vec<_>>(),
-        "skip": listing.skip,
         "limit": listing.limit,
-        "next_skip": next_skip,
+        "next_after": next_after,
     })))
 }
 
 fn record_json(record: &DeliveryRecord) -> Value {
     json!({
-        "id": record.id.to_hex(),
+        "id": record.id,
         "event_id": record.event_id,
         "handler": record.handler,
         "event_type": record.event_type,
@@ -318,9 +312,8 @@ fn record_json(record: &DeliveryRecord) -> Value {
     })
 }
 
-fn rfc3339(time: DateTime) -> String {
-    time.try_to_rfc3339_string()
-        .unwrap_or_else(|_| time.timestamp_millis().to_string())
+fn rfc3339(time: Timestamp) -> String {
+    time.to_string()
 }
 
 /// The body of `POST /deliveries/requeue`.
@@ -363,8 +356,8 @@ fn parse_requeue(headers: &HeaderMap, body: &[u8]) -> Result<Vec<String>, OpsErr
     Ok(body.ids)
 }
 
-async fn requeue(
-    State(bus): State<RelayBus>,
+async fn requeue<St: Store>(
+    State(bus): State<RelayBus<St>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpsError> {
@@ -380,12 +373,12 @@ async fn requeue(
     let ids = parse_requeue(&headers, &body)?;
     let outcome = bus
         .store()
-        .requeue(&ids, DateTime::now())
+        .requeue(&ids, Timestamp::now())
         .await
         .map_err(OpsError::Store)?;
     Ok(Json(json!({
-        "requeued": outcome.requeued.iter().map(|id| id.to_hex()).collect::<Vec<_>>(),
-        "blocked": outcome.blocked.iter().map(|id| id.to_hex()).collect::<Vec<_>>(),
+        "requeued": outcome.requeued,
+        "blocked": outcome.blocked,
         "not_found": outcome.not_found,
     })))
 }
@@ -407,12 +400,12 @@ mod tests {
     fn listing_parameters_are_checked() {
         let listing = parse_listing(Some(
             "status=dead&handler=send-confirmation&event_type=order.placed.v1\
-             &created_from=2025-01-01T00%3A00%3A00Z&skip=20&limit=10",
+             &created_from=2025-01-01T00%3A00%3A00Z&after=65f0c0ffee0123456789abcd&limit=10",
         ))
         .unwrap();
-        assert_eq!((listing.skip, listing.limit), (20, 10));
+        assert_eq!(listing.limit, 10);
         let defaults = parse_listing(None).unwrap();
-        assert_eq!((defaults.skip, defaults.limit), (0, 100));
+        assert_eq!(defaults.limit, 100);
 
         assert!(refused("status=buried").contains("`status`"));
         assert!(refused("handler[$ne]=x").contains("unknown field"));
@@ -422,8 +415,8 @@ mod tests {
         assert!(refused("created_before=yesterday").contains("RFC 3339"));
         assert!(refused("limit=0").contains("`limit`"));
         assert!(refused("limit=1001").contains("`limit`"));
-        assert!(refused("skip=-1").contains("`skip`"));
-        assert!(refused("skip=100001").contains("`skip`"));
+        assert!(refused("after=%24ne").contains("`after`"));
+        assert!(refused("skip=20").contains("unknown field"));
         assert!(refused("limit=%FF").contains("UTF-8"));
         assert!(refused("limit=%zz").contains("two hexadecimal digits"));
         assert!(refused("limit=1%2").contains("two hexadecimal digits"));

@@ -7,8 +7,7 @@ use axum::{
     http::request::Parts,
     response::IntoResponse,
 };
-use mongodb::ClientSession;
-use relaybus::{Event, EventEnvelope, Publish, PublishAll, RelayBus};
+use relaybus::{Event, EventEnvelope, Publish, PublishAll, RelayBus, Store, store::DefaultStore};
 
 use crate::{
     config::RelayState,
@@ -59,13 +58,13 @@ use crate::{
 ///     Ok(StatusCode::CREATED)
 /// }
 /// ```
-pub struct Publisher<E = PublisherRejection> {
-    bus: RelayBus,
-    lease: Lease,
+pub struct Publisher<E = PublisherRejection, S: Store = DefaultStore> {
+    bus: RelayBus<S>,
+    lease: Lease<S>,
     _rejection: PhantomData<fn() -> E>,
 }
 
-impl<E> Publisher<E> {
+impl<E, S: Store> Publisher<E, S> {
     /// Publishes a typed event in the request's transaction. Chain the options of
     /// [`Publish`] (`.key(..)`, `.id(..)`, `.correlation_id(..)`, `.causation_id(..)`,
     /// `.header(..)`), then `.await`.
@@ -74,12 +73,12 @@ impl<E> Publisher<E> {
     ///
     /// Those of [`RelayBus::publish`]. A failed publish leaves the transaction in place; answer
     /// with an error status to abort it.
-    pub fn publish<T: Event>(&mut self, event: &T) -> Publish<'_> {
+    pub fn publish<T: Event>(&mut self, event: &T) -> Publish<'_, S> {
         self.bus.publish(event).session(self.lease.session_mut())
     }
 
     /// Publishes a prepared envelope in the request's transaction.
-    pub fn publish_envelope(&mut self, envelope: EventEnvelope) -> Publish<'_> {
+    pub fn publish_envelope(&mut self, envelope: EventEnvelope) -> Publish<'_, S> {
         self.bus
             .publish_envelope(envelope)
             .session(self.lease.session_mut())
@@ -89,24 +88,24 @@ impl<E> Publisher<E> {
     pub fn publish_all(
         &mut self,
         envelopes: impl IntoIterator<Item = EventEnvelope>,
-    ) -> PublishAll<'_> {
+    ) -> PublishAll<'_, S> {
         self.bus
             .publish_all(envelopes)
             .session(self.lease.session_mut())
     }
 
     /// The request's session, for the route's own writes: `.session(publisher.session())`.
-    pub fn session(&mut self) -> &mut ClientSession {
+    pub fn session(&mut self) -> &mut S::Session {
         self.lease.session_mut()
     }
 
     /// The bus.
-    pub fn bus(&self) -> &RelayBus {
+    pub fn bus(&self) -> &RelayBus<S> {
         &self.bus
     }
 }
 
-impl<E> fmt::Debug for Publisher<E> {
+impl<E, S: Store> fmt::Debug for Publisher<E, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Publisher")
             .field("bus", &self.bus)
@@ -114,17 +113,18 @@ impl<E> fmt::Debug for Publisher<E> {
     }
 }
 
-impl<S, E> FromRequestParts<S> for Publisher<E>
+impl<State, E, S> FromRequestParts<State> for Publisher<E, S>
 where
-    RelayState: FromRef<S>,
-    S: Send + Sync,
+    RelayState<S>: FromRef<State>,
+    State: Send + Sync,
     E: From<PublisherRejection> + IntoResponse,
+    S: Store,
 {
     type Rejection = E;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, E> {
-        let state = RelayState::from_ref(state);
-        let slot = Slot::of(&parts.extensions).map_err(PublisherRejection::from)?;
+    async fn from_request_parts(parts: &mut Parts, state: &State) -> Result<Self, E> {
+        let state = RelayState::<S>::from_ref(state);
+        let slot = Slot::<S>::of(&parts.extensions).map_err(PublisherRejection::from)?;
         if !Arc::ptr_eq(&slot.shared, &state.shared) {
             return Err(PublisherRejection::from(ForeignState).into());
         }

@@ -7,17 +7,18 @@ use std::{
 };
 
 use axum::{extract::FromRequestParts, http::request::Parts, response::IntoResponse};
-use mongodb::ClientSession;
+use relaybus::{Store, store::DefaultStore};
 
 use crate::{
     rejection::TxRejection,
     transaction::{Lease, Slot},
 };
 
-/// The request's MongoDB session, inside the request's transaction: pass it to the route's
+/// The request's store session, inside the request's transaction: pass it to the route's
 /// writes with `.session(&mut *tx)`. They commit with the response, or not at all.
 ///
-/// Dereferences to [`ClientSession`]. The transaction starts on the first extraction and is
+/// Dereferences to the store's session: MongoDB's `ClientSession` unless the store type `S`
+/// says otherwise. The transaction starts on the first extraction and is
 /// resolved by the [`RequestTxLayer`](crate::RequestTxLayer); do not commit or abort it
 /// yourself. To publish events as well, extract a [`Publisher`](crate::Publisher) instead,
 /// which holds the same session.
@@ -45,46 +46,47 @@ use crate::{
 ///     Ok(StatusCode::NO_CONTENT)
 /// }
 /// ```
-pub struct Tx<E = TxRejection> {
-    lease: Lease,
+pub struct Tx<E = TxRejection, S: Store = DefaultStore> {
+    lease: Lease<S>,
     _rejection: PhantomData<fn() -> E>,
 }
 
-impl<E> Deref for Tx<E> {
-    type Target = ClientSession;
+impl<E, S: Store> Deref for Tx<E, S> {
+    type Target = S::Session;
 
-    fn deref(&self) -> &ClientSession {
+    fn deref(&self) -> &S::Session {
         self.lease.session()
     }
 }
 
-impl<E> DerefMut for Tx<E> {
-    fn deref_mut(&mut self) -> &mut ClientSession {
+impl<E, S: Store> DerefMut for Tx<E, S> {
+    fn deref_mut(&mut self) -> &mut S::Session {
         self.lease.session_mut()
     }
 }
 
-impl<E> AsMut<ClientSession> for Tx<E> {
-    fn as_mut(&mut self) -> &mut ClientSession {
+impl<E, S: Store> AsMut<S::Session> for Tx<E, S> {
+    fn as_mut(&mut self) -> &mut S::Session {
         self.lease.session_mut()
     }
 }
 
-impl<E> fmt::Debug for Tx<E> {
+impl<E, S: Store> fmt::Debug for Tx<E, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tx").finish_non_exhaustive()
     }
 }
 
-impl<S, E> FromRequestParts<S> for Tx<E>
+impl<State, E, S> FromRequestParts<State> for Tx<E, S>
 where
-    S: Send + Sync,
+    State: Send + Sync,
     E: From<TxRejection> + IntoResponse,
+    S: Store,
 {
     type Rejection = E;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, E> {
-        let slot = Slot::of(&parts.extensions).map_err(TxRejection::from)?;
+    async fn from_request_parts(parts: &mut Parts, _state: &State) -> Result<Self, E> {
+        let slot = Slot::<S>::of(&parts.extensions).map_err(TxRejection::from)?;
         let lease = slot.lease().await?;
         Ok(Tx {
             lease,

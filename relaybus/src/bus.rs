@@ -8,14 +8,16 @@ use std::{
     time::Duration,
 };
 
-use mongodb::{ClientSession, bson::DateTime};
-
 use crate::{
     dispatcher::{Handle, Retention, RunReport, Settings, Shared},
     error::{ConfigurationError, Error, Result},
     event::{Event, EventEnvelope},
     handler::{RetryPolicy, Subscription, validate_handler_id},
-    store::mongo::{AppendRequest, Appended, MongoEventStore},
+    store::{
+        AppendRequest, Appended, DefaultStore, Purged, Store,
+        transaction::{self, Attempts, Committed},
+    },
+    time::Timestamp,
 };
 
 /// The default time budget of a [`RelayBus::transaction`].
@@ -61,17 +63,24 @@ pub const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(5);
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
-pub struct RelayBus {
-    inner: Arc<BusInner>,
+pub struct RelayBus<S: Store = DefaultStore> {
+    inner: Arc<BusInner<S>>,
 }
 
-struct BusInner {
-    store: MongoEventStore,
+impl<S: Store> Clone for RelayBus<S> {
+    fn clone(&self) -> Self {
+        RelayBus {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct BusInner<S: Store> {
+    store: S,
     subscriptions: Vec<Subscription>,
     handlers_by_type: HashMap<&'static str, Vec<String>>,
     transaction_timeout: Duration,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<S>>,
     dispatcher: tokio::sync::Mutex<DispatcherState>,
 }
 
@@ -84,7 +93,7 @@ enum DispatcherState {
     ShutDown,
 }
 
-impl std::fmt::Debug for RelayBus {
+impl<S: Store> std::fmt::Debug for RelayBus<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RelayBus")
             .field("store", &self.inner.store)
@@ -94,14 +103,14 @@ impl std::fmt::Debug for RelayBus {
     }
 }
 
-impl RelayBus {
+impl<S: Store> RelayBus<S> {
     /// Starts building a bus on a store.
     ///
     /// The builder starts with every handler declared with
     /// [`#[handler]`](macro@crate::handler) in the binary (see [`crate::registry`]); opt out with
     /// [`without_registered_handlers`](RelayBusBuilder::without_registered_handlers), or keep
     /// some with [`registered_handlers_where`](RelayBusBuilder::registered_handlers_where).
-    pub fn builder(store: MongoEventStore) -> RelayBusBuilder {
+    pub fn builder(store: S) -> RelayBusBuilder<S> {
         RelayBusBuilder {
             store,
             subscriptions: Vec::new(),
@@ -130,7 +139,7 @@ impl RelayBus {
     ///
     /// # Errors
     ///
-    /// The errors of [`MongoEventStore::setup`]; [`ConfigurationError::InvalidOption`] when the
+    /// The errors of [`Store::setup`]; [`ConfigurationError::InvalidOption`] when the
     /// bus was shut down already (build a new one).
     pub async fn start(&self) -> Result<()> {
         let mut state = self.inner.dispatcher.lock().await;
@@ -199,7 +208,7 @@ impl RelayBus {
     /// # Errors
     ///
     /// [`ConfigurationError::InvalidOption`] when retention is off; the store's purge errors.
-    pub async fn purge_expired(&self) -> Result<crate::store::mongo::Purged> {
+    pub async fn purge_expired(&self) -> Result<Purged> {
         let retention = self.inner.shared.settings.retention.ok_or_else(|| {
             ConfigurationError::InvalidOption {
                 option: "retention",
@@ -216,7 +225,7 @@ impl RelayBus {
     }
 
     /// The store the bus writes to.
-    pub fn store(&self) -> &MongoEventStore {
+    pub fn store(&self) -> &S {
         &self.inner.store
     }
 
@@ -239,15 +248,17 @@ impl RelayBus {
         self.inner.transaction_timeout
     }
 
-    /// Runs `work` in a MongoDB transaction within the bus's time budget
+    /// Runs `work` in a store transaction within the bus's time budget
     /// ([`transaction_timeout`](RelayBusBuilder::transaction_timeout), 5 seconds by default).
     ///
     /// Write the business data through the session `work` gets, and publish with
     /// [`publish(..).session(session)`](Publish::session): both commit together or not at all.
     /// A publish without the session inside `work` is refused with
     /// [`ConfigurationError::SessionNotPassed`], since it would commit on its own.
-    /// Retries and the time budget work as in
-    /// [`MongoEventStore::transaction_within`]: **`work` may run more than once**.
+    /// When `work` or the commit fails with a transient error (a write conflict, typically),
+    /// the transaction is aborted and **the whole of `work` runs again**; a commit whose
+    /// result is unknown is sent again. Retries stop after 120 seconds with the last error.
+    /// An attempt whose `work` ran past the budget is aborted with all its writes.
     ///
     /// # Errors
     ///
@@ -255,12 +266,14 @@ impl RelayBus {
     /// database errors of the commit.
     pub async fn transaction<R, F>(&self, work: F) -> Result<R>
     where
-        F: for<'s> AsyncFnMut(&'s mut ClientSession) -> Result<R>,
+        F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
     {
-        self.inner
-            .store
-            .transaction_within(self.inner.transaction_timeout, work)
-            .await
+        transaction::run(
+            &self.inner.store,
+            Some(self.inner.transaction_timeout),
+            work,
+        )
+        .await
     }
 
     /// Publishes a typed event. Chain the options, then `.await`:
@@ -276,7 +289,7 @@ impl RelayBus {
     /// [`Error::Configuration`] for a session without a started transaction, or for a publish
     /// without `.session(..)` inside the body of [`transaction`](Self::transaction) (it would
     /// commit whatever becomes of the body). Nothing is written in either case.
-    pub fn publish<E: Event>(&self, event: &E) -> Publish<'_> {
+    pub fn publish<E: Event>(&self, event: &E) -> Publish<'_, S> {
         Publish {
             bus: self,
             envelope: EventEnvelope::new(event).map_err(Error::from),
@@ -285,7 +298,7 @@ impl RelayBus {
     }
 
     /// Publishes a prepared envelope, as [`publish`](Self::publish) does.
-    pub fn publish_envelope(&self, envelope: EventEnvelope) -> Publish<'_> {
+    pub fn publish_envelope(&self, envelope: EventEnvelope) -> Publish<'_, S> {
         Publish {
             bus: self,
             envelope: Ok(envelope),
@@ -297,7 +310,7 @@ impl RelayBus {
     pub fn publish_all(
         &self,
         envelopes: impl IntoIterator<Item = EventEnvelope>,
-    ) -> PublishAll<'_> {
+    ) -> PublishAll<'_, S> {
         PublishAll {
             bus: self,
             envelopes: envelopes.into_iter().collect(),
@@ -307,7 +320,7 @@ impl RelayBus {
 
     async fn append(
         &self,
-        session: Option<&mut ClientSession>,
+        session: Option<&mut S::Session>,
         envelopes: &[EventEnvelope],
     ) -> Result<Vec<Appended>> {
         let requests: Vec<AppendRequest<'_>> = envelopes
@@ -316,17 +329,44 @@ impl RelayBus {
             .collect();
         let store = &self.inner.store;
         match session {
-            Some(session) => store.append(session, &requests, DateTime::now()).await,
-            None if crate::store::mongo::in_transaction_body() => {
+            Some(session) => store.append(session, &requests, Timestamp::now()).await,
+            None if transaction::in_transaction_body() => {
                 Err(ConfigurationError::SessionNotPassed {
                     operation: "publish",
                 }
                 .into())
             }
             None => {
-                store
-                    .append_in_own_transaction(self.inner.transaction_timeout, &requests)
-                    .await
+                // The transaction loop written inline: a borrowing closure handed to
+                // `transaction::run` could not be proven `Send` here.
+                let budget = Some(self.inner.transaction_timeout);
+                let mut session = store.session().await?;
+                let mut attempts = Attempts::new(budget);
+                loop {
+                    attempts.start();
+                    store.begin(&mut session, budget).await?;
+                    let appended = match store
+                        .append_in_transaction(&mut session, &requests, Timestamp::now())
+                        .await
+                    {
+                        Ok(appended) => appended,
+                        Err(error) => {
+                            store.abort(&mut session).await;
+                            if attempts.retry_after(&error).await {
+                                continue;
+                            }
+                            return Err(error);
+                        }
+                    };
+                    if let Err(error) = attempts.check_budget() {
+                        store.abort(&mut session).await;
+                        return Err(error.into());
+                    }
+                    match attempts.commit(store, &mut session).await? {
+                        Committed::Yes => return Ok(appended),
+                        Committed::RunAgain => continue,
+                    }
+                }
             }
         }
     }
@@ -334,9 +374,8 @@ impl RelayBus {
 
 /// Builds a [`RelayBus`]; made by [`RelayBus::builder`].
 #[must_use]
-#[derive(Debug)]
-pub struct RelayBusBuilder {
-    store: MongoEventStore,
+pub struct RelayBusBuilder<S: Store = DefaultStore> {
+    store: S,
     subscriptions: Vec<Subscription>,
     registered: crate::registry::Selection,
     transaction_timeout: Duration,
@@ -352,7 +391,19 @@ pub struct RelayBusBuilder {
     retention: Option<Retention>,
 }
 
-impl RelayBusBuilder {
+impl<S: Store> std::fmt::Debug for RelayBusBuilder<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBusBuilder")
+            .field("store", &self.store)
+            .field("subscriptions", &self.subscriptions)
+            .field("registered", &self.registered)
+            .field("transaction_timeout", &self.transaction_timeout)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> RelayBusBuilder<S> {
     /// Adds a subscription.
     pub fn subscribe(mut self, subscription: Subscription) -> Self {
         self.subscriptions.push(subscription);
@@ -453,7 +504,7 @@ impl RelayBusBuilder {
         self
     }
 
-    /// Whether [`start`](RelayBus::start) runs [`MongoEventStore::setup`] first (the default).
+    /// Whether [`start`](RelayBus::start) runs [`Store::setup`] first (the default).
     pub fn setup_on_start(mut self, enabled: bool) -> Self {
         self.setup_on_start = enabled;
         self
@@ -483,26 +534,17 @@ impl RelayBusBuilder {
     /// Duplicates are looked for among the subscriptions of this bus and in the whole
     /// [`registry`](crate::registry) ([`ConfigurationError::DuplicateEventType`] too), and the
     /// error names both items.
-    pub fn build(mut self) -> Result<RelayBus, ConfigurationError> {
+    pub fn build(mut self) -> Result<RelayBus<S>, ConfigurationError> {
         self.subscriptions = crate::registry::subscriptions(
             &self.registered,
             std::mem::take(&mut self.subscriptions),
         )?;
-        if self.transaction_timeout < Duration::from_millis(1)
-            || self.transaction_timeout > Duration::from_secs(60)
-        {
-            return Err(ConfigurationError::InvalidOption {
-                option: "transaction_timeout",
-                reason: format!(
-                    "{:?} is out of range; use 1 ms to 60 s (MongoDB aborts longer transactions)",
-                    self.transaction_timeout
-                ),
-            });
-        }
+        transaction::validate_budget(self.transaction_timeout)?;
         self.check_dispatch_settings()?;
         let mut handlers_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
         for (at, subscription) in self.subscriptions.iter().enumerate() {
             validate_handler_id(&subscription.id)?;
+            subscription.check_store::<S>()?;
             if let Err(reason) = crate::event::check_type_name(subscription.event_type) {
                 // Publishing such a type is refused, so the handler could never run.
                 return Err(ConfigurationError::InvalidOption {
@@ -645,13 +687,13 @@ impl RelayBusBuilder {
 
 /// A pending publish of one event; made by [`RelayBus::publish`]. Runs when awaited.
 #[must_use = "a publish does nothing until it is awaited"]
-pub struct Publish<'a> {
-    bus: &'a RelayBus,
+pub struct Publish<'a, S: Store = DefaultStore> {
+    bus: &'a RelayBus<S>,
     envelope: Result<EventEnvelope>,
-    session: Option<&'a mut ClientSession>,
+    session: Option<&'a mut S::Session>,
 }
 
-impl std::fmt::Debug for Publish<'_> {
+impl<S: Store> std::fmt::Debug for Publish<'_, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Publish")
             .field("envelope", &self.envelope)
@@ -660,7 +702,7 @@ impl std::fmt::Debug for Publish<'_> {
     }
 }
 
-impl<'a> Publish<'a> {
+impl<'a, S: Store> Publish<'a, S> {
     fn map(
         mut self,
         f: impl FnOnce(EventEnvelope) -> Result<EventEnvelope, crate::EventValidationError>,
@@ -671,7 +713,7 @@ impl<'a> Publish<'a> {
 
     /// Appends the event in this session's transaction, so it commits with the business data
     /// written through the same session.
-    pub fn session(mut self, session: &'a mut ClientSession) -> Self {
+    pub fn session(mut self, session: &'a mut S::Session) -> Self {
         self.session = Some(session);
         self
     }
@@ -703,7 +745,7 @@ impl<'a> Publish<'a> {
     }
 }
 
-impl<'a> IntoFuture for Publish<'a> {
+impl<'a, S: Store> IntoFuture for Publish<'a, S> {
     type Output = Result<Appended>;
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
 
@@ -721,13 +763,13 @@ impl<'a> IntoFuture for Publish<'a> {
 
 /// A pending publish of several events; made by [`RelayBus::publish_all`]. Runs when awaited.
 #[must_use = "a publish does nothing until it is awaited"]
-pub struct PublishAll<'a> {
-    bus: &'a RelayBus,
+pub struct PublishAll<'a, S: Store = DefaultStore> {
+    bus: &'a RelayBus<S>,
     envelopes: Vec<EventEnvelope>,
-    session: Option<&'a mut ClientSession>,
+    session: Option<&'a mut S::Session>,
 }
 
-impl std::fmt::Debug for PublishAll<'_> {
+impl<S: Store> std::fmt::Debug for PublishAll<'_, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PublishAll")
             .field("envelopes", &self.envelopes.len())
@@ -736,15 +778,15 @@ impl std::fmt::Debug for PublishAll<'_> {
     }
 }
 
-impl<'a> PublishAll<'a> {
+impl<'a, S: Store> PublishAll<'a, S> {
     /// Appends the events in this session's transaction.
-    pub fn session(mut self, session: &'a mut ClientSession) -> Self {
+    pub fn session(mut self, session: &'a mut S::Session) -> Self {
         self.session = Some(session);
         self
     }
 }
 
-impl<'a> IntoFuture for PublishAll<'a> {
+impl<'a, S: Store> IntoFuture for PublishAll<'a, S> {
     type Output = Result<Vec<Appended>>;
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
 
@@ -754,13 +796,14 @@ impl<'a> IntoFuture for PublishAll<'a> {
 }
 
 /// A lane owner name unique to this process: host, process id and a random part.
+///
+/// The host name comes from `HOSTNAME` alone: `build()` makes no blocking call.
 fn default_owner() -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
         .map(|h| h.trim().to_owned())
         .filter(|h| !h.is_empty() && h.len() <= 200 && !h.chars().any(char::is_control))
         .unwrap_or_else(|| "worker".to_owned());
-    let random = uuid::Uuid::now_v7().as_u128() as u32;
+    let random: u32 = rand::random();
     format!("{host}-{}-{random:08x}", std::process::id())
 }

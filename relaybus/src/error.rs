@@ -34,10 +34,11 @@ pub enum Error {
 
     /// The database returned an error, or could not be reached.
     ///
-    /// Errors labelled `TransientTransactionError` inside [`transaction`](crate::MongoEventStore::transaction)
-    /// are retried there and only reach the caller once the retry time is used up.
+    /// Errors that let a transaction run again (a write conflict, a primary that stepped down)
+    /// are retried by the transaction helpers and only reach the caller once the retry time
+    /// is used up. The driver's own error is kept: see [`DatabaseError::downcast_ref`].
     #[error("database error: {0}")]
-    Database(#[from] mongodb::error::Error),
+    Database(#[from] DatabaseError),
 
     /// A lease token or delivery id that the store cannot have issued: malformed, or naming a
     /// lane that does not exist. Refused before any database call; nothing was written.
@@ -62,19 +63,107 @@ impl Error {
         Error::Custom(error.into())
     }
 
-    /// Whether the error carries the given server or driver label, such as
-    /// `TransientTransactionError`.
-    pub fn contains_label(&self, label: &str) -> bool {
-        match self {
-            Error::Database(e) => e.contains_label(label),
-            _ => false,
-        }
-    }
-
     /// Whether the whole transaction that raised this error may be run again: a write conflict,
     /// a lost connection or a primary that stepped down.
     pub fn is_transient_transaction_error(&self) -> bool {
-        self.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR)
+        matches!(self, Error::Database(e) if e.is_transient())
+    }
+
+    /// Whether a commit failed without saying whether it committed; sending the commit again
+    /// is safe, the database commits a transaction once.
+    pub fn is_unknown_commit_result(&self) -> bool {
+        matches!(self, Error::Database(e) if e.is_unknown_commit_result())
+    }
+
+    /// Whether the database stopped an operation at its time limit (a commit past its
+    /// budget, for example).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Database(e) if e.is_timeout())
+    }
+}
+
+/// An error of the database or its driver, with what the transaction helpers need to know
+/// about it. Made by the store from its driver's error, which it keeps.
+///
+/// ```
+/// use relaybus::DatabaseError;
+///
+/// let error = DatabaseError::new(std::io::Error::other("connection reset")).with_transient(true);
+/// assert!(error.is_transient());
+/// assert!(error.downcast_ref::<std::io::Error>().is_some());
+/// ```
+#[derive(Debug)]
+pub struct DatabaseError {
+    source: BoxError,
+    transient: bool,
+    unknown_commit_result: bool,
+    timeout: bool,
+}
+
+impl DatabaseError {
+    /// Wraps a driver error; it is neither transient nor a timeout until said so.
+    pub fn new(source: impl Into<BoxError>) -> Self {
+        DatabaseError {
+            source: source.into(),
+            transient: false,
+            unknown_commit_result: false,
+            timeout: false,
+        }
+    }
+
+    /// Marks the error as one after which the whole transaction may run again.
+    pub fn with_transient(mut self, transient: bool) -> Self {
+        self.transient = transient;
+        self
+    }
+
+    /// Marks the error as a commit whose outcome is unknown.
+    pub fn with_unknown_commit_result(mut self, unknown: bool) -> Self {
+        self.unknown_commit_result = unknown;
+        self
+    }
+
+    /// Marks the error as the database's time limit.
+    pub fn with_timeout(mut self, timeout: bool) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Whether the whole transaction may run again.
+    pub fn is_transient(&self) -> bool {
+        self.transient
+    }
+
+    /// Whether a commit failed without saying whether it committed.
+    pub fn is_unknown_commit_result(&self) -> bool {
+        self.unknown_commit_result
+    }
+
+    /// Whether the database stopped the operation at its time limit.
+    pub fn is_timeout(&self) -> bool {
+        self.timeout
+    }
+
+    /// The driver's error.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self.source.as_ref()
+    }
+
+    /// The driver's error as its own type, such as `mongodb::error::Error`.
+    pub fn downcast_ref<T: std::error::Error + 'static>(&self) -> Option<&T> {
+        self.source.downcast_ref::<T>()
+    }
+}
+
+impl std::fmt::Display for DatabaseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for DatabaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
     }
 }
 
@@ -181,6 +270,24 @@ pub enum ConfigurationError {
         second: String,
     },
 
+    /// A handler's context or session belongs to another store than the bus's: it could not
+    /// be given the transaction it asks for.
+    #[error(
+        "handler {handler:?} is written for the {handler_store} store (its `HandlerContext` names \
+         it), and this bus runs on the {bus_store} store; write the handler's context as \
+         `HandlerContext<{bus_type}>`, or leave the context out if the handler does not need it"
+    )]
+    HandlerOfAnotherStore {
+        /// The handler id.
+        handler: String,
+        /// The store the handler is written for.
+        handler_store: &'static str,
+        /// The bus's store.
+        bus_store: &'static str,
+        /// The bus's store type, as Rust names it.
+        bus_type: &'static str,
+    },
+
     /// Two event types declared with `#[event]` share one type name, so each would be read as
     /// the other.
     #[error(
@@ -281,7 +388,7 @@ pub enum EventValidationError {
     /// same batch. Ids deduplicate events, so the handlers of this type would get deliveries
     /// of an event they cannot read.
     ///
-    /// Found by [`append`](crate::MongoEventStore::append) inside the transaction when the
+    /// Found by the store's `append` inside the transaction when the
     /// other event is stored: the transaction must not commit (the transaction helpers of the
     /// bus and the store abort it).
     #[error(
@@ -341,8 +448,8 @@ impl TransactionTimeoutError {
 
 /// A lease or delivery id that the store cannot have issued. Nothing was sent to the database.
 ///
-/// Leases come from [`claim`](crate::MongoEventStore::claim); one that was stored as text and
-/// read back goes through [`Lease::parse`](crate::Lease::parse), which refuses what no claim can
+/// Leases come from a claim; a MongoDB lease that was stored as text and read back goes through
+/// `Lease::parse`, which refuses what no claim can
 /// have produced.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

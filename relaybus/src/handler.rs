@@ -1,14 +1,22 @@
 //! Handlers and their subscriptions.
 
-use std::{collections::BTreeMap, fmt, future::Future, sync::Arc, time::Duration};
+use std::{
+    any::{Any, TypeId},
+    collections::BTreeMap,
+    fmt,
+    future::Future,
+    marker::PhantomData,
+    sync::Arc,
+    time::Duration,
+};
 
 use futures::future::BoxFuture;
-use mongodb::ClientSession;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::{
     error::{BoxError, ConfigurationError},
     event::{Event, EventEnvelope},
+    store::{DefaultStore, Store},
     time::Timestamp,
 };
 
@@ -43,8 +51,11 @@ pub fn validate_handler_id(id: &str) -> Result<(), ConfigurationError> {
 
 /// What a handler learns about the delivery it runs for, besides the event itself, and, for a
 /// transactional handler, the session of the transaction its delivery completes in.
-#[derive(Clone)]
-pub struct HandlerContext {
+///
+/// `S` is the store the handler runs on, the MongoDB store unless named: a handler that asks
+/// for `HandlerContext<S>` can only be subscribed to a bus of that store (its session is
+/// `S::Session`).
+pub struct HandlerContext<S: Store = DefaultStore> {
     event_id: String,
     event_type: String,
     key: Option<String>,
@@ -55,10 +66,30 @@ pub struct HandlerContext {
     created_at: Timestamp,
     handler: String,
     attempt: u32,
-    session: Option<Arc<Mutex<ClientSession>>>,
+    session: Option<Arc<Mutex<S::Session>>>,
+    store: PhantomData<fn() -> S>,
 }
 
-impl fmt::Debug for HandlerContext {
+impl<S: Store> Clone for HandlerContext<S> {
+    fn clone(&self) -> Self {
+        HandlerContext {
+            event_id: self.event_id.clone(),
+            event_type: self.event_type.clone(),
+            key: self.key.clone(),
+            sequence: self.sequence,
+            correlation_id: self.correlation_id.clone(),
+            causation_id: self.causation_id.clone(),
+            headers: self.headers.clone(),
+            created_at: self.created_at,
+            handler: self.handler.clone(),
+            attempt: self.attempt,
+            session: self.session.clone(),
+            store: PhantomData,
+        }
+    }
+}
+
+impl<S: Store> fmt::Debug for HandlerContext<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HandlerContext")
             .field("event_id", &self.event_id)
@@ -72,7 +103,7 @@ impl fmt::Debug for HandlerContext {
     }
 }
 
-impl HandlerContext {
+impl<S: Store> HandlerContext<S> {
     /// A context for calling a handler outside the dispatcher, in unit tests for example: the
     /// event's metadata, attempt 1, and no transaction.
     pub fn detached(event: &EventEnvelope, handler: impl Into<String>) -> Self {
@@ -88,6 +119,7 @@ impl HandlerContext {
             handler: handler.into(),
             attempt: 1,
             session: None,
+            store: PhantomData,
         }
     }
 
@@ -96,7 +128,7 @@ impl HandlerContext {
         handler: &str,
         sequence: Option<i64>,
         attempt: u32,
-        session: Option<Arc<Mutex<ClientSession>>>,
+        session: Option<Arc<Mutex<S::Session>>>,
     ) -> Self {
         HandlerContext {
             sequence,
@@ -183,7 +215,7 @@ impl HandlerContext {
     ///
     /// [`NotTransactional`] when the handler was not subscribed as transactional, or when the
     /// session is held already (two guards at once would deadlock).
-    pub async fn session(&self) -> Result<SessionGuard, NotTransactional> {
+    pub async fn session(&self) -> Result<SessionGuard<S>, NotTransactional> {
         let session = self.session.as_ref().ok_or_else(|| NotTransactional {
             handler: self.handler.clone(),
             reason: "it is not subscribed as transactional; use `Subscription::transactional()` \
@@ -199,27 +231,27 @@ impl HandlerContext {
     }
 }
 
-/// The session of a transactional handler's transaction; derefs to the driver's
-/// [`ClientSession`]. Made by [`HandlerContext::session`].
-pub struct SessionGuard {
-    guard: OwnedMutexGuard<ClientSession>,
+/// The session of a transactional handler's transaction; derefs to the store's session (the
+/// driver's `ClientSession` for MongoDB). Made by [`HandlerContext::session`].
+pub struct SessionGuard<S: Store = DefaultStore> {
+    guard: OwnedMutexGuard<S::Session>,
 }
 
-impl fmt::Debug for SessionGuard {
+impl<S: Store> fmt::Debug for SessionGuard<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SessionGuard").finish_non_exhaustive()
     }
 }
 
-impl std::ops::Deref for SessionGuard {
-    type Target = ClientSession;
-    fn deref(&self) -> &ClientSession {
+impl<S: Store> std::ops::Deref for SessionGuard<S> {
+    type Target = S::Session;
+    fn deref(&self) -> &S::Session {
         &self.guard
     }
 }
 
-impl std::ops::DerefMut for SessionGuard {
-    fn deref_mut(&mut self) -> &mut ClientSession {
+impl<S: Store> std::ops::DerefMut for SessionGuard<S> {
+    fn deref_mut(&mut self) -> &mut S::Session {
         &mut self.guard
     }
 }
@@ -232,29 +264,56 @@ pub struct NotTransactional {
     reason: &'static str,
 }
 
-/// An async function that handles events of type `E`.
+/// An async function that handles events of type `E` on store `S`.
 ///
-/// Implemented for every `Fn(E, HandlerContext) -> impl Future<Output = Result<(), BoxError>>`
+/// Implemented for every `Fn(E, HandlerContext<S>) -> impl Future<Output = Result<(), BoxError>>`
 /// that is `Send + Sync + 'static`.
-pub trait Handler<E: Event>: Send + Sync + 'static {
+pub trait Handler<E: Event, S: Store = DefaultStore>: Send + Sync + 'static {
     /// Handles one event. An error fails the attempt; the delivery is retried or buried.
-    fn call(&self, event: E, context: HandlerContext) -> BoxFuture<'static, Result<(), BoxError>>;
+    fn call(
+        &self,
+        event: E,
+        context: HandlerContext<S>,
+    ) -> BoxFuture<'static, Result<(), BoxError>>;
 }
 
-impl<E, F, Fut> Handler<E> for F
+impl<E, S, F, Fut> Handler<E, S> for F
 where
     E: Event,
-    F: Fn(E, HandlerContext) -> Fut + Send + Sync + 'static,
+    S: Store,
+    F: Fn(E, HandlerContext<S>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
-    fn call(&self, event: E, context: HandlerContext) -> BoxFuture<'static, Result<(), BoxError>> {
+    fn call(
+        &self,
+        event: E,
+        context: HandlerContext<S>,
+    ) -> BoxFuture<'static, Result<(), BoxError>> {
         Box::pin((self)(event, context))
     }
 }
 
-type ErasedHandler = dyn Fn(serde_json::Value, HandlerContext) -> BoxFuture<'static, Result<(), BoxError>>
+/// A handler with its event and context types erased: it takes the payload and a
+/// `HandlerContext<S>` boxed as `Any`, of the store the subscription was made for.
+type ErasedHandler = dyn Fn(serde_json::Value, Box<dyn Any + Send>) -> BoxFuture<'static, Result<(), BoxError>>
     + Send
     + Sync;
+
+/// The store a subscription's handler is written for.
+#[derive(Clone, Copy)]
+pub(crate) struct StoreTag {
+    type_id: fn() -> TypeId,
+    name: &'static str,
+}
+
+impl StoreTag {
+    fn of<S: Store>() -> Self {
+        StoreTag {
+            type_id: TypeId::of::<S>,
+            name: S::NAME,
+        }
+    }
+}
 
 /// A handler subscribed to one event type under a stable id.
 ///
@@ -279,38 +338,101 @@ pub struct Subscription {
     pub(crate) transactional: bool,
     pub(crate) retry: Option<RetryPolicy>,
     pub(crate) handler: Arc<ErasedHandler>,
+    /// The store the handler's context names; `None` for a handler without a context, which
+    /// runs on any store.
+    pub(crate) store: Option<StoreTag>,
 }
 
 impl Subscription {
-    /// Subscribes `handler` to the events of type `E` under the id `id`.
+    /// Subscribes `handler` to the events of type `E` under the id `id`. The handler's context
+    /// type names its store (`HandlerContext` alone is the MongoDB store's).
     ///
-    /// The id is checked when the bus is built.
-    pub fn new<E: Event, H: Handler<E>>(id: impl Into<String>, handler: H) -> Self {
+    /// The id is checked when the bus is built, and so is the store: a bus of another store
+    /// refuses the subscription.
+    pub fn new<E: Event, S: Store, H: Handler<E, S>>(id: impl Into<String>, handler: H) -> Self {
         let handler = Arc::new(handler);
-        let erased = move |payload: serde_json::Value, context: HandlerContext| {
-            let handler = Arc::clone(&handler);
-            let event: Result<E, _> = serde_json::from_value(payload);
-            match event {
-                Ok(event) => handler.call(event, context),
-                Err(error) => {
-                    let message = format!(
-                        "the stored payload of {} no longer deserializes into {}: {error}",
-                        E::TYPE,
-                        std::any::type_name::<E>()
-                    );
-                    Box::pin(async move { Err(BoxError::from(message)) })
-                        as BoxFuture<'static, Result<(), BoxError>>
-                }
+        let erased = move |payload: serde_json::Value, context: Box<dyn Any + Send>| {
+            let event = match decode::<E>(payload) {
+                Ok(event) => event,
+                Err(error) => return failed(error),
+            };
+            match context.downcast::<HandlerContext<S>>() {
+                Ok(context) => handler.call(event, *context),
+                // `build` refuses a subscription of another store, so this cannot happen.
+                Err(_) => failed(format!(
+                    "handler context of another store than {}; subscribe the handler to a bus \
+                     of that store",
+                    S::NAME
+                )),
             }
         };
+        Subscription::erased::<E>(id.into(), Arc::new(erased), Some(StoreTag::of::<S>()))
+    }
+
+    /// Subscribes a handler that takes the event alone, to the events of type `E` under the id
+    /// `id`. It needs no context, so it runs on a bus of any store.
+    ///
+    /// ```
+    /// # use relaybus::{BoxError, Event, Subscription};
+    /// # #[derive(serde::Serialize, serde::Deserialize)]
+    /// # struct UserSignedUp { email: String }
+    /// # impl Event for UserSignedUp { const TYPE: &'static str = "user.signed-up.v1"; }
+    /// let welcome = Subscription::without_context("welcome-mail", |event: UserSignedUp| async move {
+    ///     println!("welcome, {}", event.email);
+    ///     Ok::<(), BoxError>(())
+    /// });
+    /// assert_eq!(welcome.event_type(), "user.signed-up.v1");
+    /// ```
+    pub fn without_context<E, F, Fut>(id: impl Into<String>, handler: F) -> Self
+    where
+        E: Event,
+        F: Fn(E) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        let erased =
+            move |payload: serde_json::Value, _context: Box<dyn Any + Send>| match decode::<E>(
+                payload,
+            ) {
+                Ok(event) => Box::pin(handler(event)) as BoxFuture<'static, Result<(), BoxError>>,
+                Err(error) => failed(error),
+            };
+        Subscription::erased::<E>(id.into(), Arc::new(erased), None)
+    }
+
+    fn erased<E: Event>(id: String, handler: Arc<ErasedHandler>, store: Option<StoreTag>) -> Self {
         Subscription {
-            id: id.into(),
+            id,
             event_type: E::TYPE,
             rust_type: std::any::type_name::<E>(),
             transactional: false,
             retry: None,
-            handler: Arc::new(erased),
+            handler,
+            store,
         }
+    }
+
+    /// Refuses a subscription whose handler is written for another store than `S`.
+    pub(crate) fn check_store<S: Store>(&self) -> Result<(), ConfigurationError> {
+        match self.store {
+            Some(tag) if (tag.type_id)() != TypeId::of::<S>() => {
+                Err(ConfigurationError::HandlerOfAnotherStore {
+                    handler: self.id.clone(),
+                    handler_store: tag.name,
+                    bus_store: S::NAME,
+                    bus_type: std::any::type_name::<S>(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs the handler on a stored payload with the context of store `S`.
+    pub(crate) fn call<S: Store>(
+        &self,
+        payload: serde_json::Value,
+        context: HandlerContext<S>,
+    ) -> BoxFuture<'static, Result<(), BoxError>> {
+        (self.handler)(payload, Box::new(context))
     }
 
     /// Runs the handler inside a store transaction that also completes its delivery, so its
@@ -345,6 +467,22 @@ impl Subscription {
     pub fn is_transactional(&self) -> bool {
         self.transactional
     }
+}
+
+/// The event of a stored payload.
+fn decode<E: Event>(payload: serde_json::Value) -> Result<E, String> {
+    serde_json::from_value(payload).map_err(|error| {
+        format!(
+            "the stored payload of {} no longer deserializes into {}: {error}",
+            E::TYPE,
+            std::any::type_name::<E>()
+        )
+    })
+}
+
+/// A handler run that failed before the handler was called.
+fn failed(message: String) -> BoxFuture<'static, Result<(), BoxError>> {
+    Box::pin(async move { Err(BoxError::from(message)) })
 }
 
 impl fmt::Debug for Subscription {

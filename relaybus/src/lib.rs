@@ -113,11 +113,10 @@ mod time;
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
 pub use dispatcher::{Retention, RunReport};
 pub use error::{
-    BoxError, ConfigurationError, Error, EventValidationError, InvalidArgumentError, LeaseError,
-    Result, TransactionTimeoutError,
+    BoxError, ConfigurationError, DatabaseError, Error, EventValidationError, InvalidArgumentError,
+    LeaseError, Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
-pub use time::Timestamp;
 pub use handler::{
     Handler, HandlerContext, NotTransactional, RetryPolicy, SessionGuard, Subscription,
     validate_handler_id,
@@ -125,15 +124,21 @@ pub use handler::{
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use relaybus_macros::{event, handler};
-pub use store::mongo::{
-    AppendRequest, Appended, ClaimedDelivery, DeliveryQuery, DeliveryRecord, DeliveryStatus, Lease,
-    MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,
+#[cfg(feature = "mongodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
+pub use store::mongo::{ClaimedDelivery, Lease, MongoEventStore, MongoEventStoreBuilder};
+pub use store::{
+    AppendRequest, Appended, DeliveryQuery, DeliveryRecord, DeliveryStatus, PurgeOptions, Purged,
+    Requeued, Statistics, Store,
 };
+pub use time::Timestamp;
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
 
-/// The MongoDB driver relaybus is built on, for its `ClientSession` and `bson` types.
+/// The MongoDB driver of the MongoDB store, for its `ClientSession` and `bson` types.
+#[cfg(feature = "mongodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use mongodb;

@@ -13,6 +13,22 @@ pub use crate::{
     registry::{EventDescriptor, HandlerDescriptor},
 };
 
+/// What the second argument of a `#[handler]` function may be: a [`HandlerContext`] of some
+/// store, which names the store the handler runs on.
+#[diagnostic::on_unimplemented(
+    message = "the second argument of a `#[handler]` function must be a `HandlerContext`, not `{Self}`",
+    label = "not a `HandlerContext`",
+    note = "write `context: HandlerContext` (the MongoDB store's), `HandlerContext<YourStore>`, or leave the argument out"
+)]
+pub trait ContextArgument {
+    /// The store the context belongs to.
+    type Store: crate::store::Store;
+}
+
+impl<S: crate::store::Store> ContextArgument for HandlerContext<S> {
+    type Store = S;
+}
+
 /// What a `#[handler]` function may return: `Result<(), E>` for any error `E` that converts
 /// into a [`BoxError`].
 #[diagnostic::on_unimplemented(

@@ -53,6 +53,72 @@ impl Timestamp {
         Timestamp(self.0.saturating_sub(millis))
     }
 
+    /// Parses an RFC 3339 time such as `2025-01-31T12:00:00Z`, `2025-01-31T12:00:00.250Z` or
+    /// `2025-01-31T13:00:00+01:00`; digits past the milliseconds are cut off.
+    ///
+    /// ```
+    /// use relaybus::Timestamp;
+    ///
+    /// let t = Timestamp::parse_rfc3339("2026-12-01T08:53:53.123+01:00").unwrap();
+    /// assert_eq!(t.to_string(), "2026-12-01T07:53:53.123Z");
+    /// assert!(Timestamp::parse_rfc3339("yesterday").is_none());
+    /// ```
+    pub fn parse_rfc3339(text: &str) -> Option<Self> {
+        let b = text.as_bytes();
+        let number = |range: std::ops::Range<usize>| -> Option<i64> {
+            let digits = b.get(range)?;
+            digits.iter().all(u8::is_ascii_digit).then(|| {
+                digits
+                    .iter()
+                    .fold(0_i64, |n, d| n * 10 + i64::from(d - b'0'))
+            })
+        };
+        let separators = [(4, b'-'), (7, b'-'), (13, b':'), (16, b':')];
+        if separators.iter().any(|&(at, c)| b.get(at) != Some(&c))
+            || !matches!(b.get(10), Some(b'T' | b't' | b' '))
+        {
+            return None;
+        }
+        let (year, month, day) = (number(0..4)?, number(5..7)?, number(8..10)?);
+        let (hour, minute, second) = (number(11..13)?, number(14..16)?, number(17..19)?);
+        let mut at = 19;
+        let mut millis = 0;
+        if b.get(at) == Some(&b'.') {
+            let start = at + 1;
+            at = start;
+            while b.get(at).is_some_and(u8::is_ascii_digit) {
+                at += 1;
+            }
+            if at == start {
+                return None;
+            }
+            let kept = &text[start..at.min(start + 3)];
+            millis = kept.parse::<i64>().ok()? * 10_i64.pow(3 - kept.len() as u32);
+        }
+        let offset_minutes = match b.get(at)? {
+            b'Z' | b'z' if at + 1 == b.len() => 0,
+            sign @ (b'+' | b'-') if at + 6 == b.len() && b[at + 3] == b':' => {
+                let minutes = number(at + 1..at + 3)? * 60 + number(at + 4..at + 6)?;
+                if *sign == b'+' { minutes } else { -minutes }
+            }
+            _ => return None,
+        };
+        let days_in_month = match month {
+            1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+            4 | 6 | 9 | 11 => 30,
+            2 if year % 4 == 0 && (year % 100 != 0 || year % 400 == 0) => 29,
+            2 => 28,
+            _ => return None,
+        };
+        if !(1..=days_in_month).contains(&day) || hour > 23 || minute > 59 || second > 60 {
+            return None;
+        }
+        let days = days_from_civil(year, month as u32, day as u32);
+        let seconds =
+            days * 86_400 + hour * 3_600 + minute * 60 + second.min(59) - offset_minutes * 60;
+        Some(Timestamp(seconds * 1_000 + millis))
+    }
+
     /// How long after `earlier` this is; zero when it is not later.
     pub fn duration_since(self, earlier: Timestamp) -> Duration {
         Duration::from_millis(u64::try_from(self.0.saturating_sub(earlier.0)).unwrap_or(0))
@@ -64,8 +130,7 @@ impl From<SystemTime> for Timestamp {
         match time.duration_since(UNIX_EPOCH) {
             Ok(after) => Timestamp(i64::try_from(after.as_millis()).unwrap_or(i64::MAX)),
             Err(before) => Timestamp(
-                i64::try_from(before.duration().as_millis())
-                    .map_or(i64::MIN, |millis| -millis),
+                i64::try_from(before.duration().as_millis()).map_or(i64::MIN, |millis| -millis),
             ),
         }
     }
@@ -102,6 +167,17 @@ impl fmt::Display for Timestamp {
     }
 }
 
+/// The day count since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let yoe = year.rem_euclid(400);
+    let mp = i64::from((month + 9) % 12);
+    let doy = (153 * mp + 2) / 5 + i64::from(day) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// The proleptic Gregorian date of a day count since 1970-01-01 (Howard Hinnant's algorithm).
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
@@ -122,10 +198,7 @@ mod tests {
 
     #[test]
     fn displays_as_rfc3339() {
-        assert_eq!(
-            Timestamp::EPOCH.to_string(),
-            "1970-01-01T00:00:00.000Z"
-        );
+        assert_eq!(Timestamp::EPOCH.to_string(), "1970-01-01T00:00:00.000Z");
         assert_eq!(
             Timestamp::from_millis(1_796_111_633_123).to_string(),
             "2026-12-01T07:53:53.123Z"
@@ -134,6 +207,43 @@ mod tests {
             Timestamp::from_millis(-1).to_string(),
             "1969-12-31T23:59:59.999Z"
         );
+    }
+
+    #[test]
+    fn parses_rfc3339() {
+        for text in [
+            "1970-01-01T00:00:00.000Z",
+            "2026-12-01T07:53:53.123Z",
+            "2000-02-29T23:59:59.999Z",
+            "1969-12-31T23:59:59.999Z",
+        ] {
+            assert_eq!(
+                Timestamp::parse_rfc3339(text)
+                    .map(|t| t.to_string())
+                    .as_deref(),
+                Some(text)
+            );
+        }
+        assert_eq!(
+            Timestamp::parse_rfc3339("2025-01-01T00:00:00-00:30"),
+            Timestamp::parse_rfc3339("2025-01-01T00:30:00Z")
+        );
+        assert_eq!(
+            Timestamp::parse_rfc3339("2025-01-01T00:00:00.5Z"),
+            Some(Timestamp::from_millis(1_735_689_600_500))
+        );
+        for bad in [
+            "",
+            "2025-01-01",
+            "2025-13-01T00:00:00Z",
+            "2025-02-29T00:00:00Z",
+            "2025-01-01T24:00:00Z",
+            "2025-01-01T00:00:00",
+            "2025-01-01T00:00:00.Z",
+            "2025-01-01T00:00:00+0100",
+        ] {
+            assert_eq!(Timestamp::parse_rfc3339(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -1533,7 +1533,9 @@ async fn with_dead_letter(db: &TestDb) -> (MongoEventStore, ObjectId, ObjectId) 
         .list_deliveries(&DeliveryQuery::new().status(DeliveryStatus::Pending))
         .await
         .unwrap()[0]
-        .id;
+        .id
+        .parse()
+        .unwrap();
     (store, dead, pending)
 }
 
@@ -1570,11 +1572,19 @@ async fn operator_calls_refuse_bad_filters_and_ids_and_write_nothing() {
     // A page past the end lists nothing.
     assert_eq!(
         store
-            .list_deliveries(&DeliveryQuery::new().skip(u64::MAX))
+            .list_deliveries(&DeliveryQuery::new().after("ffffffffffffffffffffffff"))
             .await
             .unwrap(),
         []
     );
+    // A cursor that is no delivery id is refused, and names the argument.
+    match store
+        .list_deliveries(&DeliveryQuery::new().after("{\"$gt\": \"\"}"))
+        .await
+    {
+        Err(Error::InvalidArgument(error)) => assert_eq!(error.argument(), "after"),
+        other => panic!("a malformed cursor was accepted: {other:?}"),
+    }
     // An empty time range lists nothing.
     let now = DateTime::now();
     assert_eq!(
@@ -1654,7 +1664,7 @@ async fn operator_calls_refuse_bad_filters_and_ids_and_write_nothing() {
         .requeue(&[dead.to_hex()], DateTime::now())
         .await
         .unwrap();
-    assert_eq!(outcome.requeued, [dead]);
+    assert_eq!(outcome.requeued, [dead.to_hex()]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1016,7 +1016,7 @@ async fn a_parked_backlog_of_5000_unparks_level_triggered_after_its_head_complet
     assert_eq!(stats.parked, 4_999, "the waiting backlog was parked");
     assert_eq!(
         stats.oldest_due_at,
-        Some(at(0)),
+        Some(at(0).into()),
         "parked deliveries still count"
     );
     assert!(
@@ -1279,10 +1279,10 @@ async fn completion_history_records_completions_in_the_same_transaction() {
         .await
         .unwrap();
     assert_eq!(records.len(), 3);
-    assert!(records.iter().all(|r| r.completed_at == Some(at(3))));
+    assert!(records.iter().all(|r| r.completed_at == Some(at(3).into())));
     let retried_record = records
         .iter()
-        .find(|r| r.id == batch[0].delivery_id())
+        .find(|r| r.id == batch[0].delivery_id().to_hex())
         .unwrap();
     assert_eq!(retried_record.attempts, 2, "the completing attempt counts");
     assert_eq!(store.statistics().await.unwrap().completed, 3);
@@ -1453,7 +1453,7 @@ async fn requeue_makes_a_dead_delivery_pending_again_ahead_of_its_key() {
         .requeue(&[dead_id.as_str(), "{\"$ne\": null}", "nope"], at(4))
         .await
         .unwrap();
-    assert_eq!(refused.blocked, vec![first.delivery_id()]);
+    assert_eq!(refused.blocked, vec![first.delivery_id().to_hex()]);
     assert!(refused.requeued.is_empty());
     assert_eq!(refused.not_found, vec!["{\"$ne\": null}", "nope"]);
     assert_eq!(
@@ -1467,7 +1467,7 @@ async fn requeue_makes_a_dead_delivery_pending_again_ahead_of_its_key() {
 
     assert!(store.complete(second.lease(), at(5)).await.unwrap());
     let done = store.requeue(&[dead_id.as_str()], at(6)).await.unwrap();
-    assert_eq!(done.requeued, vec![first.delivery_id()]);
+    assert_eq!(done.requeued, vec![first.delivery_id().to_hex()]);
     let doc = delivery(&db, first.delivery_id()).await.unwrap();
     assert_eq!(doc.get_str("status").unwrap(), "pending");
     assert_eq!(attempts(&doc), 0);
@@ -1511,7 +1511,7 @@ async fn statistics_and_listing_count_and_filter_with_plain_values() {
     assert_eq!(stats.dead, 1);
     assert_eq!(stats.completed, 1);
     assert_eq!(stats.parked, 0);
-    assert_eq!(stats.oldest_due_at, Some(at(0)));
+    assert_eq!(stats.oldest_due_at, Some(at(0).into()));
 
     let dead = store
         .list_deliveries(&DeliveryQuery::new().status(DeliveryStatus::Dead))
@@ -1544,13 +1544,17 @@ async fn statistics_and_listing_count_and_filter_with_plain_values() {
         .list_deliveries(
             &DeliveryQuery::new()
                 .event_type("order.placed.v1")
-                .skip(2)
+                .after(by_type[1].id.clone())
                 .limit(2),
         )
         .await
         .unwrap();
     assert_eq!(page_two.len(), 2);
     assert!(by_type.iter().all(|r| !page_two.contains(r)));
+    assert!(
+        by_type[1].id < page_two[0].id,
+        "a page starts after the last id of the one before"
+    );
     // Operator input is a plain string, never a query operator.
     let injected = store
         .list_deliveries(&DeliveryQuery::new().handler("{\"$ne\": null}"))

@@ -2,6 +2,8 @@ use std::sync::Arc;
 
 use tower::Layer;
 
+use relaybus::{Store, store::DefaultStore};
+
 use super::RequestTx;
 use crate::config::Shared;
 
@@ -33,19 +35,27 @@ use crate::config::Shared;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug, Clone)]
-pub struct RequestTxLayer {
-    shared: Arc<Shared>,
+#[derive(Debug)]
+pub struct RequestTxLayer<St: Store = DefaultStore> {
+    shared: Arc<Shared<St>>,
 }
 
-impl RequestTxLayer {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+impl<St: Store> Clone for RequestTxLayer<St> {
+    fn clone(&self) -> Self {
+        RequestTxLayer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<St: Store> RequestTxLayer<St> {
+    pub(crate) fn new(shared: Arc<Shared<St>>) -> Self {
         RequestTxLayer { shared }
     }
 }
 
-impl<S> Layer<S> for RequestTxLayer {
-    type Service = RequestTx<S>;
+impl<S, St: Store> Layer<S> for RequestTxLayer<St> {
+    type Service = RequestTx<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RequestTx::new(inner, Arc::clone(&self.shared))

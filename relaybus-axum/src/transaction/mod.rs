@@ -1,13 +1,13 @@
 //! The request transaction: [`RequestTxLayer`] makes [`RequestTx`], which gives each request a
-//! lazily started MongoDB transaction and resolves it from the response status.
+//! lazily started store transaction and resolves it from the response status.
 //!
 //! # Lifecycle
 //!
 //! 1. The layer puts an empty slot into the request's extensions. Nothing else happens: a
 //!    request that never extracts [`Tx`](crate::Tx) or [`Publisher`](crate::Publisher) costs
 //!    no database call.
-//! 2. The first extraction starts a session and a transaction on the bus's client (snapshot
-//!    reads, `majority` commits, on the primary), and later extractions of the same request
+//! 2. The first extraction starts a session and a transaction on the bus's store, with the
+//!    transaction options the store was built with, and later extractions of the same request
 //!    reuse it. An extractor holds the session until it is dropped; a second extraction while
 //!    one is held fails with [`OverlappingExtractors`](crate::rejection::OverlappingExtractors).
 //! 3. When the inner service has answered, the transaction is committed if the
@@ -27,8 +27,9 @@
 //! # Panics and dropped requests
 //!
 //! When the handler panics, or the request future is dropped (the client went away, or a
-//! timeout dropped it), the session is dropped with its transaction still open, and the MongoDB
-//! driver aborts it in the background. Nothing is ever committed from `Drop`.
+//! timeout dropped it), the session is dropped with its transaction still open, and the
+//! database driver aborts it (MongoDB's in the background). Nothing is ever committed from
+//! `Drop`.
 
 mod layer;
 
@@ -46,10 +47,7 @@ use axum::{
     http::Extensions,
     response::{IntoResponse, Response},
 };
-use mongodb::{
-    ClientSession,
-    error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT},
-};
+use relaybus::{Store, store::DefaultStore};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower::Service;
 
@@ -62,27 +60,34 @@ use crate::{
     },
 };
 
-/// `MaxTimeMSExpired`: the commit ran past `maxCommitTimeMS`.
-const MAX_TIME_MS_EXPIRED: i32 = 50;
 /// How long past the budget the layer waits for a commit reply before giving up on it: the
 /// server stops at the budget, this covers the round trip.
 const COMMIT_REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The middleware of [`RequestTxLayer`]: a lazily started MongoDB transaction per request,
+/// The middleware of [`RequestTxLayer`]: a lazily started store transaction per request,
 /// committed or aborted from the response status. See the [module docs](self).
-#[derive(Debug, Clone)]
-pub struct RequestTx<S> {
+#[derive(Debug)]
+pub struct RequestTx<S, St: Store = DefaultStore> {
     inner: S,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<St>>,
 }
 
-impl<S> RequestTx<S> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared>) -> Self {
+impl<S: Clone, St: Store> Clone for RequestTx<S, St> {
+    fn clone(&self) -> Self {
+        RequestTx {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S, St: Store> RequestTx<S, St> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<St>>) -> Self {
         RequestTx { inner, shared }
     }
 }
 
-impl<S, B> Service<axum::http::Request<B>> for RequestTx<S>
+impl<S, St: Store, B> Service<axum::http::Request<B>> for RequestTx<S, St>
 where
     S: Service<axum::http::Request<B>, Error = Infallible>,
     S::Response: IntoResponse,
@@ -112,26 +117,34 @@ where
 
 /// The request's transaction, shared by the request extensions (for the extractors) and the
 /// layer's future (to resolve it).
-#[derive(Clone)]
-pub(crate) struct Slot {
-    pub(crate) shared: Arc<Shared>,
-    state: Arc<Mutex<State>>,
+pub(crate) struct Slot<St: Store> {
+    pub(crate) shared: Arc<Shared<St>>,
+    state: Arc<Mutex<State<St>>>,
 }
 
-enum State {
+impl<St: Store> Clone for Slot<St> {
+    fn clone(&self) -> Self {
+        Slot {
+            shared: Arc::clone(&self.shared),
+            state: Arc::clone(&self.state),
+        }
+    }
+}
+
+enum State<St: Store> {
     /// Nothing started yet.
     Idle,
     /// A session with a started transaction.
     Open {
-        session: Box<ClientSession>,
+        session: Box<St::Session>,
         started: Instant,
     },
     /// Committed, aborted, or never started, and the response is on its way.
     Ended,
 }
 
-impl Slot {
-    fn new(shared: Arc<Shared>) -> Self {
+impl<St: Store> Slot<St> {
+    fn new(shared: Arc<Shared<St>>) -> Self {
         Slot {
             shared,
             state: Arc::new(Mutex::new(State::Idle)),
@@ -139,14 +152,17 @@ impl Slot {
     }
 
     /// The slot of a request, or the rejection for a router without the layer.
-    pub(crate) fn of(extensions: &Extensions) -> Result<Slot, MissingRequestTx> {
-        extensions.get::<Slot>().cloned().ok_or(MissingRequestTx)
+    pub(crate) fn of(extensions: &Extensions) -> Result<Slot<St>, MissingRequestTx> {
+        extensions
+            .get::<Slot<St>>()
+            .cloned()
+            .ok_or(MissingRequestTx)
     }
 
     /// Takes the session, starting it and its transaction on first use.
     ///
     /// Cancel safe: dropped before the transaction started, the slot stays idle.
-    pub(crate) async fn lease(&self) -> Result<Lease, TxRejection> {
+    pub(crate) async fn lease(&self) -> Result<Lease<St>, TxRejection> {
         let mut guard = Arc::clone(&self.state)
             .try_lock_owned()
             .map_err(|_| OverlappingExtractors)?;
@@ -154,18 +170,14 @@ impl Slot {
             State::Open { .. } => {}
             State::Ended => return Err(TransactionEnded.into()),
             State::Idle => {
-                let client = self.shared.bus.store().client();
+                // The store's own transaction options, with the budget bounding the commit.
+                let store = self.shared.bus.store();
                 let start = async {
-                    let mut session = client.start_session().await?;
-                    session
-                        .start_transaction()
-                        .with_options(self.shared.options.clone())
-                        .await?;
-                    Ok::<_, mongodb::error::Error>(session)
+                    let mut session = store.session().await?;
+                    store.begin(&mut session, Some(self.shared.budget)).await?;
+                    Ok::<_, relaybus::Error>(session)
                 };
-                let session = start
-                    .await
-                    .map_err(|e| StartTransaction(relaybus::Error::Database(e)))?;
+                let session = start.await.map_err(StartTransaction)?;
                 *guard = State::Open {
                     session: Box::new(session),
                     started: Instant::now(),
@@ -196,14 +208,14 @@ impl Slot {
         };
         drop(guard);
         let shared = &self.shared;
+        let store = shared.bus.store();
         if !shared.policy.commits(response.status()) {
-            // The driver ignores errors of abortTransaction: the server aborts on its own.
-            let _ = session.abort_transaction().await;
+            store.abort(&mut session).await;
             return response;
         }
         let elapsed = started.elapsed();
         if elapsed > shared.budget {
-            let _ = session.abort_transaction().await;
+            store.abort(&mut session).await;
             return CommitError::TimedOut {
                 budget: shared.budget,
                 elapsed,
@@ -212,7 +224,7 @@ impl Slot {
             }
             .into_response();
         }
-        match commit(&mut session, shared, started).await {
+        match commit(&mut *session, shared, started).await {
             Ok(()) => response,
             Err(error) => {
                 if matches!(error, CommitError::Database(_)) {
@@ -226,12 +238,14 @@ impl Slot {
     }
 }
 
-/// Commits, sending the commit again while its result is unknown, within the budget.
-async fn commit(
-    session: &mut ClientSession,
-    shared: &Shared,
+/// Commits, sending the commit again while its result is unknown, within the budget. The
+/// body cannot run again here (the request is gone), so a transient error ends it.
+async fn commit<St: Store>(
+    session: &mut St::Session,
+    shared: &Shared<St>,
     started: Instant,
 ) -> Result<(), CommitError> {
+    let store = shared.bus.store();
     let deadline = tokio::time::Instant::from_std(started + shared.budget + COMMIT_REPLY_GRACE);
     let timed_out = || CommitError::TimedOut {
         budget: shared.budget,
@@ -241,59 +255,48 @@ async fn commit(
     };
     let mut retries = 0;
     loop {
-        let error = match tokio::time::timeout_at(deadline, session.commit_transaction()).await {
+        let error = match tokio::time::timeout_at(deadline, store.commit(session)).await {
             Err(_) => return Err(timed_out()),
             Ok(Ok(())) => return Ok(()),
             Ok(Err(error)) => error,
         };
-        if error_code(&error) == Some(MAX_TIME_MS_EXPIRED) {
+        if error.is_timeout() {
             return Err(timed_out());
         }
-        if error.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) {
+        if error.is_unknown_commit_result() {
             if retries < shared.commit_retries {
                 retries += 1;
                 continue;
             }
             return Err(CommitError::Unknown {
-                error: relaybus::Error::Database(error),
+                error,
                 retry_after: shared.retry_after,
             });
         }
-        if error.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+        if error.is_transient_transaction_error() {
             return Err(CommitError::Transient {
-                error: relaybus::Error::Database(error),
+                error,
                 retry_after: shared.retry_after,
             });
         }
-        return Err(CommitError::Database(relaybus::Error::Database(error)));
-    }
-}
-
-/// The server error code of a driver error, if it has one.
-fn error_code(error: &mongodb::error::Error) -> Option<i32> {
-    use mongodb::error::WriteFailure;
-    match error.kind.as_ref() {
-        ErrorKind::Command(e) => Some(e.code),
-        ErrorKind::Write(WriteFailure::WriteConcernError(e)) => Some(e.code),
-        ErrorKind::Write(WriteFailure::WriteError(e)) => Some(e.code),
-        _ => None,
+        return Err(CommitError::Database(error));
     }
 }
 
 /// Exclusive use of the request's session, with its transaction started; held by an extractor.
-pub(crate) struct Lease {
-    guard: OwnedMutexGuard<State>,
+pub(crate) struct Lease<St: Store> {
+    guard: OwnedMutexGuard<State<St>>,
 }
 
-impl Lease {
-    pub(crate) fn session(&self) -> &ClientSession {
+impl<St: Store> Lease<St> {
+    pub(crate) fn session(&self) -> &St::Session {
         match &*self.guard {
             State::Open { session, .. } => session,
             _ => panic!("BUG: a lease of a request transaction that is not open"),
         }
     }
 
-    pub(crate) fn session_mut(&mut self) -> &mut ClientSession {
+    pub(crate) fn session_mut(&mut self) -> &mut St::Session {
         match &mut *self.guard {
             State::Open { session, .. } => session,
             _ => panic!("BUG: a lease of a request transaction that is not open"),

@@ -23,27 +23,42 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
     // The glue's variables carry the spans of the user's argument types, so that rustc reports
     // a second argument that is not a `HandlerContext` at its type.
     let event = Ident::new("__relaybus_event", event_ty.span());
-    let (context, call_args) = match context_ty {
-        Some(context_ty) => {
-            let context = Ident::new("__relaybus_context", context_ty.span());
-            (quote!(#context), quote!(#event, #context))
-        }
-        None => (quote!(_), quote!(#event)),
-    };
     // The result carries the span of the return type, so that rustc reports a return type that
     // is not a `Result<(), E: Into<BoxError>>` there.
     let result = Ident::new("__relaybus_result", output.span());
-    let call = quote_spanned! {output.span()=>
-        let #result = #ident(#call_args).await;
-        #private::HandlerResult::into_handler_result(#result)
-    };
     // `Subscription::new` carries the span of the function's name, where rustc reports a future
-    // that is not `Send`.
-    let subscribe = quote_spanned! {ident.span()=>
-        #private::Subscription::new::<#event_ty, _>(
-            #id,
-            |#event: #event_ty, #context: #private::HandlerContext| async move { #call },
-        )
+    // that is not `Send`. The context's type, as the user wrote it, names the handler's store;
+    // a handler without a context runs on any store.
+    let subscribe = match context_ty {
+        Some(context_ty) => {
+            let context = Ident::new("__relaybus_context", context_ty.span());
+            let call = quote_spanned! {output.span()=>
+                let #result = #ident(#event, #context).await;
+                #private::HandlerResult::into_handler_result(#result)
+            };
+            quote_spanned! {ident.span()=>
+                #private::Subscription::new::<
+                    #event_ty,
+                    <#context_ty as #private::ContextArgument>::Store,
+                    _,
+                >(
+                    #id,
+                    |#event: #event_ty, #context: #context_ty| async move { #call },
+                )
+            }
+        }
+        None => {
+            let call = quote_spanned! {output.span()=>
+                let #result = #ident(#event).await;
+                #private::HandlerResult::into_handler_result(#result)
+            };
+            quote_spanned! {ident.span()=>
+                #private::Subscription::without_context::<#event_ty, _, _>(
+                    #id,
+                    |#event: #event_ty| async move { #call },
+                )
+            }
+        }
     };
 
     let transactional = args.transactional.then(|| quote!(.with_transactional()));

@@ -10,7 +10,6 @@ use std::{
 };
 
 use futures::future::join_all;
-use mongodb::bson::{DateTime, oid::ObjectId};
 use tokio::{
     sync::{Notify, Semaphore, mpsc},
     task::AbortHandle,
@@ -21,7 +20,8 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::{
     error::Result,
     handler::{RetryPolicy, Subscription},
-    store::mongo::{Lease, MongoEventStore, PurgeOptions, Purged},
+    store::{ClaimRequest, Claimed, PurgeOptions, Purged, Store, StoreLease},
+    time::Timestamp,
 };
 
 pub(crate) use run::{Outcome, run_delivery};
@@ -70,24 +70,28 @@ pub(crate) struct Settings {
 
 /// A delivery a task of this bus is running.
 #[derive(Debug)]
-struct Running {
-    lease: Lease,
+struct Running<L> {
+    lease: L,
     transactional: bool,
     abort: Option<AbortHandle>,
 }
 
 /// What the dispatcher's tasks share.
-pub(crate) struct Shared {
-    pub(crate) store: MongoEventStore,
+pub(crate) struct Shared<S: Store> {
+    pub(crate) store: S,
     pub(crate) subscriptions: HashMap<String, Subscription>,
     pub(crate) handler_ids: Vec<String>,
     pub(crate) settings: Settings,
-    running: StdMutex<HashMap<ObjectId, Running>>,
-    /// Lanes the change stream reported new deliveries in since the last claim.
-    reported: StdMutex<Vec<i32>>,
+    running: StdMutex<RunningSet<S>>,
+    /// Where the wake-ups reported new deliveries since the last claim (MongoDB: lanes).
+    reported: StdMutex<Vec<u32>>,
 }
 
-impl std::fmt::Debug for Shared {
+/// The deliveries a task of this bus runs, by delivery id.
+type RunningSet<S> =
+    HashMap<<<S as Store>::Lease as StoreLease>::DeliveryId, Running<<S as Store>::Lease>>;
+
+impl<S: Store> std::fmt::Debug for Shared<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")
             .field("settings", &self.settings)
@@ -111,12 +115,8 @@ pub struct RunReport {
     pub other: usize,
 }
 
-impl Shared {
-    pub(crate) fn new(
-        store: MongoEventStore,
-        subscriptions: &[Subscription],
-        settings: Settings,
-    ) -> Self {
+impl<S: Store> Shared<S> {
+    pub(crate) fn new(store: S, subscriptions: &[Subscription], settings: Settings) -> Self {
         let handler_ids = subscriptions.iter().map(|s| s.id.clone()).collect();
         let subscriptions = subscriptions
             .iter()
@@ -132,13 +132,13 @@ impl Shared {
         }
     }
 
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<ObjectId, Running>> {
+    fn running(&self) -> std::sync::MutexGuard<'_, RunningSet<S>> {
         // A panic while holding this lock cannot leave the map inconsistent: recover it.
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Remembers a lane the change stream reported a new delivery in.
-    pub(super) fn report_lane(&self, lane: i32) {
+    /// Remembers where a wake-up reported a new delivery.
+    pub(super) fn report_lane(&self, lane: u32) {
         let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
         if reported.len() < MAX_REPORTED_LANES && !reported.contains(&lane) {
             reported.push(lane);
@@ -146,34 +146,28 @@ impl Shared {
     }
 
     /// The lanes reported since the last call.
-    fn take_reported(&self) -> Vec<i32> {
+    fn take_reported(&self) -> Vec<u32> {
         std::mem::take(&mut *self.reported.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Claims up to `limit` deliveries. `after_wait`: the loop waited idle before this claim,
     /// so the lanes the change stream reported meanwhile hold the only new work and are looked
     /// at first.
-    async fn claim(
-        &self,
-        limit: u32,
-        after_wait: bool,
-    ) -> Result<Vec<crate::store::mongo::ClaimedDelivery>> {
+    async fn claim(&self, limit: u32, after_wait: bool) -> Result<Vec<Claimed<S::Lease>>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
         let reported = self.take_reported();
         async {
-            if after_wait && !reported.is_empty() {
-                self.store.hint_lanes(&settings.owner, reported).await;
-            }
             let batch = self
                 .store
-                .claim(
-                    &settings.owner,
-                    &self.handler_ids,
+                .claim(ClaimRequest {
+                    owner: &settings.owner,
+                    handlers: &self.handler_ids,
                     limit,
-                    settings.lease_duration,
-                    DateTime::now(),
-                )
+                    lease_duration: settings.lease_duration,
+                    now: Timestamp::now(),
+                    reported: if after_wait { &reported } else { &[] },
+                })
                 .await?;
             if !batch.is_empty() {
                 debug!(claimed = batch.len(), "claimed deliveries");
@@ -195,7 +189,7 @@ impl Shared {
             ..RunReport::default()
         };
         let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
-        let leases: Vec<Lease> = outcomes
+        let leases: Vec<S::Lease> = outcomes
             .into_iter()
             .filter_map(|outcome| match outcome {
                 Outcome::Succeeded(lease) => Some(lease),
@@ -204,7 +198,7 @@ impl Shared {
             .collect();
         report.other = report.claimed - leases.len();
         if !leases.is_empty() {
-            let completed = self.store.complete_many(&leases, DateTime::now()).await?;
+            let completed = self.store.complete(&leases, Timestamp::now()).await?;
             report.completed = completed.iter().filter(|c| **c).count();
             report.other += leases.len() - report.completed;
         }
@@ -213,10 +207,8 @@ impl Shared {
 
     /// Deletes what the retention settings let go.
     pub(crate) async fn purge(&self, retention: Retention) -> Result<Purged> {
-        let now = DateTime::now().timestamp_millis();
-        let before = |keep: Duration| {
-            DateTime::from_millis(now.saturating_sub(keep.as_millis().min(i64::MAX as u128) as i64))
-        };
+        let now = Timestamp::now();
+        let before = |keep: Duration| now.saturating_sub(keep);
         let options = PurgeOptions::new()
             .completed_before(before(retention.completed))
             .dead_before(before(retention.dead));
@@ -233,7 +225,7 @@ pub(crate) struct Handle {
 
 impl Handle {
     /// Starts the dispatch loop in the background.
-    pub(crate) fn spawn(shared: Arc<Shared>) -> Self {
+    pub(crate) fn spawn<S: Store>(shared: Arc<Shared<S>>) -> Self {
         let cancel = CancellationToken::new();
         let span = info_span!("relaybus.dispatcher", owner = %shared.settings.owner);
         let task = tokio::spawn(dispatch(shared, cancel.clone()).instrument(span));
@@ -251,13 +243,13 @@ impl Handle {
 }
 
 /// The dispatch loop.
-async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
+async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     let settings = shared.settings.clone();
     let notify = Arc::new(Notify::new());
     let semaphore = Arc::new(Semaphore::new(settings.concurrency));
     let tracker = TaskTracker::new();
     let background = CancellationToken::new();
-    let (done, completions) = mpsc::unbounded_channel::<(Lease, bool)>();
+    let (done, completions) = mpsc::unbounded_channel::<(S::Lease, bool)>();
     let completer = tokio::spawn(complete_batches(
         Arc::clone(&shared),
         completions,
@@ -315,24 +307,25 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
                     Err(_) => break,
                 },
             };
-            let id = delivery.delivery_id();
+            let id = delivery.lease.delivery_id();
             let transactional = shared
                 .subscriptions
-                .get(delivery.handler())
+                .get(&delivery.handler)
                 .is_some_and(|s| s.transactional);
             shared.running().insert(
-                id,
+                id.clone(),
                 Running {
-                    lease: *delivery.lease(),
+                    lease: delivery.lease.clone(),
                     transactional,
                     abort: None,
                 },
             );
             let task_shared = Arc::clone(&shared);
+            let task_id = id.clone();
             let done = done.clone();
             // The next delivery of a key can be claimed only once this one is settled: wake
             // the loop then, rather than leaving the key to the poll interval.
-            let keyed = delivery.key().is_some();
+            let keyed = delivery.event.key().is_some();
             let wake = Arc::clone(&notify);
             let handle = tracker.spawn(async move {
                 match run_delivery(&task_shared, delivery).await {
@@ -343,7 +336,7 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
                         }
                     }
                     Outcome::Settled => {
-                        task_shared.running().remove(&id);
+                        task_shared.running().remove(&task_id);
                         if keyed {
                             wake.notify_one();
                         }
@@ -394,7 +387,7 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
     for task in [Some(renewer), waker, purger].into_iter().flatten() {
         let _ = task.await;
     }
-    let unfinished: Vec<Lease> = shared
+    let unfinished: Vec<S::Lease> = shared
         .running()
         .drain()
         .map(|(_, running)| running.lease)
@@ -410,9 +403,9 @@ async fn dispatch(shared: Arc<Shared>, cancel: CancellationToken) {
 }
 
 /// Completes the deliveries whose handlers succeeded, batching those that finish close together.
-async fn complete_batches(
-    shared: Arc<Shared>,
-    mut completions: mpsc::UnboundedReceiver<(Lease, bool)>,
+async fn complete_batches<S: Store>(
+    shared: Arc<Shared<S>>,
+    mut completions: mpsc::UnboundedReceiver<(S::Lease, bool)>,
     wake: Arc<Notify>,
 ) {
     const MAX_BATCH: usize = 1_000;
@@ -433,7 +426,7 @@ async fn complete_batches(
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                match shared.store.complete_many(&batch, DateTime::now()).await {
+                match shared.store.complete(&batch, Timestamp::now()).await {
                     Ok(completed) => {
                         let lost = completed.iter().filter(|c| !**c).count();
                         if lost > 0 {
@@ -470,10 +463,10 @@ async fn complete_batches(
     }
 }
 
-/// Extends, every third of the lease duration, the lease of each lane in which a
-/// non-transactional handler runs. Transactional handlers are not renewed: their completion
-/// must not conflict with a renewal.
-async fn renew_leases(shared: Arc<Shared>, cancel: CancellationToken) {
+/// Extends, every third of the lease duration, the leases of the running non-transactional
+/// handlers; the store renews what covers them (MongoDB: their lanes, each once). Transactional
+/// handlers are not renewed: their completion must not conflict with a renewal.
+async fn renew_leases<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     let lease_duration = shared.settings.lease_duration;
     let period = (lease_duration / 3).max(Duration::from_millis(10));
     loop {
@@ -481,33 +474,36 @@ async fn renew_leases(shared: Arc<Shared>, cancel: CancellationToken) {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(period) => {}
         }
-        let mut per_lane: HashMap<u32, Lease> = HashMap::new();
-        for running in shared.running().values() {
-            if !running.transactional {
-                per_lane
-                    .entry(running.lease.lane())
-                    .or_insert_with(|| running.lease);
-            }
-        }
-        let now = DateTime::now();
-        let renewals = per_lane
+        let leases: Vec<S::Lease> = shared
+            .running()
             .values()
-            .map(|lease| shared.store.extend_lease(lease, lease_duration, now));
-        for (result, lane) in join_all(renewals).await.into_iter().zip(per_lane.keys()) {
-            match result {
-                Ok(Some(_)) => {}
-                Ok(None) => debug!(
-                    lane,
-                    "lane lease not renewed: the claim ended or the lane changed hands"
-                ),
-                Err(error) => warn!(%error, lane, "renewing a lane lease failed"),
-            }
+            .filter(|running| !running.transactional)
+            .map(|running| running.lease.clone())
+            .collect();
+        if leases.is_empty() {
+            continue;
+        }
+        match shared
+            .store
+            .renew(&leases, lease_duration, Timestamp::now())
+            .await
+        {
+            Ok(covered) if covered < leases.len() => debug!(
+                running = leases.len(),
+                covered, "some leases not renewed: their claims ended or changed hands"
+            ),
+            Ok(_) => {}
+            Err(error) => warn!(%error, "renewing leases failed"),
         }
     }
 }
 
 /// Purges on the retention interval.
-async fn purge_periodically(shared: Arc<Shared>, retention: Retention, cancel: CancellationToken) {
+async fn purge_periodically<S: Store>(
+    shared: Arc<Shared<S>>,
+    retention: Retention,
+    cancel: CancellationToken,
+) {
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,

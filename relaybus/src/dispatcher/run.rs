@@ -7,29 +7,32 @@ use std::{
 };
 
 use futures::FutureExt;
-use mongodb::{
-    ClientSession,
-    bson::DateTime,
-    error::{TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT},
-};
+use rand::Rng;
 use tokio::sync::Mutex;
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::Shared;
 use crate::{
-    error::Error,
+    error::{DatabaseError, Error},
     handler::{HandlerContext, Subscription},
-    store::mongo::{ClaimedDelivery, Lease},
+    store::{
+        Claimed, Store,
+        transaction::{Attempts, Committed},
+    },
+    time::Timestamp,
 };
 
-/// How long a transactional handler's transaction is tried again after transient errors.
-const TRANSACTION_RETRY_LIMIT: Duration = Duration::from_secs(120);
+/// How much of its lease a transactional handler leaves unused: it stops retrying its
+/// transaction this long before the lease ends (a quarter of the lease when that is less), and
+/// gives the delivery back uncharged, so that it never runs on past its lease. Its lease is not
+/// renewed while it runs.
+const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
 /// How one run of a delivery ended.
 #[derive(Debug)]
-pub(crate) enum Outcome {
+pub(crate) enum Outcome<L> {
     /// The handler succeeded; its delivery still has to be completed (batched).
-    Succeeded(Lease),
+    Succeeded(L),
     /// The delivery was settled here: completed in the handler's transaction, rescheduled,
     /// buried, or its lease was lost.
     Settled,
@@ -37,39 +40,41 @@ pub(crate) enum Outcome {
 
 /// Runs the delivery's handler and settles what the handler's result decides, except the
 /// completion of a non-transactional success, which the caller batches.
-pub(crate) async fn run_delivery(shared: &Shared, delivery: ClaimedDelivery) -> Outcome {
+pub(crate) async fn run_delivery<S: Store>(
+    shared: &Shared<S>,
+    delivery: Claimed<S::Lease>,
+) -> Outcome<S::Lease> {
     let span = info_span!(
         "relaybus.handle",
-        event_id = delivery.event_id(),
-        event_type = delivery.event_type(),
-        handler = delivery.handler(),
-        attempt = delivery.attempt(),
-        lane = delivery.lease().lane(),
+        event_id = delivery.event.id(),
+        event_type = delivery.event.event_type(),
+        handler = delivery.handler,
+        attempt = delivery.attempt,
     );
     async move {
-        let Some(subscription) = shared.subscriptions.get(delivery.handler()) else {
+        let Some(subscription) = shared.subscriptions.get(&delivery.handler) else {
             // The claim asks only for our handlers, so this cannot happen; give it back.
             warn!("claimed a delivery of a handler this bus does not run; releasing it");
-            release(shared, delivery.lease()).await;
+            release(shared, &delivery.lease).await;
             return Outcome::Settled;
         };
         if subscription.transactional {
             run_transactional(shared, subscription, &delivery).await
         } else {
-            let context = HandlerContext::for_delivery(
-                delivery.event(),
-                delivery.handler(),
-                delivery.sequence(),
-                delivery.attempt(),
+            let context = HandlerContext::<S>::for_delivery(
+                &delivery.event,
+                &delivery.handler,
+                delivery.sequence,
+                delivery.attempt,
                 None,
             );
             match call(subscription, &delivery, context).await {
                 Ok(()) => {
                     debug!("handler succeeded");
-                    Outcome::Succeeded(*delivery.lease())
+                    Outcome::Succeeded(delivery.lease.clone())
                 }
-                Err(message) => {
-                    fail(shared, subscription, &delivery, &message).await;
+                Err(failure) => {
+                    fail(shared, subscription, &delivery, &failure.message).await;
                     Outcome::Settled
                 }
             }
@@ -79,167 +84,206 @@ pub(crate) async fn run_delivery(shared: &Shared, delivery: ClaimedDelivery) -> 
     .await
 }
 
-/// Calls the handler, turning an error or a panic into a message.
-async fn call(
-    subscription: &Subscription,
-    delivery: &ClaimedDelivery,
-    context: HandlerContext,
-) -> Result<(), String> {
-    let payload = serde_json::Value::Object(delivery.event().payload().clone());
-    let handler = Arc::clone(&subscription.handler);
-    let future = match std::panic::catch_unwind(AssertUnwindSafe(|| (handler)(payload, context))) {
-        Ok(future) => future,
-        Err(panic) => return Err(panic_message(panic.as_ref())),
-    };
-    match AssertUnwindSafe(future).catch_unwind().await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(error)) => Err(error_chain(error.as_ref())),
-        Err(panic) => Err(panic_message(panic.as_ref())),
+/// A failed handler run: what went wrong, and whether the transaction it ran in may run again
+/// as a whole (its error, or one in the error's chain, is a transient transaction error).
+#[derive(Debug)]
+pub(crate) struct Failure {
+    message: String,
+    transient: bool,
+}
+
+impl Failure {
+    fn new(message: impl Into<String>) -> Self {
+        Failure {
+            message: message.into(),
+            transient: false,
+        }
     }
 }
 
-/// Runs a transactional handler in a transaction that also completes its delivery.
-async fn run_transactional(
-    shared: &Shared,
+/// Calls the handler, turning an error or a panic into a failure.
+async fn call<S: Store>(
     subscription: &Subscription,
-    delivery: &ClaimedDelivery,
-) -> Outcome {
-    let started = Instant::now();
-    let mut attempt = 0_u32;
-    loop {
-        attempt += 1;
-        let failure = match transactional_attempt(shared, subscription, delivery).await {
-            Ok(outcome) => return outcome,
-            Err(failure) => failure,
+    delivery: &Claimed<S::Lease>,
+    context: HandlerContext<S>,
+) -> Result<(), Failure> {
+    let payload = serde_json::Value::Object(delivery.event.payload().clone());
+    let future =
+        match std::panic::catch_unwind(AssertUnwindSafe(|| subscription.call(payload, context))) {
+            Ok(future) => future,
+            Err(panic) => return Err(Failure::new(panic_message(panic.as_ref()))),
         };
+    match AssertUnwindSafe(future).catch_unwind().await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(Failure {
+            message: error_chain(error.as_ref()),
+            transient: is_transient::<S>(error.as_ref()),
+        }),
+        Err(panic) => Err(Failure::new(panic_message(panic.as_ref()))),
+    }
+}
+
+/// Runs a transactional handler in a transaction that also completes its delivery, running
+/// the transaction again after transient errors until the lease is nearly spent; the delivery
+/// is then given back uncharged.
+async fn run_transactional<S: Store>(
+    shared: &Shared<S>,
+    subscription: &Subscription,
+    delivery: &Claimed<S::Lease>,
+) -> Outcome<S::Lease> {
+    let mut attempts = Attempts::new(None).retry_until(retry_deadline(
+        delivery.lease_expires_at,
+        shared.settings.lease_duration,
+    ));
+    // One session for every attempt, lent to the handler through its context.
+    let session = match shared.store.session().await {
+        Ok(session) => Arc::new(Mutex::new(session)),
+        Err(error) => {
+            warn!(%error, "could not start the handler's transaction; releasing the delivery");
+            release(shared, &delivery.lease).await;
+            return Outcome::Settled;
+        }
+    };
+    loop {
+        attempts.start();
+        let failure =
+            match transactional_attempt(shared, subscription, delivery, &session, &mut attempts)
+                .await
+            {
+                Ok(outcome) => return outcome,
+                Err(failure) => failure,
+            };
         match failure {
-            AttemptFailure::Transient(message) if started.elapsed() < TRANSACTION_RETRY_LIMIT => {
-                debug!(%message, attempt, "transient error in the handler's transaction; running it again");
-                tokio::time::sleep(Duration::from_millis(u64::from(attempt.min(10)) * 5)).await;
+            AttemptFailure::Transient(failure) => {
+                if attempts.time_left() {
+                    debug!(message = %failure.message, attempt = attempts.attempt(), "transient error in the handler's transaction; running it again");
+                    continue;
+                }
+                warn!(
+                    message = %failure.message,
+                    "the handler's transaction kept failing with transient errors until its lease was nearly spent; releasing the delivery uncharged"
+                );
+                release(shared, &delivery.lease).await;
+                return Outcome::Settled;
             }
-            AttemptFailure::Transient(message) | AttemptFailure::Failed(message) => {
-                fail(shared, subscription, delivery, &message).await;
+            AttemptFailure::Failed(failure) => {
+                fail(shared, subscription, delivery, &failure.message).await;
                 return Outcome::Settled;
             }
             AttemptFailure::Store(error) => {
                 warn!(%error, "could not start the handler's transaction; releasing the delivery");
-                release(shared, delivery.lease()).await;
+                release(shared, &delivery.lease).await;
                 return Outcome::Settled;
             }
         }
     }
 }
 
+/// When a transactional handler stops retrying: a margin before its lease ends.
+fn retry_deadline(lease_expires_at: Timestamp, lease_duration: Duration) -> Instant {
+    let margin = LEASE_MARGIN.min(lease_duration / 4);
+    let left = lease_expires_at.duration_since(Timestamp::now());
+    Instant::now() + left.saturating_sub(margin)
+}
+
 enum AttemptFailure {
     /// The transaction can run again as a whole.
-    Transient(String),
+    Transient(Failure),
     /// The handler failed: the attempt counts.
-    Failed(String),
+    Failed(Failure),
     /// The store could not even start the transaction.
     Store(Error),
 }
 
-async fn transactional_attempt(
-    shared: &Shared,
+impl AttemptFailure {
+    /// A failure of the store's own step (completing, committing) inside the transaction.
+    fn of_store(error: Error) -> Self {
+        let failure = Failure {
+            message: error.to_string(),
+            transient: error.is_transient_transaction_error(),
+        };
+        AttemptFailure::of(failure)
+    }
+
+    fn of(failure: Failure) -> Self {
+        if failure.transient {
+            AttemptFailure::Transient(failure)
+        } else {
+            AttemptFailure::Failed(failure)
+        }
+    }
+}
+
+async fn transactional_attempt<S: Store>(
+    shared: &Shared<S>,
     subscription: &Subscription,
-    delivery: &ClaimedDelivery,
-) -> Result<Outcome, AttemptFailure> {
+    delivery: &Claimed<S::Lease>,
+    shared_session: &Arc<Mutex<S::Session>>,
+    attempts: &mut Attempts,
+) -> Result<Outcome<S::Lease>, AttemptFailure> {
     let store = &shared.store;
-    let inner = &store.inner;
-    let mut session = inner
-        .client
-        .start_session()
+    store
+        .begin(&mut *shared_session.lock().await, None)
         .await
-        .map_err(|e| AttemptFailure::Store(e.into()))?;
-    session
-        .start_transaction()
-        .with_options(inner.transaction_options.clone())
-        .await
-        .map_err(|e| AttemptFailure::Store(e.into()))?;
-    let shared_session = Arc::new(Mutex::new(session));
-    let context = HandlerContext::for_delivery(
-        delivery.event(),
-        delivery.handler(),
-        delivery.sequence(),
-        delivery.attempt(),
-        Some(Arc::clone(&shared_session)),
+        .map_err(AttemptFailure::Store)?;
+    let context = HandlerContext::<S>::for_delivery(
+        &delivery.event,
+        &delivery.handler,
+        delivery.sequence,
+        delivery.attempt,
+        Some(Arc::clone(shared_session)),
     );
     let result = call(subscription, delivery, context).await;
     // The handler is done; a guard it leaked into a task of its own would block here, so wait
     // for the session only as long as a transaction may live.
-    let mut session = match tokio::time::timeout(
+    let guard = tokio::time::timeout(
         Duration::from_secs(60),
-        Arc::clone(&shared_session).lock_owned(),
+        Arc::clone(shared_session).lock_owned(),
     )
-    .await
-    {
-        Ok(guard) => guard,
-        Err(_) => {
-            return Err(AttemptFailure::Failed(
-                "the handler kept its transaction session after it returned".to_owned(),
-            ));
-        }
+    .await;
+    let Ok(mut guard) = guard else {
+        return Err(AttemptFailure::Failed(Failure::new(
+            "the handler kept its transaction session after it returned",
+        )));
     };
-    if let Err(message) = result {
-        let _ = session.abort_transaction().await;
-        return Err(if message.contains(TRANSIENT_MARKER) {
-            AttemptFailure::Transient(message)
-        } else {
-            AttemptFailure::Failed(message)
-        });
+    let session = &mut *guard;
+    if let Err(failure) = result {
+        store.abort(session).await;
+        return Err(AttemptFailure::of(failure));
     }
-    let now = DateTime::now();
     match store
-        .complete_in_transaction(&mut session, delivery.lease(), now)
+        .complete_in_transaction(session, &delivery.lease, Timestamp::now())
         .await
     {
         Ok(true) => {}
         Ok(false) => {
-            let _ = session.abort_transaction().await;
+            store.abort(session).await;
             warn!(
                 "the lease ended before the handler's transaction could complete the delivery; its writes were rolled back"
             );
             return Ok(Outcome::Settled);
         }
         Err(error) => {
-            let _ = session.abort_transaction().await;
-            let message = error.to_string();
-            return Err(if error.is_transient_transaction_error() {
-                AttemptFailure::Transient(message)
-            } else {
-                AttemptFailure::Failed(message)
-            });
+            store.abort(session).await;
+            return Err(AttemptFailure::of_store(error));
         }
     }
-    commit(&mut session).await?;
-    debug!("handler succeeded and its delivery completed in its transaction");
-    Ok(Outcome::Settled)
-}
-
-async fn commit(session: &mut ClientSession) -> Result<(), AttemptFailure> {
-    let started = Instant::now();
-    loop {
-        match session.commit_transaction().await {
-            Ok(()) => return Ok(()),
-            Err(error)
-                if error.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT)
-                    && started.elapsed() < TRANSACTION_RETRY_LIMIT => {}
-            Err(error) if error.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
-                return Err(AttemptFailure::Transient(error.to_string()));
-            }
-            Err(error) => return Err(AttemptFailure::Failed(error.to_string())),
+    match attempts.commit(store, session).await {
+        Ok(Committed::Yes) => {
+            debug!("handler succeeded and its delivery completed in its transaction");
+            Ok(Outcome::Settled)
         }
+        Ok(Committed::RunAgain) => Err(AttemptFailure::Transient(Failure {
+            message: "the commit met a transient error".to_owned(),
+            transient: true,
+        })),
+        Err(error) => Err(AttemptFailure::of_store(error)),
     }
 }
 
-/// Marks a handler error that carries the `TransientTransactionError` label somewhere in its
-/// chain, so the transactional runner can tell it from a plain failure.
-const TRANSIENT_MARKER: &str = "[transient transaction error]";
-
-/// The message of an error with its sources, marked when it is a transient transaction error.
+/// The message of an error with its sources.
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut message = error.to_string();
-    let mut transient = is_transient(error);
     let mut source = error.source();
     while let Some(cause) = source {
         let text = cause.to_string();
@@ -247,22 +291,27 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
             message.push_str(": ");
             message.push_str(&text);
         }
-        transient |= is_transient(cause);
         source = cause.source();
-    }
-    if transient {
-        message.push(' ');
-        message.push_str(TRANSIENT_MARKER);
     }
     message
 }
 
-fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-    if let Some(error) = error.downcast_ref::<mongodb::error::Error>() {
-        return error.contains_label(TRANSIENT_TRANSACTION_ERROR);
-    }
-    if let Some(error) = error.downcast_ref::<Error>() {
-        return error.is_transient_transaction_error();
+/// Whether an error, or one in its chain, lets the whole transaction run again: a relaybus
+/// error or database error saying so, or a driver error the store recognizes.
+fn is_transient<S: Store>(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        let transient = if let Some(error) = error.downcast_ref::<Error>() {
+            error.is_transient_transaction_error()
+        } else if let Some(error) = error.downcast_ref::<DatabaseError>() {
+            error.is_transient()
+        } else {
+            S::is_transient(error)
+        };
+        if transient {
+            return true;
+        }
+        next = error.source();
     }
     false
 }
@@ -277,16 +326,16 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Ends a failed attempt: a retry after the backoff, or the dead letters after the last attempt.
-async fn fail(
-    shared: &Shared,
+async fn fail<S: Store>(
+    shared: &Shared<S>,
     subscription: &Subscription,
-    delivery: &ClaimedDelivery,
+    delivery: &Claimed<S::Lease>,
     message: &str,
 ) {
     let policy = subscription.retry.unwrap_or(shared.settings.retry);
-    let now = DateTime::now();
-    let lease = delivery.lease();
-    let attempt = delivery.attempt();
+    let now = Timestamp::now();
+    let lease = &delivery.lease;
+    let attempt = delivery.attempt;
     if attempt >= policy.max_attempts() {
         match shared.store.bury(lease, message, now).await {
             Ok(true) => {
@@ -300,10 +349,7 @@ async fn fail(
         return;
     }
     let wait = jittered(policy.backoff(attempt));
-    let due_at = DateTime::from_millis(
-        now.timestamp_millis()
-            .saturating_add(wait.as_millis() as i64),
-    );
+    let due_at = now.saturating_add(wait);
     match shared.store.reschedule(lease, due_at, message, now).await {
         Ok(true) => {
             warn!(error = %message, attempt, retry_in_ms = wait.as_millis() as u64, "handler failed; retrying later")
@@ -317,20 +363,14 @@ async fn fail(
 
 /// Takes up to a quarter off a wait, at random, so that retries of many deliveries spread out.
 fn jittered(wait: Duration) -> Duration {
-    // The low bits of a UUID v7 are random.
-    let random = uuid::Uuid::now_v7().as_u128() as u64;
     let quarter = wait.as_millis() as u64 / 4;
-    let cut = if quarter == 0 {
-        0
-    } else {
-        random % (quarter + 1)
-    };
+    let cut = rand::rng().random_range(0..=quarter);
     wait.saturating_sub(Duration::from_millis(cut))
 }
 
 /// Gives a delivery back without charging an attempt.
-pub(crate) async fn release(shared: &Shared, lease: &Lease) {
-    if let Err(error) = shared.store.release(lease, DateTime::now()).await {
+pub(crate) async fn release<S: Store>(shared: &Shared<S>, lease: &S::Lease) {
+    if let Err(error) = shared.store.release(lease, Timestamp::now()).await {
         warn!(%error, "could not release a delivery; it runs again once its lease ends");
     }
 }
@@ -349,7 +389,7 @@ mod tests {
     }
 
     #[test]
-    fn error_chains_are_flattened_and_marked() {
+    fn error_chains_are_flattened() {
         #[derive(Debug, thiserror::Error)]
         #[error("outer")]
         struct Outer(#[source] std::io::Error);

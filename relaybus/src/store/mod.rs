@@ -1,3 +1,289 @@
-//! Event stores. relaybus ships one, on MongoDB.
+//! The store boundary: what the bus, the dispatcher, the operator API and `relaybus-axum` ask of
+//! an event store, and the stores relaybus ships.
+//!
+//! A store keeps events and their deliveries in a database, next to the business data, and
+//! implements [`Store`]. The MongoDB store ([`mongo`], feature `mongodb`, on by default) is one
+//! implementation; every layer above it (bus, dispatcher, handler context, request layer,
+//! extractors, dispatcher service) is generic over `S: Store` with the MongoDB store as the
+//! default type, so code written for MongoDB names no store type at all.
+//!
+//! # Generics, not a trait object
+//!
+//! [`Store`] is used as a type parameter, in the manner of sqlx's `Database`, not as
+//! `dyn Store`:
+//!
+//! - The hot path (claim, complete, append) is called through static dispatch. Its futures
+//!   are the store's own, unboxed (`impl Future + Send` in the trait), so a claim of 32
+//!   deliveries costs no allocation for the call itself.
+//! - What differs between databases is carried by associated types:
+//!   [`Session`](Store::Session) is the handle of an open transaction that business code
+//!   writes through (the driver's `ClientSession` for MongoDB, a transaction on a connection
+//!   for PostgreSQL), and [`Lease`](Store::Lease) is a claim's proof of ownership with the
+//!   store's own delivery id type. A trait object could not hand a user their driver's own
+//!   session type without downcasting at every write.
+//! - The cost: `RelayBus<S>`, `HandlerContext<S>` and the axum types carry a type parameter.
+//!   Defaults (`S = MongoEventStore`) keep it out of user code for MongoDB; a user of another
+//!   store writes it once, in a type alias. Handlers registered with `#[handler]` are type
+//!   erased ([`Subscription`](crate::Subscription)), so the registry needs no parameter: a
+//!   handler remembers the store its context names, and
+//!   [`build`](crate::RelayBusBuilder::build) refuses one of another store with
+//!   [`ConfigurationError::HandlerOfAnotherStore`](crate::ConfigurationError::HandlerOfAnotherStore).
+//!
+//! Errors cross the boundary as [`Error`](crate::Error): a driver error becomes
+//! [`Error::Database`](crate::Error::Database) holding a [`DatabaseError`](crate::DatabaseError)
+//! that keeps the driver error (to downcast) and answers whether the transaction may run again.
+//!
+//! # Transactions
+//!
+//! A store offers transaction primitives: [`session`](Store::session),
+//! [`begin`](Store::begin), [`commit`](Store::commit) and [`abort`](Store::abort). The policy
+//! around them (retrying the body after a transient error, sending a commit again while its
+//! result is unknown, the time budget) is written once, in [`transaction`], and used by the
+//! bus, the dispatcher's transactional handlers and `relaybus-axum`'s request layer.
 
+pub(crate) mod model;
+#[cfg(feature = "mongodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub mod mongo;
+pub mod transaction;
+
+use std::{fmt, future::Future, hash::Hash, time::Duration};
+
+use futures::stream::BoxStream;
+
+pub use model::{
+    AppendRequest, Appended, DeliveryQuery, DeliveryRecord, DeliveryStatus, PurgeOptions, Purged,
+    Requeued, Statistics,
+};
+
+use crate::{error::Result, event::EventEnvelope, time::Timestamp};
+
+/// The store a bus uses when none is named: the MongoDB store.
+#[cfg(feature = "mongodb")]
+pub type DefaultStore = mongo::MongoEventStore;
+
+/// The store a bus uses when none is named. Without the `mongodb` feature there is none: name
+/// the store type (`RelayBus<MyStore>`). This type has no values.
+#[cfg(not(feature = "mongodb"))]
+pub type DefaultStore = NoStore;
+
+/// A store type with no values: the default type parameter when the `mongodb` feature is off,
+/// so that the default can never be used by mistake.
+#[cfg(not(feature = "mongodb"))]
+#[derive(Debug, Clone, Copy)]
+pub enum NoStore {}
+
+/// A claim's proof of ownership of one delivery, handed back to settle it.
+pub trait StoreLease: Clone + Send + Sync + fmt::Debug + 'static {
+    /// The store's delivery id.
+    type DeliveryId: Clone + Eq + Hash + Send + Sync + fmt::Debug + fmt::Display + 'static;
+
+    /// The id of the delivery this lease settles.
+    fn delivery_id(&self) -> Self::DeliveryId;
+}
+
+/// A delivery handed out by [`Store::claim`]: the event, which handler runs it, which attempt
+/// this is, and the lease to settle it with.
+#[derive(Debug, Clone)]
+pub struct Claimed<L> {
+    /// The lease to settle the delivery with.
+    pub lease: L,
+    /// When the lease ends unless it is renewed.
+    pub lease_expires_at: Timestamp,
+    /// The handler that should run the delivery.
+    pub handler: String,
+    /// Which attempt this is, from 1.
+    pub attempt: u32,
+    /// The event's sequence within its ordering key, if it has a key.
+    pub sequence: Option<i64>,
+    /// The event.
+    pub event: EventEnvelope,
+}
+
+/// What one claim asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// The worker's owner name.
+    pub owner: &'a str,
+    /// The handlers whose deliveries it runs.
+    pub handlers: &'a [String],
+    /// At most this many deliveries.
+    pub limit: u32,
+    /// How long the claim holds what it takes without renewal.
+    pub lease_duration: Duration,
+    /// The current time.
+    pub now: Timestamp,
+    /// Where a wake-up reported new deliveries since the worker went idle (MongoDB: lanes),
+    /// looked at first; empty otherwise.
+    pub reported: &'a [u32],
+}
+
+/// A wake-up: deliveries of the watched handlers committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WakeUp {
+    /// Where the new delivery is (MongoDB: its lane), when the store can tell.
+    pub at: Option<u32>,
+}
+
+/// An event store: the transactional outbox and the delivery queue behind a bus.
+///
+/// Every method that writes runs in one transaction of the store, or in the caller's
+/// ([`append`](Self::append), [`complete_in_transaction`](Self::complete_in_transaction)).
+/// Settling methods take the lease a claim returned and change nothing when it no longer
+/// holds (another worker took the delivery over): they return `false` then.
+///
+/// Implementations are checked by the conformance suite in `tests/`, which runs the same
+/// behavioural tests against every store.
+pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
+    /// The handle of an open transaction, through which business data is written together
+    /// with events: `mongodb::ClientSession` for MongoDB.
+    type Session: Send + 'static;
+    /// A claim's proof of ownership of one delivery.
+    type Lease: StoreLease;
+
+    /// The store's name in messages, such as `"MongoDB"`.
+    const NAME: &'static str;
+
+    /// Creates what the store needs (tables or collections, indexes), idempotently.
+    fn setup(&self) -> impl Future<Output = Result<()>> + Send;
+
+    /// A new session to run transactions on. Refuses a server that has no transactions.
+    fn session(&self) -> impl Future<Output = Result<Self::Session>> + Send;
+
+    /// Starts a transaction on `session` with the store's transaction options. `budget`, when
+    /// given, bounds the commit on the server as well.
+    fn begin(
+        &self,
+        session: &mut Self::Session,
+        budget: Option<Duration>,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Sends the commit once. The caller decides about retries from the error
+    /// ([`Error::is_unknown_commit_result`](crate::Error::is_unknown_commit_result),
+    /// [`Error::is_transient_transaction_error`](crate::Error::is_transient_transaction_error)).
+    fn commit(&self, session: &mut Self::Session) -> impl Future<Output = Result<()>> + Send;
+
+    /// Aborts the transaction; a transaction the server ended already counts as aborted.
+    fn abort(&self, session: &mut Self::Session) -> impl Future<Output = ()> + Send;
+
+    /// Refuses a session that has no started transaction, where each write would commit on
+    /// its own, with [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction).
+    fn ensure_in_transaction(
+        &self,
+        session: &mut Self::Session,
+        operation: &'static str,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Appends events with their deliveries in the caller's transaction. An event id the
+    /// store holds gets only the deliveries of handlers new to it.
+    ///
+    /// The requests are validated first, then a session without a started transaction is
+    /// refused ([`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction));
+    /// nothing is written in either case.
+    fn append(
+        &self,
+        session: &mut Self::Session,
+        requests: &[AppendRequest<'_>],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
+
+    /// As [`append`](Self::append), in a transaction the caller started with
+    /// [`begin`](Self::begin), so the session is not checked.
+    fn append_in_transaction(
+        &self,
+        session: &mut Self::Session,
+        requests: &[AppendRequest<'_>],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
+
+    /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per
+    /// key and handler, in sequence order.
+    fn claim(
+        &self,
+        request: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Claimed<Self::Lease>>>> + Send;
+
+    /// Completes deliveries whose handlers succeeded; one flag per lease, `false` where the
+    /// lease no longer held.
+    fn complete(
+        &self,
+        leases: &[Self::Lease],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send;
+
+    /// Completes a delivery inside the caller's transaction, for transactional handlers.
+    fn complete_in_transaction(
+        &self,
+        session: &mut Self::Session,
+        lease: &Self::Lease,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Gives a delivery back, due now, without charging its attempt.
+    fn release(
+        &self,
+        lease: &Self::Lease,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Ends a failed attempt: charged, with its error, due again at `due_at`.
+    fn reschedule(
+        &self,
+        lease: &Self::Lease,
+        due_at: Timestamp,
+        error: &str,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Ends the last failed attempt: the delivery becomes a dead letter with its error.
+    fn bury(
+        &self,
+        lease: &Self::Lease,
+        error: &str,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Extends the leases of running deliveries to `now + lease_duration`. Returns how many
+    /// of `leases` are covered by a renewed lease.
+    fn renew(
+        &self,
+        leases: &[Self::Lease],
+        lease_duration: Duration,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<usize>> + Send;
+
+    /// Hands back everything `owner` holds, for graceful shutdown. Returns how many units of
+    /// lease (MongoDB: lanes) it handed back.
+    fn relinquish(&self, owner: &str) -> impl Future<Output = Result<u64>> + Send;
+
+    /// Deletes what `options` lets go, in batches.
+    fn purge(&self, options: &PurgeOptions) -> impl Future<Output = Result<Purged>> + Send;
+
+    /// Counts deliveries by state.
+    fn statistics(&self) -> impl Future<Output = Result<Statistics>> + Send;
+
+    /// Lists deliveries, a page at a time.
+    fn list_deliveries(
+        &self,
+        query: &DeliveryQuery,
+    ) -> impl Future<Output = Result<Vec<DeliveryRecord>>> + Send;
+
+    /// Makes dead deliveries pending again.
+    fn requeue(
+        &self,
+        ids: &[String],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Requeued>> + Send;
+
+    /// Whether an error a handler returned, from the store's driver, lets the transaction it
+    /// ran in run again as a whole (a write conflict, say). Errors of relaybus itself are
+    /// recognized without it.
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool;
+
+    /// Opens a stream of wake-ups for new deliveries of `handlers`. The dispatcher reopens it
+    /// after it fails or ends, and polls meanwhile: correctness never depends on it.
+    fn watch(
+        &self,
+        handlers: &[String],
+    ) -> impl Future<Output = Result<BoxStream<'static, Result<WakeUp>>>> + Send;
+}

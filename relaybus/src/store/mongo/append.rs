@@ -11,6 +11,7 @@ use mongodb::{
 };
 
 use super::{MongoEventStore, bson_json::object_to_document};
+use crate::store::{AppendRequest, Appended};
 use crate::{
     error::{EventValidationError, Result},
     event::{EventEnvelope, lane_of},
@@ -19,35 +20,6 @@ use crate::{
 
 /// MongoDB's largest document, in bytes.
 pub(crate) const MAX_DOCUMENT_BYTES: usize = 16 * 1024 * 1024;
-
-/// One event to append, with the ids of the handlers that should get a delivery of it.
-#[derive(Debug, Clone, Copy)]
-pub struct AppendRequest<'a> {
-    event: &'a EventEnvelope,
-    handlers: &'a [String],
-}
-
-impl<'a> AppendRequest<'a> {
-    /// An event and the handlers subscribed to it.
-    pub fn new(event: &'a EventEnvelope, handlers: &'a [String]) -> Self {
-        AppendRequest { event, handlers }
-    }
-}
-
-/// What appending one event did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Appended {
-    /// The event id.
-    pub event_id: String,
-    /// Whether the event was new; `false` when the store already held an event with this id.
-    pub created: bool,
-    /// The event's sequence within its ordering key, if it has a key.
-    pub sequence: Option<i64>,
-    /// The handlers that got a new delivery. Handlers the event already had a delivery for,
-    /// completed ones included, are left out.
-    pub new_deliveries: Vec<String>,
-}
 
 /// An event as this append sees it: the envelope and the handlers asked for.
 struct Item<'a> {

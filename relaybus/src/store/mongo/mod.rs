@@ -1,6 +1,7 @@
 //! The MongoDB event store.
 
 mod append;
+mod boundary;
 mod bson_json;
 mod claim;
 mod complete;
@@ -17,21 +18,20 @@ use std::sync::Arc;
 
 use mongodb::{
     Client, Collection, Database,
-    bson::Document,
+    bson::{DateTime, Document},
     options::{
         CollectionOptions, ReadConcern, SelectionCriteria, TransactionOptions, WriteConcern,
     },
 };
 use tokio::sync::OnceCell;
 
-pub use append::{AppendRequest, Appended};
 pub use claim::ClaimedDelivery;
 pub use lease::Lease;
-pub use operator::{DeliveryQuery, DeliveryRecord, DeliveryStatus, Requeued, Statistics};
-pub use purge::{PurgeOptions, Purged};
-pub(crate) use transaction::in_transaction_body;
 
-use crate::error::ConfigurationError;
+use crate::{
+    error::{ConfigurationError, DatabaseError, Error},
+    time::Timestamp,
+};
 
 /// The default collection prefix.
 pub const DEFAULT_COLLECTION_PREFIX: &str = "relaybus_";
@@ -317,10 +317,74 @@ fn validate_prefix(prefix: &str) -> Result<(), ConfigurationError> {
     }
 }
 
+impl From<mongodb::error::Error> for DatabaseError {
+    /// Keeps the driver error, and reads its labels: `TransientTransactionError`,
+    /// `UnknownTransactionCommitResult`, and the `MaxTimeMSExpired` code.
+    fn from(error: mongodb::error::Error) -> Self {
+        use mongodb::error::{TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT};
+        let transient = error.contains_label(TRANSIENT_TRANSACTION_ERROR);
+        let unknown = error.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT);
+        let timeout = error_code(&error) == Some(MAX_TIME_MS_EXPIRED);
+        DatabaseError::new(error)
+            .with_transient(transient)
+            .with_unknown_commit_result(unknown)
+            .with_timeout(timeout)
+    }
+}
+
+impl From<mongodb::error::Error> for Error {
+    fn from(error: mongodb::error::Error) -> Self {
+        Error::Database(error.into())
+    }
+}
+
+/// `MaxTimeMSExpired`: an operation or commit ran past its time limit.
+const MAX_TIME_MS_EXPIRED: i32 = 50;
+
+/// The MongoDB driver's error behind an error, if there is one.
+pub(crate) trait DriverError {
+    /// The driver's error.
+    fn driver(&self) -> Option<&mongodb::error::Error>;
+}
+
+impl DriverError for mongodb::error::Error {
+    fn driver(&self) -> Option<&mongodb::error::Error> {
+        Some(self)
+    }
+}
+
+impl DriverError for DatabaseError {
+    fn driver(&self) -> Option<&mongodb::error::Error> {
+        self.downcast_ref()
+    }
+}
+
+impl From<DateTime> for Timestamp {
+    fn from(at: DateTime) -> Self {
+        timestamp(at)
+    }
+}
+
+impl From<Timestamp> for DateTime {
+    fn from(at: Timestamp) -> Self {
+        bson_date(at)
+    }
+}
+
+/// A stored date as a timestamp.
+pub(crate) fn timestamp(at: DateTime) -> Timestamp {
+    Timestamp::from_millis(at.timestamp_millis())
+}
+
+/// A timestamp as a stored date.
+pub(crate) fn bson_date(at: Timestamp) -> DateTime {
+    DateTime::from_millis(at.timestamp_millis())
+}
+
 /// The server error code of a driver error, if it has one.
-pub(crate) fn error_code(error: &mongodb::error::Error) -> Option<i32> {
+pub(crate) fn error_code<E: DriverError + ?Sized>(error: &E) -> Option<i32> {
     use mongodb::error::{ErrorKind, WriteFailure};
-    match error.kind.as_ref() {
+    match error.driver()?.kind.as_ref() {
         ErrorKind::Command(e) => Some(e.code),
         ErrorKind::Write(WriteFailure::WriteError(e)) => Some(e.code),
         ErrorKind::Write(WriteFailure::WriteConcernError(e)) => Some(e.code),

@@ -14,251 +14,77 @@ use mongodb::{
 };
 
 use super::{
-    MongoEventStore,
+    MongoEventStore, bson_date,
     lane::{check_owner, int, object_ids, string},
+    timestamp,
 };
 use crate::error::{InvalidArgumentError, Result};
+use crate::store::{DeliveryQuery, DeliveryRecord, DeliveryStatus, Requeued, Statistics};
 
 /// The most records one listing returns.
 pub(crate) const MAX_LIST_LIMIT: u32 = 1_000;
 /// The most ids one requeue takes.
 pub(crate) const MAX_REQUEUE: usize = 10_000;
 
-/// Counts of deliveries by state, from [`MongoEventStore::statistics`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Statistics {
-    /// Deliveries waiting or running (running ones are pending documents listed by their lane),
-    /// parked ones included.
-    pub pending: u64,
-    /// Pending deliveries a worker currently runs.
-    pub running: u64,
-    /// Pending deliveries parked behind an unfinished predecessor of their key.
-    pub parked: u64,
-    /// Dead letters.
-    pub dead: u64,
-    /// Completion records (with completion history), plus `completed` documents an earlier
-    /// version left.
-    pub completed: u64,
-    /// The due time of the oldest pending delivery, parked ones included: how far behind the
-    /// workers are.
-    pub oldest_due_at: Option<DateTime>,
+/// A listed delivery or completion record, from its stored document.
+fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
+    Some(DeliveryRecord {
+        id: doc.get_object_id("_id").ok()?.to_hex(),
+        event_id: string(doc, "eventId").unwrap_or_default(),
+        handler: string(doc, "handler").unwrap_or_default(),
+        event_type: string(doc, "eventType").unwrap_or_default(),
+        key: string(doc, "key"),
+        sequence: int(doc, "sequence"),
+        status: doc
+            .get_str("status")
+            .ok()
+            .and_then(DeliveryStatus::from_stored)?,
+        parked: doc.get_str("lane") == Ok("parked"),
+        attempts: int(doc, "attempts").map_or(0, |a| u32::try_from(a.max(0)).unwrap_or(u32::MAX)),
+        due_at: doc.get_datetime("dueAt").ok().map(|at| timestamp(*at)),
+        created_at: doc.get_datetime("createdAt").ok().map(|at| timestamp(*at)),
+        updated_at: doc.get_datetime("updatedAt").ok().map(|at| timestamp(*at)),
+        completed_at: doc
+            .get_datetime("completedAt")
+            .ok()
+            .map(|at| timestamp(*at)),
+        last_error: string(doc, "lastError"),
+    })
 }
 
-/// The state of a listed delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DeliveryStatus {
-    /// Waiting, running, or parked.
-    Pending,
-    /// Buried after its last attempt failed; see [`MongoEventStore::requeue`].
-    Dead,
-    /// Completed: a completion-history record.
-    Completed,
+/// A listed record with its id as stored, for ordering.
+fn record_with_id(doc: &Document) -> Option<(ObjectId, DeliveryRecord)> {
+    Some((doc.get_object_id("_id").ok()?, record_from_document(doc)?))
 }
 
-impl DeliveryStatus {
-    /// The stored name: `pending`, `dead` or `completed`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            DeliveryStatus::Pending => "pending",
-            DeliveryStatus::Dead => "dead",
-            DeliveryStatus::Completed => "completed",
-        }
+/// The filter of a listing's fields other than the state.
+fn query_filter(query: &DeliveryQuery) -> Document {
+    let mut filter = Document::new();
+    if let Some(handler) = &query.handler {
+        filter.insert("handler", Bson::String(handler.clone()));
     }
-
-    fn from_stored(name: &str) -> Option<Self> {
-        match name {
-            "pending" => Some(DeliveryStatus::Pending),
-            "dead" => Some(DeliveryStatus::Dead),
-            "completed" => Some(DeliveryStatus::Completed),
-            _ => None,
-        }
+    if let Some(event_type) = &query.event_type {
+        filter.insert("eventType", Bson::String(event_type.clone()));
     }
+    let mut created = Document::new();
+    if let Some(from) = query.created_from {
+        created.insert("$gte", bson_date(from));
+    }
+    if let Some(before) = query.created_before {
+        created.insert("$lt", bson_date(before));
+    }
+    if !created.is_empty() {
+        filter.insert("createdAt", created);
+    }
+    filter
 }
 
-/// What [`MongoEventStore::list_deliveries`] returns: one delivery or completion record, oldest
-/// first.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct DeliveryRecord {
-    /// The delivery id.
-    pub id: ObjectId,
-    /// The event id.
-    pub event_id: String,
-    /// The handler id.
-    pub handler: String,
-    /// The event type name.
-    pub event_type: String,
-    /// The ordering key, if any.
-    pub key: Option<String>,
-    /// The sequence within the key, if keyed.
-    pub sequence: Option<i64>,
-    /// The state.
-    pub status: DeliveryStatus,
-    /// Whether a pending delivery is parked behind an unfinished predecessor.
-    pub parked: bool,
-    /// Attempts that ended (for a completion record: including the one that completed).
-    pub attempts: u32,
-    /// When a pending delivery is due.
-    pub due_at: Option<DateTime>,
-    /// When the delivery was created.
-    pub created_at: Option<DateTime>,
-    /// When it last changed state, if ever.
-    pub updated_at: Option<DateTime>,
-    /// When it completed, for completion records.
-    pub completed_at: Option<DateTime>,
-    /// The error of the last failed attempt.
-    pub last_error: Option<String>,
-}
-
-impl DeliveryRecord {
-    fn from_document(doc: &Document) -> Option<Self> {
-        Some(DeliveryRecord {
-            id: doc.get_object_id("_id").ok()?,
-            event_id: string(doc, "eventId").unwrap_or_default(),
-            handler: string(doc, "handler").unwrap_or_default(),
-            event_type: string(doc, "eventType").unwrap_or_default(),
-            key: string(doc, "key"),
-            sequence: int(doc, "sequence"),
-            status: doc
-                .get_str("status")
-                .ok()
-                .and_then(DeliveryStatus::from_stored)?,
-            parked: doc.get_str("lane") == Ok("parked"),
-            attempts: int(doc, "attempts")
-                .map_or(0, |a| u32::try_from(a.max(0)).unwrap_or(u32::MAX)),
-            due_at: doc.get_datetime("dueAt").ok().copied(),
-            created_at: doc.get_datetime("createdAt").ok().copied(),
-            updated_at: doc.get_datetime("updatedAt").ok().copied(),
-            completed_at: doc.get_datetime("completedAt").ok().copied(),
-            last_error: string(doc, "lastError"),
-        })
-    }
-}
-
-/// Which deliveries [`MongoEventStore::list_deliveries`] returns; every filter is optional and
-/// they combine with "and". Ordered by creation time, then id.
-///
-/// # Example
-///
-/// ```
-/// use relaybus::{DeliveryQuery, DeliveryStatus};
-///
-/// let query = DeliveryQuery::new()
-///     .status(DeliveryStatus::Dead)
-///     .handler("send-confirmation")
-///     .limit(50);
-/// # let _ = query;
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[must_use]
-pub struct DeliveryQuery {
-    status: Option<DeliveryStatus>,
-    handler: Option<String>,
-    event_type: Option<String>,
-    created_from: Option<DateTime>,
-    created_before: Option<DateTime>,
-    skip: u64,
-    limit: u32,
-}
-
-impl Default for DeliveryQuery {
-    fn default() -> Self {
-        DeliveryQuery::new()
-    }
-}
-
-impl DeliveryQuery {
-    /// Everything, the first 100 records.
-    pub fn new() -> Self {
-        DeliveryQuery {
-            status: None,
-            handler: None,
-            event_type: None,
-            created_from: None,
-            created_before: None,
-            skip: 0,
-            limit: 100,
-        }
-    }
-
-    /// Only deliveries in this state. [`DeliveryStatus::Completed`] lists completion records,
-    /// which exist only with completion history.
-    pub fn status(mut self, status: DeliveryStatus) -> Self {
-        self.status = Some(status);
-        self
-    }
-
-    /// Only deliveries of this handler.
-    pub fn handler(mut self, handler: impl Into<String>) -> Self {
-        self.handler = Some(handler.into());
-        self
-    }
-
-    /// Only deliveries of events of this type.
-    pub fn event_type(mut self, event_type: impl Into<String>) -> Self {
-        self.event_type = Some(event_type.into());
-        self
-    }
-
-    /// Only deliveries created at or after `from`.
-    pub fn created_from(mut self, from: DateTime) -> Self {
-        self.created_from = Some(from);
-        self
-    }
-
-    /// Only deliveries created before `before`.
-    pub fn created_before(mut self, before: DateTime) -> Self {
-        self.created_before = Some(before);
-        self
-    }
-
-    /// Leave out the first `skip` records, for paging.
-    pub fn skip(mut self, skip: u64) -> Self {
-        self.skip = skip;
-        self
-    }
-
-    /// Return at most `limit` records, 1 to 1000 (100 by default).
-    pub fn limit(mut self, limit: u32) -> Self {
-        self.limit = limit;
-        self
-    }
-
-    fn filter(&self) -> Document {
-        let mut filter = Document::new();
-        if let Some(handler) = &self.handler {
-            filter.insert("handler", Bson::String(handler.clone()));
-        }
-        if let Some(event_type) = &self.event_type {
-            filter.insert("eventType", Bson::String(event_type.clone()));
-        }
-        let mut created = Document::new();
-        if let Some(from) = self.created_from {
-            created.insert("$gte", from);
-        }
-        if let Some(before) = self.created_before {
-            created.insert("$lt", before);
-        }
-        if !created.is_empty() {
-            filter.insert("createdAt", created);
-        }
-        filter
-    }
-}
-
-/// What [`MongoEventStore::requeue`] did with each id.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Requeued {
-    /// Dead deliveries made pending again.
-    pub requeued: Vec<ObjectId>,
-    /// Dead deliveries left dead because a later delivery of their key is running; try again
-    /// once it finished.
-    pub blocked: Vec<ObjectId>,
-    /// Ids that name no dead delivery (unknown, not dead, or not an id at all).
-    pub not_found: Vec<String>,
+/// What a requeue did, with the ids as the database holds them.
+#[derive(Debug, Default)]
+struct RequeueOutcome {
+    requeued: Vec<ObjectId>,
+    blocked: Vec<ObjectId>,
+    not_found: Vec<String>,
 }
 
 impl MongoEventStore {
@@ -326,7 +152,8 @@ impl MongoEventStore {
             parked,
             dead,
             completed: history + legacy,
-            oldest_due_at: oldest.and_then(|doc| doc.get_datetime("dueAt").ok().copied()),
+            oldest_due_at: oldest
+                .and_then(|doc| doc.get_datetime("dueAt").ok().map(|at| timestamp(*at))),
         })
     }
 
@@ -355,10 +182,25 @@ impl MongoEventStore {
             .into());
         }
         let inner = &self.inner;
-        let base = query.filter();
-        let sort = doc! { "createdAt": 1, "_id": 1 };
-        let wanted = query.skip.saturating_add(u64::from(query.limit));
-        let wanted = i64::try_from(wanted).unwrap_or(i64::MAX);
+        let base = query_filter(query);
+        let mut base = base;
+        if let Some(after) = &query.after {
+            let after = ObjectId::parse_str(after).map_err(|_| {
+                InvalidArgumentError::new(
+                    "after",
+                    format!(
+                        "{:?} is not a delivery id; pass the `id` of the last record of the previous page",
+                        crate::error::truncate_for_message(after, 64)
+                    ),
+                )
+            })?;
+            base.insert("_id", doc! { "$gt": after });
+        }
+        // Ids grow with creation time, so the id order is the creation order, and the last id
+        // of a page is where the next one starts: each page reads at most `limit` documents of
+        // each collection, however deep it is.
+        let sort = doc! { "_id": 1 };
+        let wanted = i64::from(query.limit);
 
         // Deliveries of the wanted states, then (for completed) the history.
         let mut delivery_filter = base.clone();
@@ -370,7 +212,7 @@ impl MongoEventStore {
                 delivery_filter.insert("status", doc! { "$in": ["pending", "dead"] });
             }
         }
-        let mut records: Vec<DeliveryRecord> = inner
+        let mut records: Vec<(ObjectId, DeliveryRecord)> = inner
             .deliveries
             .find(delivery_filter)
             .sort(sort.clone())
@@ -379,34 +221,26 @@ impl MongoEventStore {
             .try_collect::<Vec<Document>>()
             .await?
             .iter()
-            .filter_map(DeliveryRecord::from_document)
+            .filter_map(record_with_id)
             .collect();
         let completed_wanted = matches!(query.status, None | Some(DeliveryStatus::Completed))
             && inner.completion_history;
         if completed_wanted {
-            let history: Vec<DeliveryRecord> = inner
+            let history = inner
                 .completed
                 .find(base)
                 .sort(sort)
                 .limit(wanted)
                 .await?
                 .try_collect::<Vec<Document>>()
-                .await?
-                .iter()
-                .filter_map(DeliveryRecord::from_document)
-                .collect();
-            if query.status.is_some() {
-                // Legacy `completed` documents and history records, in one order.
-                records.extend(history);
-                records.sort_by_key(|r| (r.created_at, r.id));
-            } else {
-                records.extend(history);
-            }
+                .await?;
+            records.extend(history.iter().filter_map(record_with_id));
+            records.sort_by_key(|(id, _)| *id);
         }
         Ok(records
             .into_iter()
-            .skip(usize::try_from(query.skip).unwrap_or(usize::MAX))
             .take(query.limit as usize)
+            .map(|(_, record)| record)
             .collect())
     }
 
@@ -460,7 +294,11 @@ impl MongoEventStore {
             })
             .await?;
         outcome.not_found.extend(not_found);
-        Ok(outcome)
+        Ok(Requeued {
+            requeued: outcome.requeued.iter().map(|id| id.to_hex()).collect(),
+            blocked: outcome.blocked.iter().map(|id| id.to_hex()).collect(),
+            not_found: outcome.not_found,
+        })
     }
 
     async fn requeue_in(
@@ -468,7 +306,7 @@ impl MongoEventStore {
         session: &mut ClientSession,
         ids: &[ObjectId],
         now: DateTime,
-    ) -> Result<Requeued> {
+    ) -> Result<RequeueOutcome> {
         let inner = &self.inner;
         let dead: Vec<Document> = inner
             .deliveries
@@ -483,13 +321,13 @@ impl MongoEventStore {
             .iter()
             .filter_map(|doc| doc.get_object_id("_id").ok())
             .collect();
-        let mut outcome = Requeued {
+        let mut outcome = RequeueOutcome {
             not_found: ids
                 .iter()
                 .filter(|id| !found.contains(id))
                 .map(|id| id.to_hex())
                 .collect(),
-            ..Requeued::default()
+            ..RequeueOutcome::default()
         };
 
         // What runs in the lanes of the keyed ones.

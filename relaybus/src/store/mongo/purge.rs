@@ -14,74 +14,9 @@ use mongodb::{
     options::Hint,
 };
 
-use super::MongoEventStore;
+use super::{MongoEventStore, bson_date};
 use crate::error::Result;
-
-/// What [`MongoEventStore::purge`] deletes. Leave a cutoff out to keep those documents.
-///
-/// # Example
-///
-/// ```
-/// use relaybus::{PurgeOptions, mongodb::bson::DateTime};
-///
-/// let week_ago = DateTime::from_millis(DateTime::now().timestamp_millis() - 7 * 86_400_000);
-/// let options = PurgeOptions::new().dead_before(week_ago).completed_before(week_ago);
-/// # let _ = options;
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[must_use]
-pub struct PurgeOptions {
-    dead_before: Option<DateTime>,
-    completed_before: Option<DateTime>,
-}
-
-impl PurgeOptions {
-    /// Deletes nothing until a cutoff is set.
-    pub fn new() -> Self {
-        PurgeOptions::default()
-    }
-
-    /// Delete dead deliveries buried before `cutoff`.
-    pub fn dead_before(mut self, cutoff: DateTime) -> Self {
-        self.dead_before = Some(cutoff);
-        self
-    }
-
-    /// Delete completion records of completions before `cutoff`, and let events whose last
-    /// completion was before it go.
-    pub fn completed_before(mut self, cutoff: DateTime) -> Self {
-        self.completed_before = Some(cutoff);
-        self
-    }
-
-    /// The earliest cutoff given: events that never completed go once created before it.
-    fn earliest(&self) -> Option<DateTime> {
-        match (self.dead_before, self.completed_before) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-
-    /// The latest cutoff given: no event created after it can go.
-    fn latest(&self) -> Option<DateTime> {
-        match (self.dead_before, self.completed_before) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
-    }
-}
-
-/// What a purge deleted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Purged {
-    /// Dead deliveries.
-    pub dead_deliveries: u64,
-    /// Completion records, and `completed` delivery documents an earlier version left.
-    pub completion_records: u64,
-    /// Events.
-    pub events: u64,
-}
+use crate::store::{PurgeOptions, Purged};
 
 /// Which kind of document a batch deletes.
 #[derive(Debug, Clone, Copy)]
@@ -115,12 +50,12 @@ impl MongoEventStore {
     /// Cancel safe in the same sense: every batch is one transaction.
     pub async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
         let mut purged = Purged::default();
-        if let Some(cutoff) = options.dead_before {
+        if let Some(cutoff) = options.dead_before.map(bson_date) {
             let (documents, events) = self.purge_kind(Kind::Dead, cutoff, options).await?;
             purged.dead_deliveries += documents;
             purged.events += events;
         }
-        if let Some(cutoff) = options.completed_before {
+        if let Some(cutoff) = options.completed_before.map(bson_date) {
             let mut kinds = vec![Kind::LegacyCompleted];
             if self.inner.completion_history {
                 kinds.push(Kind::History);
@@ -266,7 +201,7 @@ impl MongoEventStore {
                     .filter_map(|r| r.get_str("eventId").ok().map(str::to_owned)),
             );
         }
-        let earliest = options.earliest();
+        let earliest = options.earliest().map(bson_date);
         let gone: Vec<&str> = events
             .iter()
             .filter_map(|event| {
@@ -275,7 +210,9 @@ impl MongoEventStore {
                     return None;
                 }
                 let expired = match event.get_datetime("completedAt") {
-                    Ok(completed) => options.completed_before.is_some_and(|cut| *completed < cut),
+                    Ok(completed) => options
+                        .completed_before
+                        .is_some_and(|cut| *completed < bson_date(cut)),
                     Err(_) => match (event.get_datetime("createdAt"), earliest) {
                         (Ok(created), Some(cut)) => *created < cut,
                         _ => false,
@@ -297,7 +234,7 @@ impl MongoEventStore {
 
     /// The events left unreferenced by earlier purges or never referenced at all, oldest first.
     async fn purge_events(&self, options: &PurgeOptions) -> Result<u64> {
-        let Some(latest) = options.latest() else {
+        let Some(latest) = options.latest().map(bson_date) else {
             return Ok(0);
         };
         let batch = i64::from(self.inner.purge_batch_size);

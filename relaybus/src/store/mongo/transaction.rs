@@ -1,117 +1,18 @@
 //! Transactions: the retry loop, the time budget, and the checks that the server and the caller's
 //! session support them.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use mongodb::{
-    ClientSession,
-    bson::{DateTime, doc},
-    error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT},
+use mongodb::{ClientSession, bson::doc, error::ErrorKind, options::ReadConcern};
+
+use super::{MongoEventStore, error_code};
+use crate::{
+    error::{ConfigurationError, Error, InvalidArgumentError, Result},
+    store::transaction::{self, Attempts, Committed},
 };
-
-use super::{AppendRequest, Appended, MongoEventStore, error_code};
-use crate::error::{
-    ConfigurationError, Error, InvalidArgumentError, Result, TransactionTimeoutError,
-};
-
-/// How long transactions are retried after transient errors, as the driver's own helper does.
-pub(crate) const RETRY_LIMIT: Duration = Duration::from_secs(120);
-
-/// The longest time budget: MongoDB aborts transactions older than a minute by default.
-const MAX_BUDGET: Duration = Duration::from_secs(60);
 
 /// `IllegalOperation`, returned by a standalone server to transaction numbers.
 const ILLEGAL_OPERATION: i32 = 20;
-/// `MaxTimeMSExpired`.
-const MAX_TIME_MS_EXPIRED: i32 = 50;
-
-tokio::task_local! {
-    /// Set on the task while the body of one of these transactions runs.
-    static IN_BODY: ();
-}
-
-/// Whether the current task runs the body of a transaction of this crate, where a publish
-/// without the body's session would commit on its own.
-pub(crate) fn in_transaction_body() -> bool {
-    IN_BODY.try_with(|()| ()).is_ok()
-}
-
-/// The transaction loop, shared by the closure-based entry points and the store's own transactions:
-/// written once as a macro because an async closure that borrows cannot be proven `Send` by the
-/// compiler, while inline code can.
-macro_rules! transaction_loop {
-    ($store:expr, $budget:expr, |$session:ident| $work:expr) => {
-        transaction_loop!($store, $budget, None, |$session| $work)
-    };
-    ($store:expr, $budget:expr, $read_concern:expr, |$session:ident| $work:expr) => {{
-        let store: &MongoEventStore = $store;
-        let budget: Option<Duration> = $budget;
-        let read_concern: Option<mongodb::options::ReadConcern> = $read_concern;
-        store.ensure_transactions_supported().await?;
-        let mut options = store.inner.transaction_options.clone();
-        if let Some(budget) = budget {
-            options.max_commit_time = Some(budget);
-        }
-        if read_concern.is_some() {
-            options.read_concern = read_concern;
-        }
-        let started = Instant::now();
-        let mut session = store.inner.client.start_session().await?;
-        let mut attempt: u32 = 0;
-        'attempts: loop {
-            attempt += 1;
-            session
-                .start_transaction()
-                .with_options(options.clone())
-                .await?;
-            let attempt_started = Instant::now();
-            let outcome = {
-                let $session: &mut ClientSession = &mut session;
-                IN_BODY.scope((), $work).await
-            };
-            let value = match outcome {
-                Ok(value) => value,
-                Err(error) => {
-                    // Aborting can fail when the server already aborted; the outcome is the same.
-                    let _ = session.abort_transaction().await;
-                    if error.is_transient_transaction_error() && started.elapsed() < RETRY_LIMIT {
-                        backoff(attempt).await;
-                        continue 'attempts;
-                    }
-                    return Err(map_standalone(error));
-                }
-            };
-            if let Some(budget) = budget {
-                let elapsed = attempt_started.elapsed();
-                if elapsed > budget {
-                    let _ = session.abort_transaction().await;
-                    return Err(TransactionTimeoutError { budget, elapsed }.into());
-                }
-            }
-            loop {
-                match session.commit_transaction().await {
-                    Ok(()) => return Ok(value),
-                    Err(error) => {
-                        if error_code(&error) == Some(MAX_TIME_MS_EXPIRED) {
-                            return Err(Error::Database(error));
-                        }
-                        if started.elapsed() >= RETRY_LIMIT {
-                            return Err(map_standalone(Error::Database(error)));
-                        }
-                        if error.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) {
-                            continue;
-                        }
-                        if error.contains_label(TRANSIENT_TRANSACTION_ERROR) {
-                            backoff(attempt).await;
-                            continue 'attempts;
-                        }
-                        return Err(map_standalone(Error::Database(error)));
-                    }
-                }
-            }
-        }
-    }};
-}
 
 impl MongoEventStore {
     /// Runs `work` in a new multi-document transaction and commits it.
@@ -184,50 +85,33 @@ impl MongoEventStore {
     where
         F: for<'s> AsyncFnMut(&'s mut ClientSession) -> Result<R>,
     {
-        if budget < Duration::from_millis(1) || budget > MAX_BUDGET {
-            return Err(InvalidArgumentError::new(
-                "budget",
-                format!(
-                    "{budget:?} is out of range; use 1 ms to 60 s (MongoDB aborts longer transactions)"
-                ),
-            )
-            .into());
+        if let Err(ConfigurationError::InvalidOption { reason, .. }) =
+            transaction::validate_budget(budget)
+        {
+            return Err(InvalidArgumentError::new("budget", reason).into());
         }
         self.run_transaction(Some(budget), work).await
     }
 
-    async fn run_transaction<R, F>(&self, budget: Option<Duration>, mut work: F) -> Result<R>
+    async fn run_transaction<R, F>(&self, budget: Option<Duration>, work: F) -> Result<R>
     where
         F: for<'s> AsyncFnMut(&'s mut ClientSession) -> Result<R>,
     {
-        transaction_loop!(self, budget, |session| work(session))
-    }
-
-    /// Appends events in a transaction of their own, for a publish without a session.
-    pub(crate) async fn append_in_own_transaction(
-        &self,
-        budget: Duration,
-        events: &[AppendRequest<'_>],
-    ) -> Result<Vec<Appended>> {
-        transaction_loop!(self, Some(budget), |session| self.append_in_transaction(
-            session,
-            events,
-            DateTime::now()
-        ))
+        transaction::run(self, budget, work).await
     }
 
     /// Runs one of the store's own operations in a transaction, with the same retries as
     /// [`transaction`](Self::transaction). What `work` borrows travels in `context`, so that the
     /// future it returns can borrow it for as long as the session (the driver's `and_run` does
     /// the same), and the whole call stays `Send`.
-    pub(crate) async fn own_transaction<C, R, F>(&self, mut context: C, mut work: F) -> Result<R>
+    pub(crate) async fn own_transaction<C, R, F>(&self, context: C, work: F) -> Result<R>
     where
         F: for<'b> FnMut(
             &'b mut ClientSession,
             &'b mut C,
         ) -> futures::future::BoxFuture<'b, Result<R>>,
     {
-        transaction_loop!(self, None, |session| work(session, &mut context))
+        self.own_transaction_with(None, None, context, work).await
     }
 
     /// As [`own_transaction`](Self::own_transaction), reading the latest data the primary has
@@ -236,6 +120,26 @@ impl MongoEventStore {
     /// majority-committed. The commit still waits for a majority.
     pub(crate) async fn own_transaction_reading_latest<C, R, F>(
         &self,
+        context: C,
+        work: F,
+    ) -> Result<R>
+    where
+        F: for<'b> FnMut(
+            &'b mut ClientSession,
+            &'b mut C,
+        ) -> futures::future::BoxFuture<'b, Result<R>>,
+    {
+        self.own_transaction_with(None, Some(ReadConcern::local()), context, work)
+            .await
+    }
+
+    /// The loop of the store's own transactions: [`transaction::Attempts`] with the body
+    /// written inline, which the compiler can prove `Send` where a borrowing closure passed
+    /// to [`transaction::run`] cannot be.
+    async fn own_transaction_with<C, R, F>(
+        &self,
+        budget: Option<Duration>,
+        read_concern: Option<ReadConcern>,
         mut context: C,
         mut work: F,
     ) -> Result<R>
@@ -245,12 +149,66 @@ impl MongoEventStore {
             &'b mut C,
         ) -> futures::future::BoxFuture<'b, Result<R>>,
     {
-        transaction_loop!(
-            self,
-            None,
-            Some(mongodb::options::ReadConcern::local()),
-            |session| work(session, &mut context)
-        )
+        let mut session = self.new_session().await?;
+        let mut attempts = Attempts::new(budget);
+        loop {
+            attempts.start();
+            self.start_transaction(&mut session, budget, read_concern.clone())
+                .await?;
+            let value = match transaction::as_body(work(&mut session, &mut context)).await {
+                Ok(value) => value,
+                Err(error) => {
+                    let _ = session.abort_transaction().await;
+                    if attempts.retry_after(&error).await {
+                        continue;
+                    }
+                    return Err(map_standalone(error));
+                }
+            };
+            if let Err(error) = attempts.check_budget() {
+                let _ = session.abort_transaction().await;
+                return Err(error.into());
+            }
+            match attempts.commit(self, &mut session).await? {
+                Committed::Yes => return Ok(value),
+                Committed::RunAgain => continue,
+            }
+        }
+    }
+
+    /// A session, once the server was seen to support transactions.
+    pub(crate) async fn new_session(&self) -> Result<ClientSession> {
+        self.ensure_transactions_supported().await?;
+        Ok(self.inner.client.start_session().await?)
+    }
+
+    /// Starts a transaction with the store's options, the budget bounding the commit.
+    pub(crate) async fn start_transaction(
+        &self,
+        session: &mut ClientSession,
+        budget: Option<Duration>,
+        read_concern: Option<ReadConcern>,
+    ) -> Result<()> {
+        let mut options = self.inner.transaction_options.clone();
+        if let Some(budget) = budget {
+            options.max_commit_time = Some(budget);
+        }
+        if read_concern.is_some() {
+            options.read_concern = read_concern;
+        }
+        session
+            .start_transaction()
+            .with_options(options)
+            .await
+            .map_err(|e| map_standalone(e.into()))
+    }
+
+    /// Commits once, as the runner asks.
+    pub(crate) async fn commit_once(&self, session: &mut ClientSession) -> Result<()> {
+        session
+            .commit_transaction()
+            .await
+            .map_err(|e| map_standalone(e.into()))
     }
 
     /// Refuses a standalone server once, then remembers that the server is fine.
@@ -300,16 +258,6 @@ impl MongoEventStore {
             Err(error) if matches!(*error.kind, ErrorKind::InvalidArgument { .. }) => Ok(()),
             _ => Err(ConfigurationError::NoTransaction { operation }.into()),
         }
-    }
-}
-
-/// A short, growing, jittered pause between attempts, so that transactions that conflicted do
-/// not collide again in lock step.
-async fn backoff(attempt: u32) {
-    let cap_ms = (u64::from(attempt.min(8)) * 5).min(40);
-    let jitter = u64::from(uuid::Uuid::now_v7().as_u128() as u8) % (cap_ms + 1);
-    if jitter > 0 {
-        tokio::time::sleep(Duration::from_millis(jitter)).await;
     }
 }
 

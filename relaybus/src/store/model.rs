@@ -1,0 +1,302 @@
+//! What the bus, the operator API and every store exchange: append requests and results,
+//! statistics, listings, requeue and purge results. Nothing here names a database.
+
+use crate::{event::EventEnvelope, time::Timestamp};
+
+/// One event to append, with the ids of the handlers that should get a delivery of it.
+#[derive(Debug, Clone, Copy)]
+pub struct AppendRequest<'a> {
+    pub(crate) event: &'a EventEnvelope,
+    pub(crate) handlers: &'a [String],
+}
+
+impl<'a> AppendRequest<'a> {
+    /// An event and the handlers subscribed to it.
+    pub fn new(event: &'a EventEnvelope, handlers: &'a [String]) -> Self {
+        AppendRequest { event, handlers }
+    }
+
+    /// The event.
+    pub fn event(&self) -> &'a EventEnvelope {
+        self.event
+    }
+
+    /// The handlers that should get a delivery of it.
+    pub fn handlers(&self) -> &'a [String] {
+        self.handlers
+    }
+}
+
+/// What appending one event did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Appended {
+    /// The event id.
+    pub event_id: String,
+    /// Whether the event was new; `false` when the store already held an event with this id.
+    pub created: bool,
+    /// The event's sequence within its ordering key, if it has a key.
+    pub sequence: Option<i64>,
+    /// The handlers that got a new delivery. Handlers the event already had a delivery for,
+    /// completed ones included, are left out.
+    pub new_deliveries: Vec<String>,
+}
+
+/// Counts of deliveries by state, from [`crate::store::Store::statistics`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Statistics {
+    /// Deliveries waiting or running (running ones are pending documents listed by their lane),
+    /// parked ones included.
+    pub pending: u64,
+    /// Pending deliveries a worker currently runs.
+    pub running: u64,
+    /// Pending deliveries parked behind an unfinished predecessor of their key.
+    pub parked: u64,
+    /// Dead letters.
+    pub dead: u64,
+    /// Completion records (with completion history), plus `completed` documents an earlier
+    /// version left.
+    pub completed: u64,
+    /// The due time of the oldest pending delivery, parked ones included: how far behind the
+    /// workers are.
+    pub oldest_due_at: Option<Timestamp>,
+}
+
+/// The state of a listed delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeliveryStatus {
+    /// Waiting, running, or parked.
+    Pending,
+    /// Buried after its last attempt failed; see [`crate::store::Store::requeue`].
+    Dead,
+    /// Completed: a completion-history record.
+    Completed,
+}
+
+impl DeliveryStatus {
+    /// The stored name: `pending`, `dead` or `completed`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DeliveryStatus::Pending => "pending",
+            DeliveryStatus::Dead => "dead",
+            DeliveryStatus::Completed => "completed",
+        }
+    }
+
+    pub(crate) fn from_stored(name: &str) -> Option<Self> {
+        match name {
+            "pending" => Some(DeliveryStatus::Pending),
+            "dead" => Some(DeliveryStatus::Dead),
+            "completed" => Some(DeliveryStatus::Completed),
+            _ => None,
+        }
+    }
+}
+
+/// What [`crate::store::Store::list_deliveries`] returns: one delivery or completion record.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct DeliveryRecord {
+    /// The delivery id, as [`requeue`](crate::store::Store::requeue) and [`DeliveryQuery::after`] take it.
+    pub id: String,
+    /// The event id.
+    pub event_id: String,
+    /// The handler id.
+    pub handler: String,
+    /// The event type name.
+    pub event_type: String,
+    /// The ordering key, if any.
+    pub key: Option<String>,
+    /// The sequence within the key, if keyed.
+    pub sequence: Option<i64>,
+    /// The state.
+    pub status: DeliveryStatus,
+    /// Whether a pending delivery is parked behind an unfinished predecessor.
+    pub parked: bool,
+    /// Attempts that ended (for a completion record: including the one that completed).
+    pub attempts: u32,
+    /// When a pending delivery is due.
+    pub due_at: Option<Timestamp>,
+    /// When the delivery was created.
+    pub created_at: Option<Timestamp>,
+    /// When it last changed state, if ever.
+    pub updated_at: Option<Timestamp>,
+    /// When it completed, for completion records.
+    pub completed_at: Option<Timestamp>,
+    /// The error of the last failed attempt.
+    pub last_error: Option<String>,
+}
+
+/// Which deliveries [`crate::store::Store::list_deliveries`] returns; every filter is optional and
+/// they combine with "and". Ordered by creation, oldest first.
+///
+/// # Example
+///
+/// ```
+/// use relaybus::{DeliveryQuery, DeliveryStatus};
+///
+/// let query = DeliveryQuery::new()
+///     .status(DeliveryStatus::Dead)
+///     .handler("send-confirmation")
+///     .limit(50);
+/// # let _ = query;
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub struct DeliveryQuery {
+    pub(crate) status: Option<DeliveryStatus>,
+    pub(crate) handler: Option<String>,
+    pub(crate) event_type: Option<String>,
+    pub(crate) created_from: Option<Timestamp>,
+    pub(crate) created_before: Option<Timestamp>,
+    pub(crate) after: Option<String>,
+    pub(crate) limit: u32,
+}
+
+impl Default for DeliveryQuery {
+    fn default() -> Self {
+        DeliveryQuery::new()
+    }
+}
+
+impl DeliveryQuery {
+    /// Everything, the first 100 records.
+    pub fn new() -> Self {
+        DeliveryQuery {
+            status: None,
+            handler: None,
+            event_type: None,
+            created_from: None,
+            created_before: None,
+            after: None,
+            limit: 100,
+        }
+    }
+
+    /// Only deliveries in this state. [`DeliveryStatus::Completed`] lists completion records,
+    /// which exist only with completion history.
+    pub fn status(mut self, status: DeliveryStatus) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// Only deliveries of this handler.
+    pub fn handler(mut self, handler: impl Into<String>) -> Self {
+        self.handler = Some(handler.into());
+        self
+    }
+
+    /// Only deliveries of events of this type.
+    pub fn event_type(mut self, event_type: impl Into<String>) -> Self {
+        self.event_type = Some(event_type.into());
+        self
+    }
+
+    /// Only deliveries created at or after `from`.
+    pub fn created_from(mut self, from: impl Into<Timestamp>) -> Self {
+        self.created_from = Some(from.into());
+        self
+    }
+
+    /// Only deliveries created before `before`.
+    pub fn created_before(mut self, before: impl Into<Timestamp>) -> Self {
+        self.created_before = Some(before.into());
+        self
+    }
+
+    /// Only records after the delivery with this id, for paging: pass the
+    /// [`id`](DeliveryRecord::id) of the last record of the previous page. A page costs the
+    /// same however deep it is.
+    pub fn after(mut self, id: impl Into<String>) -> Self {
+        self.after = Some(id.into());
+        self
+    }
+
+    /// Return at most `limit` records, 1 to 1000 (100 by default).
+    pub fn limit(mut self, limit: u32) -> Self {
+        self.limit = limit;
+        self
+    }
+}
+
+/// What [`crate::store::Store::requeue`] did with each id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Requeued {
+    /// Dead deliveries made pending again.
+    pub requeued: Vec<String>,
+    /// Dead deliveries left dead because a later delivery of their key is running; try again
+    /// once it finished.
+    pub blocked: Vec<String>,
+    /// Ids that name no dead delivery (unknown, not dead, or not an id at all).
+    pub not_found: Vec<String>,
+}
+
+/// What [`crate::store::Store::purge`] deletes. Leave a cutoff out to keep those documents.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use relaybus::{PurgeOptions, Timestamp};
+///
+/// let week_ago = Timestamp::now().saturating_sub(Duration::from_secs(7 * 86_400));
+/// let options = PurgeOptions::new().dead_before(week_ago).completed_before(week_ago);
+/// # let _ = options;
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[must_use]
+pub struct PurgeOptions {
+    pub(crate) dead_before: Option<Timestamp>,
+    pub(crate) completed_before: Option<Timestamp>,
+}
+
+impl PurgeOptions {
+    /// Deletes nothing until a cutoff is set.
+    pub fn new() -> Self {
+        PurgeOptions::default()
+    }
+
+    /// Delete dead deliveries buried before `cutoff`.
+    pub fn dead_before(mut self, cutoff: impl Into<Timestamp>) -> Self {
+        self.dead_before = Some(cutoff.into());
+        self
+    }
+
+    /// Delete completion records of completions before `cutoff`, and let events whose last
+    /// completion was before it go.
+    pub fn completed_before(mut self, cutoff: impl Into<Timestamp>) -> Self {
+        self.completed_before = Some(cutoff.into());
+        self
+    }
+
+    /// The earliest cutoff given: events that never completed go once created before it.
+    pub(crate) fn earliest(&self) -> Option<Timestamp> {
+        match (self.dead_before, self.completed_before) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The latest cutoff given: no event created after it can go.
+    pub(crate) fn latest(&self) -> Option<Timestamp> {
+        match (self.dead_before, self.completed_before) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// What a purge deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Purged {
+    /// Dead deliveries.
+    pub dead_deliveries: u64,
+    /// Completion records, and `completed` delivery documents an earlier version left.
+    pub completion_records: u64,
+    /// Events.
+    pub events: u64,
+}

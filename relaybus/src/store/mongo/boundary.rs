@@ -1,0 +1,232 @@
+//! The MongoDB store behind the [`Store`] boundary: each method calls the store's own API,
+//! converting timestamps and ids at the edge.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use futures::{StreamExt, TryStreamExt, stream::BoxStream};
+use mongodb::{ClientSession, bson::doc};
+
+use super::{Lease, MongoEventStore, bson_date, timestamp};
+use crate::{
+    error::Result,
+    store::{
+        AppendRequest, Appended, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord,
+        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
+    },
+    time::Timestamp,
+};
+
+impl StoreLease for Lease {
+    type DeliveryId = mongodb::bson::oid::ObjectId;
+
+    fn delivery_id(&self) -> Self::DeliveryId {
+        Lease::delivery_id(self)
+    }
+}
+
+impl Store for MongoEventStore {
+    type Session = ClientSession;
+    type Lease = Lease;
+
+    const NAME: &'static str = "MongoDB";
+
+    async fn setup(&self) -> Result<()> {
+        MongoEventStore::setup(self).await
+    }
+
+    async fn session(&self) -> Result<ClientSession> {
+        self.new_session().await
+    }
+
+    async fn begin(&self, session: &mut ClientSession, budget: Option<Duration>) -> Result<()> {
+        self.start_transaction(session, budget, None).await
+    }
+
+    async fn commit(&self, session: &mut ClientSession) -> Result<()> {
+        self.commit_once(session).await
+    }
+
+    async fn abort(&self, session: &mut ClientSession) {
+        // Aborting can fail when the server already aborted; the outcome is the same.
+        let _ = session.abort_transaction().await;
+    }
+
+    async fn ensure_in_transaction(
+        &self,
+        session: &mut ClientSession,
+        operation: &'static str,
+    ) -> Result<()> {
+        MongoEventStore::ensure_in_transaction(self, session, operation).await
+    }
+
+    async fn append(
+        &self,
+        session: &mut ClientSession,
+        requests: &[AppendRequest<'_>],
+        now: Timestamp,
+    ) -> Result<Vec<Appended>> {
+        MongoEventStore::append(self, session, requests, bson_date(now)).await
+    }
+
+    async fn append_in_transaction(
+        &self,
+        session: &mut ClientSession,
+        requests: &[AppendRequest<'_>],
+        now: Timestamp,
+    ) -> Result<Vec<Appended>> {
+        MongoEventStore::append_in_transaction(self, session, requests, bson_date(now)).await
+    }
+
+    async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
+        if !request.reported.is_empty() {
+            let lanes = request
+                .reported
+                .iter()
+                .filter_map(|lane| i32::try_from(*lane).ok())
+                .collect();
+            self.hint_lanes(request.owner, lanes).await;
+        }
+        let claimed = MongoEventStore::claim(
+            self,
+            request.owner,
+            request.handlers,
+            request.limit,
+            request.lease_duration,
+            bson_date(request.now),
+        )
+        .await?;
+        Ok(claimed
+            .into_iter()
+            .map(|delivery| Claimed {
+                lease: *delivery.lease(),
+                lease_expires_at: timestamp(delivery.lease_expires_at()),
+                handler: delivery.handler().to_owned(),
+                attempt: delivery.attempt(),
+                sequence: delivery.sequence(),
+                event: delivery.into_event(),
+            })
+            .collect())
+    }
+
+    async fn complete(&self, leases: &[Lease], now: Timestamp) -> Result<Vec<bool>> {
+        self.complete_many(leases, bson_date(now)).await
+    }
+
+    async fn complete_in_transaction(
+        &self,
+        session: &mut ClientSession,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<bool> {
+        MongoEventStore::complete_in_transaction(self, session, lease, bson_date(now)).await
+    }
+
+    async fn release(&self, lease: &Lease, now: Timestamp) -> Result<bool> {
+        MongoEventStore::release(self, lease, bson_date(now)).await
+    }
+
+    async fn reschedule(
+        &self,
+        lease: &Lease,
+        due_at: Timestamp,
+        error: &str,
+        now: Timestamp,
+    ) -> Result<bool> {
+        MongoEventStore::reschedule(self, lease, bson_date(due_at), error, bson_date(now)).await
+    }
+
+    async fn bury(&self, lease: &Lease, error: &str, now: Timestamp) -> Result<bool> {
+        MongoEventStore::bury(self, lease, error, bson_date(now)).await
+    }
+
+    /// A lease covers its whole lane, so one renewal per lane is enough. A renewal goes
+    /// through one delivery the lane lists; when that one has just been completed or settled,
+    /// the next delivery of the lane is tried, so that a lane whose other deliveries still run
+    /// is never skipped for a round.
+    async fn renew(
+        &self,
+        leases: &[Lease],
+        lease_duration: Duration,
+        now: Timestamp,
+    ) -> Result<usize> {
+        let mut per_lane: BTreeMap<u32, Vec<&Lease>> = BTreeMap::new();
+        for lease in leases {
+            per_lane.entry(lease.lane()).or_default().push(lease);
+        }
+        let now = bson_date(now);
+        let renewals = per_lane.values().map(|lane| async move {
+            for lease in lane {
+                if self
+                    .extend_lease(lease, lease_duration, now)
+                    .await?
+                    .is_some()
+                {
+                    return Ok(lane.len());
+                }
+            }
+            Ok(0)
+        });
+        let mut covered = 0;
+        let mut failure = None;
+        for result in futures::future::join_all(renewals).await {
+            match result {
+                Ok(count) => covered += count,
+                Err(error) => failure = Some(error),
+            }
+        }
+        match failure {
+            Some(error) if covered == 0 => Err(error),
+            _ => Ok(covered),
+        }
+    }
+
+    async fn relinquish(&self, owner: &str) -> Result<u64> {
+        MongoEventStore::relinquish(self, owner).await
+    }
+
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
+        MongoEventStore::purge(self, options).await
+    }
+
+    async fn statistics(&self) -> Result<Statistics> {
+        MongoEventStore::statistics(self).await
+    }
+
+    async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        MongoEventStore::list_deliveries(self, query).await
+    }
+
+    async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
+        MongoEventStore::requeue(self, ids, bson_date(now)).await
+    }
+
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        error
+            .downcast_ref::<mongodb::error::Error>()
+            .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
+    }
+
+    /// A change stream on inserted deliveries of the handlers, projected down to the lane.
+    async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        let pipeline = [
+            doc! { "$match": {
+                "operationType": "insert",
+                "fullDocument.handler": { "$in": handlers },
+            } },
+            // The resume token (`_id`), `operationType` (the driver requires it), and the lane,
+            // which the next claim after an idle wait looks at first.
+            doc! { "$project": { "operationType": 1, "fullDocument.laneId": 1 } },
+        ];
+        let stream = self.inner.deliveries.watch().pipeline(pipeline).await?;
+        Ok(stream
+            .map_ok(|change| WakeUp {
+                at: change
+                    .full_document
+                    .as_ref()
+                    .and_then(|doc| doc.get_i32("laneId").ok())
+                    .and_then(|lane| u32::try_from(lane).ok()),
+            })
+            .map_err(crate::Error::from)
+            .boxed())
+    }
+}

@@ -1,0 +1,284 @@
+//! The transaction runner of every store: retrying the body after a transient error, sending a
+//! commit again while its result is unknown, and the time budget.
+//!
+//! The bus ([`RelayBus::transaction`](crate::RelayBus::transaction)), the stores' own
+//! transactions, the dispatcher's transactional handlers and `relaybus-axum`'s request layer
+//! all follow these rules, through [`run`] or, where the body must be written inline, through
+//! [`Attempts`].
+
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+
+use super::Store;
+use crate::error::{ConfigurationError, Error, Result, TransactionTimeoutError};
+
+/// How long a transaction is retried after transient errors, as MongoDB's drivers do.
+pub const RETRY_LIMIT: Duration = Duration::from_secs(120);
+
+/// The longest time budget: MongoDB aborts transactions older than a minute by default, and
+/// no request should hold locks for longer anywhere.
+pub const MAX_BUDGET: Duration = Duration::from_secs(60);
+
+/// Checks a transaction time budget: 1 ms to 60 s. The one check behind the bus's
+/// `transaction_timeout`, the store's `transaction_within` and the request layer's budget.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// assert!(relaybus::store::transaction::validate_budget(Duration::from_secs(5)).is_ok());
+/// assert!(relaybus::store::transaction::validate_budget(Duration::ZERO).is_err());
+/// ```
+///
+/// # Errors
+///
+/// [`ConfigurationError::InvalidOption`] for `transaction_timeout`, saying the range.
+pub fn validate_budget(budget: Duration) -> Result<(), ConfigurationError> {
+    if budget < Duration::from_millis(1) || budget > MAX_BUDGET {
+        return Err(ConfigurationError::InvalidOption {
+            option: "transaction_timeout",
+            reason: format!(
+                "{budget:?} is out of range; use 1 ms to 60 s (MongoDB aborts longer transactions)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+tokio::task_local! {
+    /// Set on the task while the body of one of these transactions runs.
+    static IN_BODY: ();
+}
+
+/// Whether the current task runs the body of a transaction of this crate, where a publish
+/// without the body's session would commit on its own.
+pub(crate) fn in_transaction_body() -> bool {
+    IN_BODY.try_with(|()| ()).is_ok()
+}
+
+/// Runs `body` as the body of a transaction: a publish inside it without the body's session is
+/// refused.
+pub(crate) async fn as_body<F: Future>(body: F) -> F::Output {
+    IN_BODY.scope((), body).await
+}
+
+/// The attempts of one transaction: how many ran, since when, and within which budget.
+///
+/// For callers whose body must be written inline (so that the compiler can prove the whole
+/// future `Send`); [`run`] is the loop for everyone else:
+///
+/// ```text
+/// let mut attempts = Attempts::new(budget);
+/// loop {
+///     attempts.start();
+///     store.begin(&mut session, budget).await?;
+///     match body(&mut session).await {
+///         Ok(value) => { attempts.check_budget()?; match attempts.commit(..) { .. } }
+///         Err(error) => { store.abort(..); if attempts.retry_after(&error).await { continue } .. }
+///     }
+/// }
+/// ```
+#[derive(Debug)]
+pub struct Attempts {
+    started: Instant,
+    attempt_started: Instant,
+    attempt: u32,
+    budget: Option<Duration>,
+    deadline: Instant,
+}
+
+/// How a commit ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Committed {
+    /// The transaction committed.
+    Yes,
+    /// The commit failed with a transient error, nothing was committed, and there is time
+    /// left: run the whole transaction again.
+    RunAgain,
+}
+
+impl Attempts {
+    /// The first attempt, now, retried for at most [`RETRY_LIMIT`].
+    pub fn new(budget: Option<Duration>) -> Self {
+        let now = Instant::now();
+        Attempts {
+            started: now,
+            attempt_started: now,
+            attempt: 0,
+            budget,
+            deadline: now + RETRY_LIMIT,
+        }
+    }
+
+    /// Stops retrying at `deadline` instead, if it is sooner: a transactional handler must
+    /// end within its lease.
+    pub fn retry_until(mut self, deadline: Instant) -> Self {
+        self.deadline = self.deadline.min(deadline);
+        self
+    }
+
+    /// Counts an attempt that starts now.
+    pub fn start(&mut self) {
+        self.attempt += 1;
+        self.attempt_started = Instant::now();
+    }
+
+    /// The number of attempts started.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether retrying is still allowed: before the retry deadline.
+    pub fn time_left(&self) -> bool {
+        Instant::now() < self.deadline
+    }
+
+    /// After a failed body or commit: whether to run the transaction again. It may when the
+    /// error is transient and there is time left; it then waits a short, growing, jittered
+    /// pause first, so that transactions that conflicted do not collide again in lock step.
+    pub async fn retry_after(&mut self, error: &Error) -> bool {
+        if !error.is_transient_transaction_error() || !self.time_left() {
+            return false;
+        }
+        pause(self.attempt).await;
+        true
+    }
+
+    /// Refuses to commit an attempt whose body ran past the budget.
+    ///
+    /// # Errors
+    ///
+    /// [`TransactionTimeoutError`]; abort the transaction.
+    pub fn check_budget(&self) -> Result<(), TransactionTimeoutError> {
+        match self.budget {
+            Some(budget) if self.attempt_started.elapsed() > budget => {
+                Err(TransactionTimeoutError {
+                    budget,
+                    elapsed: self.attempt_started.elapsed(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Commits, sending the commit again while its result is unknown.
+    ///
+    /// # Errors
+    ///
+    /// The commit's error when it is neither transient nor unknown, is a timeout, or came
+    /// after the retry deadline.
+    pub async fn commit<S: Store>(
+        &mut self,
+        store: &S,
+        session: &mut S::Session,
+    ) -> Result<Committed> {
+        loop {
+            let error = match store.commit(session).await {
+                Ok(()) => return Ok(Committed::Yes),
+                Err(error) => error,
+            };
+            if error.is_timeout() || !self.time_left() {
+                return Err(error);
+            }
+            if error.is_unknown_commit_result() {
+                continue;
+            }
+            if self.retry_after(&error).await {
+                return Ok(Committed::RunAgain);
+            }
+            return Err(error);
+        }
+    }
+
+    /// How long since the first attempt started.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+/// Runs `work` in a transaction of `store` and commits it, running the whole of `work` again
+/// after a transient error, within `budget` per attempt when one is given. Publishes inside
+/// `work` without its session are refused.
+///
+/// # Errors
+///
+/// The error of `work`; [`Error::TransactionTimeout`] for an attempt past the budget; the
+/// errors of starting and committing.
+pub async fn run<S, R, F>(store: &S, budget: Option<Duration>, mut work: F) -> Result<R>
+where
+    S: Store,
+    F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
+{
+    let mut session = store.session().await?;
+    let mut attempts = Attempts::new(budget);
+    loop {
+        attempts.start();
+        store.begin(&mut session, budget).await?;
+        let value = match as_body(work(&mut session)).await {
+            Ok(value) => value,
+            Err(error) => {
+                store.abort(&mut session).await;
+                if attempts.retry_after(&error).await {
+                    continue;
+                }
+                return Err(error);
+            }
+        };
+        if let Err(error) = attempts.check_budget() {
+            store.abort(&mut session).await;
+            return Err(error.into());
+        }
+        match attempts.commit(store, &mut session).await? {
+            Committed::Yes => return Ok(value),
+            Committed::RunAgain => continue,
+        }
+    }
+}
+
+/// A short pause that grows with the attempts, taken at random from 0 to 5 ms per attempt (at
+/// most 40 ms).
+async fn pause(attempt: u32) {
+    let cap_ms = (u64::from(attempt.min(8)) * 5).min(40);
+    let wait = rand::rng().random_range(0..=cap_ms);
+    if wait > 0 {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_are_checked_once() {
+        assert!(validate_budget(Duration::from_millis(1)).is_ok());
+        assert!(validate_budget(MAX_BUDGET).is_ok());
+        assert!(validate_budget(MAX_BUDGET + Duration::from_millis(1)).is_err());
+        assert!(validate_budget(Duration::from_micros(999)).is_err());
+    }
+
+    #[tokio::test]
+    async fn only_transient_errors_are_retried_and_only_in_time() {
+        let transient = Error::Database(
+            crate::DatabaseError::new(std::io::Error::other("conflict")).with_transient(true),
+        );
+        let plain = Error::Database(crate::DatabaseError::new(std::io::Error::other("bad")));
+        let mut attempts = Attempts::new(None);
+        attempts.start();
+        assert!(attempts.retry_after(&transient).await);
+        assert!(!attempts.retry_after(&plain).await);
+        let mut late = Attempts::new(None).retry_until(Instant::now());
+        late.start();
+        assert!(!late.retry_after(&transient).await);
+    }
+
+    #[tokio::test]
+    async fn an_attempt_past_its_budget_is_refused() {
+        let mut attempts = Attempts::new(Some(Duration::from_millis(1)));
+        attempts.start();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let error = attempts.check_budget().unwrap_err();
+        assert_eq!(error.budget(), Duration::from_millis(1));
+        assert!(error.elapsed() >= Duration::from_millis(5));
+    }
+}
