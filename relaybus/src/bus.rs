@@ -23,7 +23,7 @@ use crate::{
 /// The default time budget of a [`RelayBus::transaction`].
 pub const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The event bus: publishes events into MongoDB transactions and knows which handlers subscribe to
+/// The event bus: publishes events into store transactions and knows which handlers subscribe to
 /// which event types.
 ///
 /// Deliveries are created when an event is published, from the subscriptions **of the bus that

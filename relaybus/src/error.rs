@@ -493,7 +493,8 @@ pub struct InvalidArgumentError {
 }
 
 impl InvalidArgumentError {
-    pub(crate) fn new(argument: &'static str, reason: impl Into<String>) -> Self {
+    /// Refuses `argument`, saying what is wrong and what is accepted.
+    pub fn new(argument: &'static str, reason: impl Into<String>) -> Self {
         InvalidArgumentError {
             argument,
             reason: reason.into(),
@@ -512,6 +513,7 @@ impl InvalidArgumentError {
 }
 
 /// The first `max` characters of `text`, for error messages that echo input.
+#[cfg_attr(not(feature = "mongodb"), allow(dead_code))]
 pub(crate) fn truncate_for_message(text: &str, max: usize) -> String {
     text.chars().take(max).collect()
 }

@@ -765,7 +765,8 @@ async fn ops_routes_answer_and_refuse_bad_input() {
     assert_eq!(page.status(), StatusCode::OK);
     let page = json(page).await;
     assert_eq!(page["deliveries"].as_array().unwrap().len(), 2, "{page}");
-    assert_eq!(page["next_skip"], 2);
+    let after = page["next_after"].as_str().unwrap().to_owned();
+    assert_eq!(page["deliveries"][1]["id"], after.as_str(), "{page}");
     assert!(
         page["deliveries"][0]["last_error"]
             .as_str()
@@ -773,13 +774,15 @@ async fn ops_routes_answer_and_refuse_bad_input() {
             .contains("the mail server said no")
     );
     let last = json(
-        call(get_from("/ops/deliveries?status=dead&skip=2&limit=2"))
-            .await
-            .unwrap(),
+        call(get_from(&format!(
+            "/ops/deliveries?status=dead&after={after}&limit=2"
+        )))
+        .await
+        .unwrap(),
     )
     .await;
     assert_eq!(last["deliveries"].as_array().unwrap().len(), 1, "{last}");
-    assert_eq!(last["next_skip"], serde_json::Value::Null);
+    assert_eq!(last["next_after"], serde_json::Value::Null);
     let id = last["deliveries"][0]["id"].as_str().unwrap().to_owned();
 
     let unknown = "65f0a1b2c3d4e5f601234567";
@@ -829,4 +832,79 @@ async fn ops_routes_answer_and_refuse_bad_input() {
     assert_eq!(response.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
     let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
     assert_eq!(stats["dead"], 2, "refused input changed nothing: {stats}");
+}
+
+#[tokio::test]
+async fn the_request_transaction_uses_the_transaction_options_of_the_store() {
+    use mongodb::options::{Acknowledgment, TransactionOptions, WriteConcern};
+
+    let db = test_db("axum_options").await;
+    // A write concern no test replica set can satisfy: a commit with it fails.
+    let options = TransactionOptions::builder()
+        .write_concern(
+            WriteConcern::builder()
+                .w(Acknowledgment::Nodes(9))
+                .w_timeout(Duration::from_millis(200))
+                .build(),
+        )
+        .build();
+    let store = relaybus::MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .transaction_options(options)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let bus = RelayBus::builder(store)
+        .without_registered_handlers()
+        .build()
+        .unwrap();
+    let (state, layer) = relaybus_axum::setup(bus).unwrap();
+    let app: Router = Router::new()
+        .route(
+            "/orders/{id}",
+            post(async |Path(id): Path<String>, mut publisher: Publisher| {
+                insert_and_publish(&mut publisher, &id).await;
+                StatusCode::CREATED
+            }),
+        )
+        .layer(layer)
+        .with_state(state);
+    let response = app.oneshot(post_to("/orders/o-1")).await.unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the commit used the store's write concern, which cannot be satisfied"
+    );
+}
+
+/// `bus.transaction` inside an Axum handler and inside a spawned task: both need a `Send`
+/// future, which a borrowing closure could not give. This only has to compile.
+#[allow(dead_code)]
+fn bus_transactions_compile_in_a_handler_and_in_a_spawned_task(bus: RelayBus) {
+    async fn place(State(bus): State<RelayBus>, Path(id): Path<String>) -> StatusCode {
+        let orders = bus.store().database().collection::<Document>("orders");
+        let body = {
+            let bus = bus.clone();
+            async move |session: &mut mongodb::ClientSession| {
+                orders
+                    .insert_one(doc! { "_id": &id })
+                    .session(&mut *session)
+                    .await?;
+                bus.publish(&placed(&id)).key(&id).session(session).await
+            }
+        };
+        match bus.transaction(body).await {
+            Ok(_) => StatusCode::CREATED,
+            Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+    let spawned = bus.clone();
+    drop(tokio::spawn(async move {
+        spawned
+            .transaction(async move |_: &mut mongodb::ClientSession| Ok(()))
+            .await
+    }));
+    let _: Router = Router::new()
+        .route("/orders/{id}", post(place))
+        .with_state(bus);
 }

@@ -682,3 +682,105 @@ async fn a_payload_that_no_longer_deserializes_is_a_failed_attempt_with_a_clear_
         "{error}"
     );
 }
+
+/// The attempts a stored delivery records, 0 when it records none.
+fn attempts(doc: &Document) -> i64 {
+    match doc.get("attempts") {
+        Some(mongodb::bson::Bson::Int32(n)) => i64::from(*n),
+        Some(mongodb::bson::Bson::Int64(n)) => *n,
+        _ => 0,
+    }
+}
+
+/// An error that lets a transaction run again, as a store reports a write conflict.
+fn transient_error() -> BoxError {
+    relaybus::Error::Database(
+        relaybus::DatabaseError::new(std::io::Error::other("write conflict")).with_transient(true),
+    )
+    .into()
+}
+
+#[tokio::test]
+async fn a_transient_failure_is_known_by_its_type_and_stored_as_its_own_text() {
+    let db = test_db("transient_text").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["conflicting", "marked"]), "o-1", None).await;
+    let bus = builder(&store)
+        .without_registered_handlers()
+        .subscribe(Subscription::new(
+            "conflicting",
+            |_: OrderPlaced, _: HandlerContext| async { Err::<(), BoxError>(transient_error()) },
+        ))
+        // Not transient, whatever its text says: it is charged at once, not retried as a
+        // transaction.
+        .subscribe(
+            Subscription::new("marked", |_: OrderPlaced, _: HandlerContext| async {
+                Err::<(), BoxError>("broken [transient transaction error]".into())
+            })
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(30), bus.run_once())
+        .await
+        .expect("a plain failure is not retried as a transient one")
+        .unwrap();
+    assert_eq!(report.claimed, 2);
+    let stored: HashMap<String, Document> = deliveries(&db)
+        .await
+        .into_iter()
+        .map(|d| (d.get_str("handler").unwrap().to_owned(), d))
+        .collect();
+    assert_eq!(
+        stored["conflicting"].get_str("lastError"),
+        Ok("database error: write conflict"),
+        "the stored error is the handler's, with no mark"
+    );
+    assert_eq!(
+        stored["marked"].get_str("lastError"),
+        Ok("broken [transient transaction error]")
+    );
+    for doc in stored.values() {
+        assert_eq!(attempts(doc), 1, "{doc}");
+    }
+}
+
+#[tokio::test]
+async fn a_transactional_handler_stops_retrying_before_its_lease_ends_and_is_not_charged() {
+    let db = test_db("transient_lease").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["conflicting"]), "o-1", None).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let lease = Duration::from_secs(2);
+    let bus = builder(&store)
+        .lease_duration(lease)
+        .without_registered_handlers()
+        .subscribe(
+            Subscription::new("conflicting", move |_: OrderPlaced, _: HandlerContext| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { Err::<(), BoxError>(transient_error()) }
+            })
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let report = tokio::time::timeout(Duration::from_secs(30), bus.run_once())
+        .await
+        .expect("the handler's transaction is retried only within its lease")
+        .unwrap();
+    assert!(
+        started.elapsed() < lease,
+        "ran {:?}, past the lease of {lease:?}",
+        started.elapsed()
+    );
+    assert_eq!(report.claimed, 1);
+    assert!(
+        runs.load(Ordering::SeqCst) > 1,
+        "a transient error runs the transaction again"
+    );
+    let doc = &deliveries(&db).await[0];
+    assert_eq!(doc.get_str("status"), Ok("pending"));
+    assert_eq!(attempts(doc), 0, "given back uncharged: {doc}");
+}

@@ -1684,3 +1684,42 @@ async fn purge_never_leaves_a_delivery_without_its_event() {
     );
     eprintln!("purged {purged_events} events while publishing");
 }
+
+#[tokio::test]
+async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_completed() {
+    use relaybus::Store;
+
+    let db = test_db("renew_lane").await;
+    let store = store(&db).await;
+    // One keyed event for two handlers: both deliveries are in the key's lane.
+    publish(&store, &[event("e-1", Some("k"))], &["a", "b"], at(0)).await;
+    let claimed = store
+        .claim("w1", &["a", "b"], 10, LEASE, at(0))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 2);
+    let (done, running) = (*claimed[0].lease(), *claimed[1].lease());
+    assert_eq!(done.lane(), running.lane());
+    assert_eq!(store.complete_many(&[done], at(1)).await.unwrap(), [true]);
+
+    // The completed delivery comes first: the lane is renewed through the one still running.
+    let renewed_at = at(20);
+    let covered = Store::renew(&store, &[done, running], LEASE, renewed_at.into())
+        .await
+        .unwrap();
+    assert_eq!(covered, 2, "the lane's lease covers both leases given");
+    let lane = db
+        .db()
+        .collection::<Document>("relaybus_lanes")
+        .find_one(doc! { "_id": running.lane() as i32 })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        lane.get_datetime("leaseExpiresAt")
+            .unwrap()
+            .timestamp_millis(),
+        renewed_at.timestamp_millis() + LEASE.as_millis() as i64,
+        "{lane}"
+    );
+}

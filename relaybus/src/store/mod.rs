@@ -287,3 +287,124 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         handlers: &[String],
     ) -> impl Future<Output = Result<BoxStream<'static, Result<WakeUp>>>> + Send;
 }
+
+#[cfg(not(feature = "mongodb"))]
+impl StoreLease for NoStore {
+    type DeliveryId = String;
+
+    fn delivery_id(&self) -> String {
+        match *self {}
+    }
+}
+
+/// Never called: `NoStore` has no values.
+#[cfg(not(feature = "mongodb"))]
+impl Store for NoStore {
+    type Session = NoStore;
+    type Lease = NoStore;
+
+    const NAME: &'static str = "no";
+
+    async fn setup(&self) -> Result<()> {
+        match *self {}
+    }
+
+    async fn session(&self) -> Result<NoStore> {
+        match *self {}
+    }
+
+    async fn begin(&self, _: &mut NoStore, _: Option<Duration>) -> Result<()> {
+        match *self {}
+    }
+
+    async fn commit(&self, _: &mut NoStore) -> Result<()> {
+        match *self {}
+    }
+
+    async fn abort(&self, _: &mut NoStore) {
+        match *self {}
+    }
+
+    async fn ensure_in_transaction(&self, _: &mut NoStore, _: &'static str) -> Result<()> {
+        match *self {}
+    }
+
+    async fn append(
+        &self,
+        _: &mut NoStore,
+        _: &[AppendRequest<'_>],
+        _: Timestamp,
+    ) -> Result<Vec<Appended>> {
+        match *self {}
+    }
+
+    async fn append_in_transaction(
+        &self,
+        _: &mut NoStore,
+        _: &[AppendRequest<'_>],
+        _: Timestamp,
+    ) -> Result<Vec<Appended>> {
+        match *self {}
+    }
+
+    async fn claim(&self, _: ClaimRequest<'_>) -> Result<Vec<Claimed<NoStore>>> {
+        match *self {}
+    }
+
+    async fn complete(&self, _: &[NoStore], _: Timestamp) -> Result<Vec<bool>> {
+        match *self {}
+    }
+
+    async fn complete_in_transaction(
+        &self,
+        _: &mut NoStore,
+        _: &NoStore,
+        _: Timestamp,
+    ) -> Result<bool> {
+        match *self {}
+    }
+
+    async fn release(&self, _: &NoStore, _: Timestamp) -> Result<bool> {
+        match *self {}
+    }
+
+    async fn reschedule(&self, _: &NoStore, _: Timestamp, _: &str, _: Timestamp) -> Result<bool> {
+        match *self {}
+    }
+
+    async fn bury(&self, _: &NoStore, _: &str, _: Timestamp) -> Result<bool> {
+        match *self {}
+    }
+
+    async fn renew(&self, _: &[NoStore], _: Duration, _: Timestamp) -> Result<usize> {
+        match *self {}
+    }
+
+    async fn relinquish(&self, _: &str) -> Result<u64> {
+        match *self {}
+    }
+
+    async fn purge(&self, _: &PurgeOptions) -> Result<Purged> {
+        match *self {}
+    }
+
+    async fn statistics(&self) -> Result<Statistics> {
+        match *self {}
+    }
+
+    async fn list_deliveries(&self, _: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        match *self {}
+    }
+
+    async fn requeue(&self, _: &[String], _: Timestamp) -> Result<Requeued> {
+        match *self {}
+    }
+
+    fn is_transient(_: &(dyn std::error::Error + 'static)) -> bool {
+        false
+    }
+
+    async fn watch(&self, _: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        match *self {}
+    }
+}

@@ -85,7 +85,8 @@ impl DeliveryStatus {
         }
     }
 
-    pub(crate) fn from_stored(name: &str) -> Option<Self> {
+    /// The state of a stored name, as [`as_str`](Self::as_str) writes it.
+    pub fn from_stored(name: &str) -> Option<Self> {
         match name {
             "pending" => Some(DeliveryStatus::Pending),
             "dead" => Some(DeliveryStatus::Dead),
@@ -273,7 +274,7 @@ impl PurgeOptions {
     }
 
     /// The earliest cutoff given: events that never completed go once created before it.
-    pub(crate) fn earliest(&self) -> Option<Timestamp> {
+    pub fn earliest(&self) -> Option<Timestamp> {
         match (self.dead_before, self.completed_before) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -281,7 +282,7 @@ impl PurgeOptions {
     }
 
     /// The latest cutoff given: no event created after it can go.
-    pub(crate) fn latest(&self) -> Option<Timestamp> {
+    pub fn latest(&self) -> Option<Timestamp> {
         match (self.dead_before, self.completed_before) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
