@@ -117,7 +117,6 @@ pub use error::{
     Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
-pub use time::Timestamp;
 pub use handler::{
     Handler, HandlerContext, NotTransactional, RetryPolicy, SessionGuard, Subscription,
     validate_handler_id,
@@ -129,6 +128,7 @@ pub use store::mongo::{
     AppendRequest, Appended, ClaimedDelivery, DeliveryQuery, DeliveryRecord, DeliveryStatus, Lease,
     MongoEventStore, MongoEventStoreBuilder, PurgeOptions, Purged, Requeued, Statistics,
 };
+pub use time::Timestamp;
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

@@ -64,8 +64,7 @@ impl From<SystemTime> for Timestamp {
         match time.duration_since(UNIX_EPOCH) {
             Ok(after) => Timestamp(i64::try_from(after.as_millis()).unwrap_or(i64::MAX)),
             Err(before) => Timestamp(
-                i64::try_from(before.duration().as_millis())
-                    .map_or(i64::MIN, |millis| -millis),
+                i64::try_from(before.duration().as_millis()).map_or(i64::MIN, |millis| -millis),
             ),
         }
     }
@@ -122,10 +121,7 @@ mod tests {
 
     #[test]
     fn displays_as_rfc3339() {
-        assert_eq!(
-            Timestamp::EPOCH.to_string(),
-            "1970-01-01T00:00:00.000Z"
-        );
+        assert_eq!(Timestamp::EPOCH.to_string(), "1970-01-01T00:00:00.000Z");
         assert_eq!(
             Timestamp::from_millis(1_796_111_633_123).to_string(),
             "2026-12-01T07:53:53.123Z"

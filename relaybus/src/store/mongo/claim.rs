@@ -61,8 +61,8 @@ use super::{
 use crate::{
     error::{Error, InvalidArgumentError, Result},
     event::EventEnvelope,
-    time::Timestamp,
     handler::validate_handler_id,
+    time::Timestamp,
 };
 
 /// Lanes one query reads at most: the query planner merges at most 200 index scans.
@@ -1749,7 +1749,9 @@ fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
     };
     let created_at = raw
         .get_datetime("createdAt")
-        .map_or(Timestamp::EPOCH, |at| Timestamp::from_millis(at.timestamp_millis()));
+        .map_or(Timestamp::EPOCH, |at| {
+            Timestamp::from_millis(at.timestamp_millis())
+        });
     EventEnvelope {
         id: pick.event_id.clone(),
         event_type: text("type").unwrap_or_default(),
