@@ -422,6 +422,65 @@ impl Scan {
     fn full(&self) -> bool {
         self.picks.len() >= self.limit
     }
+
+    /// The keys of `page` whose lowest pending delivery the per-key rules need and do not know
+    /// yet: keys seen for the first time, unless one of their deliveries runs or was picked
+    /// (their deliveries wait whatever the lowest is).
+    fn unknown_keys(&self, page: &[Candidate]) -> Vec<KeyOf> {
+        let mut unknown: Vec<KeyOf> = Vec::new();
+        for candidate in page {
+            if let Some(key) = &candidate.key {
+                let key_of = (candidate.handler.clone(), key.clone());
+                if !self.heads.contains_key(&key_of)
+                    && !self.running_keys.contains(&key_of)
+                    && !self.picked_keys.contains(&key_of)
+                    && !unknown.contains(&key_of)
+                {
+                    unknown.push(key_of);
+                }
+            }
+        }
+        unknown
+    }
+
+    /// Remembers the lowest pending delivery of each of `keys` as looked up; `lowest` leaves out
+    /// the keys with nothing pending.
+    fn learn_heads(&mut self, keys: Vec<KeyOf>, lowest: &HashMap<KeyOf, (ObjectId, i64)>) {
+        for key_of in keys {
+            let head = lowest.get(&key_of).map(|(id, _)| *id);
+            self.heads.insert(key_of, head);
+        }
+    }
+
+    /// Applies the per-key rules to a page of candidates, in order, until the claim is full. No
+    /// database access: the lowest pending delivery of each key was looked up before.
+    fn pick(&mut self, page: Vec<Candidate>) {
+        for candidate in page {
+            if self.full() {
+                break;
+            }
+            if self.running.contains(&candidate.id) {
+                continue;
+            }
+            let Some(key) = &candidate.key else {
+                self.picks.push(candidate);
+                continue;
+            };
+            let key_of = (candidate.handler.clone(), key.clone());
+            let free = !self.picked_keys.contains(&key_of)
+                && !self.running_keys.contains(&key_of)
+                && self.heads.get(&key_of) == Some(&Some(candidate.id));
+            if free {
+                self.picked_keys.insert(key_of);
+                self.picks.push(candidate);
+            } else {
+                self.waiting
+                    .entry(key_of)
+                    .or_default()
+                    .push((candidate.id, candidate.lane));
+            }
+        }
+    }
 }
 
 impl MongoEventStore {
@@ -801,7 +860,7 @@ impl MongoEventStore {
                     }
                     page.push(candidate);
                 }
-                self.pick(page, &mut scan).await?;
+                self.look_up_and_pick(page, &mut scan).await?;
                 let again: Vec<i32> = joined
                     .into_iter()
                     .filter(|lane| !ready.contains(lane))
@@ -1362,7 +1421,7 @@ impl MongoEventStore {
             }
             let exhausted = raw.len() < window;
             let mut last = page.last().map(|c| (c.due_at, c.id));
-            self.pick(page, scan).await?;
+            self.look_up_and_pick(page, scan).await?;
             if exhausted || scan.full() {
                 continue;
             }
@@ -1394,7 +1453,8 @@ impl MongoEventStore {
                     batch.push(candidate);
                 }
                 if (done && !batch.is_empty()) || batch.len() >= SCAN_BATCH as usize {
-                    self.pick(std::mem::take(&mut batch), scan).await?;
+                    self.look_up_and_pick(std::mem::take(&mut batch), scan)
+                        .await?;
                 }
                 if done || scan.full() {
                     break;
@@ -1404,55 +1464,15 @@ impl MongoEventStore {
         Ok(())
     }
 
-    /// Applies the per-key rules to a page of candidates, in order.
-    async fn pick(&self, page: Vec<Candidate>, scan: &mut Scan) -> Result<()> {
-        // The lowest pending delivery of every key seen for the first time, in parallel.
-        let mut unknown: Vec<KeyOf> = Vec::new();
-        for candidate in &page {
-            if let Some(key) = &candidate.key {
-                let key_of = (candidate.handler.clone(), key.clone());
-                if !scan.heads.contains_key(&key_of)
-                    && !scan.running_keys.contains(&key_of)
-                    && !scan.picked_keys.contains(&key_of)
-                    && !unknown.contains(&key_of)
-                {
-                    unknown.push(key_of);
-                }
-            }
-        }
+    /// Looks up, in parallel, the lowest pending delivery of the keys of `page` that the per-key
+    /// rules need and do not know yet, then picks from the page.
+    async fn look_up_and_pick(&self, page: Vec<Candidate>, scan: &mut Scan) -> Result<()> {
+        let unknown = scan.unknown_keys(&page);
         if !unknown.is_empty() {
             let lowest = self.lowest_pending(&unknown).await?;
-            for key_of in unknown {
-                let head = lowest.get(&key_of).map(|(id, _)| *id);
-                scan.heads.insert(key_of, head);
-            }
+            scan.learn_heads(unknown, &lowest);
         }
-
-        for candidate in page {
-            if scan.full() {
-                break;
-            }
-            if scan.running.contains(&candidate.id) {
-                continue;
-            }
-            let Some(key) = &candidate.key else {
-                scan.picks.push(candidate);
-                continue;
-            };
-            let key_of = (candidate.handler.clone(), key.clone());
-            let free = !scan.picked_keys.contains(&key_of)
-                && !scan.running_keys.contains(&key_of)
-                && scan.heads.get(&key_of) == Some(&Some(candidate.id));
-            if free {
-                scan.picked_keys.insert(key_of);
-                scan.picks.push(candidate);
-            } else {
-                scan.waiting
-                    .entry(key_of)
-                    .or_default()
-                    .push((candidate.id, candidate.lane));
-            }
-        }
+        scan.pick(page);
         Ok(())
     }
 
