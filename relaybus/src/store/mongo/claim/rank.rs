@@ -253,4 +253,22 @@ mod tests {
         assert_eq!(reusable(kept(), &["b", "a"], later(0), &[5]), None);
         assert_eq!(reusable(None, &["a", "b"], later(0), &[5]), None);
     }
+
+    #[test]
+    fn alone_a_claimer_takes_the_oldest_lanes_and_with_others_some_of_the_oldest() {
+        let ranked: Vec<i32> = (0..40).collect();
+        assert_eq!(choose(ranked.clone(), 4, 1), vec![0, 1, 2, 3]);
+        assert_eq!(choose(vec![5, 6], 4, 8), vec![5, 6]);
+        for _ in 0..20 {
+            let mut chosen = choose(ranked.clone(), 4, 3);
+            assert_eq!(chosen.len(), 4);
+            assert!(
+                chosen.iter().all(|lane| (0..12).contains(lane)),
+                "{chosen:?}"
+            );
+            chosen.sort_unstable();
+            chosen.dedup();
+            assert_eq!(chosen.len(), 4);
+        }
+    }
 }

@@ -398,4 +398,42 @@ mod tests {
                 .is_none()
         );
     }
+
+    #[test]
+    fn only_claims_this_instance_did_not_hand_out_are_foreign() {
+        let (ours, gone, other) = (ObjectId::new(), ObjectId::new(), ObjectId::new());
+        let held = vec![Lane {
+            id: 3,
+            epoch: 7,
+            lease_expires_at: None,
+            in_flight: vec![ours, gone, other],
+            lost: Vec::new(),
+            requeues: Bson::Null,
+        }];
+        let issued = |claims| Issued {
+            lane: 3,
+            epoch: 7,
+            claims,
+        };
+        let mut generations = HashMap::from([(ours, 2)]);
+        let mut handed_out = HashMap::from([(ours, issued(2)), (other, issued(0))]);
+        // `gone` no longer exists and `other` is not read: only `ours` is judged.
+        assert!(!lists_foreign_claims(&held, &generations, &handed_out));
+        // A claim generation that moved on, or another epoch, is not this instance's claim.
+        generations.insert(other, 1);
+        assert!(lists_foreign_claims(&held, &generations, &handed_out));
+        handed_out.insert(
+            other,
+            Issued {
+                epoch: 6,
+                ..issued(1)
+            },
+        );
+        assert!(lists_foreign_claims(&held, &generations, &handed_out));
+        handed_out.insert(other, issued(1));
+        assert!(!lists_foreign_claims(&held, &generations, &handed_out));
+        // Listed, existing, and never handed out by this instance.
+        handed_out.remove(&ours);
+        assert!(lists_foreign_claims(&held, &generations, &handed_out));
+    }
 }
