@@ -15,6 +15,7 @@ use crate::{
         bson_json::{raw_document_to_json, raw_to_json},
         lane::Lane,
         lease::Lease,
+        schema::field,
     },
     time::Timestamp,
 };
@@ -59,14 +60,14 @@ impl MongoEventStore {
         }
         let events = self.inner.events.clone_with_type::<RawDocumentBuf>();
         let mut cursor = events
-            .find(doc! { "_id": { "$in": &ids } })
-            .projection(doc! { "handlers": 0 })
+            .find(doc! { field::ID: { "$in": &ids } })
+            .projection(doc! { field::HANDLERS: 0 })
             .limit(ids.len() as i64)
             .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
             .await?;
         let mut found = HashMap::with_capacity(ids.len());
         while let Some(event) = cursor.try_next().await? {
-            if let Ok(id) = event.get_str("_id") {
+            if let Ok(id) = event.get_str(field::ID) {
                 found.insert(id.to_owned(), event);
             }
         }
@@ -118,11 +119,11 @@ impl MongoEventStore {
 /// The event of a pick, from its raw stored document.
 fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
     let text = |name: &str| raw.get_str(name).ok().map(str::to_owned);
-    let payload = match raw.get_document("payload") {
+    let payload = match raw.get_document(field::PAYLOAD) {
         Ok(payload) => raw_document_to_json(payload),
         _ => serde_json::Map::new(),
     };
-    let headers = match raw.get_document("headers") {
+    let headers = match raw.get_document(field::HEADERS) {
         Ok(headers) => headers
             .into_iter()
             .filter_map(Result::ok)
@@ -134,17 +135,17 @@ fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
         _ => Default::default(),
     };
     let created_at = raw
-        .get_datetime("createdAt")
+        .get_datetime(field::CREATED_AT)
         .map_or(Timestamp::EPOCH, |at| {
             Timestamp::from_millis(at.timestamp_millis())
         });
     EventEnvelope {
         id: pick.event_id.clone(),
-        event_type: text("type").unwrap_or_default(),
+        event_type: text(field::TYPE).unwrap_or_default(),
         payload,
-        key: text("key"),
-        correlation_id: text("correlationId"),
-        causation_id: text("causationId"),
+        key: text(field::KEY),
+        correlation_id: text(field::CORRELATION_ID),
+        causation_id: text(field::CAUSATION_ID),
         headers,
         created_at,
     }

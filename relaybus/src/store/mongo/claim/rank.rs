@@ -13,15 +13,12 @@ use std::{
 };
 
 use futures::{TryStreamExt, future};
-use mongodb::{
-    bson::{DateTime, Document, doc},
-    options::Hint,
-};
+use mongodb::bson::{DateTime, Document, doc};
 
 use super::{
     Request,
     read::FreeLane,
-    scan::{LANES_PER_QUERY, Scan},
+    scan::{LANES_PER_QUERY, Scan, scan_filter},
     take::Hold,
 };
 use crate::{
@@ -30,6 +27,7 @@ use crate::{
         MongoEventStore,
         lane::{Lane, int},
         lease::RankedLanes,
+        schema::{field, index},
     },
 };
 
@@ -187,16 +185,10 @@ impl MongoEventStore {
             let docs: Vec<Document> = self
                 .inner
                 .deliveries
-                .find(doc! {
-                    "laneId": { "$in": group },
-                    "status": "pending",
-                    "lane": "ready",
-                    "dueAt": { "$lte": now },
-                    "handler": { "$in": handlers },
-                })
-                .sort(doc! { "dueAt": 1, "_id": 1 })
-                .projection(doc! { "_id": 0, "laneId": 1, "dueAt": 1 })
-                .hint(Hint::Name("claim".to_owned()))
+                .find(scan_filter(group, handlers, now))
+                .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
+                .projection(doc! { field::ID: 0, field::LANE_ID: 1, field::DUE_AT: 1 })
+                .hint(index::hint(index::CLAIM))
                 .limit(window)
                 .batch_size(window as u32)
                 .await?
@@ -210,7 +202,9 @@ impl MongoEventStore {
         for (docs, all) in future::try_join_all(queries).await? {
             seen_all &= all;
             for doc in docs {
-                let (Some(lane), Ok(due)) = (int(&doc, "laneId"), doc.get_datetime("dueAt")) else {
+                let (Some(lane), Ok(due)) =
+                    (int(&doc, field::LANE_ID), doc.get_datetime(field::DUE_AT))
+                else {
                     continue;
                 };
                 let Ok(lane) = i32::try_from(lane) else {

@@ -26,6 +26,7 @@ use crate::{
         lane::{Lane, int, raw_int, string},
         lease::Issued,
         park::{ParkedHead, parked_heads_stages},
+        schema::{field, status},
     },
 };
 
@@ -78,15 +79,15 @@ impl FreeLane {
         };
         Some(FreeLane {
             lane: Lane {
-                id: raw_int(raw, "_id").and_then(|id| i32::try_from(id).ok())?,
-                epoch: raw_int(raw, "epoch").unwrap_or(0),
-                lease_expires_at: raw.get_datetime("leaseExpiresAt").ok(),
+                id: raw_int(raw, field::ID).and_then(|id| i32::try_from(id).ok())?,
+                epoch: raw_int(raw, field::EPOCH).unwrap_or(0),
+                lease_expires_at: raw.get_datetime(field::LEASE_EXPIRES_AT).ok(),
                 in_flight: Vec::new(),
                 lost: Vec::new(),
-                requeues: value("requeues"),
+                requeues: value(field::REQUEUES),
             },
-            clean: empty("inFlight") && empty("lost"),
-            stored_epoch: value("epoch"),
+            clean: empty(field::IN_FLIGHT) && empty(field::LOST),
+            stored_epoch: value(field::EPOCH),
         })
     }
 }
@@ -108,12 +109,12 @@ fn running_of(docs: &[Document]) -> Running {
     let mut keys = HashSet::new();
     let mut generations = HashMap::new();
     for doc in docs {
-        let Ok(id) = doc.get_object_id("_id") else {
+        let Ok(id) = doc.get_object_id(field::ID) else {
             continue;
         };
-        generations.insert(id, int(doc, "claims").unwrap_or(0));
+        generations.insert(id, int(doc, field::CLAIMS).unwrap_or(0));
         ids.insert(id);
-        if let (Some(handler), Some(key)) = (string(doc, "handler"), string(doc, "key")) {
+        if let (Some(handler), Some(key)) = (string(doc, field::HANDLER), string(doc, field::KEY)) {
             keys.insert((handler, key));
         }
     }
@@ -169,17 +170,17 @@ impl MongoEventStore {
         let mut pipeline = vec![doc! { "$unionWith": {
             "coll": inner.lanes.name(),
             "pipeline": [
-                { "$match": { "owner": owner, "instance": instance } },
+                { "$match": { field::OWNER: owner, field::INSTANCE: instance } },
                 { "$lookup": {
                     "from": inner.deliveries.name(),
-                    "localField": "inFlight",
-                    "foreignField": "_id",
+                    "localField": field::IN_FLIGHT,
+                    "foreignField": field::ID,
                     "pipeline": [{ "$project": {
-                        "handler": 1, "key": 1, "claims": 1, "status": 1,
+                        field::HANDLER: 1, field::KEY: 1, field::CLAIMS: 1, field::STATUS: 1,
                     } }],
                     "as": "running",
                 } },
-                { "$project": { "_id": 0, "running": 1 } },
+                { "$project": { field::ID: 0, "running": 1 } },
             ],
         } }];
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
@@ -242,8 +243,8 @@ impl MongoEventStore {
         }
         let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
         for raw in &lanes {
-            let owned_by = raw.get_str("owner").ok();
-            let held_by = raw.get_object_id("instance").ok();
+            let owned_by = raw.get_str(field::OWNER).ok();
+            let held_by = raw.get_object_id(field::INSTANCE).ok();
             if owned_by == Some(owner) && held_by == Some(instance) {
                 if let Some(lane) = Document::try_from(raw.as_ref())
                     .ok()
@@ -255,7 +256,7 @@ impl MongoEventStore {
                 continue;
             }
             let expired = raw
-                .get_datetime("leaseExpiresAt")
+                .get_datetime(field::LEASE_EXPIRES_AT)
                 .ok()
                 .is_none_or(|expiry| expiry <= now);
             if owned_by.is_none() || expired {
@@ -265,7 +266,7 @@ impl MongoEventStore {
             } else {
                 if let (Some(owner), Some(id)) = (
                     owned_by,
-                    raw_int(raw, "_id").and_then(|id| i32::try_from(id).ok()),
+                    raw_int(raw, field::ID).and_then(|id| i32::try_from(id).ok()),
                 ) {
                     others.insert((owner.to_owned(), held_by));
                     view.taken_by_others.insert(id);
@@ -283,7 +284,7 @@ impl MongoEventStore {
         view.running_docs = listed_docs
             .into_iter()
             .filter(|doc| {
-                doc.get_object_id("_id")
+                doc.get_object_id(field::ID)
                     .is_ok_and(|id| listed.contains(&id))
             })
             .collect();
@@ -304,8 +305,8 @@ impl MongoEventStore {
     ) {
         let running_pending: HashSet<KeyOf> = running_docs
             .iter()
-            .filter(|doc| doc.get_str("status") == Ok("pending"))
-            .filter_map(|doc| Some((string(doc, "handler")?, string(doc, "key")?)))
+            .filter(|doc| doc.get_str(field::STATUS) == Ok(status::PENDING))
+            .filter_map(|doc| Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?)))
             .collect();
         let result = match parked {
             Some(heads) => self
@@ -357,8 +358,8 @@ impl MongoEventStore {
         let docs: Vec<Document> = self
             .inner
             .deliveries
-            .find(doc! { "_id": { "$in": &listed } })
-            .projection(doc! { "handler": 1, "key": 1, "claims": 1 })
+            .find(doc! { field::ID: { "$in": &listed } })
+            .projection(doc! { field::HANDLER: 1, field::KEY: 1, field::CLAIMS: 1 })
             .limit(listed.len() as i64)
             .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
             .await?

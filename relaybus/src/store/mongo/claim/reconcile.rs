@@ -14,6 +14,7 @@ use crate::{
         MongoEventStore,
         lane::{Lane, int},
         lease::Issued,
+        schema::field,
     },
 };
 
@@ -46,7 +47,7 @@ impl MongoEventStore {
         let instance = inner.claims.instance;
         let lanes: Vec<Lane> = inner
             .lanes
-            .find(doc! { "owner": owner, "instance": instance })
+            .find(doc! { field::OWNER: owner, field::INSTANCE: instance })
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -64,8 +65,8 @@ impl MongoEventStore {
         }
         let generations: HashMap<ObjectId, i64> = inner
             .deliveries
-            .find(doc! { "_id": { "$in": &listed } })
-            .projection(doc! { "claims": 1 })
+            .find(doc! { field::ID: { "$in": &listed } })
+            .projection(doc! { field::CLAIMS: 1 })
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -74,8 +75,8 @@ impl MongoEventStore {
             .iter()
             .filter_map(|doc| {
                 Some((
-                    doc.get_object_id("_id").ok()?,
-                    int(doc, "claims").unwrap_or(0),
+                    doc.get_object_id(field::ID).ok()?,
+                    int(doc, field::CLAIMS).unwrap_or(0),
                 ))
             })
             .collect();
@@ -96,8 +97,8 @@ impl MongoEventStore {
             inner
                 .lanes
                 .update_one(
-                    doc! { "_id": lane.id, "epoch": lane.epoch },
-                    doc! { "$set": { "inFlight": keep } },
+                    doc! { field::ID: lane.id, field::EPOCH: lane.epoch },
+                    doc! { "$set": { field::IN_FLIGHT: keep } },
                 )
                 .session(&mut *session)
                 .await?;
@@ -112,8 +113,8 @@ impl MongoEventStore {
             inner
                 .deliveries
                 .update_many(
-                    doc! { "_id": { "$in": existing } },
-                    doc! { "$inc": { "claims": 1_i64 }, "$set": { "updatedAt": now } },
+                    doc! { field::ID: { "$in": existing } },
+                    doc! { "$inc": { field::CLAIMS: 1_i64 }, "$set": { field::UPDATED_AT: now } },
                 )
                 .session(&mut *session)
                 .await?;

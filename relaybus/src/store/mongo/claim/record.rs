@@ -20,6 +20,7 @@ use crate::{
         append::check_write_reply,
         lane::{Lane, STATEMENTS_PER_COMMAND, reply_count},
         park::PARK_THRESHOLD,
+        schema::{field, path},
     },
 };
 
@@ -70,14 +71,14 @@ impl MongoEventStore {
                 // Taken only if it is still free and unchanged since it was read: same epoch,
                 // no requeue, nothing listed.
                 let filter = doc! {
-                    "_id": lane.id,
-                    "epoch": epoch.clone(),
-                    "requeues": lane.requeues.clone(),
-                    "inFlight": { "$in": [Bson::Null, []] },
-                    "lost": { "$in": [Bson::Null, []] },
+                    field::ID: lane.id,
+                    field::EPOCH: epoch.clone(),
+                    field::REQUEUES: lane.requeues.clone(),
+                    field::IN_FLIGHT: { "$in": [Bson::Null, []] },
+                    field::LOST: { "$in": [Bson::Null, []] },
                     "$or": [
-                        { "owner": Bson::Null },
-                        { "leaseExpiresAt": { "$lte": now } },
+                        { field::OWNER: Bson::Null },
+                        { field::LEASE_EXPIRES_AT: { "$lte": now } },
                     ],
                 };
                 lane.epoch = lane.epoch.saturating_add(1);
@@ -87,12 +88,12 @@ impl MongoEventStore {
                     statements.push(doc! {
                         "q": filter,
                         "u": { "$set": {
-                            "epoch": lane.epoch,
-                            "owner": Bson::Null,
-                            "instance": Bson::Null,
-                            "leaseExpiresAt": Bson::Null,
-                            "inFlight": [],
-                            "lost": [],
+                            field::EPOCH: lane.epoch,
+                            field::OWNER: Bson::Null,
+                            field::INSTANCE: Bson::Null,
+                            field::LEASE_EXPIRES_AT: Bson::Null,
+                            field::IN_FLIGHT: [],
+                            field::LOST: [],
                         } },
                     });
                 } else {
@@ -100,12 +101,12 @@ impl MongoEventStore {
                     statements.push(doc! {
                         "q": filter,
                         "u": { "$set": {
-                            "epoch": lane.epoch,
-                            "owner": owner,
-                            "instance": instance,
-                            "leaseExpiresAt": expires_at,
-                            "inFlight": new_ids,
-                            "lost": [],
+                            field::EPOCH: lane.epoch,
+                            field::OWNER: owner,
+                            field::INSTANCE: instance,
+                            field::LEASE_EXPIRES_AT: expires_at,
+                            field::IN_FLIGHT: new_ids,
+                            field::LOST: [],
                         } },
                     });
                     recorded_lanes.push(lane.id);
@@ -127,26 +128,26 @@ impl MongoEventStore {
                 statements.push(doc! {
                     "q": filter,
                     "u": { "$set": {
-                        "owner": Bson::Null,
-                        "instance": Bson::Null,
-                        "leaseExpiresAt": Bson::Null,
-                        "inFlight": [],
-                        "lost": [],
+                        field::OWNER: Bson::Null,
+                        field::INSTANCE: Bson::Null,
+                        field::LEASE_EXPIRES_AT: Bson::Null,
+                        field::IN_FLIGHT: [],
+                        field::LOST: [],
                     } },
                 });
             } else if !new_ids.is_empty() || !gone.is_empty() || !lane.lost.is_empty() || !held {
                 statements.push(doc! {
                     "q": filter,
                     "u": [{ "$set": {
-                        "inFlight": { "$concatArrays": [
+                        field::IN_FLIGHT: { "$concatArrays": [
                             { "$filter": {
-                                "input": { "$ifNull": ["$inFlight", []] },
+                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
                                 "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
                             } },
                             { "$literal": new_ids },
                         ] },
-                        "leaseExpiresAt": { "$max": ["$leaseExpiresAt", expires_at] },
-                        "lost": { "$literal": [] },
+                        field::LEASE_EXPIRES_AT: { "$max": [path::LEASE_EXPIRES_AT, expires_at] },
+                        field::LOST: { "$literal": [] },
                     } }],
                 });
                 if !new_ids.is_empty() {
@@ -236,7 +237,7 @@ impl MongoEventStore {
         let docs: Vec<Document> = self
             .inner
             .lanes
-            .find(doc! { "_id": { "$in": recorded } })
+            .find(doc! { field::ID: { "$in": recorded } })
             .await?
             .try_collect()
             .await?;
@@ -248,8 +249,8 @@ impl MongoEventStore {
             let Some(then) = lanes.iter().find(|lane| lane.id == now.id) else {
                 continue;
             };
-            let ours = doc.get_str("owner") == Ok(owner)
-                && doc.get_object_id("instance") == Ok(instance)
+            let ours = doc.get_str(field::OWNER) == Ok(owner)
+                && doc.get_object_id(field::INSTANCE) == Ok(instance)
                 && now.epoch == then.epoch;
             let listed = picks
                 .get(&now.id)

@@ -13,10 +13,7 @@
 use std::collections::HashMap;
 
 use futures::TryStreamExt;
-use mongodb::{
-    bson::{Bson, DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId},
-    options::Hint,
-};
+use mongodb::bson::{Bson, DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
 
 use super::{Request, pick::Picking, read::FreeLane, take::Hold};
 use crate::{
@@ -24,6 +21,7 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, MAX_CLAIM_LIMIT, int, raw_int, string},
+        schema::{field, index, lane, status},
     },
 };
 
@@ -51,29 +49,29 @@ impl Candidate {
         let int = |name: &str| raw_int(doc, name);
         let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
         Some(Candidate {
-            id: doc.get_object_id("_id").ok()?,
-            lane: int("laneId").and_then(|l| i32::try_from(l).ok())?,
-            event_id: text("eventId")?,
-            handler: text("handler")?,
-            key: text("key"),
-            sequence: int("sequence"),
-            attempts: int("attempts").unwrap_or(0),
-            claims: int("claims").unwrap_or(0),
-            due_at: doc.get_datetime("dueAt").ok()?,
+            id: doc.get_object_id(field::ID).ok()?,
+            lane: int(field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
+            event_id: text(field::EVENT_ID)?,
+            handler: text(field::HANDLER)?,
+            key: text(field::KEY),
+            sequence: int(field::SEQUENCE),
+            attempts: int(field::ATTEMPTS).unwrap_or(0),
+            claims: int(field::CLAIMS).unwrap_or(0),
+            due_at: doc.get_datetime(field::DUE_AT).ok()?,
         })
     }
 
     pub(super) fn from_document(doc: &Document) -> Option<Candidate> {
         Some(Candidate {
-            id: doc.get_object_id("_id").ok()?,
-            lane: int(doc, "laneId").and_then(|l| i32::try_from(l).ok())?,
-            event_id: string(doc, "eventId")?,
-            handler: string(doc, "handler")?,
-            key: string(doc, "key"),
-            sequence: int(doc, "sequence"),
-            attempts: int(doc, "attempts").unwrap_or(0),
-            claims: int(doc, "claims").unwrap_or(0),
-            due_at: *doc.get_datetime("dueAt").ok()?,
+            id: doc.get_object_id(field::ID).ok()?,
+            lane: int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
+            event_id: string(doc, field::EVENT_ID)?,
+            handler: string(doc, field::HANDLER)?,
+            key: string(doc, field::KEY),
+            sequence: int(doc, field::SEQUENCE),
+            attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
+            claims: int(doc, field::CLAIMS).unwrap_or(0),
+            due_at: *doc.get_datetime(field::DUE_AT).ok()?,
         })
     }
 }
@@ -113,14 +111,14 @@ pub(super) fn page_window(need: usize) -> usize {
 pub(super) fn page_with_events(filter: Document, window: usize, events: &str) -> Vec<Document> {
     vec![
         doc! { "$match": filter },
-        doc! { "$sort": { "dueAt": 1, "_id": 1 } },
+        doc! { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
         doc! { "$limit": window as i64 },
         doc! { "$project": candidate_fields() },
         doc! { "$lookup": {
             "from": events,
-            "localField": "eventId",
-            "foreignField": "_id",
-            "pipeline": [{ "$project": { "handlers": 0 } }],
+            "localField": field::EVENT_ID,
+            "foreignField": field::ID,
+            "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
             "as": "event",
         } },
     ]
@@ -129,19 +127,19 @@ pub(super) fn page_with_events(filter: Document, window: usize, events: &str) ->
 /// The fields of a delivery a scan reads (see [`Candidate`]).
 fn candidate_fields() -> Document {
     doc! {
-        "eventId": 1, "handler": 1, "key": 1, "sequence": 1, "laneId": 1,
-        "attempts": 1, "claims": 1, "dueAt": 1,
+        field::EVENT_ID: 1, field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::LANE_ID: 1,
+        field::ATTEMPTS: 1, field::CLAIMS: 1, field::DUE_AT: 1,
     }
 }
 
 /// The filter of a scan of `lanes`.
 pub(super) fn scan_filter(lanes: &[i32], handlers: &[&str], now: DateTime) -> Document {
     doc! {
-        "laneId": { "$in": lanes },
-        "status": "pending",
-        "lane": "ready",
-        "dueAt": { "$lte": now },
-        "handler": { "$in": handlers },
+        field::LANE_ID: { "$in": lanes },
+        field::STATUS: status::PENDING,
+        field::LANE: lane::READY,
+        field::DUE_AT: { "$lte": now },
+        field::HANDLER: { "$in": handlers },
     }
 }
 
@@ -169,13 +167,13 @@ impl MongoEventStore {
             let mut first = filter.clone();
             if !scan.picking.running.is_empty() {
                 let running: Vec<ObjectId> = scan.picking.running.iter().copied().collect();
-                first.insert("_id", doc! { "$nin": running });
+                first.insert(field::ID, doc! { "$nin": running });
             }
             let raw: Vec<RawDocumentBuf> = if scan.with_events {
                 self.inner
                     .deliveries
                     .aggregate(page_with_events(first, window, self.inner.events.name()))
-                    .hint(Hint::Name("claim".to_owned()))
+                    .hint(index::hint(index::CLAIM))
                     .batch_size(window as u32 + 1)
                     .await?
                     .with_type::<RawDocumentBuf>()
@@ -186,9 +184,9 @@ impl MongoEventStore {
                     .deliveries
                     .clone_with_type::<RawDocumentBuf>()
                     .find(first)
-                    .sort(doc! { "dueAt": 1, "_id": 1 })
+                    .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
                     .projection(projection.clone())
-                    .hint(Hint::Name("claim".to_owned()))
+                    .hint(index::hint(index::CLAIM))
                     .limit(window as i64)
                     // One more than the page holds, so that the first batch ends the cursor.
                     .batch_size(window as u32 + 1)
@@ -225,15 +223,15 @@ impl MongoEventStore {
             rest.insert(
                 "$or",
                 vec![
-                    doc! { "dueAt": { "$gt": due } },
-                    doc! { "dueAt": due, "_id": { "$gt": id } },
+                    doc! { field::DUE_AT: { "$gt": due } },
+                    doc! { field::DUE_AT: due, field::ID: { "$gt": id } },
                 ],
             );
             let mut cursor = self
                 .inner
                 .deliveries
                 .find(rest)
-                .sort(doc! { "dueAt": 1, "_id": 1 })
+                .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
                 .projection(projection)
                 .batch_size(SCAN_BATCH)
                 .await?;

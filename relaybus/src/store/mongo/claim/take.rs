@@ -19,6 +19,7 @@ use crate::{
         MongoEventStore,
         append::check_write_reply,
         lane::{Lane, STATEMENTS_PER_COMMAND},
+        schema::{field, path, status},
     },
 };
 
@@ -96,25 +97,28 @@ impl MongoEventStore {
                 .lanes
                 .find_one_and_update(
                     doc! {
-                        "_id": lane,
+                        field::ID: lane,
                         "$or": [
-                            { "owner": Bson::Null },
-                            { "leaseExpiresAt": { "$lte": now } },
+                            { field::OWNER: Bson::Null },
+                            { field::LEASE_EXPIRES_AT: { "$lte": now } },
                         ],
                     },
                     vec![doc! { "$set": {
-                        "lost": { "$concatArrays": [
-                            { "$ifNull": ["$lost", []] },
+                        field::LOST: { "$concatArrays": [
+                            { "$ifNull": [path::LOST, []] },
                             { "$map": {
-                                "input": { "$ifNull": ["$inFlight", []] },
-                                "in": { "d": "$$this", "e": { "$ifNull": ["$epoch", 0_i64] } },
+                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
+                                "in": {
+                                    field::LOST_DELIVERY: "$$this",
+                                    field::LOST_EPOCH: { "$ifNull": [path::EPOCH, 0_i64] },
+                                },
                             } },
                         ] },
-                        "inFlight": { "$literal": [] },
-                        "epoch": { "$add": [{ "$ifNull": ["$epoch", 0_i64] }, 1_i64] },
-                        "owner": { "$literal": owner },
-                        "instance": { "$literal": instance },
-                        "leaseExpiresAt": { "$literal": expires_at },
+                        field::IN_FLIGHT: { "$literal": [] },
+                        field::EPOCH: { "$add": [{ "$ifNull": [path::EPOCH, 0_i64] }, 1_i64] },
+                        field::OWNER: { "$literal": owner },
+                        field::INSTANCE: { "$literal": instance },
+                        field::LEASE_EXPIRES_AT: { "$literal": expires_at },
                     } }],
                 )
                 .return_document(ReturnDocument::After)
@@ -138,16 +142,16 @@ impl MongoEventStore {
             .map(|lost| {
                 doc! {
                     "q": {
-                        "_id": lost.delivery,
-                        "status": "pending",
+                        field::ID: lost.delivery,
+                        field::STATUS: status::PENDING,
                         "$or": [
-                            { "lostAt": { "$exists": false } },
-                            { "lostAt": { "$lt": lost.epoch } },
+                            { field::LOST_AT: { "$exists": false } },
+                            { field::LOST_AT: { "$lt": lost.epoch } },
                         ],
                     },
                     "u": {
-                        "$inc": { "attempts": 1, "claims": 1_i64 },
-                        "$set": { "lostAt": lost.epoch, "updatedAt": now },
+                        "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
+                        "$set": { field::LOST_AT: lost.epoch, field::UPDATED_AT: now },
                     },
                 }
             })
