@@ -8,6 +8,7 @@
 
 use mongodb::bson::{Bson, DateTime, Document, RawBsonRef, RawDocument, doc, oid::ObjectId};
 
+use super::schema::field;
 use crate::error::{Error, InvalidArgumentError, Result};
 
 /// The largest claim batch.
@@ -42,15 +43,15 @@ pub(crate) struct Lane {
 
 impl Lane {
     pub(crate) fn from_document(doc: &Document) -> Option<Lane> {
-        let id = int(doc, "_id").and_then(|id| i32::try_from(id).ok())?;
-        let lost = match doc.get("lost") {
+        let id = int(doc, field::ID).and_then(|id| i32::try_from(id).ok())?;
+        let lost = match doc.get(field::LOST) {
             Some(Bson::Array(items)) => items
                 .iter()
                 .filter_map(|item| {
                     let item = item.as_document()?;
                     Some(LostClaim {
-                        delivery: item.get_object_id("d").ok()?,
-                        epoch: int(item, "e")?,
+                        delivery: item.get_object_id(field::LOST_DELIVERY).ok()?,
+                        epoch: int(item, field::LOST_EPOCH)?,
                     })
                 })
                 .collect(),
@@ -58,11 +59,11 @@ impl Lane {
         };
         Some(Lane {
             id,
-            epoch: int(doc, "epoch").unwrap_or(0),
-            lease_expires_at: doc.get_datetime("leaseExpiresAt").ok().copied(),
-            in_flight: object_ids(doc, "inFlight"),
+            epoch: int(doc, field::EPOCH).unwrap_or(0),
+            lease_expires_at: doc.get_datetime(field::LEASE_EXPIRES_AT).ok().copied(),
+            in_flight: object_ids(doc, field::IN_FLIGHT),
             lost,
-            requeues: doc.get("requeues").cloned().unwrap_or(Bson::Null),
+            requeues: doc.get(field::REQUEUES).cloned().unwrap_or(Bson::Null),
         })
     }
 
@@ -70,11 +71,11 @@ impl Lane {
     /// instance, in the same epoch, with no requeue since it was read.
     pub(crate) fn held_filter(&self, owner: &str, instance: ObjectId) -> Document {
         doc! {
-            "_id": self.id,
-            "owner": owner,
-            "instance": instance,
-            "epoch": self.epoch,
-            "requeues": self.requeues.clone(),
+            field::ID: self.id,
+            field::OWNER: owner,
+            field::INSTANCE: instance,
+            field::EPOCH: self.epoch,
+            field::REQUEUES: self.requeues.clone(),
         }
     }
 }

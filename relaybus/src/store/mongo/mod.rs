@@ -10,6 +10,7 @@ mod lease;
 mod operator;
 mod park;
 mod purge;
+mod schema;
 mod settle;
 mod setup;
 mod transaction;

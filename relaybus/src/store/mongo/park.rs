@@ -10,12 +10,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use mongodb::{
-    bson::{Document, doc, oid::ObjectId},
-    options::Hint,
-};
+use mongodb::bson::{Document, doc, oid::ObjectId};
 
-use super::{MongoEventStore, lane::int};
+use super::{
+    MongoEventStore,
+    lane::int,
+    schema::{field, index, lane, path, status},
+};
 use crate::error::Result;
 
 /// A claim that finds this many deliveries of one key waiting behind an unfinished predecessor
@@ -45,7 +46,7 @@ impl ParkedHead {
             doc.get_str("parkedHandler"),
             doc.get_str("parkedKey"),
             doc.get_object_id("id"),
-            int(doc, "sequence"),
+            int(doc, field::SEQUENCE),
         ) else {
             return None;
         };
@@ -54,7 +55,7 @@ impl ParkedHead {
             key: key.to_owned(),
             id,
             sequence,
-            lane: int(doc, "laneId").and_then(|lane| i32::try_from(lane).ok()),
+            lane: int(doc, field::LANE_ID).and_then(|lane| i32::try_from(lane).ok()),
         })
     }
 }
@@ -64,21 +65,21 @@ impl ParkedHead {
 /// `parkedHandler`, `parkedKey`, `id`, `sequence` and `laneId`.
 pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
     vec![
-        doc! { "$match": { "lane": "parked", "handler": handler } },
-        doc! { "$sort": { "lane": 1, "handler": 1, "key": 1, "sequence": 1 } },
+        doc! { "$match": { field::LANE: lane::PARKED, field::HANDLER: handler } },
+        doc! { "$sort": index::parked_keys() },
         doc! { "$group": {
-            "_id": "$key",
-            "id": { "$first": "$_id" },
-            "sequence": { "$first": "$sequence" },
-            "laneId": { "$first": "$laneId" },
+            "_id": path::KEY,
+            "id": { "$first": path::ID },
+            field::SEQUENCE: { "$first": path::SEQUENCE },
+            field::LANE_ID: { "$first": path::LANE_ID },
         } },
         doc! { "$project": {
             "_id": 0,
             "parkedHandler": { "$literal": handler },
             "parkedKey": "$_id",
             "id": 1,
-            "sequence": 1,
-            "laneId": 1,
+            field::SEQUENCE: 1,
+            field::LANE_ID: 1,
         } },
     ]
 }
@@ -97,7 +98,7 @@ impl MongoEventStore {
             .inner
             .deliveries
             .aggregate(parked_heads_stages(handler))
-            .hint(Hint::Name("parked".to_owned()))
+            .hint(index::hint(index::PARKED))
             .await?
             .try_collect::<Vec<Document>>()
             .await?
@@ -154,8 +155,12 @@ impl MongoEventStore {
             .inner
             .deliveries
             .update_many(
-                doc! { "_id": { "$in": ids }, "lane": "parked", "status": "pending" },
-                doc! { "$set": { "lane": "ready" } },
+                doc! {
+                    field::ID: { "$in": ids },
+                    field::LANE: lane::PARKED,
+                    field::STATUS: status::PENDING,
+                },
+                doc! { "$set": { field::LANE: lane::READY } },
             )
             .await?;
         Ok(moved.modified_count)
@@ -191,18 +196,18 @@ impl MongoEventStore {
                     .deliveries
                     .aggregate([
                         doc! { "$match": {
-                            "status": "pending",
-                            "handler": &handler,
-                            "key": { "$in": &group },
+                            field::STATUS: status::PENDING,
+                            field::HANDLER: &handler,
+                            field::KEY: { "$in": &group },
                         } },
-                        doc! { "$sort": { "status": 1, "handler": 1, "key": 1, "sequence": 1 } },
+                        doc! { "$sort": index::ordering_keys() },
                         doc! { "$group": {
-                            "_id": "$key",
-                            "id": { "$first": "$_id" },
-                            "sequence": { "$first": "$sequence" },
+                            "_id": path::KEY,
+                            "id": { "$first": path::ID },
+                            field::SEQUENCE: { "$first": path::SEQUENCE },
                         } },
                     ])
-                    .hint(Hint::Name("ordering".to_owned()))
+                    .hint(index::hint(index::ORDERING))
                     .await?
                     .try_collect()
                     .await?;
@@ -217,7 +222,7 @@ impl MongoEventStore {
                 if let (Ok(key), Ok(id), Some(sequence)) = (
                     doc.get_str("_id"),
                     doc.get_object_id("id"),
-                    int(&doc, "sequence"),
+                    int(&doc, field::SEQUENCE),
                 ) {
                     lowest.insert((handler.clone(), key.to_owned()), (id, sequence));
                 }
@@ -234,8 +239,12 @@ impl MongoEventStore {
                 .inner
                 .deliveries
                 .update_many(
-                    doc! { "_id": { "$in": chunk }, "lane": "ready", "status": "pending" },
-                    doc! { "$set": { "lane": "parked" } },
+                    doc! {
+                        field::ID: { "$in": chunk },
+                        field::LANE: lane::READY,
+                        field::STATUS: status::PENDING,
+                    },
+                    doc! { "$set": { field::LANE: lane::PARKED } },
                 )
                 .await?;
             parked += result.modified_count;

@@ -9,7 +9,10 @@ use mongodb::{
     options::IndexOptions,
 };
 
-use super::{MongoEventStore, error_code};
+use super::{
+    MongoEventStore, error_code,
+    schema::{Index, field, index},
+};
 use crate::{error::Result, event::LANE_COUNT};
 
 /// `NamespaceExists`.
@@ -107,16 +110,12 @@ impl MongoEventStore {
         }
         inner
             .events
-            .create_index(index(doc! { "createdAt": 1, "_id": 1 }, "created", None))
+            .create_indexes(index::of_events().into_iter().map(model))
             .await?;
         if inner.completion_history {
             inner
                 .completed
-                .create_indexes([
-                    index(doc! { "completedAt": 1, "_id": 1 }, "completed", None),
-                    index(doc! { "eventId": 1 }, "event", None),
-                    index(doc! { "createdAt": 1, "_id": 1 }, "created", None),
-                ])
+                .create_indexes(index::of_completed_deliveries().into_iter().map(model))
                 .await?;
         }
         self.seed_lanes().await
@@ -127,14 +126,14 @@ impl MongoEventStore {
         let updates: Vec<Document> = (0..LANE_COUNT as i32)
             .map(|lane| {
                 doc! {
-                    "q": { "_id": lane },
+                    "q": { field::ID: lane },
                     "u": { "$setOnInsert": {
-                        "owner": null,
-                        "instance": null,
-                        "leaseExpiresAt": null,
-                        "epoch": 0_i64,
-                        "inFlight": [],
-                        "lost": [],
+                        field::OWNER: null,
+                        field::INSTANCE: null,
+                        field::LEASE_EXPIRES_AT: null,
+                        field::EPOCH: 0_i64,
+                        field::IN_FLIGHT: [],
+                        field::LOST: [],
                     } },
                     "upsert": true,
                 }
@@ -158,71 +157,22 @@ fn index_name(model: &IndexModel) -> Option<&str> {
     model.options.as_ref()?.name.as_deref()
 }
 
-fn index(keys: Document, name: &str, partial: Option<Document>) -> IndexModel {
-    let options = IndexOptions::builder()
-        .name(name.to_owned())
-        .partial_filter_expression(partial)
+/// The model `createIndexes` takes for one of the store's indexes.
+fn model(spec: Index) -> IndexModel {
+    let mut options = IndexOptions::builder()
+        .name(spec.name.to_owned())
+        .partial_filter_expression(spec.partial)
         .build();
-    IndexModel::builder().keys(keys).options(options).build()
+    if spec.unique {
+        options.unique = Some(true);
+    }
+    IndexModel::builder()
+        .keys(spec.keys)
+        .options(options)
+        .build()
 }
 
 /// The indexes of the deliveries collection, as the store's queries need them.
 fn delivery_indexes() -> Vec<IndexModel> {
-    let mut unique = index(doc! { "eventId": 1, "handler": 1 }, "event_handler", None);
-    if let Some(options) = unique.options.as_mut() {
-        options.unique = Some(true);
-    }
-    vec![
-        // Idempotent append, lookup by event. A backstop: the code never relies on it.
-        unique,
-        // Claims and free-lane discovery, ready deliveries only. It ends with `handler` so that
-        // a query over many lanes stays a merge of one scan per lane.
-        index(
-            doc! { "laneId": 1, "dueAt": 1, "_id": 1, "handler": 1 },
-            "claim",
-            Some(doc! { "status": "pending", "lane": "ready" }),
-        ),
-        // Predecessor check of keyed deliveries. `status` leads although it is the same in every
-        // entry: with it in the key, the query for the lowest pending delivery of each key is a
-        // distinct scan that reads one entry per key.
-        index(
-            doc! { "status": 1, "handler": 1, "key": 1, "sequence": 1 },
-            "ordering",
-            Some(doc! { "status": "pending", "key": { "$exists": true } }),
-        ),
-        // The lowest parked delivery of each key. `lane` leads although it is the same in every
-        // entry: with it in the key, the query for the lowest delivery of each key is a distinct
-        // scan that reads one entry per key, however long a key's backlog is.
-        index(
-            doc! { "lane": 1, "handler": 1, "key": 1, "sequence": 1 },
-            "parked",
-            Some(doc! { "lane": "parked" }),
-        ),
-        // The oldest due delivery, for statistics.
-        index(
-            doc! { "dueAt": 1 },
-            "due",
-            Some(doc! { "status": "pending" }),
-        ),
-        // Purge of `completed` delivery documents.
-        index(
-            doc! { "completedAt": 1 },
-            "completed",
-            Some(doc! { "status": "completed" }),
-        ),
-        // Operator queries: counts and listings by status, handler and event type; purge of the
-        // dead.
-        index(doc! { "status": 1, "createdAt": 1 }, "status_created", None),
-        index(doc! { "status": 1, "updatedAt": 1 }, "status_updated", None),
-        index(
-            doc! { "handler": 1, "createdAt": 1 },
-            "handler_created",
-            None,
-        ),
-        index(
-            doc! { "eventType": 1, "createdAt": 1 },
-            "type_created",
-            None,
-        ),
-    ]
+    index::of_deliveries().into_iter().map(model).collect()
 }

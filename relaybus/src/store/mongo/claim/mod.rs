@@ -1,0 +1,435 @@
+//! Claiming deliveries.
+//!
+//! Workers lease lanes, not deliveries. A claim goes through these phases, each in a module of
+//! its own:
+//!
+//! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes
+//!   are free, which this owner holds on this store instance), the deliveries its held lanes
+//!   list, and the lowest parked delivery of each key of its handlers. Then, at the same time,
+//!   parked deliveries whose predecessors finished go back to the ready lane (for the keys of
+//!   every lane no other live owner holds and in which nothing of the key runs), and the claims
+//!   an earlier holder lost in the held lanes are charged. Held lanes that list a claim this
+//!   instance did not hand out are reconciled before the claim starts again.
+//! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
+//!   leaving out the ones the owner already runs, a page at a time.
+//! - **Ranking free lanes** ([`rank`]) and **taking** them ([`take`]), if the claim needs more:
+//!   free lanes (no holder, or an expired lease) with due deliveries of its handlers, the lanes
+//!   with the oldest due deliveries first, in rounds of twice as many lanes each, scanned in turn.
+//!   A free lane with nothing in flight and nothing lost is read without a write, and the record
+//!   takes it; any other is taken at once, and the claims its previous holder lost are charged
+//!   before it is read.
+//! - **Picking** ([`pick`]) from every page the scans read, under the per-key rules, until the
+//!   claim has `limit` deliveries.
+//! - **Recording** ([`record`]) the batch: after the events of the picks are read, one
+//!   conditional write per lane, all in one `update` command, that takes the free lanes picked
+//!   from and hands back the lanes that yielded nothing and run nothing. A lane whose condition
+//!   no longer holds keeps nothing of this claim. Deliveries found waiting are parked.
+//! - **Handing out** ([`hand_out`]) the deliveries with their events and leases.
+//!
+//! The dispatcher's first claim after an idle wait is told which lanes the change stream
+//! reported new deliveries in. It reads those lanes alone, held or free, their first page coming
+//! with the first read, instead of scanning the held lanes and ranking free ones: nothing older
+//! was due when the dispatcher went idle.
+//!
+//! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
+//! ([`reconcile`]).
+
+mod hand_out;
+mod pick;
+mod rank;
+mod read;
+mod reconcile;
+mod record;
+mod scan;
+mod take;
+
+use std::time::Duration;
+
+use mongodb::bson::{DateTime, oid::ObjectId};
+
+use self::{
+    pick::Picking,
+    read::{LaneView, Running, lists_foreign_claims},
+    scan::{Scan, page_window},
+    take::Hold,
+};
+use super::{
+    MongoEventStore,
+    lane::{Lane, MAX_CLAIM_LIMIT, add, check_lease_duration, check_owner},
+    lease::{Lease, OwnerState},
+};
+use crate::{
+    error::{InvalidArgumentError, Result},
+    event::EventEnvelope,
+    handler::validate_handler_id,
+};
+
+/// Further passes of a claim after it lost lanes to other claimers.
+const RACE_RETRIES: usize = 2;
+/// The most handlers one claim serves.
+const MAX_HANDLERS: usize = 1_000;
+
+/// A delivery handed out by [`MongoEventStore::claim`]: the event, which handler should run it,
+/// which attempt this is, and the lease to settle it with.
+#[derive(Debug, Clone)]
+pub struct ClaimedDelivery {
+    lease: Lease,
+    lease_expires_at: DateTime,
+    handler: String,
+    attempt: u32,
+    sequence: Option<i64>,
+    event: EventEnvelope,
+}
+
+impl ClaimedDelivery {
+    /// The delivery id.
+    pub fn delivery_id(&self) -> ObjectId {
+        self.lease.delivery_id()
+    }
+
+    /// The lease to settle the delivery with.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// When the lane lease expires unless it is extended. An expired lease nobody took over is
+    /// still honoured.
+    pub fn lease_expires_at(&self) -> DateTime {
+        self.lease_expires_at
+    }
+
+    /// The handler that should run the delivery.
+    pub fn handler(&self) -> &str {
+        &self.handler
+    }
+
+    /// Which attempt this is, from 1: the attempts that ended before it plus one.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The event's sequence within its ordering key, if it has a key.
+    pub fn sequence(&self) -> Option<i64> {
+        self.sequence
+    }
+
+    /// The event: id, type, payload, key, correlation and causation ids, headers, creation time.
+    pub fn event(&self) -> &EventEnvelope {
+        &self.event
+    }
+
+    /// The event id.
+    pub fn event_id(&self) -> &str {
+        self.event.id()
+    }
+
+    /// The event type name.
+    pub fn event_type(&self) -> &str {
+        self.event.event_type()
+    }
+
+    /// The ordering key, if the event has one.
+    pub fn key(&self) -> Option<&str> {
+        self.event.key()
+    }
+
+    /// Takes the event out, for handing it to a handler.
+    pub fn into_event(self) -> EventEnvelope {
+        self.event
+    }
+}
+
+/// What one pass of a claim hands out.
+#[derive(Debug, Default)]
+struct Batch {
+    claimed: Vec<ClaimedDelivery>,
+    /// Some picks were given up because another claimer took their lane first.
+    raced: bool,
+}
+
+/// What every phase of one claim goes by: who claims, for which handlers, the lease expiry the
+/// claim gives, and its clock.
+#[derive(Debug, Clone, Copy)]
+struct Request<'a> {
+    owner: &'a str,
+    handlers: &'a [&'a str],
+    expires_at: DateTime,
+    now: DateTime,
+}
+
+impl MongoEventStore {
+    /// Claims up to `limit` due deliveries of `handlers` for `owner`, leasing their lanes for
+    /// `lease_duration` from `now`.
+    ///
+    /// Deliveries come in `(dueAt, id)` order within each group of lanes, from the lanes the
+    /// owner already holds first. A keyed delivery is handed out only when no earlier delivery
+    /// of its handler and key is pending and none of them runs, and one claim never hands out
+    /// two deliveries of one key; the claim looks past blocked keys until it has `limit`.
+    /// Deliveries a claim finds waiting behind a slow predecessor may be parked, and come back
+    /// once the predecessor finished (see the crate documentation).
+    ///
+    /// `owner` names the worker. Lanes are held per owner **and per store instance** (one
+    /// [`build`](crate::MongoEventStoreBuilder::build), shared by clones): a restarted process
+    /// with the same owner name takes its predecessor's lanes over once their leases expired,
+    /// and is charged for what the predecessor left running. Claims of one owner on one store
+    /// instance run one after the other.
+    ///
+    /// The store compares lease expiries with `now` and never reads the server clock, so keep
+    /// worker clocks synchronised.
+    ///
+    /// # Cost
+    ///
+    /// With its lanes already held, an unkeyed claim costs the same four commands whatever
+    /// `limit` is (lanes, deliveries, their events, the record), and writes no delivery
+    /// document. Each round over free lanes adds two reads (one per 128 lanes ranked, in
+    /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
+    /// is read. A keyed claim adds one lookup per key, in
+    /// parallel, and parked keys one lookup per key whose lane runs nothing of it.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidArgument`] for an empty or over-long `owner`, a `limit` outside 1 to
+    ///   10,000, a `lease_duration` outside 1 ms to 7 days, or no handlers;
+    ///   [`Error::Configuration`] for a malformed handler id. Nothing is sent to the database.
+    /// - [`Error::Database`]. The owner's lanes on this instance are then reconciled: nothing
+    ///   this failed claim recorded stays listed as running, and no lease of it can match.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a claim dropped half-way may have recorded deliveries nobody received.
+    /// They are not lost: every claim checks that the owner's lanes list only deliveries this
+    /// instance handed out, and reconciles them first when they do not, so the next claim of the
+    /// same owner on the same instance puts them back. Without one, they wait for the lane lease
+    /// to expire and are charged one attempt when the lane is taken over.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn example(store: relaybus::MongoEventStore) -> Result<(), relaybus::Error> {
+    /// use std::time::Duration;
+    /// use relaybus::mongodb::bson::DateTime;
+    ///
+    /// let batch = store
+    ///     .claim("worker-1", &["send-confirmation"], 50, Duration::from_secs(30), DateTime::now())
+    ///     .await?;
+    /// for delivery in &batch {
+    ///     // run the handler, then:
+    ///     store.complete(delivery.lease(), DateTime::now()).await?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn claim<H: AsRef<str>>(
+        &self,
+        owner: &str,
+        handlers: &[H],
+        limit: u32,
+        lease_duration: Duration,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>> {
+        check_owner(owner)?;
+        let mut wanted: Vec<&str> = Vec::with_capacity(handlers.len());
+        for handler in handlers {
+            let handler = handler.as_ref();
+            validate_handler_id(handler)?;
+            if !wanted.contains(&handler) {
+                wanted.push(handler);
+            }
+        }
+        if wanted.is_empty() || wanted.len() > MAX_HANDLERS {
+            return Err(InvalidArgumentError::new(
+                "handlers",
+                format!(
+                    "{} handlers given; claim for 1 to 1000 handlers",
+                    wanted.len()
+                ),
+            )
+            .into());
+        }
+        if !(1..=MAX_CLAIM_LIMIT).contains(&limit) {
+            return Err(InvalidArgumentError::new(
+                "limit",
+                format!("{limit} is out of range; claim 1 to 10000 deliveries at a time"),
+            )
+            .into());
+        }
+        check_lease_duration(lease_duration)?;
+        let expires_at = add(now, lease_duration)?;
+
+        let lock = self.inner.claims.owner(owner);
+        let mut state = lock.lock().await;
+        if state.interrupted {
+            // The previous claim of this owner was dropped half-way.
+            self.reconcile(owner, now).await?;
+            state.interrupted = false;
+        }
+        state.interrupted = true;
+        let mut outcome = self
+            .claim_locked(owner, &wanted, limit as usize, expires_at, now, &mut state)
+            .await;
+        if matches!(outcome, Ok(None)) {
+            // The owner's lanes list deliveries this instance did not hand out (a claim that
+            // was dropped, or whose record landed late): reconcile, then claim again.
+            outcome = match self.reconcile(owner, now).await {
+                Ok(()) => {
+                    self.claim_locked(owner, &wanted, limit as usize, expires_at, now, &mut state)
+                        .await
+                }
+                Err(error) => Err(error),
+            };
+        }
+        match outcome.map(Option::unwrap_or_default) {
+            Ok(Batch {
+                mut claimed,
+                mut raced,
+            }) => {
+                // Lanes another claimer took first were given up at the record: try other
+                // lanes for what is missing, a few times at most.
+                let mut retries = 0;
+                while raced && claimed.len() < limit as usize && retries < RACE_RETRIES {
+                    retries += 1;
+                    let more = self
+                        .claim_locked(
+                            owner,
+                            &wanted,
+                            limit as usize - claimed.len(),
+                            expires_at,
+                            now,
+                            &mut state,
+                        )
+                        .await;
+                    match more {
+                        Ok(Some(more)) => {
+                            claimed.extend(more.claimed);
+                            raced = more.raced;
+                        }
+                        Ok(None) => break,
+                        Err(error) => {
+                            // What this claim handed out so far stays handed out; whatever the
+                            // failed attempt may have recorded is reconciled.
+                            tracing::warn!(owner, %error, "relaybus: claiming more after a lost race failed");
+                            if self.reconcile(owner, now).await.is_err() {
+                                return Ok(claimed);
+                            }
+                            break;
+                        }
+                    }
+                }
+                state.interrupted = false;
+                Ok(claimed)
+            }
+            Err(error) => {
+                match self.reconcile(owner, now).await {
+                    Ok(()) => state.interrupted = false,
+                    Err(reconcile_error) => tracing::warn!(
+                        owner,
+                        error = %reconcile_error,
+                        "relaybus: reconciling the lanes of a failed claim failed; \
+                         the next claim of this owner tries again"
+                    ),
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Tells the next claim of `owner` on this instance which lanes just received new
+    /// deliveries (a change stream reported them), for it to look at before ranking free lanes.
+    /// Meant for a claim after an idle wait, when nothing older was due.
+    pub(crate) async fn hint_lanes(&self, owner: &str, lanes: Vec<i32>) {
+        let lock = self.inner.claims.owner(owner);
+        lock.lock().await.hints = lanes;
+    }
+
+    /// One claim, with the owner's lock held. `None` when the owner's lanes list a delivery
+    /// this instance did not hand out; nothing was recorded then.
+    async fn claim_locked(
+        &self,
+        owner: &str,
+        handlers: &[&str],
+        limit: usize,
+        expires_at: DateTime,
+        now: DateTime,
+        state: &mut OwnerState,
+    ) -> Result<Option<Batch>> {
+        let request = Request {
+            owner,
+            handlers,
+            expires_at,
+            now,
+        };
+        let reported = std::mem::take(&mut state.hints);
+
+        // Reading the lanes. After an idle wait, the first page of the reported lanes comes
+        // along. The claims outstanding are taken before: the held lanes are judged by them.
+        let issued = self.inner.claims.snapshot();
+        let prescan = (!reported.is_empty()).then_some((reported.as_slice(), page_window(limit)));
+        let LaneView {
+            held,
+            running_docs,
+            free,
+            taken_by_others,
+            contenders,
+            parked,
+            prescanned,
+        } = self.read_lanes(owner, handlers, now, prescan).await?;
+        let ((), running) = futures::join!(
+            self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs),
+            self.running_in_held_lanes(&held, &running_docs, now),
+        );
+        let Running {
+            ids: running,
+            keys: running_keys,
+            generations,
+        } = running?;
+        if lists_foreign_claims(&held, &generations, &issued) {
+            return Ok(None);
+        }
+
+        // Scanning and picking: the held lanes, then free lanes, ranked; after an idle wait,
+        // the reported lanes alone.
+        let mut lanes: Vec<(Lane, Hold)> =
+            held.into_iter().map(|lane| (lane, Hold::Held)).collect();
+        let mut scan = Scan::new(Picking::new(limit, running, running_keys));
+        if reported.is_empty() {
+            let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
+            self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
+            self.scan_free_lanes(
+                &request,
+                free,
+                contenders,
+                &mut state.ranked,
+                &mut lanes,
+                &mut scan,
+            )
+            .await?;
+        } else {
+            self.scan_reported_lanes(
+                &request, &reported, &free, prescanned, &mut lanes, &mut scan,
+            )
+            .await?;
+        }
+
+        // Recording, with the events of the picks read first; then parking what waits.
+        let Scan {
+            picking, events, ..
+        } = scan;
+        let Picking {
+            picks,
+            running,
+            waiting,
+            ..
+        } = picking;
+        let (picks, events) = self.events_of_picks(picks, events).await?;
+        let recorded = self.record(&request, lanes, picks, &running).await?;
+        self.park_waiting(owner, &waiting, &recorded.handed_back)
+            .await;
+
+        // Handing out.
+        let claimed = self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
+        Ok(Some(Batch {
+            claimed,
+            raced: recorded.raced,
+        }))
+    }
+}

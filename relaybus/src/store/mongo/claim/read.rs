@@ -1,0 +1,440 @@
+//! Reading the lanes: the claim's first read, one aggregation over the lanes collection, and what
+//! the claim settles with it before it scans anything.
+//!
+//! The read finds which lanes are free, which this owner holds on this store instance and which
+//! deliveries those list, and the lowest parked delivery of each key of the claim's handlers.
+//! Then, at the same time: the parked keys whose predecessors finished are unparked, and what
+//! runs in the held lanes is known (after charging the claims earlier holders lost there, if
+//! any). Held lanes that list a claim this instance did not hand out send the claim to
+//! reconciliation first.
+
+use std::collections::{HashMap, HashSet};
+
+use futures::TryStreamExt;
+use mongodb::bson::{
+    Bson, DateTime, Document, RawBsonRef, RawDocument, RawDocumentBuf, doc, oid::ObjectId,
+};
+
+use super::{
+    pick::KeyOf,
+    scan::{page_with_events, scan_filter},
+};
+use crate::{
+    error::Result,
+    store::mongo::{
+        MongoEventStore,
+        lane::{Lane, int, raw_int, string},
+        lease::Issued,
+        park::{ParkedHead, parked_heads_stages},
+        schema::{field, status},
+    },
+};
+
+/// Handlers whose parked keys the claim's first read looks up itself; a claim for more
+/// handlers unparks with one aggregation per handler.
+const PARKED_IN_LANE_READ: usize = 32;
+
+/// What the claim's first read finds.
+#[derive(Debug, Default)]
+pub(super) struct LaneView {
+    /// The lanes this owner holds on this instance, with their in-flight and lost lists.
+    pub(super) held: Vec<Lane>,
+    /// The documents of the deliveries those lanes list: `_id`, `handler`, `key`, `claims`.
+    pub(super) running_docs: Vec<Document>,
+    pub(super) free: Vec<FreeLane>,
+    pub(super) taken_by_others: HashSet<i32>,
+    /// This claimer plus the other live holders of lanes.
+    pub(super) contenders: usize,
+    /// The lowest parked delivery of each key, when the read looked them up.
+    pub(super) parked: Option<Vec<ParkedHead>>,
+    /// The first page of a scan of the lanes the read was asked to look into, with events.
+    pub(super) prescanned: Vec<Document>,
+}
+
+/// A lane no live holder has.
+#[derive(Debug, Clone)]
+pub(super) struct FreeLane {
+    pub(super) lane: Lane,
+    /// Nothing in flight and nothing lost: there is nothing to charge before reading it.
+    pub(super) clean: bool,
+    /// The epoch as stored (`Null` when absent).
+    pub(super) stored_epoch: Bson,
+}
+
+impl FreeLane {
+    /// Reads a lane document found free, without decoding its lists: a lane that lists
+    /// anything is taken with a write that reads them.
+    fn from_raw(raw: &RawDocument) -> Option<FreeLane> {
+        let value = |name: &str| {
+            raw.get(name)
+                .ok()
+                .flatten()
+                .and_then(|value| Bson::try_from(value).ok())
+                .unwrap_or(Bson::Null)
+        };
+        let empty = |name: &str| match raw.get(name).ok().flatten() {
+            None | Some(RawBsonRef::Null) => true,
+            Some(RawBsonRef::Array(items)) => items.into_iter().next().is_none(),
+            Some(_) => false,
+        };
+        Some(FreeLane {
+            lane: Lane {
+                id: raw_int(raw, field::ID).and_then(|id| i32::try_from(id).ok())?,
+                epoch: raw_int(raw, field::EPOCH).unwrap_or(0),
+                lease_expires_at: raw.get_datetime(field::LEASE_EXPIRES_AT).ok(),
+                in_flight: Vec::new(),
+                lost: Vec::new(),
+                requeues: value(field::REQUEUES),
+            },
+            clean: empty(field::IN_FLIGHT) && empty(field::LOST),
+            stored_epoch: value(field::EPOCH),
+        })
+    }
+}
+
+/// What runs in the lanes this owner holds.
+#[derive(Debug, Default)]
+pub(super) struct Running {
+    /// The deliveries the lanes list whose documents exist.
+    pub(super) ids: HashSet<ObjectId>,
+    /// Their handlers and keys.
+    pub(super) keys: HashSet<KeyOf>,
+    /// Their claim generations.
+    pub(super) generations: HashMap<ObjectId, i64>,
+}
+
+/// What runs, from the documents of the deliveries the lanes list.
+fn running_of(docs: &[Document]) -> Running {
+    let mut ids = HashSet::new();
+    let mut keys = HashSet::new();
+    let mut generations = HashMap::new();
+    for doc in docs {
+        let Ok(id) = doc.get_object_id(field::ID) else {
+            continue;
+        };
+        generations.insert(id, int(doc, field::CLAIMS).unwrap_or(0));
+        ids.insert(id);
+        if let (Some(handler), Some(key)) = (string(doc, field::HANDLER), string(doc, field::KEY)) {
+            keys.insert((handler, key));
+        }
+    }
+    Running {
+        ids,
+        keys,
+        generations,
+    }
+}
+
+/// Whether a held lane lists a delivery whose current claim this instance did not hand out.
+///
+/// Everything a lane of this instance lists was handed out by this instance, unless a claim
+/// failed or was dropped after its record reached the database. It is judged against the claims
+/// outstanding when the read began (`issued`): one completed meanwhile may still show in the
+/// read. A listed delivery that no longer exists (not in `generations`) counts as settled.
+pub(super) fn lists_foreign_claims(
+    held: &[Lane],
+    generations: &HashMap<ObjectId, i64>,
+    issued: &HashMap<ObjectId, Issued>,
+) -> bool {
+    held.iter().any(|lane| {
+        lane.in_flight.iter().any(|id| {
+            generations.get(id).is_some_and(|&claims| {
+                issued.get(id).copied()
+                    != Some(Issued {
+                        lane: lane.id,
+                        epoch: lane.epoch,
+                        claims,
+                    })
+            })
+        })
+    })
+}
+
+impl MongoEventStore {
+    /// The claim's first read, one aggregation: every lane document; the documents of the
+    /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
+    /// lowest parked delivery of each of their keys; and, when asked, the first page of a scan
+    /// of some lanes. The lanes are read first: deliveries read after them can only be newer,
+    /// so a lane taken and handed back meanwhile shows a new epoch to the record's condition.
+    pub(super) async fn read_lanes(
+        &self,
+        owner: &str,
+        handlers: &[&str],
+        now: DateTime,
+        prescan: Option<(&[i32], usize)>,
+    ) -> Result<LaneView> {
+        let inner = &self.inner;
+        let instance = inner.claims.instance;
+        // The lane documents pass through as they are (read raw: the in-flight lists of other
+        // holders' lanes are only looked at, never decoded); the rest comes after them.
+        let mut pipeline = vec![doc! { "$unionWith": {
+            "coll": inner.lanes.name(),
+            "pipeline": [
+                { "$match": { field::OWNER: owner, field::INSTANCE: instance } },
+                { "$lookup": {
+                    "from": inner.deliveries.name(),
+                    "localField": field::IN_FLIGHT,
+                    "foreignField": field::ID,
+                    "pipeline": [{ "$project": {
+                        field::HANDLER: 1, field::KEY: 1, field::CLAIMS: 1, field::STATUS: 1,
+                    } }],
+                    "as": "running",
+                } },
+                { "$project": { field::ID: 0, "running": 1 } },
+            ],
+        } }];
+        let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
+        if fold_parked {
+            for handler in handlers {
+                pipeline.push(doc! { "$unionWith": {
+                    "coll": inner.deliveries.name(),
+                    "pipeline": parked_heads_stages(handler),
+                } });
+            }
+        }
+        if let Some((lanes, window)) = prescan {
+            let mut stages = page_with_events(
+                scan_filter(lanes, handlers, now),
+                window,
+                inner.events.name(),
+            );
+            stages.push(doc! { "$addFields": { "prescanned": true } });
+            pipeline.push(doc! { "$unionWith": {
+                "coll": inner.deliveries.name(),
+                "pipeline": stages,
+            } });
+        }
+        let docs: Vec<RawDocumentBuf> = inner
+            .lanes
+            .aggregate(pipeline)
+            // Large enough that the first batch ends the cursor.
+            .batch_size(100_000)
+            .await?
+            .with_type::<RawDocumentBuf>()
+            .try_collect()
+            .await?;
+
+        let mut view = LaneView {
+            parked: fold_parked.then(Vec::new),
+            ..LaneView::default()
+        };
+        let mut listed_docs = Vec::new();
+        let mut lanes = Vec::new();
+        for raw in docs {
+            let has = |name: &str| raw.get(name).ok().flatten().is_some();
+            if !(has("prescanned") || has("parkedKey") || has("running")) {
+                lanes.push(raw);
+                continue;
+            }
+            let Ok(doc) = Document::try_from(raw.as_ref()) else {
+                continue;
+            };
+            if doc.contains_key("prescanned") {
+                view.prescanned.push(doc);
+            } else if doc.contains_key("parkedKey") {
+                if let (Some(parked), Some(head)) =
+                    (view.parked.as_mut(), ParkedHead::from_document(&doc))
+                {
+                    parked.push(head);
+                }
+            } else if let Ok(running) = doc.get_array("running") {
+                listed_docs.extend(running.iter().filter_map(|d| d.as_document().cloned()));
+            }
+        }
+        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
+        for raw in &lanes {
+            let owned_by = raw.get_str(field::OWNER).ok();
+            let held_by = raw.get_object_id(field::INSTANCE).ok();
+            if owned_by == Some(owner) && held_by == Some(instance) {
+                if let Some(lane) = Document::try_from(raw.as_ref())
+                    .ok()
+                    .as_ref()
+                    .and_then(Lane::from_document)
+                {
+                    view.held.push(lane);
+                }
+                continue;
+            }
+            let expired = raw
+                .get_datetime(field::LEASE_EXPIRES_AT)
+                .ok()
+                .is_none_or(|expiry| expiry <= now);
+            if owned_by.is_none() || expired {
+                if let Some(lane) = FreeLane::from_raw(raw) {
+                    view.free.push(lane);
+                }
+            } else {
+                if let (Some(owner), Some(id)) = (
+                    owned_by,
+                    raw_int(raw, field::ID).and_then(|id| i32::try_from(id).ok()),
+                ) {
+                    others.insert((owner.to_owned(), held_by));
+                    view.taken_by_others.insert(id);
+                }
+            }
+        }
+        view.contenders = 1 + others.len();
+        // The documents of the deliveries the held lanes list, as read; a lane that changed
+        // hands between the two reads lists other ids, and conditions its writes on that.
+        let listed: HashSet<ObjectId> = view
+            .held
+            .iter()
+            .flat_map(|lane| lane.in_flight.iter().copied())
+            .collect();
+        view.running_docs = listed_docs
+            .into_iter()
+            .filter(|doc| {
+                doc.get_object_id(field::ID)
+                    .is_ok_and(|id| listed.contains(&id))
+            })
+            .collect();
+        Ok(view)
+    }
+
+    /// Unparks, level-triggered, the keys of every lane not held by another live owner (that
+    /// owner unparks its own), with the parked heads the first read found, or with one
+    /// aggregation per handler when it did not look them up. Keys with a pending delivery
+    /// running in the held lanes stay parked: nothing else of them can be claimed before it
+    /// ends. Never fails the claim.
+    pub(super) async fn unpark_for_claim(
+        &self,
+        handlers: &[&str],
+        parked: Option<Vec<ParkedHead>>,
+        taken_by_others: &HashSet<i32>,
+        running_docs: &[Document],
+    ) {
+        let running_pending: HashSet<KeyOf> = running_docs
+            .iter()
+            .filter(|doc| doc.get_str(field::STATUS) == Ok(status::PENDING))
+            .filter_map(|doc| Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?)))
+            .collect();
+        let result = match parked {
+            Some(heads) => self
+                .unpark_heads(heads, taken_by_others, &running_pending)
+                .await
+                .map(|_| ()),
+            None => {
+                let mut result = Ok(());
+                for handler in handlers {
+                    if let Err(error) = self.unpark(handler, taken_by_others).await {
+                        result = Err(error);
+                    }
+                }
+                result
+            }
+        };
+        if let Err(error) = result {
+            tracing::warn!(%error, "relaybus: unparking deliveries failed");
+        }
+    }
+
+    /// What runs in the `held` lanes: what the first read found (`running_docs`), unless
+    /// earlier holders lost claims in them. Those are charged first, and what runs is read
+    /// again.
+    pub(super) async fn running_in_held_lanes(
+        &self,
+        held: &[Lane],
+        running_docs: &[Document],
+        now: DateTime,
+    ) -> Result<Running> {
+        if held.iter().any(|lane| !lane.lost.is_empty()) {
+            self.charge_lost(held, now).await?;
+            self.load_running(held).await
+        } else {
+            Ok(running_of(running_docs))
+        }
+    }
+
+    /// The deliveries `lanes` list that still exist (they run), their keys, and their claim
+    /// generations.
+    async fn load_running(&self, lanes: &[Lane]) -> Result<Running> {
+        let listed: Vec<ObjectId> = lanes
+            .iter()
+            .flat_map(|lane| lane.in_flight.iter().copied())
+            .collect();
+        if listed.is_empty() {
+            return Ok(running_of(&[]));
+        }
+        let docs: Vec<Document> = self
+            .inner
+            .deliveries
+            .find(doc! { field::ID: { "$in": &listed } })
+            .projection(doc! { field::HANDLER: 1, field::KEY: 1, field::CLAIMS: 1 })
+            .limit(listed.len() as i64)
+            .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
+            .await?
+            .try_collect()
+            .await?;
+        Ok(running_of(&docs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_free_lane_is_clean_only_with_empty_lists() {
+        let read = |doc: Document| {
+            FreeLane::from_raw(&RawDocumentBuf::from_document(&doc).unwrap()).unwrap()
+        };
+        let clean =
+            read(doc! { "_id": 3, "epoch": 7_i64, "owner": null, "inFlight": [], "lost": [] });
+        assert!(clean.clean);
+        assert_eq!((clean.lane.id, clean.lane.epoch), (3, 7));
+        assert_eq!(clean.stored_epoch, Bson::Int64(7));
+        assert_eq!(clean.lane.requeues, Bson::Null);
+        let seeded = read(doc! { "_id": 4_i64 });
+        assert!(seeded.clean);
+        assert_eq!(seeded.stored_epoch, Bson::Null);
+        let running =
+            read(doc! { "_id": 5, "epoch": 1, "inFlight": [ObjectId::new()], "requeues": 2 });
+        assert!(!running.clean);
+        assert_eq!(running.lane.requeues, Bson::Int32(2));
+        let lost =
+            read(doc! { "_id": 6, "inFlight": [], "lost": [{ "d": ObjectId::new(), "e": 1_i64 }] });
+        assert!(!lost.clean);
+        assert!(
+            FreeLane::from_raw(&RawDocumentBuf::from_document(&doc! { "_id": "x" }).unwrap())
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn only_claims_this_instance_did_not_hand_out_are_foreign() {
+        let (ours, gone, other) = (ObjectId::new(), ObjectId::new(), ObjectId::new());
+        let held = vec![Lane {
+            id: 3,
+            epoch: 7,
+            lease_expires_at: None,
+            in_flight: vec![ours, gone, other],
+            lost: Vec::new(),
+            requeues: Bson::Null,
+        }];
+        let issued = |claims| Issued {
+            lane: 3,
+            epoch: 7,
+            claims,
+        };
+        let mut generations = HashMap::from([(ours, 2)]);
+        let mut handed_out = HashMap::from([(ours, issued(2)), (other, issued(0))]);
+        // `gone` no longer exists and `other` is not read: only `ours` is judged.
+        assert!(!lists_foreign_claims(&held, &generations, &handed_out));
+        // A claim generation that moved on, or another epoch, is not this instance's claim.
+        generations.insert(other, 1);
+        assert!(lists_foreign_claims(&held, &generations, &handed_out));
+        handed_out.insert(
+            other,
+            Issued {
+                epoch: 6,
+                ..issued(1)
+            },
+        );
+        assert!(lists_foreign_claims(&held, &generations, &handed_out));
+        handed_out.insert(other, issued(1));
+        assert!(!lists_foreign_claims(&held, &generations, &handed_out));
+        // Listed, existing, and never handed out by this instance.
+        handed_out.remove(&ours);
+        assert!(lists_foreign_claims(&held, &generations, &handed_out));
+    }
+}

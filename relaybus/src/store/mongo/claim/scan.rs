@@ -1,0 +1,335 @@
+//! Scanning: reading the due, ready deliveries of lanes in `(dueAt, _id)` order, a page at a
+//! time, and picking from each page until the claim is full.
+//!
+//! The first page of a scan is sized to fill the claim, plus a few deliveries that may be
+//! blocked; further pages come in batches. Before picking from a page, a scan looks up the
+//! lowest pending delivery of each key the page brings for the first time (one distinct scan
+//! per handler and group of keys, in parallel): picking itself reads nothing.
+//!
+//! After an idle wait, the lanes where the change stream reported new deliveries are scanned
+//! alone ([`scan_reported_lanes`](MongoEventStore::scan_reported_lanes)): the claim's first read
+//! brought their first page along, with the events.
+
+use std::collections::HashMap;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
+
+use super::{Request, pick::Picking, read::FreeLane, take::Hold};
+use crate::{
+    error::Result,
+    store::mongo::{
+        MongoEventStore,
+        lane::{Lane, MAX_CLAIM_LIMIT, int, raw_int, string},
+        schema::{field, index, lane, status},
+    },
+};
+
+/// Lanes one query reads at most: the query planner merges at most 200 index scans.
+pub(super) const LANES_PER_QUERY: usize = 128;
+/// Deliveries read per batch once the first page did not yield enough.
+const SCAN_BATCH: u32 = 500;
+
+/// A due, ready delivery seen by a claim.
+#[derive(Debug, Clone)]
+pub(super) struct Candidate {
+    pub(super) id: ObjectId,
+    pub(super) lane: i32,
+    pub(super) event_id: String,
+    pub(super) handler: String,
+    pub(super) key: Option<String>,
+    pub(super) sequence: Option<i64>,
+    pub(super) attempts: i64,
+    pub(super) claims: i64,
+    pub(super) due_at: DateTime,
+}
+
+impl Candidate {
+    pub(super) fn from_raw(doc: &RawDocument) -> Option<Candidate> {
+        let int = |name: &str| raw_int(doc, name);
+        let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
+        Some(Candidate {
+            id: doc.get_object_id(field::ID).ok()?,
+            lane: int(field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
+            event_id: text(field::EVENT_ID)?,
+            handler: text(field::HANDLER)?,
+            key: text(field::KEY),
+            sequence: int(field::SEQUENCE),
+            attempts: int(field::ATTEMPTS).unwrap_or(0),
+            claims: int(field::CLAIMS).unwrap_or(0),
+            due_at: doc.get_datetime(field::DUE_AT).ok()?,
+        })
+    }
+
+    pub(super) fn from_document(doc: &Document) -> Option<Candidate> {
+        Some(Candidate {
+            id: doc.get_object_id(field::ID).ok()?,
+            lane: int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
+            event_id: string(doc, field::EVENT_ID)?,
+            handler: string(doc, field::HANDLER)?,
+            key: string(doc, field::KEY),
+            sequence: int(doc, field::SEQUENCE),
+            attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
+            claims: int(doc, field::CLAIMS).unwrap_or(0),
+            due_at: *doc.get_datetime(field::DUE_AT).ok()?,
+        })
+    }
+}
+
+/// What one claim gathers as it scans.
+#[derive(Debug)]
+pub(super) struct Scan {
+    /// The per-key rules, with what they picked and what waits.
+    pub(super) picking: Picking,
+    /// Whether a scan's first page brings the events of its deliveries along: for a scan that
+    /// expects a few deliveries, where one round trip less matters more than the server's
+    /// cost of a `$lookup` per delivery.
+    with_events: bool,
+    /// The events the scans brought along, by event id.
+    pub(super) events: HashMap<String, RawDocumentBuf>,
+}
+
+impl Scan {
+    pub(super) fn new(picking: Picking) -> Scan {
+        Scan {
+            picking,
+            with_events: false,
+            events: HashMap::new(),
+        }
+    }
+}
+
+/// The size of the first page of a scan that still needs `need` picks: enough to fill them,
+/// plus a few deliveries that may be blocked.
+pub(super) fn page_window(need: usize) -> usize {
+    (need + 16).min(MAX_CLAIM_LIMIT as usize * 2)
+}
+
+/// The first page of a scan as aggregation stages: the due, ready deliveries matching
+/// `filter` in `(dueAt, _id)` order, at most `window`, each with its event (`event`, an array
+/// of at most one document).
+pub(super) fn page_with_events(filter: Document, window: usize, events: &str) -> Vec<Document> {
+    vec![
+        doc! { "$match": filter },
+        doc! { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
+        doc! { "$limit": window as i64 },
+        doc! { "$project": candidate_fields() },
+        doc! { "$lookup": {
+            "from": events,
+            "localField": field::EVENT_ID,
+            "foreignField": field::ID,
+            "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
+            "as": "event",
+        } },
+    ]
+}
+
+/// The fields of a delivery a scan reads (see [`Candidate`]).
+fn candidate_fields() -> Document {
+    doc! {
+        field::EVENT_ID: 1, field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::LANE_ID: 1,
+        field::ATTEMPTS: 1, field::CLAIMS: 1, field::DUE_AT: 1,
+    }
+}
+
+/// The filter of a scan of `lanes`.
+pub(super) fn scan_filter(lanes: &[i32], handlers: &[&str], now: DateTime) -> Document {
+    doc! {
+        field::LANE_ID: { "$in": lanes },
+        field::STATUS: status::PENDING,
+        field::LANE: lane::READY,
+        field::DUE_AT: { "$lte": now },
+        field::HANDLER: { "$in": handlers },
+    }
+}
+
+impl MongoEventStore {
+    /// Reads the due, ready deliveries of `lanes` in `(dueAt, _id)` order and picks from them
+    /// until the claim is full or the lanes have nothing more.
+    pub(super) async fn scan_lanes(
+        &self,
+        lanes: &[i32],
+        handlers: &[&str],
+        now: DateTime,
+        scan: &mut Scan,
+    ) -> Result<()> {
+        for group in lanes.chunks(LANES_PER_QUERY) {
+            if scan.picking.full() {
+                return Ok(());
+            }
+            let filter = scan_filter(group, handlers, now);
+            let projection = candidate_fields();
+            // The first page is sized to fill the claim, plus a few blocked ones; the deliveries
+            // already running are left out on the index keys. The events of the picks are read
+            // afterwards, in one query: for a big page, a `$lookup` here costs the server more
+            // than that extra round trip, and it would read events of deliveries not picked.
+            let window = page_window(scan.picking.limit - scan.picking.picks.len());
+            let mut first = filter.clone();
+            if !scan.picking.running.is_empty() {
+                let running: Vec<ObjectId> = scan.picking.running.iter().copied().collect();
+                first.insert(field::ID, doc! { "$nin": running });
+            }
+            let raw: Vec<RawDocumentBuf> = if scan.with_events {
+                self.inner
+                    .deliveries
+                    .aggregate(page_with_events(first, window, self.inner.events.name()))
+                    .hint(index::hint(index::CLAIM))
+                    .batch_size(window as u32 + 1)
+                    .await?
+                    .with_type::<RawDocumentBuf>()
+                    .try_collect()
+                    .await?
+            } else {
+                self.inner
+                    .deliveries
+                    .clone_with_type::<RawDocumentBuf>()
+                    .find(first)
+                    .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
+                    .projection(projection.clone())
+                    .hint(index::hint(index::CLAIM))
+                    .limit(window as i64)
+                    // One more than the page holds, so that the first batch ends the cursor.
+                    .batch_size(window as u32 + 1)
+                    .await?
+                    .try_collect()
+                    .await?
+            };
+            let mut page = Vec::with_capacity(raw.len());
+            for doc in &raw {
+                let Some(candidate) = Candidate::from_raw(doc) else {
+                    continue;
+                };
+                if let Ok(events) = doc.get_array("event")
+                    && let Some(Ok(event)) = events.into_iter().next()
+                    && let Some(event) = event.as_document()
+                {
+                    scan.events
+                        .entry(candidate.event_id.clone())
+                        .or_insert_with(|| event.to_raw_document_buf());
+                }
+                page.push(candidate);
+            }
+            let exhausted = raw.len() < window;
+            let mut last = page.last().map(|c| (c.due_at, c.id));
+            self.look_up_and_pick(page, scan).await?;
+            if exhausted || scan.picking.full() {
+                continue;
+            }
+            // More than one page: go on from where the page ended, in batches.
+            let Some((due, id)) = last.take() else {
+                continue;
+            };
+            let mut rest = filter;
+            rest.insert(
+                "$or",
+                vec![
+                    doc! { field::DUE_AT: { "$gt": due } },
+                    doc! { field::DUE_AT: due, field::ID: { "$gt": id } },
+                ],
+            );
+            let mut cursor = self
+                .inner
+                .deliveries
+                .find(rest)
+                .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
+                .projection(projection)
+                .batch_size(SCAN_BATCH)
+                .await?;
+            let mut batch = Vec::with_capacity(SCAN_BATCH as usize);
+            loop {
+                let next = cursor.try_next().await?;
+                let done = next.is_none();
+                if let Some(candidate) = next.as_ref().and_then(Candidate::from_document) {
+                    batch.push(candidate);
+                }
+                if (done && !batch.is_empty()) || batch.len() >= SCAN_BATCH as usize {
+                    self.look_up_and_pick(std::mem::take(&mut batch), scan)
+                        .await?;
+                }
+                if done || scan.picking.full() {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After an idle wait: scans the lanes where new deliveries were `reported` meanwhile, held
+    /// or free, as they hold the only new work; nothing is ranked. The page of them the first
+    /// read brought along (`prescanned`, with events) is picked from first, unless it is full:
+    /// then the lanes are scanned as usual.
+    pub(super) async fn scan_reported_lanes(
+        &self,
+        request: &Request<'_>,
+        reported: &[i32],
+        free: &[FreeLane],
+        prescanned: Vec<Document>,
+        lanes: &mut Vec<(Lane, Hold)>,
+        scan: &mut Scan,
+    ) -> Result<()> {
+        let Request { handlers, now, .. } = *request;
+        let mut ready: Vec<i32> = lanes
+            .iter()
+            .map(|(lane, _)| lane.id)
+            .filter(|lane| reported.contains(lane))
+            .collect();
+        let chosen: Vec<i32> = reported
+            .iter()
+            .filter(|id| free.iter().any(|lane| lane.lane.id == **id))
+            .copied()
+            .collect();
+        // The first read's page holds for held lanes and for free lanes read without a
+        // write; a lane taken with a write (lost claims charged) is read again.
+        ready.extend(
+            chosen
+                .iter()
+                .filter(|id| free.iter().any(|lane| lane.lane.id == **id && lane.clean)),
+        );
+        let joined = self.join_lanes(&chosen, free, lanes, request).await?;
+        scan.with_events = true;
+        if prescanned.len() < page_window(scan.picking.limit) {
+            let mut page = Vec::with_capacity(prescanned.len());
+            for doc in &prescanned {
+                let Some(candidate) = Candidate::from_document(doc) else {
+                    continue;
+                };
+                if !ready.contains(&candidate.lane) {
+                    continue;
+                }
+                if let Ok(events) = doc.get_array("event")
+                    && let Some(Bson::Document(event)) = events.first()
+                    && let Ok(raw) = RawDocumentBuf::from_document(event)
+                {
+                    scan.events.insert(candidate.event_id.clone(), raw);
+                }
+                page.push(candidate);
+            }
+            self.look_up_and_pick(page, scan).await?;
+            let again: Vec<i32> = joined
+                .into_iter()
+                .filter(|lane| !ready.contains(lane))
+                .collect();
+            self.scan_lanes(&again, handlers, now, scan).await?;
+        } else {
+            // More than one page: scan them as usual.
+            ready.extend(joined);
+            ready.sort_unstable();
+            ready.dedup();
+            self.scan_lanes(&ready, handlers, now, scan).await?;
+        }
+        scan.with_events = false;
+        Ok(())
+    }
+
+    /// Looks up, in parallel, the lowest pending delivery of the keys of `page` that the per-key
+    /// rules need and do not know yet, then picks from the page.
+    async fn look_up_and_pick(&self, page: Vec<Candidate>, scan: &mut Scan) -> Result<()> {
+        let unknown = scan.picking.unknown_keys(&page);
+        if !unknown.is_empty() {
+            let lowest = self.lowest_pending(&unknown).await?;
+            scan.picking.learn_heads(unknown, &lowest);
+        }
+        scan.picking.pick(page);
+        Ok(())
+    }
+}

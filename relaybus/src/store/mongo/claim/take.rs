@@ -1,0 +1,179 @@
+//! Taking lanes: joining free lanes to a claim, and charging the claims earlier holders lost.
+//!
+//! A free lane with nothing in flight and nothing lost is read without a write: the record
+//! takes it, on condition that its epoch, its requeue count and its empty lists are still what
+//! was read. Any other free lane is taken at once with a conditional `findAndModify` that
+//! increments the lane epoch and moves the previous holder's in-flight list to `lost`, which the
+//! claim charges, one attempt per lost claim and once, before it reads anything from the lane.
+
+use futures::future;
+use mongodb::{
+    bson::{Bson, DateTime, Document, doc, oid::ObjectId},
+    options::ReturnDocument,
+};
+
+use super::{Request, read::FreeLane};
+use crate::{
+    error::{Error, Result},
+    store::mongo::{
+        MongoEventStore,
+        append::check_write_reply,
+        lane::{Lane, STATEMENTS_PER_COMMAND},
+        schema::{field, path, status},
+    },
+};
+
+/// How a claim holds a lane it records in.
+#[derive(Debug, Clone)]
+pub(super) enum Hold {
+    /// Held under a live lease before the claim started.
+    Held,
+    /// Taken by this claim with its own conditional write, before it was read.
+    Taken,
+    /// Free and clean when read: the record takes it, if it is still unchanged. `epoch` is the
+    /// epoch as stored when read.
+    Joining { epoch: Bson },
+}
+
+impl MongoEventStore {
+    /// Joins the `chosen` free lanes to the claim and returns the ids to scan. A clean lane
+    /// (nothing in flight, nothing lost) is only remembered: the record takes it on condition
+    /// that it is unchanged. Any other is taken at once with a conditional write and its lost
+    /// claims are charged before it is read; a lane another claimer took first is left out.
+    pub(super) async fn join_lanes(
+        &self,
+        chosen: &[i32],
+        free: &[FreeLane],
+        lanes: &mut Vec<(Lane, Hold)>,
+        request: &Request<'_>,
+    ) -> Result<Vec<i32>> {
+        let Request {
+            owner,
+            expires_at,
+            now,
+            ..
+        } = *request;
+        let mut dirty = Vec::new();
+        let mut scanned = Vec::new();
+        for id in chosen {
+            let Some(lane) = free.iter().find(|lane| lane.lane.id == *id) else {
+                continue;
+            };
+            if lane.clean {
+                scanned.push(*id);
+                lanes.push((
+                    lane.lane.clone(),
+                    Hold::Joining {
+                        epoch: lane.stored_epoch.clone(),
+                    },
+                ));
+            } else {
+                dirty.push(*id);
+            }
+        }
+        if !dirty.is_empty() {
+            let taken = self.take_lanes(&dirty, owner, expires_at, now).await?;
+            self.charge_lost(&taken, now).await?;
+            scanned.extend(taken.iter().map(|lane| lane.id));
+            lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
+        }
+        Ok(scanned)
+    }
+
+    /// Takes free lanes, in parallel, each with one conditional `findAndModify`: the epoch grows
+    /// by one and the previous holder's in-flight list moves to `lost`, tagged with the epoch it
+    /// was claimed in. A lane another claimer took first is skipped.
+    async fn take_lanes(
+        &self,
+        lanes: &[i32],
+        owner: &str,
+        expires_at: DateTime,
+        now: DateTime,
+    ) -> Result<Vec<Lane>> {
+        let instance = self.inner.claims.instance;
+        let takes = lanes.iter().map(|&lane| async move {
+            let taken = self
+                .inner
+                .lanes
+                .find_one_and_update(
+                    doc! {
+                        field::ID: lane,
+                        "$or": [
+                            { field::OWNER: Bson::Null },
+                            { field::LEASE_EXPIRES_AT: { "$lte": now } },
+                        ],
+                    },
+                    vec![doc! { "$set": {
+                        field::LOST: { "$concatArrays": [
+                            { "$ifNull": [path::LOST, []] },
+                            { "$map": {
+                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
+                                "in": {
+                                    field::LOST_DELIVERY: "$$this",
+                                    field::LOST_EPOCH: { "$ifNull": [path::EPOCH, 0_i64] },
+                                },
+                            } },
+                        ] },
+                        field::IN_FLIGHT: { "$literal": [] },
+                        field::EPOCH: { "$add": [{ "$ifNull": [path::EPOCH, 0_i64] }, 1_i64] },
+                        field::OWNER: { "$literal": owner },
+                        field::INSTANCE: { "$literal": instance },
+                        field::LEASE_EXPIRES_AT: { "$literal": expires_at },
+                    } }],
+                )
+                .return_document(ReturnDocument::After)
+                .await?;
+            Ok::<_, Error>(taken.as_ref().and_then(Lane::from_document))
+        });
+        Ok(future::try_join_all(takes)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// Charges every lost claim listed by `lanes` one attempt, once: `lostAt` records the epoch
+    /// of the last lost claim charged and only grows. The claim generation moves on, so the
+    /// lease of the lost claim can no longer match.
+    pub(super) async fn charge_lost(&self, lanes: &[Lane], now: DateTime) -> Result<()> {
+        let statements: Vec<Document> = lanes
+            .iter()
+            .flat_map(|lane| lane.lost.iter())
+            .map(|lost| {
+                doc! {
+                    "q": {
+                        field::ID: lost.delivery,
+                        field::STATUS: status::PENDING,
+                        "$or": [
+                            { field::LOST_AT: { "$exists": false } },
+                            { field::LOST_AT: { "$lt": lost.epoch } },
+                        ],
+                    },
+                    "u": {
+                        "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
+                        "$set": { field::LOST_AT: lost.epoch, field::UPDATED_AT: now },
+                    },
+                }
+            })
+            .collect();
+        for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
+            let reply = self
+                .inner
+                .db
+                .run_command(doc! {
+                    "update": self.inner.deliveries.name(),
+                    "updates": chunk,
+                    "ordered": false,
+                    "writeConcern": { "w": "majority" },
+                })
+                .await?;
+            check_write_reply(&reply)?;
+        }
+        let lost: Vec<ObjectId> = lanes
+            .iter()
+            .flat_map(|lane| lane.lost.iter().map(|lost| lost.delivery))
+            .collect();
+        self.inner.claims.forget(lost);
+        Ok(())
+    }
+}
