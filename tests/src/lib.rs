@@ -1,4 +1,5 @@
 //! End-to-end tests of relaybus against a real MongoDB replica set.
 
+pub mod conformance;
 pub mod fault;
 pub mod support;

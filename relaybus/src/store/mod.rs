@@ -197,7 +197,8 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
     ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
 
     /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per
-    /// key and handler, in sequence order.
+    /// key and handler, in sequence order. With no other claimer, it returns `limit`
+    /// deliveries whenever that many are claimable.
     fn claim(
         &self,
         request: ClaimRequest<'_>,
@@ -211,7 +212,9 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<Vec<bool>>> + Send;
 
-    /// Completes a delivery inside the caller's transaction, for transactional handlers.
+    /// Completes a delivery inside the caller's transaction, for transactional handlers. A
+    /// session without a started transaction is refused with
+    /// [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction).
     fn complete_in_transaction(
         &self,
         session: &mut Self::Session,
@@ -252,8 +255,8 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<usize>> + Send;
 
-    /// Hands back everything `owner` holds, for graceful shutdown. Returns how many units of
-    /// lease (MongoDB: lanes) it handed back.
+    /// Hands back everything `owner` holds through this store value (and its clones), for
+    /// graceful shutdown. Returns how many units of lease (MongoDB: lanes) it handed back.
     fn relinquish(&self, owner: &str) -> impl Future<Output = Result<u64>> + Send;
 
     /// Deletes what `options` lets go, in batches.

@@ -100,7 +100,8 @@ impl DeliveryStatus {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct DeliveryRecord {
-    /// The delivery id, as [`requeue`](crate::store::Store::requeue) and [`DeliveryQuery::after`] take it.
+    /// The delivery id as text (the `Display` of the lease's delivery id), as
+    /// [`requeue`](crate::store::Store::requeue) and [`DeliveryQuery::after`] take it.
     pub id: String,
     /// The event id.
     pub event_id: String,
@@ -236,6 +237,10 @@ pub struct Requeued {
 }
 
 /// What [`crate::store::Store::purge`] deletes. Leave a cutoff out to keep those documents.
+///
+/// Cutoffs compare with the times the store recorded: when a delivery died, when an event last
+/// completed, and, for an event that never completed, its own creation time
+/// ([`EventEnvelope::created_at`](crate::EventEnvelope::created_at)).
 ///
 /// # Example
 ///

@@ -10,7 +10,11 @@ use mongodb::{
     options::ReturnDocument,
 };
 
-use super::{MongoEventStore, bson_json::object_to_document};
+use super::{
+    MongoEventStore,
+    bson_json::object_to_document,
+    schema::{field, lane, status},
+};
 use crate::store::{AppendRequest, Appended};
 use crate::{
     error::{EventValidationError, Result},
@@ -113,7 +117,12 @@ impl MongoEventStore {
                 let slot = last.get_mut(key).expect("every key was counted");
                 *slot += 1;
                 item.sequence = Some(*slot);
-                insert_after(&mut item.document, "key", "sequence", Bson::Int64(*slot));
+                insert_after(
+                    &mut item.document,
+                    field::KEY,
+                    field::SEQUENCE,
+                    Bson::Int64(*slot),
+                );
             }
         }
 
@@ -124,7 +133,7 @@ impl MongoEventStore {
             .iter()
             .map(|item| {
                 doc! {
-                    "q": { "_id": &item.event.id },
+                    "q": { field::ID: &item.event.id },
                     "u": { "$setOnInsert": &item.document },
                     "upsert": true,
                 }
@@ -179,10 +188,10 @@ impl MongoEventStore {
                         .collect();
                     (!fresh.is_empty()).then(|| {
                         doc! {
-                            "q": { "_id": &item.event.id },
+                            "q": { field::ID: &item.event.id },
                             "u": {
-                                "$addToSet": { "handlers": { "$each": fresh } },
-                                "$inc": { "revision": 1_i64 },
+                                "$addToSet": { field::HANDLERS: { "$each": fresh } },
+                                "$inc": { field::REVISION: 1_i64 },
                             },
                         }
                     })
@@ -224,23 +233,23 @@ impl MongoEventStore {
             let lane = lane_of(key, &event.id) as i32;
             for handler in &handlers {
                 let mut delivery = doc! {
-                    "_id": ObjectId::new(),
-                    "eventId": &event.id,
-                    "handler": handler,
-                    "eventType": event_type,
+                    field::ID: ObjectId::new(),
+                    field::EVENT_ID: &event.id,
+                    field::HANDLER: handler,
+                    field::EVENT_TYPE: event_type,
                 };
                 if let Some(key) = key {
-                    delivery.insert("key", key);
+                    delivery.insert(field::KEY, key);
                 }
                 if let Some(sequence) = sequence {
-                    delivery.insert("sequence", sequence);
+                    delivery.insert(field::SEQUENCE, sequence);
                 }
-                delivery.insert("laneId", lane);
-                delivery.insert("lane", "ready");
-                delivery.insert("status", "pending");
-                delivery.insert("attempts", 0_i32);
-                delivery.insert("dueAt", now);
-                delivery.insert("createdAt", now);
+                delivery.insert(field::LANE_ID, lane);
+                delivery.insert(field::LANE, lane::READY);
+                delivery.insert(field::STATUS, status::PENDING);
+                delivery.insert(field::ATTEMPTS, 0_i32);
+                delivery.insert(field::DUE_AT, now);
+                delivery.insert(field::CREATED_AT, now);
                 deliveries.push(delivery);
             }
             outcomes.push(Appended {
@@ -274,14 +283,17 @@ impl MongoEventStore {
             [(key, count)] => {
                 let counter = inner
                     .key_sequences
-                    .find_one_and_update(doc! { "_id": *key }, doc! { "$inc": { "value": *count } })
+                    .find_one_and_update(
+                        doc! { field::ID: *key },
+                        doc! { "$inc": { field::VALUE: *count } },
+                    )
                     .upsert(true)
                     .return_document(ReturnDocument::After)
                     .session(&mut *session)
                     .await?;
                 let value = counter
                     .as_ref()
-                    .and_then(|c| c.get("value").and_then(bson_i64))
+                    .and_then(|c| c.get(field::VALUE).and_then(bson_i64))
                     .unwrap_or(*count);
                 base.insert(*key, value - count);
             }
@@ -289,7 +301,7 @@ impl MongoEventStore {
                 let updates: Vec<Document> = per_key
                     .iter()
                     .map(|(key, count)| {
-                        doc! { "q": { "_id": *key }, "u": { "$inc": { "value": *count } }, "upsert": true }
+                        doc! { "q": { field::ID: *key }, "u": { "$inc": { field::VALUE: *count } }, "upsert": true }
                     })
                     .collect();
                 let reply = inner
@@ -301,7 +313,7 @@ impl MongoEventStore {
                 let keys: Vec<&str> = per_key.iter().map(|(k, _)| *k).collect();
                 let counters: Vec<Document> = inner
                     .key_sequences
-                    .find(doc! { "_id": { "$in": &keys } })
+                    .find(doc! { field::ID: { "$in": &keys } })
                     .session(&mut *session)
                     .await?
                     .stream(&mut *session)
@@ -310,8 +322,8 @@ impl MongoEventStore {
                 for (key, count) in per_key {
                     let value = counters
                         .iter()
-                        .find(|c| c.get_str("_id") == Ok(*key))
-                        .and_then(|c| c.get("value").and_then(bson_i64))
+                        .find(|c| c.get_str(field::ID) == Ok(*key))
+                        .and_then(|c| c.get(field::VALUE).and_then(bson_i64))
                         .unwrap_or(*count);
                     base.insert(*key, value - count);
                 }
@@ -330,16 +342,18 @@ impl MongoEventStore {
         let mut cursor = self
             .inner
             .events
-            .find(doc! { "_id": { "$in": ids } })
-            .projection(doc! { "handlers": 1, "type": 1, "key": 1, "sequence": 1 })
+            .find(doc! { field::ID: { "$in": ids } })
+            .projection(
+                doc! { field::HANDLERS: 1, field::TYPE: 1, field::KEY: 1, field::SEQUENCE: 1 },
+            )
             .session(&mut *session)
             .await?;
         while let Some(found) = cursor.next(&mut *session).await.transpose()? {
-            let Some(Bson::String(id)) = found.get("_id") else {
+            let Some(Bson::String(id)) = found.get(field::ID) else {
                 continue;
             };
             let handlers = found
-                .get_array("handlers")
+                .get_array(field::HANDLERS)
                 .map(|list| {
                     list.iter()
                         .filter_map(|h| h.as_str().map(str::to_owned))
@@ -350,9 +364,9 @@ impl MongoEventStore {
                 id.clone(),
                 Stored {
                     handlers,
-                    event_type: found.get_str("type").unwrap_or_default().to_owned(),
-                    key: found.get_str("key").ok().map(str::to_owned),
-                    sequence: found.get("sequence").and_then(bson_i64),
+                    event_type: found.get_str(field::TYPE).unwrap_or_default().to_owned(),
+                    key: found.get_str(field::KEY).ok().map(str::to_owned),
+                    sequence: found.get(field::SEQUENCE).and_then(bson_i64),
                 },
             );
         }
@@ -386,15 +400,15 @@ impl MongoEventStore {
                 if item.sequence != Some(next) {
                     item.sequence = Some(next);
                     event_updates.push(doc! {
-                        "q": { "_id": &item.event.id },
-                        "u": { "$set": { "sequence": next } },
+                        "q": { field::ID: &item.event.id },
+                        "u": { "$set": { field::SEQUENCE: next } },
                     });
                 }
             }
             if used < *count {
                 counter_updates.push(doc! {
-                    "q": { "_id": *key },
-                    "u": { "$inc": { "value": used - count } },
+                    "q": { field::ID: *key },
+                    "u": { "$inc": { field::VALUE: used - count } },
                 });
             }
         }
@@ -488,7 +502,7 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
         // Count the sequence a keyed event will get, so the size check is exact.
         let mut sized = item.document.clone();
         if item.event.key.is_some() {
-            sized.insert("sequence", i64::MAX);
+            sized.insert(field::SEQUENCE, i64::MAX);
         }
         let size = RawDocumentBuf::from_document(&sized)
             .map(|raw| raw.as_bytes().len())
@@ -508,18 +522,18 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
 /// The stored form of a new event. Absent values are left out rather than stored as null.
 fn event_document(event: &EventEnvelope, handlers: &[&str]) -> Document {
     let mut document = doc! {
-        "_id": &event.id,
-        "type": &event.event_type,
-        "payload": object_to_document(&event.payload),
+        field::ID: &event.id,
+        field::TYPE: &event.event_type,
+        field::PAYLOAD: object_to_document(&event.payload),
     };
     if let Some(key) = &event.key {
-        document.insert("key", key);
+        document.insert(field::KEY, key);
     }
     if let Some(id) = &event.correlation_id {
-        document.insert("correlationId", id);
+        document.insert(field::CORRELATION_ID, id);
     }
     if let Some(id) = &event.causation_id {
-        document.insert("causationId", id);
+        document.insert(field::CAUSATION_ID, id);
     }
     if !event.headers.is_empty() {
         let headers: Document = event
@@ -527,13 +541,13 @@ fn event_document(event: &EventEnvelope, handlers: &[&str]) -> Document {
             .iter()
             .map(|(k, v)| (k.clone(), Bson::String(v.clone())))
             .collect();
-        document.insert("headers", headers);
+        document.insert(field::HEADERS, headers);
     }
     document.insert(
-        "createdAt",
+        field::CREATED_AT,
         DateTime::from_millis(event.created_at.timestamp_millis()),
     );
-    document.insert("handlers", handlers.to_vec());
+    document.insert(field::HANDLERS, handlers.to_vec());
     document
 }
 

@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, time::Duration};
 use futures::{StreamExt, TryStreamExt, stream::BoxStream};
 use mongodb::{ClientSession, bson::doc};
 
-use super::{Lease, MongoEventStore, bson_date, timestamp};
+use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
 use crate::{
     error::Result,
     store::{
@@ -223,7 +223,7 @@ impl Store for MongoEventStore {
                 at: change
                     .full_document
                     .as_ref()
-                    .and_then(|doc| doc.get_i32("laneId").ok())
+                    .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
                     .and_then(|lane| u32::try_from(lane).ok()),
             })
             .map_err(crate::Error::from)

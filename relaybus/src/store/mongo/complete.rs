@@ -19,6 +19,7 @@ use super::{
     MongoEventStore,
     lane::{int, object_ids},
     lease::{Lease, generation_filter},
+    schema::{field, status},
 };
 use crate::error::{InvalidArgumentError, Result};
 
@@ -188,8 +189,8 @@ impl MongoEventStore {
         inner
             .events
             .update_many(
-                doc! { "_id": { "$in": event_ids } },
-                doc! { "$max": { "completedAt": now } },
+                doc! { field::ID: { "$in": event_ids } },
+                doc! { "$max": { field::COMPLETED_AT: now } },
             )
             .write_concern(WriteConcern::nodes(1))
             .await?;
@@ -214,7 +215,7 @@ impl MongoEventStore {
         let found = found(
             inner
                 .deliveries
-                .find(doc! { "_id": { "$in": &ids } })
+                .find(doc! { field::ID: { "$in": &ids } })
                 .session(&mut *session)
                 .await?
                 .stream(&mut *session)
@@ -257,8 +258,8 @@ impl MongoEventStore {
         inner
             .events
             .update_many(
-                doc! { "_id": { "$in": event_ids } },
-                doc! { "$max": { "completedAt": now } },
+                doc! { field::ID: { "$in": event_ids } },
+                doc! { "$max": { field::COMPLETED_AT: now } },
             )
             .session(&mut *session)
             .await?;
@@ -280,8 +281,8 @@ impl MongoEventStore {
         let generations = async {
             inner
                 .deliveries
-                .find(doc! { "_id": { "$in": ids } })
-                .projection(doc! { "claims": 1, "laneId": 1, "eventId": 1 })
+                .find(doc! { field::ID: { "$in": ids } })
+                .projection(doc! { field::CLAIMS: 1, field::LANE_ID: 1, field::EVENT_ID: 1 })
                 .limit(ids.len() as i64)
                 .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
                 .await?
@@ -291,11 +292,11 @@ impl MongoEventStore {
         let listings = async {
             inner
                 .lanes
-                .find(doc! { "_id": { "$in": &lane_ids } })
+                .find(doc! { field::ID: { "$in": &lane_ids } })
                 // Only the leased ids of each in-flight list come back, not the whole list.
                 .projection(doc! {
-                    "epoch": 1,
-                    "inFlight": { "$filter": {
+                    field::EPOCH: 1,
+                    field::IN_FLIGHT: { "$filter": {
                         "input": { "$ifNull": ["$inFlight", []] },
                         "cond": { "$in": ["$$this", { "$literal": ids }] },
                     } },
@@ -321,11 +322,11 @@ impl MongoEventStore {
         lane_ids.sort_unstable();
         lane_ids.dedup();
         let ids: Vec<ObjectId> = leases.iter().map(|lease| lease.delivery_id()).collect();
-        let filter = doc! { "_id": { "$in": &lane_ids } };
+        let filter = doc! { field::ID: { "$in": &lane_ids } };
         // Only the leased ids of each in-flight list come back, not the whole list.
         let projection = doc! {
-            "epoch": 1,
-            "inFlight": { "$filter": {
+            field::EPOCH: 1,
+            field::IN_FLIGHT: { "$filter": {
                 "input": { "$ifNull": ["$inFlight", []] },
                 "cond": { "$in": ["$$this", { "$literal": &ids }] },
             } },
@@ -348,11 +349,14 @@ impl MongoEventStore {
 fn listings_of(docs: &[Document]) -> Listings {
     docs.iter()
         .filter_map(|doc| {
-            let id = i32::try_from(int(doc, "_id")?).ok()?;
-            let epoch = int(doc, "epoch").unwrap_or(0);
+            let id = i32::try_from(int(doc, field::ID)?).ok()?;
+            let epoch = int(doc, field::EPOCH).unwrap_or(0);
             Some((
                 id,
-                (epoch, object_ids(doc, "inFlight").into_iter().collect()),
+                (
+                    epoch,
+                    object_ids(doc, field::IN_FLIGHT).into_iter().collect(),
+                ),
             ))
         })
         .collect()
@@ -368,13 +372,13 @@ fn unique_ids(leases: &[Lease]) -> Vec<ObjectId> {
 fn found(docs: Vec<Document>) -> HashMap<ObjectId, Found> {
     docs.into_iter()
         .filter_map(|doc| {
-            let id = doc.get_object_id("_id").ok()?;
+            let id = doc.get_object_id(field::ID).ok()?;
             Some((
                 id,
                 Found {
-                    claims: int(&doc, "claims").unwrap_or(0),
-                    lane: int(&doc, "laneId"),
-                    event_id: doc.get_str("eventId").ok().map(str::to_owned),
+                    claims: int(&doc, field::CLAIMS).unwrap_or(0),
+                    lane: int(&doc, field::LANE_ID),
+                    event_id: doc.get_str(field::EVENT_ID).ok().map(str::to_owned),
                     document: doc,
                 },
             ))
@@ -415,7 +419,7 @@ fn delete_filter(fenced: &[Lease]) -> Document {
     }
     let branches: Vec<Document> = by_generation
         .into_iter()
-        .map(|(claims, ids)| doc! { "_id": { "$in": ids }, "claims": generation_filter(claims) })
+        .map(|(claims, ids)| doc! { field::ID: { "$in": ids }, field::CLAIMS: generation_filter(claims) })
         .collect();
     doc! { "$or": branches }
 }
@@ -444,23 +448,25 @@ fn outcome(leases: &[Lease], fenced: &[Lease], deleted: u64) -> Vec<bool> {
 fn history_record(delivery: &Document, now: DateTime) -> Document {
     let mut record = Document::new();
     for field in [
-        "_id",
-        "eventId",
-        "handler",
-        "eventType",
-        "key",
-        "sequence",
-        "laneId",
-        "createdAt",
+        field::ID,
+        field::EVENT_ID,
+        field::HANDLER,
+        field::EVENT_TYPE,
+        field::KEY,
+        field::SEQUENCE,
+        field::LANE_ID,
+        field::CREATED_AT,
     ] {
         if let Some(value) = delivery.get(field) {
             record.insert(field, value.clone());
         }
     }
-    let attempts = int(delivery, "attempts").unwrap_or(0).saturating_add(1);
-    record.insert("attempts", Bson::Int64(attempts));
-    record.insert("status", "completed");
-    record.insert("completedAt", now);
+    let attempts = int(delivery, field::ATTEMPTS)
+        .unwrap_or(0)
+        .saturating_add(1);
+    record.insert(field::ATTEMPTS, Bson::Int64(attempts));
+    record.insert(field::STATUS, status::COMPLETED);
+    record.insert(field::COMPLETED_AT, now);
     record
 }
 

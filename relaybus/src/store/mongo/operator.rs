@@ -16,6 +16,8 @@ use mongodb::{
 use super::{
     MongoEventStore, bson_date,
     lane::{check_owner, int, object_ids, string},
+    schema,
+    schema::{field, index, status},
     timestamp,
 };
 use crate::error::{InvalidArgumentError, Result};
@@ -29,42 +31,55 @@ pub(crate) const MAX_REQUEUE: usize = 10_000;
 /// A listed delivery or completion record, from its stored document.
 fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
     Some(DeliveryRecord {
-        id: doc.get_object_id("_id").ok()?.to_hex(),
-        event_id: string(doc, "eventId").unwrap_or_default(),
-        handler: string(doc, "handler").unwrap_or_default(),
-        event_type: string(doc, "eventType").unwrap_or_default(),
-        key: string(doc, "key"),
-        sequence: int(doc, "sequence"),
+        id: doc.get_object_id(field::ID).ok()?.to_hex(),
+        event_id: string(doc, field::EVENT_ID).unwrap_or_default(),
+        handler: string(doc, field::HANDLER).unwrap_or_default(),
+        event_type: string(doc, field::EVENT_TYPE).unwrap_or_default(),
+        key: string(doc, field::KEY),
+        sequence: int(doc, field::SEQUENCE),
         status: doc
-            .get_str("status")
+            .get_str(field::STATUS)
             .ok()
             .and_then(DeliveryStatus::from_stored)?,
-        parked: doc.get_str("lane") == Ok("parked"),
-        attempts: int(doc, "attempts").map_or(0, |a| u32::try_from(a.max(0)).unwrap_or(u32::MAX)),
-        due_at: doc.get_datetime("dueAt").ok().map(|at| timestamp(*at)),
-        created_at: doc.get_datetime("createdAt").ok().map(|at| timestamp(*at)),
-        updated_at: doc.get_datetime("updatedAt").ok().map(|at| timestamp(*at)),
-        completed_at: doc
-            .get_datetime("completedAt")
+        parked: doc.get_str(field::LANE) == Ok(schema::lane::PARKED),
+        attempts: int(doc, field::ATTEMPTS)
+            .map_or(0, |a| u32::try_from(a.max(0)).unwrap_or(u32::MAX)),
+        due_at: doc
+            .get_datetime(field::DUE_AT)
             .ok()
             .map(|at| timestamp(*at)),
-        last_error: string(doc, "lastError"),
+        created_at: doc
+            .get_datetime(field::CREATED_AT)
+            .ok()
+            .map(|at| timestamp(*at)),
+        updated_at: doc
+            .get_datetime(field::UPDATED_AT)
+            .ok()
+            .map(|at| timestamp(*at)),
+        completed_at: doc
+            .get_datetime(field::COMPLETED_AT)
+            .ok()
+            .map(|at| timestamp(*at)),
+        last_error: string(doc, field::LAST_ERROR),
     })
 }
 
 /// A listed record with its id as stored, for ordering.
 fn record_with_id(doc: &Document) -> Option<(ObjectId, DeliveryRecord)> {
-    Some((doc.get_object_id("_id").ok()?, record_from_document(doc)?))
+    Some((
+        doc.get_object_id(field::ID).ok()?,
+        record_from_document(doc)?,
+    ))
 }
 
 /// The filter of a listing's fields other than the state.
 fn query_filter(query: &DeliveryQuery) -> Document {
     let mut filter = Document::new();
     if let Some(handler) = &query.handler {
-        filter.insert("handler", Bson::String(handler.clone()));
+        filter.insert(field::HANDLER, Bson::String(handler.clone()));
     }
     if let Some(event_type) = &query.event_type {
-        filter.insert("eventType", Bson::String(event_type.clone()));
+        filter.insert(field::EVENT_TYPE, Bson::String(event_type.clone()));
     }
     let mut created = Document::new();
     if let Some(from) = query.created_from {
@@ -74,7 +89,7 @@ fn query_filter(query: &DeliveryQuery) -> Document {
         created.insert("$lt", bson_date(before));
     }
     if !created.is_empty() {
-        filter.insert("createdAt", created);
+        filter.insert(field::CREATED_AT, created);
     }
     filter
 }
@@ -107,10 +122,16 @@ impl MongoEventStore {
                 .await
         };
         let (pending, dead, legacy, parked) = futures::try_join!(
-            count(doc! { "status": "pending" }, "status_created"),
-            count(doc! { "status": "dead" }, "status_created"),
-            count(doc! { "status": "completed" }, "status_created"),
-            count(doc! { "lane": "parked" }, "parked"),
+            count(
+                doc! { field::STATUS: status::PENDING },
+                index::STATUS_CREATED
+            ),
+            count(doc! { field::STATUS: status::DEAD }, index::STATUS_CREATED),
+            count(
+                doc! { field::STATUS: status::COMPLETED },
+                index::STATUS_CREATED
+            ),
+            count(doc! { field::LANE: schema::lane::PARKED }, index::PARKED),
         )?;
         let history = if inner.completion_history {
             inner.completed.count_documents(doc! {}).await?
@@ -119,22 +140,22 @@ impl MongoEventStore {
         };
         let oldest = inner
             .deliveries
-            .find_one(doc! { "status": "pending" })
-            .sort(doc! { "dueAt": 1 })
-            .projection(doc! { "dueAt": 1 })
-            .hint(Hint::Name("due".to_owned()))
+            .find_one(doc! { field::STATUS: status::PENDING })
+            .sort(doc! { field::DUE_AT: 1 })
+            .projection(doc! { field::DUE_AT: 1 })
+            .hint(index::hint(index::DUE))
             .await?;
         let running: Vec<Document> = inner
             .lanes
             .aggregate([
                 doc! { "$match": { "inFlight.0": { "$exists": true } } },
-                doc! { "$project": { "inFlight": 1 } },
+                doc! { "$project": { field::IN_FLIGHT: 1 } },
                 doc! { "$unwind": "$inFlight" },
                 doc! { "$lookup": {
                     "from": inner.deliveries.name(),
-                    "localField": "inFlight",
-                    "foreignField": "_id",
-                    "pipeline": [{ "$match": { "status": "pending" } }, { "$project": { "_id": 1 } }],
+                    "localField": field::IN_FLIGHT,
+                    "foreignField": field::ID,
+                    "pipeline": [{ "$match": { field::STATUS: status::PENDING } }, { "$project": { field::ID: 1 } }],
                     "as": "delivery",
                 } },
                 doc! { "$match": { "delivery.0": { "$exists": true } } },
@@ -152,8 +173,11 @@ impl MongoEventStore {
             parked,
             dead,
             completed: history + legacy,
-            oldest_due_at: oldest
-                .and_then(|doc| doc.get_datetime("dueAt").ok().map(|at| timestamp(*at))),
+            oldest_due_at: oldest.and_then(|doc| {
+                doc.get_datetime(field::DUE_AT)
+                    .ok()
+                    .map(|at| timestamp(*at))
+            }),
         })
     }
 
@@ -194,22 +218,25 @@ impl MongoEventStore {
                     ),
                 )
             })?;
-            base.insert("_id", doc! { "$gt": after });
+            base.insert(field::ID, doc! { "$gt": after });
         }
         // Ids grow with creation time, so the id order is the creation order, and the last id
         // of a page is where the next one starts: each page reads at most `limit` documents of
         // each collection, however deep it is.
-        let sort = doc! { "_id": 1 };
+        let sort = doc! { field::ID: 1 };
         let wanted = i64::from(query.limit);
 
         // Deliveries of the wanted states, then (for completed) the history.
         let mut delivery_filter = base.clone();
         match query.status {
             Some(status) => {
-                delivery_filter.insert("status", status.as_str());
+                delivery_filter.insert(field::STATUS, status.as_str());
             }
             None => {
-                delivery_filter.insert("status", doc! { "$in": ["pending", "dead"] });
+                delivery_filter.insert(
+                    field::STATUS,
+                    doc! { "$in": [status::PENDING, status::DEAD] },
+                );
             }
         }
         let mut records: Vec<(ObjectId, DeliveryRecord)> = inner
@@ -310,8 +337,10 @@ impl MongoEventStore {
         let inner = &self.inner;
         let dead: Vec<Document> = inner
             .deliveries
-            .find(doc! { "_id": { "$in": ids }, "status": "dead" })
-            .projection(doc! { "handler": 1, "key": 1, "sequence": 1, "laneId": 1 })
+            .find(doc! { field::ID: { "$in": ids }, field::STATUS: status::DEAD })
+            .projection(
+                doc! { field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::LANE_ID: 1 },
+            )
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -319,7 +348,7 @@ impl MongoEventStore {
             .await?;
         let found: HashSet<ObjectId> = dead
             .iter()
-            .filter_map(|doc| doc.get_object_id("_id").ok())
+            .filter_map(|doc| doc.get_object_id(field::ID).ok())
             .collect();
         let mut outcome = RequeueOutcome {
             not_found: ids
@@ -333,8 +362,8 @@ impl MongoEventStore {
         // What runs in the lanes of the keyed ones.
         let mut lane_ids: Vec<i32> = dead
             .iter()
-            .filter(|doc| doc.contains_key("key"))
-            .filter_map(|doc| int(doc, "laneId").and_then(|l| i32::try_from(l).ok()))
+            .filter(|doc| doc.contains_key(field::KEY))
+            .filter_map(|doc| int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok()))
             .collect();
         lane_ids.sort_unstable();
         lane_ids.dedup();
@@ -342,8 +371,8 @@ impl MongoEventStore {
         if !lane_ids.is_empty() {
             let lanes: Vec<Document> = inner
                 .lanes
-                .find(doc! { "_id": { "$in": &lane_ids } })
-                .projection(doc! { "inFlight": 1 })
+                .find(doc! { field::ID: { "$in": &lane_ids } })
+                .projection(doc! { field::IN_FLIGHT: 1 })
                 .session(&mut *session)
                 .await?
                 .stream(&mut *session)
@@ -351,13 +380,13 @@ impl MongoEventStore {
                 .await?;
             let listed: Vec<ObjectId> = lanes
                 .iter()
-                .flat_map(|lane| object_ids(lane, "inFlight"))
+                .flat_map(|lane| object_ids(lane, field::IN_FLIGHT))
                 .collect();
             if !listed.is_empty() {
                 let docs: Vec<Document> = inner
                     .deliveries
-                    .find(doc! { "_id": { "$in": listed }, "status": "pending" })
-                    .projection(doc! { "handler": 1, "key": 1, "sequence": 1 })
+                    .find(doc! { field::ID: { "$in": listed }, field::STATUS: status::PENDING })
+                    .projection(doc! { field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1 })
                     .session(&mut *session)
                     .await?
                     .stream(&mut *session)
@@ -365,9 +394,9 @@ impl MongoEventStore {
                     .await?;
                 for doc in &docs {
                     if let (Some(handler), Some(key), Some(sequence)) = (
-                        string(doc, "handler"),
-                        string(doc, "key"),
-                        int(doc, "sequence"),
+                        string(doc, field::HANDLER),
+                        string(doc, field::KEY),
+                        int(doc, field::SEQUENCE),
                     ) {
                         running.entry((handler, key)).or_default().push(sequence);
                     }
@@ -375,12 +404,12 @@ impl MongoEventStore {
             }
         }
         for doc in &dead {
-            let Ok(id) = doc.get_object_id("_id") else {
+            let Ok(id) = doc.get_object_id(field::ID) else {
                 continue;
             };
-            let later_runs = match (string(doc, "handler"), string(doc, "key")) {
+            let later_runs = match (string(doc, field::HANDLER), string(doc, field::KEY)) {
                 (Some(handler), Some(key)) => {
-                    let sequence = int(doc, "sequence").unwrap_or(i64::MIN);
+                    let sequence = int(doc, field::SEQUENCE).unwrap_or(i64::MIN);
                     running
                         .get(&(handler, key))
                         .is_some_and(|runs| runs.iter().any(|&s| s > sequence))
@@ -399,16 +428,16 @@ impl MongoEventStore {
         inner
             .deliveries
             .update_many(
-                doc! { "_id": { "$in": &outcome.requeued }, "status": "dead" },
+                doc! { field::ID: { "$in": &outcome.requeued }, field::STATUS: status::DEAD },
                 doc! {
                     "$set": {
-                        "status": "pending",
-                        "lane": "ready",
-                        "attempts": 0,
-                        "dueAt": now,
-                        "updatedAt": now,
+                        field::STATUS: status::PENDING,
+                        field::LANE: schema::lane::READY,
+                        field::ATTEMPTS: 0,
+                        field::DUE_AT: now,
+                        field::UPDATED_AT: now,
                     },
-                    "$inc": { "claims": 1_i64 },
+                    "$inc": { field::CLAIMS: 1_i64 },
                 },
             )
             .session(&mut *session)
@@ -419,8 +448,8 @@ impl MongoEventStore {
             inner
                 .lanes
                 .update_many(
-                    doc! { "_id": { "$in": &lane_ids } },
-                    doc! { "$inc": { "requeues": 1_i64 } },
+                    doc! { field::ID: { "$in": &lane_ids } },
+                    doc! { "$inc": { field::REQUEUES: 1_i64 } },
                 )
                 .session(&mut *session)
                 .await?;
@@ -451,11 +480,11 @@ impl MongoEventStore {
             .inner
             .lanes
             .update_many(
-                doc! { "owner": owner, "instance": self.inner.claims.instance },
+                doc! { field::OWNER: owner, field::INSTANCE: self.inner.claims.instance },
                 doc! { "$set": {
-                    "owner": Bson::Null,
-                    "instance": Bson::Null,
-                    "leaseExpiresAt": Bson::Null,
+                    field::OWNER: Bson::Null,
+                    field::INSTANCE: Bson::Null,
+                    field::LEASE_EXPIRES_AT: Bson::Null,
                 } },
             )
             .await?;

@@ -14,7 +14,10 @@ use mongodb::{
     options::Hint,
 };
 
-use super::{MongoEventStore, bson_date};
+use super::{
+    MongoEventStore, bson_date,
+    schema::{field, index, status},
+};
 use crate::error::Result;
 use crate::store::{PurgeOptions, Purged};
 
@@ -78,18 +81,18 @@ impl MongoEventStore {
         match kind {
             Kind::Dead => (
                 &self.inner.deliveries,
-                doc! { "status": "dead", "updatedAt": { "$lt": cutoff } },
-                "status_updated",
+                doc! { field::STATUS: status::DEAD, field::UPDATED_AT: { "$lt": cutoff } },
+                index::STATUS_UPDATED,
             ),
             Kind::History => (
                 &self.inner.completed,
-                doc! { "completedAt": { "$lt": cutoff } },
-                "completed",
+                doc! { field::COMPLETED_AT: { "$lt": cutoff } },
+                index::COMPLETED,
             ),
             Kind::LegacyCompleted => (
                 &self.inner.deliveries,
-                doc! { "status": "completed", "completedAt": { "$lt": cutoff } },
-                "completed",
+                doc! { field::STATUS: status::COMPLETED, field::COMPLETED_AT: { "$lt": cutoff } },
+                index::COMPLETED,
             ),
         }
     }
@@ -108,7 +111,7 @@ impl MongoEventStore {
             let (collection, filter, index) = self.purge_source(kind, cutoff);
             let found: Vec<Document> = collection
                 .find(filter)
-                .projection(doc! { "_id": 1, "eventId": 1 })
+                .projection(doc! { field::ID: 1, field::EVENT_ID: 1 })
                 .hint(Hint::Name(index.to_owned()))
                 .limit(batch)
                 .await?
@@ -117,10 +120,13 @@ impl MongoEventStore {
             if found.is_empty() {
                 return Ok(deleted);
             }
-            let ids: Vec<Bson> = found.iter().filter_map(|d| d.get("_id").cloned()).collect();
+            let ids: Vec<Bson> = found
+                .iter()
+                .filter_map(|d| d.get(field::ID).cloned())
+                .collect();
             let events: Vec<String> = found
                 .iter()
-                .filter_map(|d| d.get_str("eventId").ok().map(str::to_owned))
+                .filter_map(|d| d.get_str(field::EVENT_ID).ok().map(str::to_owned))
                 .collect();
             let (documents, events) = self
                 .own_transaction(
@@ -154,7 +160,7 @@ impl MongoEventStore {
         events: &[String],
     ) -> Result<(u64, u64)> {
         let (collection, mut filter, _) = self.purge_source(kind, cutoff);
-        filter.insert("_id", doc! { "$in": ids });
+        filter.insert(field::ID, doc! { "$in": ids });
         let deleted = collection
             .delete_many(filter)
             .session(&mut *session)
@@ -179,8 +185,8 @@ impl MongoEventStore {
         let inner = &self.inner;
         let events: Vec<Document> = inner
             .events
-            .find(doc! { "_id": { "$in": ids } })
-            .projection(doc! { "createdAt": 1, "completedAt": 1 })
+            .find(doc! { field::ID: { "$in": ids } })
+            .projection(doc! { field::CREATED_AT: 1, field::COMPLETED_AT: 1 })
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -189,8 +195,8 @@ impl MongoEventStore {
         let mut referenced: HashSet<String> = HashSet::new();
         for collection in [&inner.deliveries, &inner.completed] {
             let refs: Vec<Document> = collection
-                .find(doc! { "eventId": { "$in": ids } })
-                .projection(doc! { "_id": 0, "eventId": 1 })
+                .find(doc! { field::EVENT_ID: { "$in": ids } })
+                .projection(doc! { field::ID: 0, field::EVENT_ID: 1 })
                 .session(&mut *session)
                 .await?
                 .stream(&mut *session)
@@ -198,22 +204,22 @@ impl MongoEventStore {
                 .await?;
             referenced.extend(
                 refs.iter()
-                    .filter_map(|r| r.get_str("eventId").ok().map(str::to_owned)),
+                    .filter_map(|r| r.get_str(field::EVENT_ID).ok().map(str::to_owned)),
             );
         }
         let earliest = options.earliest().map(bson_date);
         let gone: Vec<&str> = events
             .iter()
             .filter_map(|event| {
-                let id = event.get_str("_id").ok()?;
+                let id = event.get_str(field::ID).ok()?;
                 if referenced.contains(id) {
                     return None;
                 }
-                let expired = match event.get_datetime("completedAt") {
+                let expired = match event.get_datetime(field::COMPLETED_AT) {
                     Ok(completed) => options
                         .completed_before
                         .is_some_and(|cut| *completed < bson_date(cut)),
-                    Err(_) => match (event.get_datetime("createdAt"), earliest) {
+                    Err(_) => match (event.get_datetime(field::CREATED_AT), earliest) {
                         (Ok(created), Some(cut)) => *created < cut,
                         _ => false,
                     },
@@ -226,7 +232,7 @@ impl MongoEventStore {
         }
         Ok(inner
             .events
-            .delete_many(doc! { "_id": { "$in": gone } })
+            .delete_many(doc! { field::ID: { "$in": gone } })
             .session(&mut *session)
             .await?
             .deleted_count)
@@ -241,20 +247,20 @@ impl MongoEventStore {
         let mut after: Option<(DateTime, Bson)> = None;
         let mut deleted = 0;
         loop {
-            let mut filter = doc! { "createdAt": { "$lt": latest } };
+            let mut filter = doc! { field::CREATED_AT: { "$lt": latest } };
             if let Some((created, id)) = &after {
                 filter = doc! { "$and": [filter, { "$or": [
-                    { "createdAt": { "$gt": created } },
-                    { "createdAt": created, "_id": { "$gt": id.clone() } },
+                    { field::CREATED_AT: { "$gt": created } },
+                    { field::CREATED_AT: created, field::ID: { "$gt": id.clone() } },
                 ] }] };
             }
             let found: Vec<Document> = self
                 .inner
                 .events
                 .find(filter)
-                .projection(doc! { "_id": 1, "createdAt": 1 })
-                .sort(doc! { "createdAt": 1, "_id": 1 })
-                .hint(Hint::Name("created".to_owned()))
+                .projection(doc! { field::ID: 1, field::CREATED_AT: 1 })
+                .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
+                .hint(index::hint(index::CREATED))
                 .limit(batch)
                 .await?
                 .try_collect()
@@ -262,14 +268,16 @@ impl MongoEventStore {
             let Some(last) = found.last() else {
                 return Ok(deleted);
             };
-            let (Ok(created), Some(id)) = (last.get_datetime("createdAt"), last.get("_id")) else {
+            let (Ok(created), Some(id)) =
+                (last.get_datetime(field::CREATED_AT), last.get(field::ID))
+            else {
                 // The filter on `createdAt` only matches events that have one.
                 return Ok(deleted);
             };
             after = Some((*created, id.clone()));
             let ids: Vec<String> = found
                 .iter()
-                .filter_map(|d| d.get_str("_id").ok().map(str::to_owned))
+                .filter_map(|d| d.get_str(field::ID).ok().map(str::to_owned))
                 .collect();
             deleted += self
                 .own_transaction((self, &ids, options), |session, (store, ids, options)| {

@@ -47,10 +47,6 @@ pub(crate) mod field {
     /// When the delivery, or every delivery of an event, completed.
     pub(crate) const COMPLETED_AT: &str = "completedAt";
     /// The error of the last failed attempt.
-    #[expect(
-        dead_code,
-        reason = "for settle.rs and operator.rs, which switch to the schema later"
-    )]
     pub(crate) const LAST_ERROR: &str = "lastError";
 
     // Events.
@@ -68,19 +64,11 @@ pub(crate) mod field {
     /// The handlers the event has deliveries for.
     pub(crate) const HANDLERS: &str = "handlers";
     /// How often handlers were added to the event.
-    #[expect(
-        dead_code,
-        reason = "for append.rs, which switches to the schema later"
-    )]
     pub(crate) const REVISION: &str = "revision";
 
     // Key sequences.
 
     /// The last sequence taken in the key.
-    #[expect(
-        dead_code,
-        reason = "for append.rs, which switches to the schema later"
-    )]
     pub(crate) const VALUE: &str = "value";
 
     // Lanes.
@@ -131,10 +119,6 @@ pub(crate) mod status {
     /// Waiting to run, or running.
     pub(crate) const PENDING: &str = "pending";
     /// Out of attempts: a dead letter, until requeued.
-    #[expect(
-        dead_code,
-        reason = "for settle.rs, operator.rs and purge.rs, which switch to the schema later"
-    )]
     pub(crate) const DEAD: &str = "dead";
     /// Completed (completion records, and delivery documents written before completions
     /// deleted them).

@@ -16,6 +16,7 @@ use super::{
     MongoEventStore,
     lane::{add, check_lease_duration, clip_error},
     lease::Lease,
+    schema::{field, status},
 };
 use crate::error::Result;
 
@@ -31,16 +32,16 @@ impl Ending<'_> {
     fn update(&self, now: DateTime) -> Document {
         match *self {
             Ending::Reschedule { due_at, error } => doc! {
-                "$inc": { "attempts": 1, "claims": 1_i64 },
-                "$set": { "dueAt": due_at, "lastError": clip_error(error), "updatedAt": now },
+                "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
+                "$set": { field::DUE_AT: due_at, field::LAST_ERROR: clip_error(error), field::UPDATED_AT: now },
             },
             Ending::Release => doc! {
-                "$inc": { "claims": 1_i64 },
-                "$set": { "updatedAt": now },
+                "$inc": { field::CLAIMS: 1_i64 },
+                "$set": { field::UPDATED_AT: now },
             },
             Ending::Bury { error } => doc! {
-                "$inc": { "attempts": 1, "claims": 1_i64 },
-                "$set": { "status": "dead", "lastError": clip_error(error), "updatedAt": now },
+                "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
+                "$set": { field::STATUS: status::DEAD, field::LAST_ERROR: clip_error(error), field::UPDATED_AT: now },
             },
         }
     }
@@ -158,14 +159,14 @@ impl MongoEventStore {
     ) -> Result<bool> {
         let inner = &self.inner;
         let lane_filter = doc! {
-            "_id": lease.lane_i32(),
-            "epoch": lease.epoch(),
-            "inFlight": lease.delivery_id(),
+            field::ID: lease.lane_i32(),
+            field::EPOCH: lease.epoch(),
+            field::IN_FLIGHT: lease.delivery_id(),
         };
         let listed = inner
             .lanes
             .find_one(lane_filter.clone())
-            .projection(doc! { "_id": 1 })
+            .projection(doc! { field::ID: 1 })
             .session(&mut *session)
             .await?;
         if listed.is_none() {
@@ -175,10 +176,10 @@ impl MongoEventStore {
             .deliveries
             .update_one(
                 doc! {
-                    "_id": lease.delivery_id(),
-                    "status": "pending",
-                    "laneId": lease.lane_i32(),
-                    "claims": lease.generation_filter(),
+                    field::ID: lease.delivery_id(),
+                    field::STATUS: status::PENDING,
+                    field::LANE_ID: lease.lane_i32(),
+                    field::CLAIMS: lease.generation_filter(),
                 },
                 ending.update(now),
             )
@@ -191,7 +192,7 @@ impl MongoEventStore {
             .lanes
             .update_one(
                 lane_filter,
-                doc! { "$pull": { "inFlight": lease.delivery_id() } },
+                doc! { "$pull": { field::IN_FLIGHT: lease.delivery_id() } },
             )
             .session(&mut *session)
             .await?;
@@ -206,14 +207,14 @@ impl MongoEventStore {
     ) -> Result<Option<DateTime>> {
         let inner = &self.inner;
         let lane_filter = doc! {
-            "_id": lease.lane_i32(),
-            "epoch": lease.epoch(),
-            "inFlight": lease.delivery_id(),
+            field::ID: lease.lane_i32(),
+            field::EPOCH: lease.epoch(),
+            field::IN_FLIGHT: lease.delivery_id(),
         };
         let Some(lane) = inner
             .lanes
             .find_one(lane_filter.clone())
-            .projection(doc! { "leaseExpiresAt": 1 })
+            .projection(doc! { field::LEASE_EXPIRES_AT: 1 })
             .session(&mut *session)
             .await?
         else {
@@ -222,23 +223,23 @@ impl MongoEventStore {
         let current = inner
             .deliveries
             .find_one(doc! {
-                "_id": lease.delivery_id(),
-                "status": "pending",
-                "claims": lease.generation_filter(),
+                field::ID: lease.delivery_id(),
+                field::STATUS: status::PENDING,
+                field::CLAIMS: lease.generation_filter(),
             })
-            .projection(doc! { "_id": 1 })
+            .projection(doc! { field::ID: 1 })
             .session(&mut *session)
             .await?;
         if current.is_none() {
             return Ok(None);
         }
-        let previous = lane.get_datetime("leaseExpiresAt").ok().copied();
+        let previous = lane.get_datetime(field::LEASE_EXPIRES_AT).ok().copied();
         let new_expiry = previous.map_or(expires_at, |previous| previous.max(expires_at));
         inner
             .lanes
             .update_one(
                 lane_filter,
-                doc! { "$max": { "leaseExpiresAt": expires_at } },
+                doc! { "$max": { field::LEASE_EXPIRES_AT: expires_at } },
             )
             .session(&mut *session)
             .await?;
