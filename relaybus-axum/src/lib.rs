@@ -100,7 +100,7 @@ mod tx;
 
 pub use config::{CommitPolicy, Config, RelayState};
 pub use dispatcher::{DispatcherService, ServeError, serve};
-pub use publisher::Publisher;
+pub use publisher::{PublishError, Publisher};
 pub use transaction::{RequestTx, RequestTxLayer};
 pub use tx::Tx;
 

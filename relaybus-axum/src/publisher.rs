@@ -136,3 +136,122 @@ where
         })
     }
 }
+
+/// A publish that failed, as a response, so that a route can answer with `?`:
+///
+/// - 503 with `Retry-After: 1` for a transient error (a write conflict on a hot key, a primary
+///   that stepped down) or a transaction over its time budget: the request's transaction is
+///   aborted, nothing is saved, and the client may try again;
+/// - 500 for anything else.
+///
+/// The body says what happened without database details; the error is logged.
+///
+/// ```no_run
+/// use axum::http::StatusCode;
+/// use relaybus_axum::{PublishError, Publisher};
+/// # #[derive(serde::Serialize, serde::Deserialize)]
+/// # struct OrderPlaced { order_id: String }
+/// # impl relaybus::Event for OrderPlaced { const TYPE: &'static str = "order.placed.v1"; }
+///
+/// async fn place_order(mut publisher: Publisher) -> Result<StatusCode, PublishError> {
+///     publisher
+///         .publish(&OrderPlaced { order_id: "o-1".into() })
+///         .key("o-1")
+///         .await?;
+///     Ok(StatusCode::CREATED)
+/// }
+/// ```
+#[derive(Debug)]
+pub struct PublishError(pub relaybus::Error);
+
+impl From<relaybus::Error> for PublishError {
+    fn from(error: relaybus::Error) -> Self {
+        PublishError(error)
+    }
+}
+
+impl fmt::Display for PublishError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for PublishError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+impl PublishError {
+    /// Whether the client may simply try again: a transient error or a timeout.
+    pub fn is_retryable(&self) -> bool {
+        self.0.is_transient_transaction_error()
+            || matches!(self.0, relaybus::Error::TransactionTimeout(_))
+    }
+
+    /// 503 when the client may try again, 500 otherwise.
+    pub fn status(&self) -> axum::http::StatusCode {
+        if self.is_retryable() {
+            axum::http::StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+
+    /// The response body, without database details.
+    pub fn body_text(&self) -> &'static str {
+        if self.is_retryable() {
+            "the request could not be completed and nothing was saved; try again"
+        } else {
+            "the request could not be saved"
+        }
+    }
+}
+
+impl IntoResponse for PublishError {
+    fn into_response(self) -> axum::response::Response {
+        if self.is_retryable() {
+            tracing::debug!(error = %self.0, "publish failed; answering 503");
+        } else {
+            tracing::error!(error = %self.0, "publish failed; answering 500");
+        }
+        let mut response = (self.status(), self.body_text()).into_response();
+        if self.is_retryable() {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::{http::StatusCode, response::IntoResponse};
+
+    use super::PublishError;
+
+    #[test]
+    fn a_transient_publish_error_answers_503_with_retry_after() {
+        let transient = relaybus::Error::Database(
+            relaybus::DatabaseError::new(std::io::Error::other("write conflict"))
+                .with_transient(true),
+        );
+        let response = PublishError::from(transient).into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn other_publish_errors_answer_500_without_retry_after() {
+        let response = PublishError::from(relaybus::Error::custom("broken")).into_response();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(
+            response
+                .headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .is_none()
+        );
+    }
+}

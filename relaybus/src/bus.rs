@@ -294,6 +294,7 @@ impl<S: Store> RelayBus<S> {
             bus: self,
             envelope: EventEnvelope::new(event).map_err(Error::from),
             session: None,
+            due: Due::Now,
         }
     }
 
@@ -303,6 +304,7 @@ impl<S: Store> RelayBus<S> {
             bus: self,
             envelope: Ok(envelope),
             session: None,
+            due: Due::Now,
         }
     }
 
@@ -322,10 +324,19 @@ impl<S: Store> RelayBus<S> {
         &self,
         session: Option<&mut S::Session>,
         envelopes: &[EventEnvelope],
+        due: Due,
     ) -> Result<Vec<Appended>> {
+        let due_at = due.at(Timestamp::now());
         let requests: Vec<AppendRequest<'_>> = envelopes
             .iter()
-            .map(|envelope| AppendRequest::new(envelope, self.handlers_for(envelope.event_type())))
+            .map(|envelope| {
+                let request =
+                    AppendRequest::new(envelope, self.handlers_for(envelope.event_type()));
+                match due_at {
+                    Some(at) => request.due_at(at),
+                    None => request,
+                }
+            })
             .collect();
         let store = &self.inner.store;
         match session {
@@ -557,6 +568,20 @@ impl<S: Store> RelayBusBuilder<S> {
                     ),
                 });
             }
+            if subscription
+                .timeout
+                .is_some_and(|limit| limit < Duration::from_millis(1))
+            {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "timeout",
+                    reason: format!(
+                        "handler {:?} has an attempt timeout of {:?}, which no attempt can \
+                         meet; use at least 1 ms, or no timeout",
+                        subscription.id,
+                        subscription.timeout.unwrap_or_default()
+                    ),
+                });
+            }
             if let Some(policy) = &subscription.retry {
                 policy.validate().map_err(|error| match error {
                     ConfigurationError::InvalidOption { option, reason } => {
@@ -691,6 +716,30 @@ pub struct Publish<'a, S: Store = DefaultStore> {
     bus: &'a RelayBus<S>,
     envelope: Result<EventEnvelope>,
     session: Option<&'a mut S::Session>,
+    due: Due,
+}
+
+/// When a publish's deliveries become due.
+#[derive(Debug, Clone, Copy, Default)]
+enum Due {
+    /// At once.
+    #[default]
+    Now,
+    /// This long after the append.
+    After(Duration),
+    /// At this time.
+    At(Timestamp),
+}
+
+impl Due {
+    /// The due time of an append at `now`, if not at once.
+    fn at(self, now: Timestamp) -> Option<Timestamp> {
+        match self {
+            Due::Now => None,
+            Due::After(delay) => Some(now.saturating_add(delay)),
+            Due::At(at) => Some(at),
+        }
+    }
 }
 
 impl<S: Store> std::fmt::Debug for Publish<'_, S> {
@@ -698,11 +747,28 @@ impl<S: Store> std::fmt::Debug for Publish<'_, S> {
         f.debug_struct("Publish")
             .field("envelope", &self.envelope)
             .field("session", &self.session.is_some())
+            .field("due", &self.due)
             .finish_non_exhaustive()
     }
 }
 
 impl<'a, S: Store> Publish<'a, S> {
+    /// Delays the event's deliveries: they become due `delay` after the publish, instead of at
+    /// once. The event is stored now, with the business data; only its handlers wait. A keyed
+    /// event keeps its place in its key's order, so the later events of its key wait too.
+    /// Replaces an earlier [`at`](Self::at).
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.due = Due::After(delay);
+        self
+    }
+
+    /// Makes the event's deliveries due at `at` (at once if `at` has passed), as
+    /// [`delay`](Self::delay) does. Replaces an earlier `delay`.
+    pub fn at(mut self, at: Timestamp) -> Self {
+        self.due = Due::At(at);
+        self
+    }
+
     fn map(
         mut self,
         f: impl FnOnce(EventEnvelope) -> Result<EventEnvelope, crate::EventValidationError>,
@@ -754,7 +820,7 @@ impl<'a, S: Store> IntoFuture for Publish<'a, S> {
             let envelope = self.envelope?;
             let mut appended = self
                 .bus
-                .append(self.session, std::slice::from_ref(&envelope))
+                .append(self.session, std::slice::from_ref(&envelope), self.due)
                 .await?;
             Ok(appended.remove(0))
         })
@@ -791,7 +857,11 @@ impl<'a, S: Store> IntoFuture for PublishAll<'a, S> {
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        Box::pin(async move { self.bus.append(self.session, &self.envelopes).await })
+        Box::pin(async move {
+            self.bus
+                .append(self.session, &self.envelopes, Due::Now)
+                .await
+        })
     }
 }
 

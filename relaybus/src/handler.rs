@@ -256,6 +256,38 @@ impl<S: Store> std::ops::DerefMut for SessionGuard<S> {
     }
 }
 
+/// A handler error that no retry can fix (a payload the handler can never process, a failed
+/// validation): the delivery is buried at once as a dead letter with this error, instead of
+/// spending its remaining attempts.
+///
+/// ```
+/// # use relaybus::{BoxError, HandlerContext, Permanent};
+/// # #[derive(serde::Serialize, serde::Deserialize)]
+/// # struct OrderPlaced { total_cents: i64 }
+/// # impl relaybus::Event for OrderPlaced { const TYPE: &'static str = "order.placed.v1"; }
+/// async fn bill(event: OrderPlaced, _: HandlerContext) -> Result<(), BoxError> {
+///     if event.total_cents < 0 {
+///         return Err(Permanent::new("a negative total cannot be billed").into());
+///     }
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct Permanent(BoxError);
+
+impl Permanent {
+    /// Marks `error` as permanent.
+    pub fn new(error: impl Into<BoxError>) -> Self {
+        Permanent(error.into())
+    }
+
+    /// The error itself.
+    pub fn into_inner(self) -> BoxError {
+        self.0
+    }
+}
+
 /// A handler asked for a transaction it does not have.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("handler {handler:?} has no transaction session: {reason}")]
@@ -337,6 +369,8 @@ pub struct Subscription {
     pub(crate) rust_type: &'static str,
     pub(crate) transactional: bool,
     pub(crate) retry: Option<RetryPolicy>,
+    /// How long one attempt may run; `None` for no limit.
+    pub(crate) timeout: Option<Duration>,
     pub(crate) handler: Arc<ErasedHandler>,
     /// The store the handler's context names; `None` for a handler without a context, which
     /// runs on any store.
@@ -406,6 +440,7 @@ impl Subscription {
             rust_type: std::any::type_name::<E>(),
             transactional: false,
             retry: None,
+            timeout: None,
             handler,
             store,
         }
@@ -446,6 +481,20 @@ impl Subscription {
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = Some(policy);
         self
+    }
+
+    /// Fails an attempt that runs longer than `limit`: the handler is stopped, the attempt is
+    /// charged with a timeout error and retried (or buried) like any failure, and its lease is
+    /// no longer renewed. Without it, a hung handler holds its delivery, and its key, for as
+    /// long as the process lives. At least 1 ms; checked when the bus is built.
+    pub fn timeout(mut self, limit: Duration) -> Self {
+        self.timeout = Some(limit);
+        self
+    }
+
+    /// How long one attempt may run, if limited.
+    pub fn attempt_timeout(&self) -> Option<Duration> {
+        self.timeout
     }
 
     /// The handler's own retry policy, if it overrides the bus's default.
@@ -493,6 +542,7 @@ impl fmt::Debug for Subscription {
             .field("rust_type", &self.rust_type)
             .field("transactional", &self.transactional)
             .field("retry", &self.retry)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }

@@ -118,7 +118,7 @@ pub use error::{
 };
 pub use event::{Event, EventEnvelope};
 pub use handler::{
-    Handler, HandlerContext, NotTransactional, RetryPolicy, SessionGuard, Subscription,
+    Handler, HandlerContext, NotTransactional, Permanent, RetryPolicy, SessionGuard, Subscription,
     validate_handler_id,
 };
 #[cfg(feature = "macros")]

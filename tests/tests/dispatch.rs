@@ -784,3 +784,76 @@ async fn a_transactional_handler_stops_retrying_before_its_lease_ends_and_is_not
     assert_eq!(doc.get_str("status"), Ok("pending"));
     assert_eq!(attempts(doc), 0, "given back uncharged: {doc}");
 }
+
+#[tokio::test]
+async fn a_permanent_failure_is_buried_at_once() {
+    let db = test_db("permanent").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["billing"]), "o-1", None).await;
+    let bus = builder(&store)
+        .without_registered_handlers()
+        .subscribe(Subscription::new(
+            "billing",
+            |_: OrderPlaced, _: HandlerContext| async {
+                Err::<(), BoxError>(
+                    relaybus::Permanent::new("a negative total cannot be billed").into(),
+                )
+            },
+        ))
+        .build()
+        .unwrap();
+    assert_eq!(bus.run_once().await.unwrap().claimed, 1);
+    let doc = &deliveries(&db).await[0];
+    assert_eq!(doc.get_str("status"), Ok("dead"), "{doc}");
+    assert_eq!(attempts(doc), 1, "no retry was spent: {doc}");
+    assert_eq!(
+        doc.get_str("lastError"),
+        Ok("a negative total cannot be billed")
+    );
+}
+
+#[tokio::test]
+async fn a_handler_past_its_timeout_fails_its_attempt() {
+    let db = test_db("timeout").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["hung"]), "o-1", None).await;
+    let bus = builder(&store)
+        .without_registered_handlers()
+        .subscribe(
+            Subscription::new("hung", |_: OrderPlaced, _: HandlerContext| {
+                std::future::pending::<Result<(), BoxError>>()
+            })
+            .timeout(Duration::from_millis(100))
+            .retry(RetryPolicy::new(1)),
+        )
+        .build()
+        .unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(30), bus.run_once())
+        .await
+        .expect("the hung handler is stopped at its timeout")
+        .unwrap();
+    assert_eq!(report.claimed, 1);
+    let doc = &deliveries(&db).await[0];
+    assert_eq!(doc.get_str("status"), Ok("dead"), "{doc}");
+    assert!(
+        doc.get_str("lastError")
+            .unwrap()
+            .contains("timeout of 100ms"),
+        "{doc}"
+    );
+}
+
+#[tokio::test]
+async fn a_zero_attempt_timeout_is_refused_naming_the_handler() {
+    let db = test_db("zero_timeout").await;
+    let store = store(&db).await;
+    let error = builder(&store)
+        .without_registered_handlers()
+        .subscribe(noop::<OrderPlaced>("hung").timeout(Duration::ZERO))
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&error, ConfigurationError::InvalidOption { option: "timeout", reason } if reason.contains("\"hung\"")),
+        "{error}"
+    );
+}

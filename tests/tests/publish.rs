@@ -929,3 +929,50 @@ async fn a_known_event_in_a_keyed_batch_leaves_no_gap_in_the_sequence() {
     let counter = &all(&db, "relaybus_key_sequences").await[0];
     assert_eq!(counter.get("value").unwrap(), &Bson::Int64(3));
 }
+
+#[tokio::test]
+async fn a_delayed_publish_is_stored_now_and_its_deliveries_are_due_later() {
+    use relaybus::Timestamp;
+
+    let db = test_db("delayed").await;
+    let store = store(&db).await;
+    let bus = publisher(&store, &["a"]);
+    let now = Timestamp::now();
+    let due = now.saturating_add(Duration::from_secs(3_600));
+    bus.publish(&placed("o-1")).key("k").at(due).await.unwrap();
+    // The next event of the key is due at once, and waits for its delayed predecessor.
+    bus.publish(&placed("o-2")).key("k").await.unwrap();
+    bus.publish(&placed("o-3"))
+        .delay(Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(count(&db, "relaybus_events").await, 3, "stored at once");
+    let delayed = all(&db, "relaybus_deliveries")
+        .await
+        .into_iter()
+        .find(|d| d.get_i64("sequence") == Ok(1))
+        .unwrap();
+    assert_eq!(
+        delayed.get_datetime("dueAt").unwrap().timestamp_millis(),
+        due.timestamp_millis()
+    );
+
+    let lease = Duration::from_secs(30);
+    let claim = |at: Timestamp| store.claim("w1", &["a"], 10, lease, at.into());
+    assert!(
+        claim(now).await.unwrap().is_empty(),
+        "nothing is due yet: the key waits for its delayed head"
+    );
+    let after_a_minute = claim(now.saturating_add(Duration::from_secs(61)))
+        .await
+        .unwrap();
+    assert_eq!(
+        after_a_minute.len(),
+        1,
+        "the unkeyed event delayed by a minute"
+    );
+    assert_eq!(after_a_minute[0].key(), None);
+    let at_due = claim(due).await.unwrap();
+    assert_eq!(at_due.len(), 1, "the key's head, then its follower");
+    assert_eq!(at_due[0].sequence(), Some(1));
+}

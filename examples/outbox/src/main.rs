@@ -35,6 +35,10 @@ impl Event for OrderPlaced {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // relaybus logs through `tracing`: without a subscriber, a failing handler goes unseen.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .init();
     let uri = std::env::var("MONGODB_URI").map_err(
         |_| "MONGODB_URI is not set; run `scripts/demo`, which starts a local replica set for you",
     )?;

@@ -288,6 +288,10 @@ fn money(cents: i64) -> String {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // relaybus logs through `tracing`: without a subscriber, a failing handler goes unseen.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .init();
     let demo = match std::env::args().nth(1).as_deref() {
         None => false,
         Some("--demo") => true,

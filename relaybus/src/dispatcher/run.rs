@@ -14,7 +14,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use super::Shared;
 use crate::{
     error::{DatabaseError, Error},
-    handler::{HandlerContext, Subscription},
+    handler::{HandlerContext, Permanent, Subscription},
     store::{
         Claimed, Store,
         transaction::{Attempts, Committed},
@@ -74,7 +74,7 @@ pub(crate) async fn run_delivery<S: Store>(
                     Outcome::Succeeded(delivery.lease.clone())
                 }
                 Err(failure) => {
-                    fail(shared, subscription, &delivery, &failure.message).await;
+                    fail(shared, subscription, &delivery, &failure).await;
                     Outcome::Settled
                 }
             }
@@ -90,6 +90,8 @@ pub(crate) async fn run_delivery<S: Store>(
 pub(crate) struct Failure {
     message: String,
     transient: bool,
+    /// The handler said no retry can help ([`Permanent`]).
+    permanent: bool,
 }
 
 impl Failure {
@@ -97,6 +99,7 @@ impl Failure {
         Failure {
             message: message.into(),
             transient: false,
+            permanent: false,
         }
     }
 }
@@ -113,11 +116,24 @@ async fn call<S: Store>(
             Ok(future) => future,
             Err(panic) => return Err(Failure::new(panic_message(panic.as_ref()))),
         };
-    match AssertUnwindSafe(future).catch_unwind().await {
+    let run = AssertUnwindSafe(future).catch_unwind();
+    let ended = match subscription.timeout {
+        Some(limit) => match tokio::time::timeout(limit, run).await {
+            Ok(ended) => ended,
+            Err(_) => {
+                return Err(Failure::new(format!(
+                    "the handler did not finish within its timeout of {limit:?}"
+                )));
+            }
+        },
+        None => run.await,
+    };
+    match ended {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(Failure {
             message: error_chain(error.as_ref()),
             transient: is_transient::<S>(error.as_ref()),
+            permanent: error.downcast_ref::<Permanent>().is_some(),
         }),
         Err(panic) => Err(Failure::new(panic_message(panic.as_ref()))),
     }
@@ -167,7 +183,7 @@ async fn run_transactional<S: Store>(
                 return Outcome::Settled;
             }
             AttemptFailure::Failed(failure) => {
-                fail(shared, subscription, delivery, &failure.message).await;
+                fail(shared, subscription, delivery, &failure).await;
                 return Outcome::Settled;
             }
             AttemptFailure::Store(error) => {
@@ -201,6 +217,7 @@ impl AttemptFailure {
         let failure = Failure {
             message: error.to_string(),
             transient: error.is_transient_transaction_error(),
+            permanent: false,
         };
         AttemptFailure::of(failure)
     }
@@ -276,6 +293,7 @@ async fn transactional_attempt<S: Store>(
         Ok(Committed::RunAgain) => Err(AttemptFailure::Transient(Failure {
             message: "the commit met a transient error".to_owned(),
             transient: true,
+            permanent: false,
         })),
         Err(error) => Err(AttemptFailure::of_store(error)),
     }
@@ -330,13 +348,14 @@ async fn fail<S: Store>(
     shared: &Shared<S>,
     subscription: &Subscription,
     delivery: &Claimed<S::Lease>,
-    message: &str,
+    failure: &Failure,
 ) {
     let policy = subscription.retry.unwrap_or(shared.settings.retry);
     let now = Timestamp::now();
     let lease = &delivery.lease;
     let attempt = delivery.attempt;
-    if attempt >= policy.max_attempts() {
+    let message = failure.message.as_str();
+    if failure.permanent || attempt >= policy.max_attempts() {
         match shared.store.bury(lease, message, now).await {
             Ok(true) => {
                 warn!(error = %message, attempt, "handler failed for the last time; the delivery is dead")

@@ -8,12 +8,29 @@ use crate::{event::EventEnvelope, time::Timestamp};
 pub struct AppendRequest<'a> {
     pub(crate) event: &'a EventEnvelope,
     pub(crate) handlers: &'a [String],
+    pub(crate) due_at: Option<Timestamp>,
 }
 
 impl<'a> AppendRequest<'a> {
-    /// An event and the handlers subscribed to it.
+    /// An event and the handlers subscribed to it, its deliveries due at once.
     pub fn new(event: &'a EventEnvelope, handlers: &'a [String]) -> Self {
-        AppendRequest { event, handlers }
+        AppendRequest {
+            event,
+            handlers,
+            due_at: None,
+        }
+    }
+
+    /// Makes the new deliveries due at `at` rather than at once: a delayed publish. A keyed
+    /// event keeps its place in its key's order, so the later events of its key wait for it.
+    pub fn due_at(mut self, at: Timestamp) -> Self {
+        self.due_at = Some(at);
+        self
+    }
+
+    /// When the new deliveries become due, if not at once.
+    pub fn due(&self) -> Option<Timestamp> {
+        self.due_at
     }
 
     /// The event.

@@ -31,6 +31,8 @@ struct Item<'a> {
     handlers: Vec<&'a str>,
     document: Document,
     sequence: Option<i64>,
+    /// When its new deliveries are due, if not at the append's time.
+    due_at: Option<DateTime>,
 }
 
 /// What the store already holds of an event.
@@ -248,7 +250,7 @@ impl MongoEventStore {
                 delivery.insert(field::LANE, lane::READY);
                 delivery.insert(field::STATUS, status::PENDING);
                 delivery.insert(field::ATTEMPTS, 0_i32);
-                delivery.insert(field::DUE_AT, now);
+                delivery.insert(field::DUE_AT, item.due_at.unwrap_or(now));
                 delivery.insert(field::CREATED_AT, now);
                 deliveries.push(delivery);
             }
@@ -495,6 +497,7 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
             handlers,
             document: Document::new(),
             sequence: None,
+            due_at: request.due_at.map(super::bson_date),
         });
     }
     for item in &mut items {
