@@ -75,11 +75,6 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         .as_ref()
         .map(|(_, ms)| quote!(.with_max_backoff(::core::time::Duration::from_millis(#ms))));
 
-    let timeout = args
-        .timeout_ms
-        .as_ref()
-        .map(|(_, ms)| quote!(.with_timeout(::core::time::Duration::from_millis(#ms))));
-
     quote! {
         const _: () = {
             fn __relaybus_subscription() -> #private::Subscription {
@@ -97,7 +92,6 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
                 #max_attempts
                 #initial_backoff
                 #max_backoff
-                #timeout
             }
         };
     }
