@@ -91,16 +91,17 @@ pub fn event(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// ```text
 /// #[handler(id = "projector")]
 /// #[handler(id = "projector", transactional, max_attempts = 5, initial_backoff_ms = 200,
-///           max_backoff_ms = 60_000, crate = path::to::relaybus)]
+///           max_backoff_ms = 60_000, timeout_ms = 30_000, crate = path::to::relaybus)]
 /// ```
 ///
 /// | Option | Meaning |
 /// |---|---|
 /// | `id = "..."` | Required. The handler id, a string literal of 1 to 128 ASCII letters, digits, `_`, `-`, `.` and `:`. Deliveries are stored under it, so keep it stable: renaming a handler orphans its pending deliveries. |
-/// | `transactional` | Runs the handler in the MongoDB transaction that completes its delivery; `HandlerContext::session` gives the session, so its writes and the completion commit together or not at all. |
+/// | `transactional` | Runs the handler in the store transaction that completes its delivery; `HandlerContext::session` gives the session, so its writes and the completion commit together or not at all. |
 /// | `max_attempts = N` | Attempts in all before the delivery is buried, 1 to 1000. |
 /// | `initial_backoff_ms = N` | The wait after the first failure, in milliseconds (at most a day). |
 /// | `max_backoff_ms = N` | The longest wait, in milliseconds (at most a day). |
+/// | `timeout_ms = N` | How long one attempt may run, in milliseconds (1 to a day); a longer attempt fails and is charged, as `Subscription::timeout` does. |
 /// | `crate = path` | The relaybus crate, when it is not `::relaybus`. |
 ///
 /// The retry options override the bus's retry policy for this handler; those left out keep the

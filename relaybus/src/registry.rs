@@ -67,6 +67,7 @@ pub struct HandlerDescriptor {
     max_attempts: Option<u32>,
     initial_backoff: Option<Duration>,
     max_backoff: Option<Duration>,
+    timeout: Option<Duration>,
     subscribe: fn() -> Subscription,
 }
 
@@ -90,6 +91,7 @@ impl HandlerDescriptor {
             max_attempts: None,
             initial_backoff: None,
             max_backoff: None,
+            timeout: None,
             subscribe,
         }
     }
@@ -116,6 +118,17 @@ impl HandlerDescriptor {
     pub const fn with_max_backoff(mut self, wait: Duration) -> Self {
         self.max_backoff = Some(wait);
         self
+    }
+
+    #[doc(hidden)]
+    pub const fn with_timeout(mut self, limit: Duration) -> Self {
+        self.timeout = Some(limit);
+        self
+    }
+
+    /// How long one attempt may run (`timeout_ms`), if limited.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
     }
 
     /// The handler id, the key its deliveries are stored under.
@@ -173,6 +186,9 @@ impl HandlerDescriptor {
         if let Some(policy) = self.retry_policy() {
             subscription = subscription.retry(policy);
         }
+        if let Some(limit) = self.timeout {
+            subscription = subscription.timeout(limit);
+        }
         subscription
     }
 
@@ -190,6 +206,7 @@ impl fmt::Debug for HandlerDescriptor {
             .field("rust_path", &self.rust_path)
             .field("transactional", &self.transactional)
             .field("retry_policy", &self.retry_policy())
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }

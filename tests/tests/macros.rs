@@ -112,7 +112,8 @@ mod mailing {
         id = "macros.mailer",
         max_attempts = 3,
         initial_backoff_ms = 20,
-        max_backoff_ms = 200
+        max_backoff_ms = 200,
+        timeout_ms = 5_000
     )]
     pub(crate) async fn send_confirmation(
         event: OrderPlaced,
@@ -198,6 +199,8 @@ fn the_registry_lists_what_the_macros_declared() {
             None,
         ]
     );
+    let timeouts: Vec<_> = registry::handlers().map(|h| h.timeout()).collect();
+    assert_eq!(timeouts, [Some(Duration::from_secs(5)), None, None]);
     assert_eq!(registry::check(), Ok(()));
 }
 
@@ -263,6 +266,11 @@ async fn the_builder_subscribes_registered_handlers_unless_told_otherwise() {
                 .initial_backoff(Duration::from_millis(20))
                 .max_backoff(Duration::from_millis(200))
         )
+    );
+    assert_eq!(
+        bus.subscriptions()[0].attempt_timeout(),
+        Some(Duration::from_secs(5)),
+        "the attribute's timeout reaches the subscription"
     );
 
     let none = RelayBus::builder(store.clone())

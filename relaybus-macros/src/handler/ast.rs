@@ -13,7 +13,7 @@ use crate::{
 const MAX_BACKOFF_MS: u64 = 86_400_000;
 
 /// `#[handler(id = "...", transactional, max_attempts = N, initial_backoff_ms = N,
-/// max_backoff_ms = N, crate = path)]`.
+/// max_backoff_ms = N, timeout_ms = N, crate = path)]`.
 pub(super) struct Args {
     /// The handler id, when it was given as a string literal.
     pub(super) id: Option<LitStr>,
@@ -23,12 +23,14 @@ pub(super) struct Args {
     pub(super) max_attempts: Option<(LitInt, u32)>,
     pub(super) initial_backoff_ms: Option<(LitInt, u64)>,
     pub(super) max_backoff_ms: Option<(LitInt, u64)>,
+    /// How long one attempt may run.
+    pub(super) timeout_ms: Option<(LitInt, u64)>,
     /// The path of the relaybus crate.
     pub(super) krate: Option<Path>,
 }
 
 const KNOWN: &str = "`id`, `transactional`, `max_attempts`, `initial_backoff_ms`, \
-                     `max_backoff_ms` or `crate`";
+                     `max_backoff_ms`, `timeout_ms` or `crate`";
 
 impl Args {
     /// Parses the arguments, reporting every problem to `cx`.
@@ -39,6 +41,7 @@ impl Args {
         let mut max_attempts = Arg::new("max_attempts");
         let mut initial_backoff_ms = Arg::new("initial_backoff_ms");
         let mut max_backoff_ms = Arg::new("max_backoff_ms");
+        let mut timeout_ms = Arg::new("timeout_ms");
         let mut krate = Arg::new("crate");
         let parser = syn::meta::parser(|meta| {
             if meta.path.is_ident("id") {
@@ -61,6 +64,10 @@ impl Args {
                 if let Some(value) = attr::lit_int(cx, &meta, "60_000", 1..=MAX_BACKOFF_MS)? {
                     max_backoff_ms.set(cx, &meta, value);
                 }
+            } else if meta.path.is_ident("timeout_ms") {
+                if let Some(value) = attr::lit_int(cx, &meta, "30_000", 1..=MAX_BACKOFF_MS)? {
+                    timeout_ms.set(cx, &meta, value);
+                }
             } else if meta.path.is_ident("crate") {
                 if let Some(path) = attr::crate_path(cx, &meta)? {
                     krate.set(cx, &meta, path);
@@ -80,6 +87,7 @@ impl Args {
             max_attempts: max_attempts.get(),
             initial_backoff_ms: initial_backoff_ms.get(),
             max_backoff_ms: max_backoff_ms.get(),
+            timeout_ms: timeout_ms.get(),
             krate: krate.get(),
         }
     }

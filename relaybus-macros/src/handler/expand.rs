@@ -75,6 +75,11 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         .as_ref()
         .map(|(_, ms)| quote!(.with_max_backoff(::core::time::Duration::from_millis(#ms))));
 
+    let timeout = args
+        .timeout_ms
+        .as_ref()
+        .map(|(_, ms)| quote!(.with_timeout(::core::time::Duration::from_millis(#ms))));
+
     quote! {
         const _: () = {
             fn __relaybus_subscription() -> #private::Subscription {
@@ -92,6 +97,7 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
                 #max_attempts
                 #initial_backoff
                 #max_backoff
+                #timeout
             }
         };
     }

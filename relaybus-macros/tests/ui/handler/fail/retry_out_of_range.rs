@@ -20,4 +20,9 @@ async fn audit(_: OrderPlaced) -> Result<(), BoxError> {
     Ok(())
 }
 
+#[relaybus::handler(id = "hung", timeout_ms = 0)]
+async fn hang(_: OrderPlaced) -> Result<(), BoxError> {
+    Ok(())
+}
+
 fn main() {}

@@ -37,7 +37,8 @@ impl std::error::Error for MailError {}
     id = "mailer",
     max_attempts = 5,
     initial_backoff_ms = 200,
-    max_backoff_ms = 60_000
+    max_backoff_ms = 60_000,
+    timeout_ms = 30_000
 )]
 pub async fn send_mail(OrderPlaced { order_id }: OrderPlaced) -> Result<(), MailError> {
     if order_id.is_empty() {
