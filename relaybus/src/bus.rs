@@ -13,6 +13,7 @@ use crate::{
     error::{ConfigurationError, Error, Result},
     event::{Event, EventEnvelope},
     handler::{RetryPolicy, Subscription, validate_handler_id},
+    state::StateMap,
     store::{
         AppendRequest, Appended, DefaultStore, Purged, Store,
         transaction::{self, Attempts, Committed},
@@ -126,6 +127,8 @@ impl<S: Store> RelayBus<S> {
             setup_on_start: true,
             change_stream: true,
             retention: Some(Retention::default()),
+            state: StateMap::default(),
+            duplicate_state: None,
         }
     }
 
@@ -400,6 +403,9 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     setup_on_start: bool,
     change_stream: bool,
     retention: Option<Retention>,
+    state: StateMap,
+    /// The first type given twice to `state`, reported by `build`.
+    duplicate_state: Option<&'static str>,
 }
 
 impl<S: Store> std::fmt::Debug for RelayBusBuilder<S> {
@@ -410,11 +416,27 @@ impl<S: Store> std::fmt::Debug for RelayBusBuilder<S> {
             .field("registered", &self.registered)
             .field("transaction_timeout", &self.transaction_timeout)
             .field("owner", &self.owner)
+            .field("state", &self.state)
             .finish_non_exhaustive()
     }
 }
 
 impl<S: Store> RelayBusBuilder<S> {
+    /// Gives the handlers a value of the application's state, which a handler takes as a
+    /// [`State<T>`](crate::State) argument: a database handle, an HTTP client, a
+    /// configuration. Call it once per type; to hand out a part of a larger state, give the
+    /// part too (`.state(app.clone()).state(app.db.clone())`).
+    ///
+    /// `build` refuses a handler that takes a state type never given
+    /// ([`ConfigurationError::MissingState`]), and a type given twice
+    /// ([`ConfigurationError::DuplicateState`]).
+    pub fn state<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
+        if let Err(type_name) = self.state.insert(value) {
+            self.duplicate_state.get_or_insert(type_name);
+        }
+        self
+    }
+
     /// Adds a subscription.
     pub fn subscribe(mut self, subscription: Subscription) -> Self {
         self.subscriptions.push(subscription);
@@ -552,10 +574,13 @@ impl<S: Store> RelayBusBuilder<S> {
         )?;
         transaction::validate_budget(self.transaction_timeout)?;
         self.check_dispatch_settings()?;
+        if let Some(type_name) = self.duplicate_state {
+            return Err(ConfigurationError::DuplicateState { type_name });
+        }
         let mut handlers_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
         for (at, subscription) in self.subscriptions.iter().enumerate() {
             validate_handler_id(&subscription.id)?;
-            subscription.check_store::<S>()?;
+            subscription.check_needs::<S>(&self.state)?;
             if let Err(reason) = crate::event::check_type_name(subscription.event_type) {
                 // Publishing such a type is refused, so the handler could never run.
                 return Err(ConfigurationError::InvalidOption {
@@ -622,6 +647,7 @@ impl<S: Store> RelayBusBuilder<S> {
             setup_on_start: self.setup_on_start,
             change_stream: self.change_stream,
             retention: self.retention,
+            state: self.state,
         };
         let shared = Arc::new(Shared::new(
             self.store.clone(),

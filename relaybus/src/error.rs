@@ -288,6 +288,30 @@ pub enum ConfigurationError {
         bus_type: &'static str,
     },
 
+    /// A handler takes a [`State`](crate::State) of a type the bus was never given.
+    #[error(
+        "handler {handler:?} takes `State<{type_name}>`, but the bus has no state of that type; \
+         give it with `RelayBus::builder(store).state(value)` (a part of a larger state is given \
+         on its own: `.state(app.part.clone())`)"
+    )]
+    MissingState {
+        /// The handler id.
+        handler: String,
+        /// The state type the handler asks for, as Rust names it.
+        type_name: &'static str,
+    },
+
+    /// [`RelayBusBuilder::state`](crate::RelayBusBuilder::state) was given two values of one
+    /// type: a handler's `State<T>` could not tell which it means.
+    #[error(
+        "the bus was given two state values of type {type_name}; give each type once (wrap two \
+         values of one type in types of their own, such as `struct Billing(Client)`)"
+    )]
+    DuplicateState {
+        /// The state type, as Rust names it.
+        type_name: &'static str,
+    },
+
     /// Two event types declared with `#[event]` share one type name, so each would be read as
     /// the other.
     #[error(

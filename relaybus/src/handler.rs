@@ -1,12 +1,7 @@
 //! Handlers and their subscriptions.
 
 use std::{
-    any::{Any, TypeId},
-    collections::BTreeMap,
-    fmt,
-    future::Future,
-    marker::PhantomData,
-    sync::Arc,
+    any::TypeId, collections::BTreeMap, fmt, future::Future, marker::PhantomData, sync::Arc,
     time::Duration,
 };
 
@@ -16,6 +11,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use crate::{
     error::{BoxError, ConfigurationError},
     event::{Event, EventEnvelope},
+    state::{State, StateMap},
     store::{DefaultStore, Store},
     time::Timestamp,
 };
@@ -296,56 +292,191 @@ pub struct NotTransactional {
     reason: &'static str,
 }
 
-/// An async function that handles events of type `E` on store `S`.
+/// An async function that handles events of type `E`, taking the arguments `Args` after the
+/// event.
 ///
-/// Implemented for every `Fn(E, HandlerContext<S>) -> impl Future<Output = Result<(), BoxError>>`
-/// that is `Send + Sync + 'static`.
-pub trait Handler<E: Event, S: Store = DefaultStore>: Send + Sync + 'static {
+/// Implemented for every `Fn(E, A1, .., An) -> impl Future<Output = Result<(), BoxError>>` that
+/// is `Send + Sync + 'static`, with up to four arguments after the event, each a
+/// [`HandlerArgument`]: a [`HandlerContext`] or a [`State`], in any order.
+pub trait Handler<E: Event, Args>: Send + Sync + 'static {
     /// Handles one event. An error fails the attempt; the delivery is retried or buried.
-    fn call(
-        &self,
-        event: E,
-        context: HandlerContext<S>,
-    ) -> BoxFuture<'static, Result<(), BoxError>>;
+    fn call(&self, event: E, args: Args) -> BoxFuture<'static, Result<(), BoxError>>;
 }
 
-impl<E, S, F, Fut> Handler<E, S> for F
-where
-    E: Event,
-    S: Store,
-    F: Fn(E, HandlerContext<S>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
-{
-    fn call(
-        &self,
-        event: E,
-        context: HandlerContext<S>,
-    ) -> BoxFuture<'static, Result<(), BoxError>> {
-        Box::pin((self)(event, context))
+/// What a handler may take after the event: its [`HandlerContext`], of the store it runs on,
+/// or a [`State`] value given to the bus.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be an argument of a handler",
+    label = "not a handler argument",
+    note = "a handler takes the event, then any of `HandlerContext` and `State<T>` (for a `T` given with `RelayBusBuilder::state`)"
+)]
+pub trait HandlerArgument: seal::Argument + Send + 'static {}
+
+/// The arguments of a handler after the event, as a tuple of [`HandlerArgument`]s.
+pub trait HandlerArguments: seal::Arguments + Send + 'static {}
+
+/// What the argument traits do, out of users' reach so that they can grow.
+#[allow(unreachable_pub)]
+mod seal {
+    use std::any::{Any, TypeId};
+
+    use super::StateMap;
+    use crate::store::Store;
+
+    /// What an argument of a handler needs from the bus it is subscribed to.
+    #[derive(Debug, Clone, Copy)]
+    pub enum Need {
+        /// A context of this store.
+        Context(StoreTag),
+        /// A state value of this type.
+        State {
+            type_id: fn() -> TypeId,
+            type_name: &'static str,
+        },
     }
-}
 
-/// A handler with its event and context types erased: it takes the payload and a
-/// `HandlerContext<S>` boxed as `Any`, of the store the subscription was made for.
-type ErasedHandler = dyn Fn(serde_json::Value, Box<dyn Any + Send>) -> BoxFuture<'static, Result<(), BoxError>>
-    + Send
-    + Sync;
+    /// The store a subscription's handler is written for.
+    #[derive(Clone, Copy)]
+    pub struct StoreTag {
+        pub(crate) type_id: fn() -> TypeId,
+        pub(crate) name: &'static str,
+    }
 
-/// The store a subscription's handler is written for.
-#[derive(Clone, Copy)]
-pub(crate) struct StoreTag {
-    type_id: fn() -> TypeId,
-    name: &'static str,
-}
-
-impl StoreTag {
-    fn of<S: Store>() -> Self {
-        StoreTag {
-            type_id: TypeId::of::<S>,
-            name: S::NAME,
+    impl StoreTag {
+        pub(crate) fn of<S: Store>() -> Self {
+            StoreTag {
+                type_id: TypeId::of::<S>,
+                name: S::NAME,
+            }
         }
     }
+
+    /// What one run hands the arguments: the context, boxed, and the bus's state.
+    pub struct Parts<'a> {
+        pub(crate) context: &'a (dyn Any + Send),
+        pub(crate) state: &'a StateMap,
+    }
+
+    impl std::fmt::Debug for Parts<'_> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Parts")
+                .field("state", &self.state)
+                .finish_non_exhaustive()
+        }
+    }
+
+    impl std::fmt::Debug for StoreTag {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.name)
+        }
+    }
+
+    pub trait Argument: Sized {
+        /// What the argument needs from the bus, checked when the bus is built.
+        fn need() -> Option<Need>;
+        /// The argument for one run.
+        fn take(parts: &Parts<'_>) -> Result<Self, String>;
+    }
+
+    pub trait Arguments: Sized {
+        fn needs() -> Vec<Need>;
+        fn take(parts: &Parts<'_>) -> Result<Self, String>;
+    }
 }
+
+impl<S: Store> seal::Argument for HandlerContext<S> {
+    fn need() -> Option<Need> {
+        Some(Need::Context(StoreTag::of::<S>()))
+    }
+
+    fn take(parts: &seal::Parts<'_>) -> Result<Self, String> {
+        // `build` refuses a subscription of another store, so the context is of `S`.
+        parts
+            .context
+            .downcast_ref::<HandlerContext<S>>()
+            .cloned()
+            .ok_or_else(|| {
+                format!(
+                    "handler context of another store than {}; subscribe the handler to a bus \
+                     of that store",
+                    S::NAME
+                )
+            })
+    }
+}
+
+impl<S: Store> HandlerArgument for HandlerContext<S> {}
+
+impl<T: Clone + Send + Sync + 'static> seal::Argument for State<T> {
+    fn need() -> Option<Need> {
+        Some(Need::State {
+            type_id: TypeId::of::<T>,
+            type_name: std::any::type_name::<T>(),
+        })
+    }
+
+    fn take(parts: &seal::Parts<'_>) -> Result<Self, String> {
+        // `build` refuses a handler whose state is missing, so the value is there.
+        parts.state.get::<T>().map(State).ok_or_else(|| {
+            format!(
+                "no state of type {} was given to the bus; add it with `RelayBusBuilder::state`",
+                std::any::type_name::<T>()
+            )
+        })
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> HandlerArgument for State<T> {}
+
+macro_rules! handler_arities {
+    ($($arg:ident),*) => {
+        impl<E, F, Fut, $($arg,)*> Handler<E, ($($arg,)*)> for F
+        where
+            E: Event,
+            F: Fn(E, $($arg,)*) -> Fut + Send + Sync + 'static,
+            Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+            $($arg: HandlerArgument,)*
+        {
+            #[allow(non_snake_case)]
+            fn call(
+                &self,
+                event: E,
+                ($($arg,)*): ($($arg,)*),
+            ) -> BoxFuture<'static, Result<(), BoxError>> {
+                Box::pin((self)(event, $($arg,)*))
+            }
+        }
+
+        impl<$($arg: HandlerArgument,)*> seal::Arguments for ($($arg,)*) {
+            fn needs() -> Vec<Need> {
+                let needs: [Option<Need>; 0 $(+ { let _ = stringify!($arg); 1 })*] =
+                    [$(<$arg as seal::Argument>::need(),)*];
+                needs.into_iter().flatten().collect()
+            }
+
+            #[allow(clippy::unused_unit)]
+            fn take(_parts: &seal::Parts<'_>) -> Result<Self, String> {
+                Ok(($(<$arg as seal::Argument>::take(_parts)?,)*))
+            }
+        }
+
+        impl<$($arg: HandlerArgument,)*> HandlerArguments for ($($arg,)*) {}
+    };
+}
+
+use seal::{Need, StoreTag};
+
+handler_arities!();
+handler_arities!(A1);
+handler_arities!(A1, A2);
+handler_arities!(A1, A2, A3);
+handler_arities!(A1, A2, A3, A4);
+
+/// A handler with its event and argument types erased: it takes the payload, the
+/// `HandlerContext<S>` boxed as `Any` (of the store the bus runs on) and the bus's state.
+type ErasedHandler = dyn Fn(serde_json::Value, &seal::Parts<'_>) -> BoxFuture<'static, Result<(), BoxError>>
+    + Send
+    + Sync;
 
 /// A handler subscribed to one event type under a stable id.
 ///
@@ -372,102 +503,113 @@ pub struct Subscription {
     /// How long one attempt may run; `None` for no limit.
     pub(crate) timeout: Option<Duration>,
     pub(crate) handler: Arc<ErasedHandler>,
-    /// The store the handler's context names; `None` for a handler without a context, which
-    /// runs on any store.
-    pub(crate) store: Option<StoreTag>,
+    /// What the handler's arguments need from the bus: the store their context names (a
+    /// handler without a context runs on any store), the state they take.
+    pub(crate) needs: Arc<[Need]>,
 }
 
 impl Subscription {
-    /// Subscribes `handler` to the events of type `E` under the id `id`. The handler's context
-    /// type names its store (`HandlerContext` alone is the MongoDB store's).
+    /// Subscribes `handler` to the events of type `E` under the id `id`.
     ///
-    /// The id is checked when the bus is built, and so is the store: a bus of another store
-    /// refuses the subscription.
-    pub fn new<E: Event, S: Store, H: Handler<E, S>>(id: impl Into<String>, handler: H) -> Self {
-        let handler = Arc::new(handler);
-        let erased = move |payload: serde_json::Value, context: Box<dyn Any + Send>| {
-            let event = match decode::<E>(payload) {
-                Ok(event) => event,
-                Err(error) => return failed(error),
-            };
-            match context.downcast::<HandlerContext<S>>() {
-                Ok(context) => handler.call(event, *context),
-                // `build` refuses a subscription of another store, so this cannot happen.
-                Err(_) => failed(format!(
-                    "handler context of another store than {}; subscribe the handler to a bus \
-                     of that store",
-                    S::NAME
-                )),
-            }
-        };
-        Subscription::erased::<E>(id.into(), Arc::new(erased), Some(StoreTag::of::<S>()))
-    }
-
-    /// Subscribes a handler that takes the event alone, to the events of type `E` under the id
-    /// `id`. It needs no context, so it runs on a bus of any store.
+    /// After the event, the handler takes up to four [`HandlerArgument`]s, in any order:
+    /// - a [`HandlerContext`], whose type names the store the handler runs on
+    ///   (`HandlerContext` alone is the MongoDB store's); a handler without one runs on a bus
+    ///   of any store;
+    /// - a [`State<T>`](State), a clone of the value of type `T` given to the bus with
+    ///   [`RelayBusBuilder::state`](crate::RelayBusBuilder::state).
+    ///
+    /// The id is checked when the bus is built, and so are the store and the state: a bus of
+    /// another store, or without a value of each state type asked for, refuses the
+    /// subscription.
     ///
     /// ```
     /// # use relaybus::{BoxError, Event, Subscription};
     /// # #[derive(serde::Serialize, serde::Deserialize)]
     /// # struct UserSignedUp { email: String }
     /// # impl Event for UserSignedUp { const TYPE: &'static str = "user.signed-up.v1"; }
-    /// let welcome = Subscription::without_context("welcome-mail", |event: UserSignedUp| async move {
+    /// let welcome = Subscription::new("welcome-mail", |event: UserSignedUp| async move {
     ///     println!("welcome, {}", event.email);
     ///     Ok::<(), BoxError>(())
     /// });
     /// assert_eq!(welcome.event_type(), "user.signed-up.v1");
     /// ```
+    pub fn new<E, Args, H>(id: impl Into<String>, handler: H) -> Self
+    where
+        E: Event,
+        Args: HandlerArguments,
+        H: Handler<E, Args>,
+    {
+        let handler = Arc::new(handler);
+        let erased = move |payload: serde_json::Value, parts: &seal::Parts<'_>| {
+            let event = match decode::<E>(payload) {
+                Ok(event) => event,
+                Err(error) => return failed(error),
+            };
+            match <Args as seal::Arguments>::take(parts) {
+                Ok(args) => handler.call(event, args),
+                Err(error) => failed(error),
+            }
+        };
+        Subscription {
+            id: id.into(),
+            event_type: E::TYPE,
+            rust_type: std::any::type_name::<E>(),
+            transactional: false,
+            retry: None,
+            timeout: None,
+            handler: Arc::new(erased),
+            needs: <Args as seal::Arguments>::needs().into(),
+        }
+    }
+
+    /// Subscribes a handler that takes the event alone: the same as [`Subscription::new`]
+    /// with such a handler, kept for the code that names it.
     pub fn without_context<E, F, Fut>(id: impl Into<String>, handler: F) -> Self
     where
         E: Event,
         F: Fn(E) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
     {
-        let erased =
-            move |payload: serde_json::Value, _context: Box<dyn Any + Send>| match decode::<E>(
-                payload,
-            ) {
-                Ok(event) => Box::pin(handler(event)) as BoxFuture<'static, Result<(), BoxError>>,
-                Err(error) => failed(error),
-            };
-        Subscription::erased::<E>(id.into(), Arc::new(erased), None)
+        Subscription::new::<E, (), F>(id, handler)
     }
 
-    fn erased<E: Event>(id: String, handler: Arc<ErasedHandler>, store: Option<StoreTag>) -> Self {
-        Subscription {
-            id,
-            event_type: E::TYPE,
-            rust_type: std::any::type_name::<E>(),
-            transactional: false,
-            retry: None,
-            timeout: None,
-            handler,
-            store,
-        }
-    }
-
-    /// Refuses a subscription whose handler is written for another store than `S`.
-    pub(crate) fn check_store<S: Store>(&self) -> Result<(), ConfigurationError> {
-        match self.store {
-            Some(tag) if (tag.type_id)() != TypeId::of::<S>() => {
-                Err(ConfigurationError::HandlerOfAnotherStore {
-                    handler: self.id.clone(),
-                    handler_store: tag.name,
-                    bus_store: S::NAME,
-                    bus_type: std::any::type_name::<S>(),
-                })
+    /// Refuses a subscription whose handler is written for another store than `S`, or takes
+    /// a state the bus was not given.
+    pub(crate) fn check_needs<S: Store>(&self, state: &StateMap) -> Result<(), ConfigurationError> {
+        for need in self.needs.iter() {
+            match *need {
+                Need::Context(tag) if (tag.type_id)() != TypeId::of::<S>() => {
+                    return Err(ConfigurationError::HandlerOfAnotherStore {
+                        handler: self.id.clone(),
+                        handler_store: tag.name,
+                        bus_store: S::NAME,
+                        bus_type: std::any::type_name::<S>(),
+                    });
+                }
+                Need::State { type_id, type_name } if !state.contains(type_id()) => {
+                    return Err(ConfigurationError::MissingState {
+                        handler: self.id.clone(),
+                        type_name,
+                    });
+                }
+                _ => {}
             }
-            _ => Ok(()),
         }
+        Ok(())
     }
 
-    /// Runs the handler on a stored payload with the context of store `S`.
+    /// Runs the handler on a stored payload with the context of store `S` and the bus's state.
     pub(crate) fn call<S: Store>(
         &self,
         payload: serde_json::Value,
         context: HandlerContext<S>,
+        state: &StateMap,
     ) -> BoxFuture<'static, Result<(), BoxError>> {
-        (self.handler)(payload, Box::new(context))
+        let parts = seal::Parts {
+            context: &context,
+            state,
+        };
+        (self.handler)(payload, &parts)
     }
 
     /// Runs the handler inside a store transaction that also completes its delivery, so its

@@ -107,6 +107,7 @@ pub mod error;
 pub mod event;
 mod handler;
 pub mod registry;
+mod state;
 pub mod store;
 mod time;
 
@@ -118,12 +119,13 @@ pub use error::{
 };
 pub use event::{Event, EventEnvelope};
 pub use handler::{
-    Handler, HandlerContext, NotTransactional, Permanent, RetryPolicy, SessionGuard, Subscription,
-    validate_handler_id,
+    Handler, HandlerArgument, HandlerArguments, HandlerContext, NotTransactional, Permanent,
+    RetryPolicy, SessionGuard, Subscription, validate_handler_id,
 };
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use relaybus_macros::{event, handler};
+pub use state::State;
 #[cfg(feature = "mongodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use store::mongo::{ClaimedDelivery, Lease, MongoEventStore, MongoEventStoreBuilder};

@@ -9,25 +9,12 @@ pub use inventory;
 pub use crate::{
     error::BoxError,
     event::{Event, check_type_name},
-    handler::{HandlerContext, Subscription},
+    handler::Subscription,
     registry::{EventDescriptor, HandlerDescriptor},
 };
 
-/// What the second argument of a `#[handler]` function may be: a [`HandlerContext`] of some
-/// store, which names the store the handler runs on.
-#[diagnostic::on_unimplemented(
-    message = "the second argument of a `#[handler]` function must be a `HandlerContext`, not `{Self}`",
-    label = "not a `HandlerContext`",
-    note = "write `context: HandlerContext` (the MongoDB store's), `HandlerContext<YourStore>`, or leave the argument out"
-)]
-pub trait ContextArgument {
-    /// The store the context belongs to.
-    type Store: crate::store::Store;
-}
-
-impl<S: crate::store::Store> ContextArgument for HandlerContext<S> {
-    type Store = S;
-}
+/// Checks, at the span of a `#[handler]` function's argument type, that it can be one.
+pub fn handler_argument<T: crate::handler::HandlerArgument>() {}
 
 /// What a `#[handler]` function may return: `Result<(), E>` for any error `E` that converts
 /// into a [`BoxError`].

@@ -27,9 +27,9 @@ use mongodb::{
     options::{ReadConcern, TransactionOptions},
 };
 use relaybus::{
-    AppendRequest, ConfigurationError, DeliveryQuery, DeliveryStatus, Error, Event, EventEnvelope,
-    EventValidationError, Lease, LeaseError, MongoEventStore, PurgeOptions, RelayBus,
-    RelayBusBuilder, Retention, RetryPolicy,
+    AppendRequest, BoxError, ConfigurationError, DeliveryQuery, DeliveryStatus, Error, Event,
+    EventEnvelope, EventValidationError, Lease, LeaseError, MongoEventStore, PurgeOptions,
+    RelayBus, RelayBusBuilder, Retention, RetryPolicy, State, Subscription,
 };
 use relaybus_harness::{TestDb, test_db};
 use relaybus_tests::support::{all, bare_store, noop, store};
@@ -565,6 +565,36 @@ async fn bus_builder_refuses_bad_subscriptions_naming_the_handler() {
         }
         other => panic!("{other:?}"),
     }
+
+    // A handler taking state the bus was never given: the error names the handler and type.
+    #[derive(Clone)]
+    struct Mailer;
+    let error = bus_builder(&store)
+        .state(7_u32)
+        .subscribe(Subscription::new(
+            "mail",
+            |_: OrderPlaced, _: State<u32>, _: State<Mailer>| async { Ok::<(), BoxError>(()) },
+        ))
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&error, ConfigurationError::MissingState { handler, type_name }
+            if handler == "mail" && type_name.ends_with("Mailer")),
+        "{error:?}"
+    );
+    says(&error.to_string(), &["\"mail\"", "Mailer", ".state(value)"]);
+
+    // One state type given twice: which would a handler get?
+    let error = bus_builder(&store)
+        .state(Mailer)
+        .state(Mailer)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&error, ConfigurationError::DuplicateState { type_name } if type_name.ends_with("Mailer")),
+        "{error:?}"
+    );
+    says(&error.to_string(), &["Mailer", "give each type once"]);
     assert_no_collections(&db).await;
 }
 

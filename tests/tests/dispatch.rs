@@ -18,7 +18,7 @@ use mongodb::{
 };
 use relaybus::{
     BoxError, ConfigurationError, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
-    RelayBusBuilder, RetryPolicy, Subscription,
+    RelayBusBuilder, RetryPolicy, State, Subscription,
 };
 use relaybus_harness::test_db;
 use relaybus_tests::support::{
@@ -856,4 +856,71 @@ async fn a_zero_attempt_timeout_is_refused_naming_the_handler() {
         matches!(&error, ConfigurationError::InvalidOption { option: "timeout", reason } if reason.contains("\"hung\"")),
         "{error}"
     );
+}
+
+/// What the state test's handlers are given.
+#[derive(Clone)]
+struct Outbox(mpsc::UnboundedSender<(String, String, u32)>);
+
+#[derive(Clone, Debug, PartialEq)]
+struct Greeting(&'static str);
+
+#[tokio::test]
+async fn handlers_take_the_state_given_to_the_bus_in_any_argument_order() {
+    let db = test_db("state").await;
+    let store = store(&db).await;
+    publish(&publisher(&store, &["greeter", "counter"]), "o-1", None).await;
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .state(Outbox(tx))
+        .state(Greeting("hello"))
+        .subscribe(Subscription::new(
+            "greeter",
+            |event: relaybus_tests::support::OrderPlaced,
+             State(Outbox(out)): State<Outbox>,
+             greeting: State<Greeting>| async move {
+                out.send((
+                    "greeter".into(),
+                    format!("{} {}", greeting.0.0, event.order_id),
+                    0,
+                ))
+                .map_err(|_| "the test ended")?;
+                Ok::<(), BoxError>(())
+            },
+        ))
+        .subscribe(
+            Subscription::new(
+                "counter",
+                |event: relaybus_tests::support::OrderPlaced,
+                 State(Greeting(word)): State<Greeting>,
+                 context: HandlerContext,
+                 State(Outbox(out)): State<Outbox>| async move {
+                    // The context comes with the state, transactional session and all.
+                    let session = context.session().await?;
+                    drop(session);
+                    out.send((
+                        "counter".into(),
+                        format!("{word} {}", event.order_id),
+                        context.attempt(),
+                    ))
+                    .map_err(|_| "the test ended")?;
+                    Ok::<(), BoxError>(())
+                },
+            )
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+    assert_eq!(bus.run_once().await.unwrap().completed, 2);
+    let mut got = vec![rx.try_recv().unwrap(), rx.try_recv().unwrap()];
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("counter".into(), "hello o-1".into(), 1),
+            ("greeter".into(), "hello o-1".into(), 0)
+        ]
+    );
+    assert!(rx.try_recv().is_err(), "each handler ran once");
 }

@@ -23,7 +23,7 @@
 //!
 //! `SHOP_DATABASE` names the database (`shop` by default), `SHOP_ADDR` the address.
 
-use std::{net::SocketAddr, sync::OnceLock, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use axum::{
     Json, Router,
@@ -51,15 +51,6 @@ struct OrderPlaced {
     total_cents: i64,
 }
 
-/// The shop's database. Handlers declared with `#[handler]` are plain functions, so what they
-/// share with the rest of the program is reached through statics.
-static SHOP: OnceLock<Database> = OnceLock::new();
-
-fn shop() -> &'static Database {
-    SHOP.get()
-        .expect("main sets the shop database before serving")
-}
-
 /// Sends the confirmation e-mail (here: prints it). Not transactional: if it fails after the
 /// mail went out, the mail goes out again, so a real one would pass the event id to the mail
 /// service as an idempotency key.
@@ -77,12 +68,16 @@ async fn send_confirmation(event: OrderPlaced, ctx: HandlerContext) -> Result<()
 }
 
 /// Keeps the totals per customer. Transactional: its write and the completion of its delivery
-/// commit together, so each order counts exactly once.
+/// commit together, so each order counts exactly once. It takes the shop's database from the
+/// bus's state (`relaybus::State`, given with `RelayBus::builder(store).state(db)`).
 #[handler(id = "projector", transactional)]
-async fn projector(event: OrderPlaced, ctx: HandlerContext) -> Result<(), BoxError> {
+async fn projector(
+    event: OrderPlaced,
+    ctx: HandlerContext,
+    relaybus::State(db): relaybus::State<Database>,
+) -> Result<(), BoxError> {
     let mut session = ctx.session().await?;
-    shop()
-        .collection::<Document>("order_totals")
+    db.collection::<Document>("order_totals")
         .update_one(
             doc! { "_id": &event.customer },
             doc! { "$inc": { "orders": 1_i64, "total_cents": event.total_cents } },
@@ -312,14 +307,13 @@ async fn main() -> Result<(), BoxError> {
         client.database(&database).drop().await?;
     }
     let db = client.database(&database);
-    SHOP.set(db.clone())
-        .map_err(|_| "the shop database was set twice")?;
 
     let store = MongoEventStore::builder(client.clone())
         .database(&database)
         .build()?;
-    // Subscribes every #[handler] of the binary: send-confirmation and projector.
-    let bus = RelayBus::builder(store).build()?;
+    // Subscribes every #[handler] of the binary: send-confirmation and projector, which takes
+    // the database as its state.
+    let bus = RelayBus::builder(store).state(db.clone()).build()?;
     let app = router(bus.clone(), db)?;
 
     let address = match std::env::var("SHOP_ADDR") {

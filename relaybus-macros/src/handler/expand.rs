@@ -14,7 +14,7 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         id,
         ident,
         event_ty,
-        context_ty,
+        arg_tys,
         output,
         krate,
     } = handler;
@@ -27,38 +27,32 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
     // is not a `Result<(), E: Into<BoxError>>` there.
     let result = Ident::new("__relaybus_result", output.span());
     // `Subscription::new` carries the span of the function's name, where rustc reports a future
-    // that is not `Send`. The context's type, as the user wrote it, names the handler's store;
-    // a handler without a context runs on any store.
-    let subscribe = match context_ty {
-        Some(context_ty) => {
-            let context = Ident::new("__relaybus_context", context_ty.span());
-            let call = quote_spanned! {output.span()=>
-                let #result = #ident(#event, #context).await;
-                #private::HandlerResult::into_handler_result(#result)
-            };
-            quote_spanned! {ident.span()=>
-                #private::Subscription::new::<
-                    #event_ty,
-                    <#context_ty as #private::ContextArgument>::Store,
-                    _,
-                >(
-                    #id,
-                    |#event: #event_ty, #context: #context_ty| async move { #call },
-                )
-            }
+    // that is not `Send`. Each argument's variable and check carry the span of its type, where
+    // rustc reports a type that cannot be a handler argument. A context's type, as the user
+    // wrote it, names the handler's store; a handler without one runs on any store.
+    let vars: Vec<Ident> = arg_tys
+        .iter()
+        .enumerate()
+        .map(|(at, ty)| Ident::new(&format!("__relaybus_arg{at}"), ty.span()))
+        .collect();
+    let checks = arg_tys.iter().map(|ty| {
+        quote_spanned! {ty.span()=>
+            #private::handler_argument::<#ty>();
         }
-        None => {
-            let call = quote_spanned! {output.span()=>
-                let #result = #ident(#event).await;
-                #private::HandlerResult::into_handler_result(#result)
-            };
-            quote_spanned! {ident.span()=>
-                #private::Subscription::without_context::<#event_ty, _, _>(
-                    #id,
-                    |#event: #event_ty| async move { #call },
-                )
-            }
-        }
+    });
+    let call = quote_spanned! {output.span()=>
+        let #result = #ident(#event #(, #vars)*).await;
+        #private::HandlerResult::into_handler_result(#result)
+    };
+    let subscribe = quote_spanned! {ident.span()=>
+        #private::Subscription::new::<#event_ty, (#(#arg_tys,)*), _>(
+            #id,
+            |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
+        )
+    };
+    let subscribe = quote! {
+        #(#checks)*
+        #subscribe
     };
 
     let transactional = args.transactional.then(|| quote!(.with_transactional()));

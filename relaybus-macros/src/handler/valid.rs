@@ -16,14 +16,18 @@ pub(super) struct Handler<'a> {
     pub(super) id: &'a LitStr,
     pub(super) ident: &'a Ident,
     pub(super) event_ty: &'a Type,
-    /// The type of the second argument, if the function takes one.
-    pub(super) context_ty: Option<&'a Type>,
+    /// The types of the arguments after the event.
+    pub(super) arg_tys: Vec<&'a Type>,
     pub(super) output: &'a Type,
     pub(super) krate: Path,
 }
 
-const SHAPE: &str = "a handler takes the event by value, and optionally a `HandlerContext`: \
-                     `async fn handle(event: OrderPlaced, context: HandlerContext) -> Result<(), BoxError>`";
+const SHAPE: &str = "a handler takes the event by value, then any of a `HandlerContext` and \
+                     `State<T>` values: `async fn handle(event: OrderPlaced, context: \
+                     HandlerContext) -> Result<(), BoxError>`";
+
+/// The most arguments a handler takes after the event.
+const MAX_ARGUMENTS: usize = 4;
 
 /// Checks the arguments and the function, reporting every problem to `cx`; `Some` when nothing
 /// is wrong with what was parsed.
@@ -37,13 +41,13 @@ pub(super) fn check<'a>(cx: &Ctxt, args: &'a Args, item: &'a Item) -> Option<Han
         return None;
     };
     let signature = check_signature(cx, func);
-    let (id, (event_ty, context_ty, output)) = (id?, signature?);
+    let (id, (event_ty, arg_tys, output)) = (id?, signature?);
     Some(Handler {
         args,
         id,
         ident: &func.sig.ident,
         event_ty,
-        context_ty,
+        arg_tys,
         output,
         krate: args.krate.clone().unwrap_or_else(attr::default_crate),
     })
@@ -91,8 +95,9 @@ fn check_args<'a>(cx: &Ctxt, args: &'a Args) -> Option<&'a LitStr> {
     id.filter(|_| ok)
 }
 
-/// The event type, the context type and the return type of a handler's signature.
-type Parts<'a> = (&'a Type, Option<&'a Type>, &'a Type);
+/// The event type, the types of the arguments after it and the return type of a handler's
+/// signature.
+type Parts<'a> = (&'a Type, Vec<&'a Type>, &'a Type);
 
 fn check_signature<'a>(cx: &Ctxt, func: &'a ItemFn) -> Option<Parts<'a>> {
     let sig = &func.sig;
@@ -145,22 +150,18 @@ fn check_signature<'a>(cx: &Ctxt, func: &'a ItemFn) -> Option<Parts<'a>> {
         None if sig.receiver().is_some() => {}
         None => cx.error_at(sig.paren_token.span.join(), SHAPE),
     }
-    let context_ty = typed.get(1).copied();
-    if let Some(context_ty) = context_ty {
-        check_by_value(cx, context_ty, "the `HandlerContext`", "HandlerContext");
+    let arg_tys: Vec<&Type> = typed.iter().skip(1).copied().collect();
+    for ty in &arg_tys {
+        check_by_value(cx, ty, "a handler argument", "State<Database>");
     }
-    if let Some(extra) = typed.get(2..).filter(|extra| !extra.is_empty()) {
-        let extra_args: Vec<_> = sig
-            .inputs
-            .iter()
-            .skip(sig.inputs.len() - extra.len())
-            .collect();
+    if arg_tys.len() > MAX_ARGUMENTS {
+        let extra_args: Vec<_> = sig.inputs.iter().skip(1 + MAX_ARGUMENTS).collect();
         cx.error_spanned_by(
             quote::quote!(#(#extra_args),*),
             format_args!(
-                "a handler takes at most two arguments, the event and a `HandlerContext`, and \
-                 `{name}` takes {}",
-                typed.len()
+                "a handler takes at most {MAX_ARGUMENTS} arguments after the event, and `{name}` \
+                 takes {}; gather state values into one type",
+                arg_tys.len()
             ),
         );
     }
@@ -176,7 +177,7 @@ fn check_signature<'a>(cx: &Ctxt, func: &'a ItemFn) -> Option<Parts<'a>> {
         }
     };
     match (cx.len() == errors_before, event_ty, output) {
-        (true, Some(event_ty), Some(output)) => Some((event_ty, context_ty, output)),
+        (true, Some(event_ty), Some(output)) => Some((event_ty, arg_tys, output)),
         _ => None,
     }
 }

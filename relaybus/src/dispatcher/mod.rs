@@ -20,6 +20,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::{
     error::Result,
     handler::{RetryPolicy, Subscription},
+    state::StateMap,
     store::{ClaimRequest, Claimed, PurgeOptions, Purged, Store, StoreLease},
     time::Timestamp,
 };
@@ -66,6 +67,8 @@ pub(crate) struct Settings {
     pub(crate) setup_on_start: bool,
     pub(crate) change_stream: bool,
     pub(crate) retention: Option<Retention>,
+    /// The application state handlers take.
+    pub(crate) state: StateMap,
 }
 
 /// A delivery a task of this bus is running.
@@ -189,18 +192,19 @@ impl<S: Store> Shared<S> {
             ..RunReport::default()
         };
         let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
-        let leases: Vec<S::Lease> = outcomes
-            .into_iter()
-            .filter_map(|outcome| match outcome {
-                Outcome::Succeeded(lease) => Some(lease),
-                Outcome::Settled => None,
-            })
-            .collect();
-        report.other = report.claimed - leases.len();
+        let mut leases: Vec<S::Lease> = Vec::new();
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Succeeded(lease) => leases.push(lease),
+                Outcome::Completed => report.completed += 1,
+                Outcome::Settled => report.other += 1,
+            }
+        }
         if !leases.is_empty() {
             let completed = self.store.complete(&leases, Timestamp::now()).await?;
-            report.completed = completed.iter().filter(|c| **c).count();
-            report.other += leases.len() - report.completed;
+            let now_completed = completed.iter().filter(|c| **c).count();
+            report.completed += now_completed;
+            report.other += leases.len() - now_completed;
         }
         Ok(report)
     }
@@ -335,7 +339,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
                             task_shared.running().remove(&unsent.0.0.delivery_id());
                         }
                     }
-                    Outcome::Settled => {
+                    Outcome::Completed | Outcome::Settled => {
                         task_shared.running().remove(&task_id);
                         if keyed {
                             wake.notify_one();

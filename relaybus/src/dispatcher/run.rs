@@ -15,6 +15,7 @@ use super::Shared;
 use crate::{
     error::{DatabaseError, Error},
     handler::{HandlerContext, Permanent, Subscription},
+    state::StateMap,
     store::{
         Claimed, Store,
         transaction::{Attempts, Committed},
@@ -33,8 +34,9 @@ const LEASE_MARGIN: Duration = Duration::from_secs(5);
 pub(crate) enum Outcome<L> {
     /// The handler succeeded; its delivery still has to be completed (batched).
     Succeeded(L),
-    /// The delivery was settled here: completed in the handler's transaction, rescheduled,
-    /// buried, or its lease was lost.
+    /// The handler succeeded and its delivery completed in the handler's transaction.
+    Completed,
+    /// The delivery was settled otherwise: rescheduled, buried, or its lease was lost.
     Settled,
 }
 
@@ -68,7 +70,7 @@ pub(crate) async fn run_delivery<S: Store>(
                 delivery.attempt,
                 None,
             );
-            match call(subscription, &delivery, context).await {
+            match call(subscription, &shared.settings.state, &delivery, context).await {
                 Ok(()) => {
                     debug!("handler succeeded");
                     Outcome::Succeeded(delivery.lease.clone())
@@ -107,15 +109,17 @@ impl Failure {
 /// Calls the handler, turning an error or a panic into a failure.
 async fn call<S: Store>(
     subscription: &Subscription,
+    state: &StateMap,
     delivery: &Claimed<S::Lease>,
     context: HandlerContext<S>,
 ) -> Result<(), Failure> {
     let payload = serde_json::Value::Object(delivery.event.payload().clone());
-    let future =
-        match std::panic::catch_unwind(AssertUnwindSafe(|| subscription.call(payload, context))) {
-            Ok(future) => future,
-            Err(panic) => return Err(Failure::new(panic_message(panic.as_ref()))),
-        };
+    let future = match std::panic::catch_unwind(AssertUnwindSafe(|| {
+        subscription.call(payload, context, state)
+    })) {
+        Ok(future) => future,
+        Err(panic) => return Err(Failure::new(panic_message(panic.as_ref()))),
+    };
     let run = AssertUnwindSafe(future).catch_unwind();
     let ended = match subscription.timeout {
         Some(limit) => match tokio::time::timeout(limit, run).await {
@@ -250,7 +254,7 @@ async fn transactional_attempt<S: Store>(
         delivery.attempt,
         Some(Arc::clone(shared_session)),
     );
-    let result = call(subscription, delivery, context).await;
+    let result = call(subscription, &shared.settings.state, delivery, context).await;
     // The handler is done; a guard it leaked into a task of its own would block here, so wait
     // for the session only as long as a transaction may live.
     let guard = tokio::time::timeout(
@@ -288,7 +292,7 @@ async fn transactional_attempt<S: Store>(
     match attempts.commit(store, session).await {
         Ok(Committed::Yes) => {
             debug!("handler succeeded and its delivery completed in its transaction");
-            Ok(Outcome::Settled)
+            Ok(Outcome::Completed)
         }
         Ok(Committed::RunAgain) => Err(AttemptFailure::Transient(Failure {
             message: "the commit met a transient error".to_owned(),

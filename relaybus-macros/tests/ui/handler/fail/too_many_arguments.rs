@@ -1,4 +1,4 @@
-use relaybus::{BoxError, HandlerContext};
+use relaybus::{BoxError, HandlerContext, State};
 use serde::{Deserialize, Serialize};
 
 #[relaybus::event("order.placed.v1")]
@@ -6,8 +6,14 @@ use serde::{Deserialize, Serialize};
 struct OrderPlaced {}
 
 #[relaybus::handler(id = "projector")]
-async fn project(_: OrderPlaced, _: HandlerContext, retries: u32, verbose: bool) -> Result<(), BoxError> {
-    let _ = (retries, verbose);
+async fn project(
+    _: OrderPlaced,
+    _: HandlerContext,
+    _: State<u8>,
+    _: State<u16>,
+    _: State<u32>,
+    _: State<u64>,
+) -> Result<(), BoxError> {
     Ok(())
 }
 

@@ -51,12 +51,21 @@ pub async fn send_mail(OrderPlaced { order_id }: OrderPlaced) -> Result<(), Mail
 mod audit {
     use super::OrderPlaced;
 
-    /// Declared in another module, with the crate path spelled out and `relaybus::Result`.
+    #[derive(Clone)]
+    pub(crate) struct AuditLog {
+        pub(crate) name: &'static str,
+    }
+
+    /// Declared in another module, with the crate path spelled out and `relaybus::Result`,
+    /// taking state before the context, and a state part through a pattern.
     #[relaybus::handler(id = "audit:orders", max_attempts = 1, crate = ::relaybus)]
     pub(crate) async fn record(
         _: OrderPlaced,
+        log: relaybus::State<AuditLog>,
         _: relaybus::HandlerContext,
+        relaybus::State(limit): relaybus::State<u32>,
     ) -> relaybus::Result<()> {
+        let _ = (log.name, limit);
         Ok(())
     }
 }
