@@ -12,6 +12,10 @@ use crate::transaction::RequestTxLayer;
 pub(crate) const DEFAULT_COMMIT_RETRIES: u32 = 3;
 /// The `Retry-After` of a 503 after a failed commit, by default.
 pub(crate) const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How many times a request runs at most, by default, the first run included.
+pub(crate) const DEFAULT_REQUEST_ATTEMPTS: u32 = 10;
+/// The largest request body kept for running a request again, by default.
+pub(crate) const DEFAULT_MAX_BUFFERED_BODY: usize = 256 * 1024;
 
 /// Which response statuses commit the request's transaction; every other status aborts it.
 ///
@@ -93,6 +97,8 @@ pub struct Config<S: Store = DefaultStore> {
     retry_after: Duration,
     commit_retries: u32,
     transaction_timeout: Option<Duration>,
+    attempts: u32,
+    max_buffered_body: usize,
 }
 
 impl<S: Store> Config<S> {
@@ -103,7 +109,38 @@ impl<S: Store> Config<S> {
             retry_after: DEFAULT_RETRY_AFTER,
             commit_retries: DEFAULT_COMMIT_RETRIES,
             transaction_timeout: None,
+            attempts: DEFAULT_REQUEST_ATTEMPTS,
+            max_buffered_body: DEFAULT_MAX_BUFFERED_BODY,
         }
+    }
+
+    /// How many times a request runs at most, the first run included: 10 by default, 1 to
+    /// turn retries off (at most 100).
+    ///
+    /// A request whose transaction fails with a transient error (a write conflict on a hot
+    /// ordering key, a primary that stepped down), at commit or in the route as its response
+    /// says ([`RetryRequest`](crate::RetryRequest), which [`PublishError`](crate::PublishError)
+    /// sets), is run again: its transaction is aborted, and after a short jittered pause the
+    /// route runs again on a copy of the request, in a new transaction. All runs share the one
+    /// [`transaction_timeout`](Self::transaction_timeout), counted from the first run's
+    /// transaction.
+    ///
+    /// **The route may run more than once**, like the body of
+    /// [`RelayBus::transaction`](relaybus::RelayBus::transaction): what it writes through the
+    /// request's session is rolled back with each failed run, but other side effects (a call
+    /// to another service, a message sent) are not. Publish an event for those instead; it is
+    /// delivered once the request commits.
+    pub fn request_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
+    }
+
+    /// The largest request body, in bytes, that is kept so that the request can run again:
+    /// 256 KiB by default. A larger body, by its `Content-Length` or as it is read, is passed
+    /// on as it comes, and its request runs once.
+    pub fn max_buffered_body(mut self, bytes: usize) -> Self {
+        self.max_buffered_body = bytes;
+        self
     }
 
     /// Which statuses commit; see [`CommitPolicy`]. 1xx to 3xx by default.
@@ -163,12 +200,23 @@ impl<S: Store> Config<S> {
                 reason: format!("{} is out of range; use 0 to 10", self.commit_retries),
             });
         }
+        if !(1..=100).contains(&self.attempts) {
+            return Err(ConfigurationError::InvalidOption {
+                option: "request_attempts",
+                reason: format!(
+                    "{} is out of range; use 1 (no retries) to 100",
+                    self.attempts
+                ),
+            });
+        }
         let shared = Arc::new(Shared {
             bus: self.bus,
             policy: self.policy,
             retry_after: self.retry_after,
             commit_retries: self.commit_retries,
             budget,
+            attempts: self.attempts,
+            max_buffered_body: self.max_buffered_body,
         });
         Ok((
             RelayState {
@@ -187,6 +235,10 @@ pub(crate) struct Shared<S: Store> {
     pub(crate) retry_after: Duration,
     pub(crate) commit_retries: u32,
     pub(crate) budget: Duration,
+    /// How many times a request runs at most.
+    pub(crate) attempts: u32,
+    /// The largest body kept for running a request again.
+    pub(crate) max_buffered_body: usize,
 }
 
 /// The router state that [`Publisher`](crate::Publisher) needs: the bus, from the same

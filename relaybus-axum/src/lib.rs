@@ -101,7 +101,7 @@ mod tx;
 pub use config::{CommitPolicy, Config, RelayState};
 pub use dispatcher::{DispatcherService, ServeError, serve};
 pub use publisher::{PublishError, Publisher};
-pub use transaction::{RequestTx, RequestTxLayer};
+pub use transaction::{RequestTx, RequestTxLayer, RetryRequest};
 pub use tx::Tx;
 
 use relaybus::{ConfigurationError, RelayBus, Store};

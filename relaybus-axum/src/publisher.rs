@@ -137,14 +137,20 @@ where
     }
 }
 
-/// A publish that failed, as a response, so that a route can answer with `?`:
+/// A store error in a route, from a publish or from the route's own writes through the
+/// request's session, as a response, so that a route can answer with `?`:
 ///
 /// - 503 with `Retry-After: 1` for a transient error (a write conflict on a hot key, a primary
 ///   that stepped down) or a transaction over its time budget: the request's transaction is
-///   aborted, nothing is saved, and the client may try again;
+///   aborted, nothing is saved, and the client may try again. A transient error also marks
+///   the response with [`RetryRequest`](crate::RetryRequest), so the
+///   [`RequestTxLayer`](crate::RequestTxLayer) runs the request again first, and the client
+///   sees the 503 only when the retries are spent;
 /// - 500 for anything else.
 ///
-/// The body says what happened without database details; the error is logged.
+/// It converts from [`relaybus::Error`] and from the MongoDB driver's error, so that the
+/// route's own writes answer the same way. The body says what happened without database
+/// details; the error is logged.
 ///
 /// ```no_run
 /// use axum::http::StatusCode;
@@ -167,6 +173,12 @@ pub struct PublishError(pub relaybus::Error);
 impl From<relaybus::Error> for PublishError {
     fn from(error: relaybus::Error) -> Self {
         PublishError(error)
+    }
+}
+
+impl From<mongodb::error::Error> for PublishError {
+    fn from(error: mongodb::error::Error) -> Self {
+        PublishError(error.into())
     }
 }
 
@@ -222,6 +234,9 @@ impl IntoResponse for PublishError {
                 axum::http::HeaderValue::from_static("1"),
             );
         }
+        if self.0.is_transient_transaction_error() {
+            response.extensions_mut().insert(crate::RetryRequest);
+        }
         response
     }
 }
@@ -241,6 +256,10 @@ mod tests {
         let response = PublishError::from(transient).into_response();
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "1");
+        assert!(
+            response.extensions().get::<crate::RetryRequest>().is_some(),
+            "the layer runs the request again"
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use mongodb::{
     options::ClientOptions,
 };
 use relaybus::{BoxError, HandlerContext, RelayBus, RelayBusBuilder, RetryPolicy, Subscription};
-use relaybus_axum::{DispatcherService, Publisher, RelayState, Tx};
+use relaybus_axum::{DispatcherService, PublishError, Publisher, RelayState, Tx};
 use relaybus_harness::{TestDb, test_db};
 use relaybus_tests::support::{
     OrderPlaced, count, deliveries, fail_command, next, placed, reports_attempt, starts_and_hangs,
@@ -228,6 +228,24 @@ impl Shop {
                 ),
             )
             .route(
+                "/orders/{id}/noted",
+                post(
+                    async |Path(id): Path<String>,
+                           mut publisher: Publisher,
+                           note: String|
+                           -> Result<StatusCode, PublishError> {
+                        // The route's own write and the publish answer with `?`: a transient
+                        // error marks the response, and the layer runs the request again.
+                        orders_of(&mut publisher)
+                            .insert_one(doc! { "_id": &id, "note": note })
+                            .session(publisher.session())
+                            .await?;
+                        publisher.publish(&placed(&id)).key(&id).await?;
+                        Ok(StatusCode::CREATED)
+                    },
+                ),
+            )
+            .route(
                 "/twice",
                 post(async |_tx: Tx, _publisher: Publisher| StatusCode::CREATED),
             )
@@ -274,9 +292,8 @@ async fn a_created_order_commits_the_order_and_its_event_and_the_handlers_run() 
     assert!(!started.iter().any(|c| c == "abortTransaction"));
 
     let report = shop.bus.run_once().await.unwrap();
-    // The projector's delivery completes in its own transaction, so it counts as settled
-    // otherwise; both are gone below.
-    assert_eq!((report.claimed, report.completed), (2, 1), "{report:?}");
+    // The projector's delivery completes in its own transaction, the other in a batch.
+    assert_eq!((report.claimed, report.completed), (2, 2), "{report:?}");
     assert_eq!(
         next(&mut shop.confirmations, "the confirmation").await,
         "o-1"
@@ -467,11 +484,50 @@ async fn tx_gives_the_session_for_the_routes_own_writes() {
 }
 
 #[tokio::test]
-async fn a_write_conflict_at_commit_answers_503_with_retry_after_and_commits_nothing() {
+async fn a_write_conflict_at_commit_runs_the_request_again_and_commits_it_once() {
+    let mut shop = Shop::new("axum_conflict_retry").await;
+    let fail = fail_command(
+        &shop.monitored.client,
+        &shop.monitored.app,
+        "commitTransaction",
+        1,
+        112,
+        "TransientTransactionError",
+    )
+    .await;
+    shop.monitored.started();
+    let response = shop.router().oneshot(post_to("/orders/o-1")).await.unwrap();
+    fail.disable().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let started = shop.monitored.started();
+    assert_eq!(
+        started.iter().filter(|c| *c == "commitTransaction").count(),
+        2,
+        "the failed commit, then the second run's: {started:?}"
+    );
+    assert_eq!(
+        started.iter().filter(|c| *c == "findAndModify").count(),
+        2,
+        "the route published twice, taking the key's counter each time: {started:?}"
+    );
+    assert_eq!(
+        shop.counts().await,
+        (1, 1, 2),
+        "one order, one event, two deliveries"
+    );
+}
+
+#[tokio::test]
+async fn without_retries_a_write_conflict_at_commit_answers_503_with_retry_after_and_commits_nothing()
+ {
     let mut shop = Shop::with(
         "axum_conflict",
         |builder| builder,
-        |config| config.retry_after(Duration::from_secs(7)),
+        |config| {
+            config
+                .retry_after(Duration::from_secs(7))
+                .request_attempts(1)
+        },
     )
     .await;
     let fail = fail_command(
@@ -493,9 +549,119 @@ async fn a_write_conflict_at_commit_answers_503_with_retry_after_and_commits_not
     assert_eq!(
         started.iter().filter(|c| *c == "commitTransaction").count(),
         1,
-        "a transient error is not retried by the layer: {started:?}"
+        "one attempt: {started:?}"
     );
     assert_eq!(shop.counts().await, (0, 0, 0));
+}
+
+fn noted(id: &str, note: &'static str) -> Request<Body> {
+    Request::post(format!("/orders/{id}/noted"))
+        .header("content-length", note.len())
+        .body(Body::from(note))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_conflict_in_the_routes_own_write_runs_it_again_on_a_copy_of_the_body() {
+    let mut shop = Shop::new("axum_route_conflict").await;
+    // The route's first insert meets a write conflict; its `?` answers 503 with the mark.
+    let fail = fail_command(
+        &shop.monitored.client,
+        &shop.monitored.app,
+        "insert",
+        1,
+        112,
+        "TransientTransactionError",
+    )
+    .await;
+    shop.monitored.started();
+    let response = shop
+        .router()
+        .oneshot(noted("o-1", "gift wrap"))
+        .await
+        .unwrap();
+    fail.disable().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let started = shop.monitored.started();
+    assert_eq!(
+        started.iter().filter(|c| *c == "abortTransaction").count(),
+        1,
+        "the first run's transaction is aborted: {started:?}"
+    );
+    assert_eq!(
+        started.iter().filter(|c| *c == "commitTransaction").count(),
+        1,
+        "{started:?}"
+    );
+    let order = shop
+        .db
+        .db()
+        .collection::<Document>("orders")
+        .find_one(doc! { "_id": "o-1" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(order.get_str("note"), Ok("gift wrap"), "the body, replayed");
+    assert_eq!(shop.counts().await, (1, 1, 2));
+}
+
+#[tokio::test]
+async fn a_body_over_the_buffer_limit_runs_once() {
+    let mut shop = Shop::with(
+        "axum_big_body",
+        |builder| builder,
+        |config| config.max_buffered_body(4),
+    )
+    .await;
+    let fail = fail_command(
+        &shop.monitored.client,
+        &shop.monitored.app,
+        "insert",
+        1,
+        112,
+        "TransientTransactionError",
+    )
+    .await;
+    shop.monitored.started();
+    let response = shop
+        .router()
+        .oneshot(noted("o-1", "gift wrap"))
+        .await
+        .unwrap();
+    fail.disable().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()[RETRY_AFTER], "1");
+    let started = shop.monitored.started();
+    assert_eq!(
+        started.iter().filter(|c| *c == "insert").count(),
+        1,
+        "not run again: {started:?}"
+    );
+    assert_eq!(shop.counts().await, (0, 0, 0));
+    // Within the limit, the same request is run again.
+    let mut shop = Shop::with(
+        "axum_small_body",
+        |builder| builder,
+        |config| config.max_buffered_body(9),
+    )
+    .await;
+    let fail = fail_command(
+        &shop.monitored.client,
+        &shop.monitored.app,
+        "insert",
+        1,
+        112,
+        "TransientTransactionError",
+    )
+    .await;
+    shop.monitored.started();
+    let response = shop
+        .router()
+        .oneshot(noted("o-1", "gift wrap"))
+        .await
+        .unwrap();
+    fail.disable().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
 }
 
 #[tokio::test]

@@ -36,23 +36,26 @@ mod layer;
 pub mod error;
 pub mod future;
 
+mod replay;
+
 use std::{
     convert::Infallible,
     sync::Arc,
     task::{Context, Poll},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use axum::{
-    http::Extensions,
+    body::{Body, Bytes, HttpBody},
+    http::{Extensions, Request},
     response::{IntoResponse, Response},
 };
-use relaybus::{Store, store::DefaultStore};
+use relaybus::{BoxError, Store, store::DefaultStore, store::transaction::Attempts};
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tower::Service;
+use tower::{Service, ServiceExt};
 
 pub use self::layer::RequestTxLayer;
-use self::{error::CommitError, future::ResponseFuture};
+use self::{error::CommitError, future::ResponseFuture, replay::Buffered};
 use crate::{
     config::Shared,
     rejection::{
@@ -87,11 +90,13 @@ impl<S, St: Store> RequestTx<S, St> {
     }
 }
 
-impl<S, St: Store, B> Service<axum::http::Request<B>> for RequestTx<S, St>
+impl<S, St: Store, B> Service<Request<B>> for RequestTx<S, St>
 where
-    S: Service<axum::http::Request<B>, Error = Infallible>,
+    S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
     S::Response: IntoResponse,
     S::Future: Send + 'static,
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
 {
     type Response = Response;
     type Error = Infallible;
@@ -101,18 +106,109 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: axum::http::Request<B>) -> Self::Future {
-        let slot = Slot::new(Arc::clone(&self.shared));
-        request.extensions_mut().insert(slot.clone());
-        let response = self.inner.call(request);
-        ResponseFuture::new(async move {
-            let response = match response.await {
-                Ok(response) => response.into_response(),
-                Err(never) => match never {},
-            };
-            Ok(slot.resolve(response).await)
-        })
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The service polled ready goes with this request; the clone stays for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = Arc::clone(&self.shared);
+        ResponseFuture::new(async move { Ok(serve(inner, shared, request).await) })
     }
+}
+
+/// Runs the request, and runs it again on a buffered copy while its transaction fails with a
+/// transient error, within the attempts and the budget.
+async fn serve<S, St, B>(mut inner: S, shared: Arc<Shared<St>>, request: Request<B>) -> Response
+where
+    S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+    St: Store,
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let body = Body::new(body);
+    if shared.attempts <= 1 {
+        return attempt(inner, &shared, Request::from_parts(parts, body), shared.budget)
+            .await
+            .0;
+    }
+    let body = match replay::buffer(body, &parts.headers, shared.max_buffered_body).await {
+        Buffered::Whole(bytes) => bytes,
+        Buffered::TooLarge(body) => {
+            // Too large to keep a copy of: one attempt, as without retries.
+            return attempt(inner, &shared, Request::from_parts(parts, body), shared.budget)
+                .await
+                .0;
+        }
+        Buffered::Failed(response) => return response,
+    };
+    let mut attempts = Attempts::new(None);
+    // Set when the first attempt opens its transaction: all attempts share one budget.
+    let mut deadline: Option<Instant> = None;
+    loop {
+        attempts.start();
+        let budget = match deadline {
+            None => shared.budget,
+            Some(deadline) => deadline.saturating_duration_since(Instant::now()),
+        };
+        let request = Request::from_parts(parts.clone(), Body::from(body.clone()));
+        let replica = inner.clone();
+        let (response, outcome) = attempt(inner, &shared, request, budget).await;
+        inner = replica;
+        let Some(opened) = outcome.opened else {
+            return response;
+        };
+        let deadline = *deadline.get_or_insert(opened + shared.budget);
+        let time_left = || deadline.saturating_duration_since(Instant::now()) >= MIN_ATTEMPT_BUDGET;
+        if !outcome.retry || attempts.attempt() >= shared.attempts || !time_left() {
+            return response;
+        }
+        // A short jittered pause, so that requests that conflicted do not meet again.
+        attempts.retry().await;
+        if !time_left() {
+            return response;
+        }
+        tracing::debug!(
+            attempt = attempts.attempt() + 1,
+            "the request transaction met a transient error; running the request again"
+        );
+    }
+}
+
+/// The least budget worth starting another attempt with.
+const MIN_ATTEMPT_BUDGET: Duration = Duration::from_millis(10);
+
+/// One run of the request in a transaction of its own, within `budget`.
+async fn attempt<S, St>(
+    inner: S,
+    shared: &Arc<Shared<St>>,
+    mut request: Request<Body>,
+    budget: Duration,
+) -> (Response, Outcome)
+where
+    S: Service<Request<Body>, Error = Infallible>,
+    S::Response: IntoResponse,
+    St: Store,
+{
+    let slot = Slot::new(Arc::clone(shared), budget);
+    request.extensions_mut().insert(slot.clone());
+    let response = match inner.oneshot(request).await {
+        Ok(response) => response.into_response(),
+        Err(never) => match never {},
+    };
+    slot.resolve(response).await
+}
+
+/// How an attempt's transaction ended, for the retry loop.
+#[derive(Debug, Default)]
+struct Outcome {
+    /// When its transaction opened, if it did.
+    opened: Option<Instant>,
+    /// Whether it failed with a transient error, so that running the request again may
+    /// succeed: at commit, or in the route, as the route's response says
+    /// ([`RetryRequest`](crate::RetryRequest)).
+    retry: bool,
 }
 
 /// The request's transaction, shared by the request extensions (for the extractors) and the
@@ -120,6 +216,8 @@ where
 pub(crate) struct Slot<St: Store> {
     pub(crate) shared: Arc<Shared<St>>,
     state: Arc<Mutex<State<St>>>,
+    /// This attempt's budget: the whole budget for the first, what is left for the others.
+    budget: Duration,
 }
 
 impl<St: Store> Clone for Slot<St> {
@@ -127,6 +225,7 @@ impl<St: Store> Clone for Slot<St> {
         Slot {
             shared: Arc::clone(&self.shared),
             state: Arc::clone(&self.state),
+            budget: self.budget,
         }
     }
 }
@@ -144,10 +243,11 @@ enum State<St: Store> {
 }
 
 impl<St: Store> Slot<St> {
-    fn new(shared: Arc<Shared<St>>) -> Self {
+    fn new(shared: Arc<Shared<St>>, budget: Duration) -> Self {
         Slot {
             shared,
             state: Arc::new(Mutex::new(State::Idle)),
+            budget,
         }
     }
 
@@ -174,7 +274,7 @@ impl<St: Store> Slot<St> {
                 let store = self.shared.bus.store();
                 let start = async {
                     let mut session = store.session().await?;
-                    store.begin(&mut session, Some(self.shared.budget)).await?;
+                    store.begin(&mut session, Some(self.budget)).await?;
                     Ok::<_, relaybus::Error>(session)
                 };
                 let session = start.await.map_err(StartTransaction)?;
@@ -188,7 +288,7 @@ impl<St: Store> Slot<St> {
     }
 
     /// Commits or aborts from the response status, and ends the slot.
-    async fn resolve(&self, response: Response) -> Response {
+    async fn resolve(&self, response: Response) -> (Response, Outcome) {
         let Ok(mut guard) = Arc::clone(&self.state).try_lock_owned() else {
             // An extractor outlived its handler (moved into a spawned task, say). The
             // transaction cannot be committed under it; it is aborted when that extractor
@@ -197,46 +297,78 @@ impl<St: Store> Slot<St> {
                 "the request transaction is still held by an extractor after the response; \
                  do not move `Tx` or `Publisher` out of the handler"
             );
-            return CommitError::StillHeld.into_response();
+            return (CommitError::StillHeld.into_response(), Outcome::default());
         };
         let State::Open {
             mut session,
             started,
         } = std::mem::replace(&mut *guard, State::Ended)
         else {
-            return response;
+            return (response, Outcome::default());
         };
         drop(guard);
+        let mut outcome = Outcome {
+            opened: Some(started),
+            retry: false,
+        };
         let shared = &self.shared;
         let store = shared.bus.store();
         if !shared.policy.commits(response.status()) {
             store.abort(&mut session).await;
-            return response;
+            outcome.retry = response.extensions().get::<RetryRequest>().is_some();
+            return (response, outcome);
         }
         let elapsed = started.elapsed();
-        if elapsed > shared.budget {
+        if elapsed > self.budget {
             store.abort(&mut session).await;
-            return CommitError::TimedOut {
-                budget: shared.budget,
+            let timed_out = CommitError::TimedOut {
+                budget: self.budget,
                 elapsed,
                 retry_after: shared.retry_after,
                 outcome_known: true,
-            }
-            .into_response();
+            };
+            return (timed_out.into_response(), outcome);
         }
-        match commit(&mut *session, shared, started).await {
-            Ok(()) => response,
+        match commit(&mut *session, shared, started, self.budget).await {
+            Ok(()) => (response, outcome),
             Err(error) => {
                 if matches!(error, CommitError::Database(_)) {
                     tracing::error!(%error, "the request transaction did not commit");
                 } else {
-                    tracing::warn!(%error, "the request transaction did not commit");
+                    tracing::debug!(%error, "the request transaction did not commit");
                 }
-                error.into_response()
+                outcome.retry = matches!(error, CommitError::Transient { .. });
+                (error.into_response(), outcome)
             }
         }
     }
 }
+
+/// Marks a response whose request failed with a transient error in its transaction (a write
+/// conflict in the route's own writes, say), so that the
+/// [`RequestTxLayer`](crate::RequestTxLayer) aborts the transaction and runs the request again
+/// on a fresh one, as it does after a transient error at commit.
+///
+/// [`PublishError`](crate::PublishError) marks its 503s with it. A route that maps store
+/// errors itself inserts it into its response's extensions:
+///
+/// ```
+/// use axum::{http::StatusCode, response::{IntoResponse, Response}};
+/// use relaybus_axum::RetryRequest;
+///
+/// fn conflict() -> Response {
+///     let mut response = StatusCode::SERVICE_UNAVAILABLE.into_response();
+///     response.extensions_mut().insert(RetryRequest);
+///     response
+/// }
+/// # assert!(conflict().extensions().get::<RetryRequest>().is_some());
+/// ```
+///
+/// The mark asks for a retry; the layer runs the request again only when the response's
+/// status aborts the transaction, the request opened one, its body was buffered, and
+/// attempts and budget are left. Otherwise the response goes out as it is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RetryRequest;
 
 /// Commits, sending the commit again while its result is unknown, within the budget. The
 /// body cannot run again here (the request is gone), so a transient error ends it.
@@ -244,11 +376,12 @@ async fn commit<St: Store>(
     session: &mut St::Session,
     shared: &Shared<St>,
     started: Instant,
+    budget: Duration,
 ) -> Result<(), CommitError> {
     let store = shared.bus.store();
-    let deadline = tokio::time::Instant::from_std(started + shared.budget + COMMIT_REPLY_GRACE);
+    let deadline = tokio::time::Instant::from_std(started + budget + COMMIT_REPLY_GRACE);
     let timed_out = || CommitError::TimedOut {
-        budget: shared.budget,
+        budget,
         elapsed: started.elapsed(),
         retry_after: shared.retry_after,
         outcome_known: false,

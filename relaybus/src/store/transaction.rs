@@ -137,7 +137,14 @@ impl Attempts {
     /// error is transient and there is time left; it then waits a short, growing, jittered
     /// pause first, so that transactions that conflicted do not collide again in lock step.
     pub async fn retry_after(&mut self, error: &Error) -> bool {
-        if !error.is_transient_transaction_error() || !self.time_left() {
+        error.is_transient_transaction_error() && self.retry().await
+    }
+
+    /// After a failure the caller judged transient (a write conflict that reached it as a
+    /// response rather than an [`Error`], say): whether to run the transaction again, after
+    /// the same pause as [`retry_after`](Self::retry_after).
+    pub async fn retry(&mut self) -> bool {
+        if !self.time_left() {
             return false;
         }
         pause(self.attempt).await;
