@@ -13,7 +13,7 @@ pub(crate) const DEFAULT_COMMIT_RETRIES: u32 = 3;
 /// The `Retry-After` of a 503 after a failed commit, by default.
 pub(crate) const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How many times a request runs at most, by default, the first run included.
-pub(crate) const DEFAULT_REQUEST_ATTEMPTS: u32 = 10;
+pub(crate) const DEFAULT_REQUEST_ATTEMPTS: u32 = 25;
 /// The largest request body kept for running a request again, by default.
 pub(crate) const DEFAULT_MAX_BUFFERED_BODY: usize = 256 * 1024;
 
@@ -114,7 +114,7 @@ impl<S: Store> Config<S> {
         }
     }
 
-    /// How many times a request runs at most, the first run included: 10 by default, 1 to
+    /// How many times a request runs at most, the first run included: 25 by default, 1 to
     /// turn retries off (at most 100).
     ///
     /// A request whose transaction fails with a transient error (a write conflict on a hot

@@ -13,6 +13,7 @@ use axum::{
     http::{Request, Response, StatusCode, header::RETRY_AFTER},
     routing::{get, post},
 };
+use futures::TryStreamExt;
 use mongodb::{
     Client, Collection,
     bson::{Document, doc},
@@ -1073,4 +1074,62 @@ fn bus_transactions_compile_in_a_handler_and_in_a_spawned_task(bus: RelayBus) {
     let _: Router = Router::new()
         .route("/orders/{id}", post(place))
         .with_state(bus);
+}
+
+#[tokio::test]
+async fn twenty_concurrent_requests_publishing_on_one_key_all_commit() {
+    let shop = Shop::new("axum_hot_key").await;
+    let router = Router::new()
+        .route(
+            "/hot/{id}",
+            post(
+                async |Path(id): Path<String>,
+                       mut publisher: Publisher|
+                       -> Result<StatusCode, PublishError> {
+                    orders_of(&mut publisher)
+                        .insert_one(doc! { "_id": &id })
+                        .session(publisher.session())
+                        .await?;
+                    publisher.publish(&placed(&id)).key("hot").await?;
+                    Ok(StatusCode::CREATED)
+                },
+            ),
+        )
+        .layer(shop.layer.clone())
+        .with_state(shop.state.clone());
+    let barrier = Arc::new(tokio::sync::Barrier::new(20));
+    let requests: Vec<_> = (0..20)
+        .map(|i| {
+            let (router, barrier) = (router.clone(), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                router
+                    .oneshot(post_to(&format!("/hot/o-{i}")))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for request in requests {
+        statuses.push(request.await.unwrap().status());
+    }
+    assert_eq!(statuses, [StatusCode::CREATED; 20], "every request commits");
+    assert_eq!(shop.counts().await, (20, 20, 40));
+    // One key, twenty events: the sequences 1 to 20, each once.
+    let mut sequences: Vec<i64> = shop
+        .db
+        .db()
+        .collection::<Document>("relaybus_events")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap()
+        .iter()
+        .map(|event| event.get_i64("sequence").unwrap())
+        .collect();
+    sequences.sort_unstable();
+    assert_eq!(sequences, (1..=20).collect::<Vec<_>>());
 }

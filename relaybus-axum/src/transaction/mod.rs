@@ -18,11 +18,24 @@
 //! The commit is bounded: the transaction must end within its time budget (the bus's
 //! [`transaction_timeout`](relaybus::RelayBus::transaction_timeout) by default), which is also
 //! sent as `maxCommitTimeMS`. A commit whose result is unknown (`UnknownTransactionCommitResult`)
-//! is sent again, a few times ([`Config::commit_retries`](crate::Config::commit_retries)). A
-//! commit that still fails replaces the response with a [`CommitError`](error::CommitError):
-//! a 503 with `Retry-After` for a transient error (such as a write conflict; nothing was
-//! committed) or for a timeout, a 500 otherwise. The request cannot be replayed by the layer,
-//! since its body is gone, so the client is told to retry.
+//! is sent again, a few times ([`Config::commit_retries`](crate::Config::commit_retries)).
+//!
+//! # Retries
+//!
+//! A request whose transaction fails with a transient error (a write conflict on a hot ordering
+//! key, a primary that stepped down) runs again, in a new transaction, after a short jittered
+//! pause: when its commit fails so, or when the route's response carries
+//! [`RetryRequest`] ([`PublishError`](crate::PublishError) marks its transient 503s). For that
+//! the layer keeps a copy of the request's body, up to
+//! [`Config::max_buffered_body`](crate::Config::max_buffered_body) (256 KiB); a larger body
+//! runs once. All runs of one request share one budget, counted from the first run's
+//! transaction, and run at most [`Config::request_attempts`](crate::Config::request_attempts)
+//! times (25; 1 turns retries off). **The route may run more than once**: keep side effects
+//! that do not go through the request's session out of it, or publish an event for them.
+//!
+//! A commit that still fails replaces the response with a [`CommitError`](error::CommitError):
+//! a 503 with `Retry-After` for a transient error (nothing was committed) or for a timeout, a
+//! 500 otherwise.
 //!
 //! # Panics and dropped requests
 //!
@@ -129,17 +142,27 @@ where
     let (parts, body) = request.into_parts();
     let body = Body::new(body);
     if shared.attempts <= 1 {
-        return attempt(inner, &shared, Request::from_parts(parts, body), shared.budget)
-            .await
-            .0;
+        return attempt(
+            inner,
+            &shared,
+            Request::from_parts(parts, body),
+            shared.budget,
+        )
+        .await
+        .0;
     }
     let body = match replay::buffer(body, &parts.headers, shared.max_buffered_body).await {
         Buffered::Whole(bytes) => bytes,
         Buffered::TooLarge(body) => {
             // Too large to keep a copy of: one attempt, as without retries.
-            return attempt(inner, &shared, Request::from_parts(parts, body), shared.budget)
-                .await
-                .0;
+            return attempt(
+                inner,
+                &shared,
+                Request::from_parts(parts, body),
+                shared.budget,
+            )
+            .await
+            .0;
         }
         Buffered::Failed(response) => return response,
     };

@@ -37,7 +37,10 @@ pub(super) async fn buffer(body: Body, headers: &HeaderMap, limit: usize) -> Buf
             Err(error) => {
                 tracing::debug!(%error, "the request body could not be read");
                 return Buffered::Failed(
-                    (StatusCode::BAD_REQUEST, "the request body could not be read")
+                    (
+                        StatusCode::BAD_REQUEST,
+                        "the request body could not be read",
+                    )
                         .into_response(),
                 );
             }
@@ -77,7 +80,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_over_the_limit_is_handed_back_whole() {
-        let body = Body::from_stream(stream::iter(["ab", "cd", "ef"].map(Ok::<_, std::io::Error>)));
+        let body = Body::from_stream(stream::iter(
+            ["ab", "cd", "ef"].map(Ok::<_, std::io::Error>),
+        ));
         match buffer(body, &HeaderMap::new(), 3).await {
             Buffered::TooLarge(body) => assert_eq!(text(body).await, "abcdef"),
             _ => panic!("expected a body too large"),
