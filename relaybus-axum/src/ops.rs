@@ -301,6 +301,7 @@ fn record_json(record: &DeliveryRecord) -> Value {
         "event_type": record.event_type,
         "key": record.key,
         "sequence": record.sequence,
+        "unordered": record.unordered,
         "status": record.status.as_str(),
         "parked": record.parked,
         "attempts": record.attempts,

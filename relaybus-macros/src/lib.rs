@@ -90,14 +90,16 @@ pub fn event(attr: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// ```text
 /// #[handler(id = "projector")]
-/// #[handler(id = "projector", transactional, max_attempts = 5, initial_backoff_ms = 200,
-///           max_backoff_ms = 60_000, timeout_ms = 30_000, crate = path::to::relaybus)]
+/// #[handler(id = "projector", transactional, unordered, max_attempts = 5,
+///           initial_backoff_ms = 200, max_backoff_ms = 60_000, timeout_ms = 30_000,
+///           crate = path::to::relaybus)]
 /// ```
 ///
 /// | Option | Meaning |
 /// |---|---|
 /// | `id = "..."` | Required. The handler id, a string literal of 1 to 128 ASCII letters, digits, `_`, `-`, `.` and `:`. Deliveries are stored under it, so keep it stable: renaming a handler orphans its pending deliveries. |
 /// | `transactional` | Runs the handler in the store transaction that completes its delivery; `HandlerContext::session` gives the session, so its writes and the completion commit together or not at all. |
+/// | `unordered` | Lets the handler's deliveries ignore the event's ordering key, as `Subscription::unordered` does: they run concurrently, and a slow or failing one does not hold back the next events of its key for this handler. The other handlers of the event keep the key's order. Combines with `transactional`. |
 /// | `max_attempts = N` | Attempts in all before the delivery is buried, 1 to 1000. |
 /// | `initial_backoff_ms = N` | The wait after the first failure, in milliseconds (at most a day). |
 /// | `max_backoff_ms = N` | The longest wait, in milliseconds (at most a day). |
@@ -149,8 +151,9 @@ pub fn event(attr: TokenStream, item: TokenStream) -> TokenStream {
 ///     Ok(())
 /// }
 ///
-/// /// Sends a mail; up to 5 attempts, waiting from 1 second doubling up to 1 minute.
-/// #[relaybus::handler(id = "send-confirmation", max_attempts = 5, max_backoff_ms = 60_000)]
+/// /// Sends a mail; up to 5 attempts, waiting from 1 second doubling up to 1 minute. Mails of
+/// /// one order need no order among themselves.
+/// #[relaybus::handler(id = "send-confirmation", unordered, max_attempts = 5, max_backoff_ms = 60_000)]
 /// async fn send_confirmation(event: OrderPlaced) -> Result<(), std::io::Error> {
 ///     println!("confirming {}", event.order_id);
 ///     Ok(())

@@ -80,6 +80,8 @@ struct BusInner<S: Store> {
     store: S,
     subscriptions: Vec<Subscription>,
     handlers_by_type: HashMap<&'static str, Vec<String>>,
+    /// The unordered ones among them: their deliveries ignore the event's key.
+    unordered_by_type: HashMap<&'static str, Vec<String>>,
     transaction_timeout: Duration,
     shared: Arc<Shared<S>>,
     dispatcher: tokio::sync::Mutex<DispatcherState>,
@@ -246,6 +248,15 @@ impl<S: Store> RelayBus<S> {
             .unwrap_or(&[])
     }
 
+    /// The ids of the [unordered](Subscription::unordered) handlers subscribed to an event type.
+    fn unordered_handlers_for(&self, event_type: &str) -> &[String] {
+        self.inner
+            .unordered_by_type
+            .get(event_type)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+
     /// The time budget of [`transaction`](Self::transaction).
     pub fn transaction_timeout(&self) -> Duration {
         self.inner.transaction_timeout
@@ -333,8 +344,9 @@ impl<S: Store> RelayBus<S> {
         let requests: Vec<AppendRequest<'_>> = envelopes
             .iter()
             .map(|envelope| {
-                let request =
-                    AppendRequest::new(envelope, self.handlers_for(envelope.event_type()));
+                let event_type = envelope.event_type();
+                let request = AppendRequest::new(envelope, self.handlers_for(event_type))
+                    .unordered(self.unordered_handlers_for(event_type));
                 match due_at {
                     Some(at) => request.due_at(at),
                     None => request,
@@ -578,6 +590,7 @@ impl<S: Store> RelayBusBuilder<S> {
             return Err(ConfigurationError::DuplicateState { type_name });
         }
         let mut handlers_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
+        let mut unordered_by_type: HashMap<&'static str, Vec<String>> = HashMap::new();
         for (at, subscription) in self.subscriptions.iter().enumerate() {
             validate_handler_id(&subscription.id)?;
             subscription.check_needs::<S>(&self.state)?;
@@ -635,6 +648,12 @@ impl<S: Store> RelayBusBuilder<S> {
                 .entry(subscription.event_type)
                 .or_default()
                 .push(subscription.id.clone());
+            if subscription.unordered {
+                unordered_by_type
+                    .entry(subscription.event_type)
+                    .or_default()
+                    .push(subscription.id.clone());
+            }
         }
         let settings = Settings {
             owner: self.owner.clone().unwrap_or_else(default_owner),
@@ -659,6 +678,7 @@ impl<S: Store> RelayBusBuilder<S> {
                 store: self.store,
                 subscriptions: self.subscriptions,
                 handlers_by_type,
+                unordered_by_type,
                 transaction_timeout: self.transaction_timeout,
                 shared,
                 dispatcher: tokio::sync::Mutex::new(DispatcherState::Idle),
@@ -810,7 +830,8 @@ impl<'a, S: Store> Publish<'a, S> {
         self
     }
 
-    /// The ordering key: deliveries of one key run one at a time per handler, in commit order.
+    /// The ordering key: deliveries of one key run one at a time per handler, in commit order
+    /// (except for [unordered](Subscription::unordered) handlers).
     pub fn key(self, key: impl Into<String>) -> Self {
         self.map(|e| e.with_key(key))
     }

@@ -237,7 +237,8 @@ impl EventEnvelope {
     }
 
     /// Sets the ordering key. Deliveries of events with the same key run one at a time per
-    /// handler, in the order their transactions committed.
+    /// handler, in the order their transactions committed, except for the handlers subscribed
+    /// [unordered](crate::Subscription::unordered).
     ///
     /// # Errors
     ///

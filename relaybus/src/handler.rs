@@ -499,6 +499,8 @@ pub struct Subscription {
     pub(crate) event_type: &'static str,
     pub(crate) rust_type: &'static str,
     pub(crate) transactional: bool,
+    /// Whether the handler's deliveries ignore the event's ordering key.
+    pub(crate) unordered: bool,
     pub(crate) retry: Option<RetryPolicy>,
     /// How long one attempt may run; `None` for no limit.
     pub(crate) timeout: Option<Duration>,
@@ -555,6 +557,7 @@ impl Subscription {
             event_type: E::TYPE,
             rust_type: std::any::type_name::<E>(),
             transactional: false,
+            unordered: false,
             retry: None,
             timeout: None,
             handler: Arc::new(erased),
@@ -619,6 +622,39 @@ impl Subscription {
         self
     }
 
+    /// Lets the handler's deliveries ignore the event's ordering key: they spread over the lanes
+    /// like those of unkeyed events, run concurrently with each other, and neither wait for
+    /// nor hold back any other delivery of their key. A failed one retries without blocking
+    /// the next events of its key for this handler. For a handler that does not care about
+    /// order (sending a notification, feeding a search index that compares versions), where
+    /// one slow or failing event should not stall its key.
+    ///
+    /// Only this handler is affected: the other handlers of the same event keep their key's
+    /// order. The handler still sees the key and the sequence in its
+    /// [`HandlerContext`]. It combines with [`transactional`](Self::transactional).
+    ///
+    /// The choice is recorded with each delivery when the event is published, so it is the
+    /// publishing process's subscription that counts: register the handler as unordered
+    /// wherever its event is published. Deliveries published before the switch keep the
+    /// order they were published with.
+    ///
+    /// ```
+    /// # use relaybus::{BoxError, Event, Subscription};
+    /// # #[derive(serde::Serialize, serde::Deserialize)]
+    /// # struct OrderPlaced { order_id: String }
+    /// # impl Event for OrderPlaced { const TYPE: &'static str = "order.placed.v1"; }
+    /// let notify = Subscription::without_context("notify-warehouse", |event: OrderPlaced| async move {
+    ///     println!("order {} placed", event.order_id);
+    ///     Ok::<(), BoxError>(())
+    /// })
+    /// .unordered();
+    /// assert!(notify.is_unordered());
+    /// ```
+    pub fn unordered(mut self) -> Self {
+        self.unordered = true;
+        self
+    }
+
     /// Overrides the bus's default retry policy for this handler.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = Some(policy);
@@ -658,6 +694,12 @@ impl Subscription {
     pub fn is_transactional(&self) -> bool {
         self.transactional
     }
+
+    /// Whether the handler's deliveries ignore the event's ordering key (see
+    /// [`unordered`](Self::unordered)).
+    pub fn is_unordered(&self) -> bool {
+        self.unordered
+    }
 }
 
 /// The event of a stored payload.
@@ -683,6 +725,7 @@ impl fmt::Debug for Subscription {
             .field("event_type", &self.event_type)
             .field("rust_type", &self.rust_type)
             .field("transactional", &self.transactional)
+            .field("unordered", &self.unordered)
             .field("retry", &self.retry)
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()

@@ -64,6 +64,7 @@ pub struct HandlerDescriptor {
     event_type: &'static str,
     rust_path: &'static str,
     transactional: bool,
+    unordered: bool,
     max_attempts: Option<u32>,
     initial_backoff: Option<Duration>,
     max_backoff: Option<Duration>,
@@ -88,6 +89,7 @@ impl HandlerDescriptor {
             event_type,
             rust_path,
             transactional: false,
+            unordered: false,
             max_attempts: None,
             initial_backoff: None,
             max_backoff: None,
@@ -99,6 +101,12 @@ impl HandlerDescriptor {
     #[doc(hidden)]
     pub const fn with_transactional(mut self) -> Self {
         self.transactional = true;
+        self
+    }
+
+    #[doc(hidden)]
+    pub const fn with_unordered(mut self) -> Self {
+        self.unordered = true;
         self
     }
 
@@ -151,6 +159,12 @@ impl HandlerDescriptor {
         self.transactional
     }
 
+    /// Whether its deliveries ignore the event's ordering key (`unordered`); see
+    /// [`Subscription::unordered`].
+    pub fn is_unordered(&self) -> bool {
+        self.unordered
+    }
+
     /// Its own retry policy, when the attribute overrides any of `max_attempts`,
     /// `initial_backoff_ms` or `max_backoff_ms`; the settings it leaves out keep the values of
     /// [`RetryPolicy::default`].
@@ -183,6 +197,9 @@ impl HandlerDescriptor {
         if self.transactional {
             subscription = subscription.transactional();
         }
+        if self.unordered {
+            subscription = subscription.unordered();
+        }
         if let Some(policy) = self.retry_policy() {
             subscription = subscription.retry(policy);
         }
@@ -205,6 +222,7 @@ impl fmt::Debug for HandlerDescriptor {
             .field("event_type", &self.event_type)
             .field("rust_path", &self.rust_path)
             .field("transactional", &self.transactional)
+            .field("unordered", &self.unordered)
             .field("retry_policy", &self.retry_policy())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
@@ -352,6 +370,7 @@ mod tests {
         assert_eq!(PLAIN.retry_policy(), None);
         let plain = PLAIN.subscription();
         assert!(!plain.is_transactional());
+        assert!(!plain.is_unordered());
         assert_eq!(plain.retry_policy(), None);
         assert_eq!(plain.id(), "registry-test");
         assert_eq!(plain.event_type(), "registry.pinged.v1");
@@ -361,6 +380,13 @@ mod tests {
             .with_max_backoff(Duration::from_secs(9));
         let tuned = TUNED.subscription();
         assert!(tuned.is_transactional());
+        assert!(!tuned.is_unordered());
+
+        const LOOSE: HandlerDescriptor = PLAIN.with_unordered().with_transactional();
+        assert!(LOOSE.is_unordered());
+        let loose = LOOSE.subscription();
+        assert!(loose.is_unordered());
+        assert!(loose.is_transactional());
         assert_eq!(
             tuned.retry_policy(),
             Some(&RetryPolicy::default().max_backoff(Duration::from_secs(9)))

@@ -237,7 +237,7 @@ impl Shop {
                            -> Result<StatusCode, PublishError> {
                         // The route's own write and the publish answer with `?`: a transient
                         // error marks the response, and the layer runs the request again.
-                        orders_of(&mut publisher)
+                        orders_of(&publisher)
                             .insert_one(doc! { "_id": &id, "note": note })
                             .session(publisher.session())
                             .await?;
@@ -1086,7 +1086,7 @@ async fn twenty_concurrent_requests_publishing_on_one_key_all_commit() {
                 async |Path(id): Path<String>,
                        mut publisher: Publisher|
                        -> Result<StatusCode, PublishError> {
-                    orders_of(&mut publisher)
+                    orders_of(&publisher)
                         .insert_one(doc! { "_id": &id })
                         .session(publisher.session())
                         .await?;

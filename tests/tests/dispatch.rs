@@ -924,3 +924,83 @@ async fn handlers_take_the_state_given_to_the_bus_in_any_argument_order() {
     );
     assert!(rx.try_recv().is_err(), "each handler ran once");
 }
+
+#[tokio::test]
+async fn an_unordered_handler_runs_a_keys_events_at_once_while_an_ordered_one_keeps_their_order() {
+    let db = test_db("unordered_e2e").await;
+    let store = store(&db).await;
+    // A process that only publishes: it registers both handlers, `loose` as unordered, and
+    // runs neither. What each handler needs is recorded with its deliveries.
+    let publisher = RelayBus::builder(store.clone())
+        .subscribe(noop::<OrderPlaced>("in-order"))
+        .subscribe(noop::<OrderPlaced>("loose").unordered())
+        .build()
+        .unwrap();
+    for i in 1..=3 {
+        publish(&publisher, &format!("o-{i}"), Some("customer-1")).await;
+    }
+
+    // The worker runs both. Its own subscription of `loose` need not say unordered: it runs
+    // the deliveries as they were published.
+    let barrier = Arc::new(tokio::sync::Barrier::new(3));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (loose_tx, mut loose_rx) = mpsc::unbounded_channel();
+    let (ordered_tx, mut ordered_rx) = mpsc::unbounded_channel();
+    let held = Arc::clone(&release);
+    let worker = builder(&store)
+        .subscribe(Subscription::new(
+            "loose",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let (barrier, tx) = (Arc::clone(&barrier), loose_tx.clone());
+                async move {
+                    // The three runs pass only together: they must run at once.
+                    barrier.wait().await;
+                    tx.send((ctx.key().map(str::to_owned), ctx.sequence()))
+                        .unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .subscribe(Subscription::new(
+            "in-order",
+            move |_: OrderPlaced, ctx: HandlerContext| {
+                let (held, tx) = (Arc::clone(&held), ordered_tx.clone());
+                async move {
+                    tx.send(ctx.sequence()).unwrap();
+                    if ctx.sequence() == Some(1) {
+                        // The head holds its key until the test lets it go.
+                        held.notified().await;
+                    }
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    worker.start().await.unwrap();
+
+    let mut loose = Vec::new();
+    for _ in 0..3 {
+        loose.push(next(&mut loose_rx, "a run of the unordered handler").await);
+    }
+    loose.sort();
+    let key = Some("customer-1".to_owned());
+    assert_eq!(
+        loose,
+        [
+            (key.clone(), Some(1)),
+            (key.clone(), Some(2)),
+            (key, Some(3))
+        ],
+        "the unordered handler sees the key and the sequences"
+    );
+    assert_eq!(next(&mut ordered_rx, "the ordered head").await, Some(1));
+    assert!(
+        ordered_rx.try_recv().is_err(),
+        "an ordered follower ran while its head runs"
+    );
+    release.notify_one();
+    assert_eq!(next(&mut ordered_rx, "the second").await, Some(2));
+    assert_eq!(next(&mut ordered_rx, "the third").await, Some(3));
+    worker.shutdown().await.unwrap();
+}

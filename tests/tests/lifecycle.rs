@@ -904,6 +904,107 @@ async fn per_key_rules_one_at_a_time_in_sequence_and_blocked_keys_do_not_starve_
 }
 
 #[tokio::test]
+async fn unordered_deliveries_keep_their_key_in_the_lane_of_their_event_and_never_wait_or_park() {
+    const LOOSE: &str = "loose";
+    let db = test_db("unordered_lanes").await;
+    let store = store(&db).await;
+    let keyed: Vec<EventEnvelope> = (1..=40)
+        .map(|i| event(&format!("k-{i}"), Some("order-1")))
+        .collect();
+    let handlers: Vec<String> = [HANDLER, LOOSE].map(str::to_owned).to_vec();
+    let unordered = vec![LOOSE.to_owned()];
+    let requests: Vec<AppendRequest<'_>> = keyed
+        .iter()
+        .map(|e| AppendRequest::new(e, &handlers).unordered(&unordered))
+        .collect();
+    store
+        .transaction(async |session| store.append(session, &requests, at(0)).await)
+        .await
+        .unwrap();
+
+    // The stored form: both keep the key and sequence; the unordered one is marked, and lives
+    // in the lane of its event id rather than of its key.
+    let key_lane = lane_of(Some("order-1"), "") as i32;
+    let mut loose_lanes = HashSet::new();
+    for d in deliveries(&db).await {
+        let event_id = d.get_str("eventId").unwrap();
+        assert_eq!(d.get_str("key"), Ok("order-1"), "{d}");
+        assert!(d.get_i64("sequence").is_ok(), "{d}");
+        let lane = d.get_i32("laneId").unwrap();
+        if d.get_str("handler") == Ok(LOOSE) {
+            assert_eq!(d.get_bool("unordered"), Ok(true), "{d}");
+            assert_eq!(lane, lane_of(None, event_id) as i32, "{d}");
+            loose_lanes.insert(lane);
+        } else {
+            assert!(!d.contains_key("unordered"), "{d}");
+            assert_eq!(lane, key_lane, "{d}");
+        }
+    }
+    assert!(loose_lanes.len() > 1, "spread over lanes: {loose_lanes:?}");
+
+    // One claim hands out every unordered delivery and the ordered head; the ordered backlog
+    // waits and is parked, nothing unordered is.
+    let batch = store
+        .claim("w", &[HANDLER, LOOSE], 100, LEASE, at(1))
+        .await
+        .unwrap();
+    let ordered: Vec<Option<i64>> = batch
+        .iter()
+        .filter(|d| d.handler() == HANDLER)
+        .map(ClaimedDelivery::sequence)
+        .collect();
+    assert_eq!(ordered, [Some(1)]);
+    assert_eq!(batch.len(), 41);
+    let parked: Vec<Document> = deliveries(&db)
+        .await
+        .into_iter()
+        .filter(|d| d.get_str("lane") == Ok("parked"))
+        .collect();
+    assert_eq!(parked.len(), 39, "the ordered backlog was parked");
+    assert!(parked.iter().all(|d| d.get_str("handler") == Ok(HANDLER)));
+    let listed = store
+        .list_deliveries(&DeliveryQuery::new().handler(LOOSE))
+        .await
+        .unwrap();
+    assert!(
+        listed
+            .iter()
+            .all(|r| r.unordered && r.key.as_deref() == Some("order-1")),
+        "{listed:?}"
+    );
+
+    // The handler becomes ordered again (a later publish does not name it unordered): its
+    // new delivery waits for the unordered ones published before it, then runs.
+    let later = event("k-41", Some("order-1"));
+    publish(&store, std::slice::from_ref(&later), &[LOOSE], at(2)).await;
+    assert!(
+        store
+            .claim("w", &[LOOSE], 100, LEASE, at(3))
+            .await
+            .unwrap()
+            .is_empty(),
+        "an ordered delivery overtook the unordered ones before it"
+    );
+    let loose: Vec<Lease> = batch
+        .iter()
+        .filter(|d| d.handler() == LOOSE)
+        .map(|d| *d.lease())
+        .collect();
+    assert!(
+        store
+            .complete_many(&loose, at(4))
+            .await
+            .unwrap()
+            .iter()
+            .all(|done| *done)
+    );
+    let next = store.claim("w", &[LOOSE], 100, LEASE, at(5)).await.unwrap();
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event_id(), "k-41");
+    assert_eq!(next[0].sequence(), Some(41));
+}
+
+#[tokio::test]
 async fn per_key_order_holds_with_8_concurrent_claimers_over_50_keys_of_200_events() {
     const KEYS: usize = 50;
     const PER_KEY: usize = 200;

@@ -107,9 +107,11 @@ mod mailing {
 
     impl std::error::Error for MailError {}
 
-    /// Fails its first attempt, as a busy mail server would.
+    /// Fails its first attempt, as a busy mail server would. Mails of one order need no order
+    /// among themselves: unordered.
     #[relaybus::handler(
         id = "macros.mailer",
+        unordered,
         max_attempts = 3,
         initial_backoff_ms = 20,
         max_backoff_ms = 200,
@@ -201,6 +203,8 @@ fn the_registry_lists_what_the_macros_declared() {
     );
     let timeouts: Vec<_> = registry::handlers().map(|h| h.timeout()).collect();
     assert_eq!(timeouts, [Some(Duration::from_secs(5)), None, None]);
+    let unordered: Vec<_> = registry::handlers().map(|h| h.is_unordered()).collect();
+    assert_eq!(unordered, [true, false, false]);
     assert_eq!(registry::check(), Ok(()));
 }
 
@@ -259,6 +263,11 @@ async fn the_builder_subscribes_registered_handlers_unless_told_otherwise() {
     );
     let projector = &bus.subscriptions()[1];
     assert!(projector.is_transactional());
+    assert!(!projector.is_unordered());
+    assert!(
+        bus.subscriptions()[0].is_unordered(),
+        "the attribute's `unordered` reaches the subscription"
+    );
     assert_eq!(
         bus.subscriptions()[0].retry_policy(),
         Some(
@@ -389,6 +398,33 @@ async fn registered_handlers_run_end_to_end() {
                 "macros.order.shipped.v1".into(),
                 "macros.shipping-notice".into()
             ),
+        ]
+    );
+
+    // The unordered mailer's delivery keeps the key but is marked to ignore it; the
+    // projector's is held to the key's order.
+    let unordered: Vec<(String, bool, Option<String>)> = {
+        let mut rows: Vec<_> = all(&db, "relaybus_deliveries")
+            .await
+            .iter()
+            .map(|d| {
+                (
+                    d.get_str("handler").unwrap().to_owned(),
+                    d.get_bool("unordered").unwrap_or(false),
+                    d.get_str("key").ok().map(str::to_owned),
+                )
+            })
+            .collect();
+        rows.sort();
+        rows
+    };
+    let key = Some("e2e-1".to_owned());
+    assert_eq!(
+        unordered,
+        [
+            ("macros.mailer".into(), true, key.clone()),
+            ("macros.projector".into(), false, key.clone()),
+            ("macros.shipping-notice".into(), false, key),
         ]
     );
 

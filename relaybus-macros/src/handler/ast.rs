@@ -12,7 +12,7 @@ use crate::{
 /// `RetryPolicy::validate`.
 const MAX_BACKOFF_MS: u64 = 86_400_000;
 
-/// `#[handler(id = "...", transactional, max_attempts = N, initial_backoff_ms = N,
+/// `#[handler(id = "...", transactional, unordered, max_attempts = N, initial_backoff_ms = N,
 /// max_backoff_ms = N, timeout_ms = N, crate = path)]`.
 pub(super) struct Args {
     /// The handler id, when it was given as a string literal.
@@ -20,6 +20,8 @@ pub(super) struct Args {
     /// Whether `id` was given at all (a non-literal value was reported).
     pub(super) id_given: bool,
     pub(super) transactional: bool,
+    /// Whether the handler's deliveries ignore the event's ordering key.
+    pub(super) unordered: bool,
     pub(super) max_attempts: Option<(LitInt, u32)>,
     pub(super) initial_backoff_ms: Option<(LitInt, u64)>,
     pub(super) max_backoff_ms: Option<(LitInt, u64)>,
@@ -29,8 +31,8 @@ pub(super) struct Args {
     pub(super) krate: Option<Path>,
 }
 
-const KNOWN: &str = "`id`, `transactional`, `max_attempts`, `initial_backoff_ms`, \
-                     `max_backoff_ms`, `timeout_ms` or `crate`";
+const KNOWN: &str = "`id`, `transactional`, `unordered`, `max_attempts`, \
+                     `initial_backoff_ms`, `max_backoff_ms`, `timeout_ms` or `crate`";
 
 impl Args {
     /// Parses the arguments, reporting every problem to `cx`.
@@ -38,6 +40,7 @@ impl Args {
         let mut id = Arg::new("id");
         let mut id_given = false;
         let mut transactional = Arg::new("transactional");
+        let mut unordered = Arg::new("unordered");
         let mut max_attempts = Arg::new("max_attempts");
         let mut initial_backoff_ms = Arg::new("initial_backoff_ms");
         let mut max_backoff_ms = Arg::new("max_backoff_ms");
@@ -52,6 +55,9 @@ impl Args {
             } else if meta.path.is_ident("transactional") {
                 attr::flag(cx, &meta)?;
                 transactional.set(cx, &meta, ());
+            } else if meta.path.is_ident("unordered") {
+                attr::flag(cx, &meta)?;
+                unordered.set(cx, &meta, ());
             } else if meta.path.is_ident("max_attempts") {
                 if let Some(value) = attr::lit_int(cx, &meta, "5", 1..=1000)? {
                     max_attempts.set(cx, &meta, value);
@@ -84,6 +90,7 @@ impl Args {
             id: id.get(),
             id_given,
             transactional: transactional.get().is_some(),
+            unordered: unordered.get().is_some(),
             max_attempts: max_attempts.get(),
             initial_backoff_ms: initial_backoff_ms.get(),
             max_backoff_ms: max_backoff_ms.get(),

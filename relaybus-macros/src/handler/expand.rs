@@ -56,6 +56,7 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
     };
 
     let transactional = args.transactional.then(|| quote!(.with_transactional()));
+    let unordered = args.unordered.then(|| quote!(.with_unordered()));
     let max_attempts = args
         .max_attempts
         .as_ref()
@@ -88,6 +89,7 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
                     __relaybus_subscription,
                 )
                 #transactional
+                #unordered
                 #max_attempts
                 #initial_backoff
                 #max_backoff

@@ -197,8 +197,9 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
     ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
 
     /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per
-    /// key and handler, in sequence order. With no other claimer, it returns `limit`
-    /// deliveries whenever that many are claimable.
+    /// key and handler, in sequence order; deliveries appended for a handler named
+    /// [unordered](AppendRequest::unordered) are claimed as those of unkeyed events are. With no
+    /// other claimer, it returns `limit` deliveries whenever that many are claimable.
     fn claim(
         &self,
         request: ClaimRequest<'_>,

@@ -4,25 +4,43 @@
 use crate::{event::EventEnvelope, time::Timestamp};
 
 /// One event to append, with the ids of the handlers that should get a delivery of it.
+///
+/// Every handler is held to the event's key order unless it is named in
+/// [`unordered`](Self::unordered) too: its delivery then ignores the key.
 #[derive(Debug, Clone, Copy)]
 pub struct AppendRequest<'a> {
     pub(crate) event: &'a EventEnvelope,
     pub(crate) handlers: &'a [String],
+    pub(crate) unordered: &'a [String],
     pub(crate) due_at: Option<Timestamp>,
 }
 
 impl<'a> AppendRequest<'a> {
-    /// An event and the handlers subscribed to it, its deliveries due at once.
+    /// An event and the handlers subscribed to it, every one held to the event's key order, its
+    /// deliveries due at once.
     pub fn new(event: &'a EventEnvelope, handlers: &'a [String]) -> Self {
         AppendRequest {
             event,
             handlers,
+            unordered: &[],
             due_at: None,
         }
     }
 
+    /// Names the handlers, among [`handlers`](Self::handlers), whose deliveries ignore the
+    /// event's ordering key (see [`Subscription::unordered`](crate::Subscription::unordered)):
+    /// they are not held to the order of the key and hold nothing of it back. Ids that are not
+    /// among the handlers are ignored; for an event without a key this changes nothing.
+    ///
+    /// The choice is made for the deliveries this request creates, and stays with them.
+    pub fn unordered(mut self, handlers: &'a [String]) -> Self {
+        self.unordered = handlers;
+        self
+    }
+
     /// Makes the new deliveries due at `at` rather than at once: a delayed publish. A keyed
-    /// event keeps its place in its key's order, so the later events of its key wait for it.
+    /// event keeps its place in its key's order, so the later events of its key wait for it
+    /// (those of its unordered handlers excepted).
     pub fn due_at(mut self, at: Timestamp) -> Self {
         self.due_at = Some(at);
         self
@@ -41,6 +59,18 @@ impl<'a> AppendRequest<'a> {
     /// The handlers that should get a delivery of it.
     pub fn handlers(&self) -> &'a [String] {
         self.handlers
+    }
+
+    /// The handlers whose deliveries ignore the event's ordering key, as given to
+    /// [`unordered`](Self::unordered).
+    pub fn unordered_handlers(&self) -> &'a [String] {
+        self.unordered
+    }
+
+    /// Whether `handler`'s delivery of this event is held to the key's order: `false` when the
+    /// handler is named in [`unordered`](Self::unordered), or when the event has no key.
+    pub fn is_ordered(&self, handler: &str) -> bool {
+        self.event.key().is_some() && !self.unordered.iter().any(|h| h == handler)
     }
 }
 
@@ -130,6 +160,10 @@ pub struct DeliveryRecord {
     pub key: Option<String>,
     /// The sequence within the key, if keyed.
     pub sequence: Option<i64>,
+    /// Whether the delivery ignores its key's order: its handler was
+    /// [unordered](crate::Subscription::unordered) when the event was published. Always
+    /// `false` for an event without a key.
+    pub unordered: bool,
     /// The state.
     pub status: DeliveryStatus,
     /// Whether a pending delivery is parked behind an unfinished predecessor.

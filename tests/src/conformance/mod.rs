@@ -50,6 +50,7 @@ mod claim;
 mod instances;
 mod operator;
 mod settle;
+mod unordered;
 
 use std::time::Duration;
 
@@ -65,6 +66,7 @@ pub use claim::*;
 pub use instances::*;
 pub use operator::*;
 pub use settle::*;
+pub use unordered::*;
 
 /// Expands to one `#[tokio::test]` per conformance test for a store.
 ///
@@ -108,6 +110,9 @@ macro_rules! conformance_tests {
             statistics_count_deliveries_by_state,
             list_deliveries_filters_and_pages,
             purge_deletes_dead_letters_and_completed_events_by_cutoff,
+            an_unordered_handler_gets_every_delivery_of_a_key_at_once,
+            a_failed_unordered_delivery_holds_back_nothing_of_its_key,
+            a_handler_added_as_unordered_ignores_the_key_of_a_known_event,
         );
     };
     ($make_store:expr, $second_instance:expr $(,)?) => {
@@ -187,10 +192,23 @@ pub(crate) async fn publish<S: Store>(
     handlers: &[&str],
     now: Timestamp,
 ) -> Vec<Appended> {
+    publish_unordered(store, events, handlers, &[], now).await
+}
+
+/// Appends `events` for `handlers` as [`publish`] does, the handlers in `unordered` (a subset
+/// of `handlers`) named unordered: their deliveries ignore the key.
+pub(crate) async fn publish_unordered<S: Store>(
+    store: &S,
+    events: &[EventEnvelope],
+    handlers: &[&str],
+    unordered: &[&str],
+    now: Timestamp,
+) -> Vec<Appended> {
     let handlers = names(handlers);
+    let unordered = names(unordered);
     let requests: Vec<AppendRequest<'_>> = events
         .iter()
-        .map(|e| AppendRequest::new(e, &handlers))
+        .map(|e| AppendRequest::new(e, &handlers).unordered(&unordered))
         .collect();
     transaction::run(store, None, async |session| {
         store.append(session, &requests, now).await

@@ -29,6 +29,9 @@ pub(crate) const MAX_DOCUMENT_BYTES: usize = 16 * 1024 * 1024;
 struct Item<'a> {
     event: &'a EventEnvelope,
     handlers: Vec<&'a str>,
+    /// The handlers among them whose deliveries ignore the key: those that every request of
+    /// the event named unordered.
+    unordered: Vec<&'a str>,
     document: Document,
     sequence: Option<i64>,
     /// When its new deliveries are due, if not at the append's time.
@@ -51,6 +54,12 @@ impl MongoEventStore {
     /// or a redelivered message adds only the deliveries of handlers that are new to the event,
     /// so a handler that completed never runs twice for it. A keyed event takes the next
     /// sequence number of its key in the same transaction; sequence order is commit order.
+    ///
+    /// The delivery of a keyed event for a handler its request names
+    /// [unordered](AppendRequest::unordered) (an added handler of a known event included) keeps
+    /// the key and sequence, is marked `unordered: true` and goes to the lane of the event id:
+    /// claims treat it as unkeyed. An event named twice in one batch gets an unordered delivery
+    /// only for the handlers both requests name unordered.
     ///
     /// `now` is the time the deliveries become due and are recorded as created.
     ///
@@ -234,6 +243,14 @@ impl MongoEventStore {
             };
             let lane = lane_of(key, &event.id) as i32;
             for handler in &handlers {
+                // An unordered delivery keeps the key and sequence for operators; the flag
+                // makes claims treat it as unkeyed, in the lane of its event id.
+                let unordered = key.is_some() && item.unordered.contains(&handler.as_str());
+                let lane = if unordered {
+                    lane_of(None, &event.id) as i32
+                } else {
+                    lane
+                };
                 let mut delivery = doc! {
                     field::ID: ObjectId::new(),
                     field::EVENT_ID: &event.id,
@@ -245,6 +262,9 @@ impl MongoEventStore {
                 }
                 if let Some(sequence) = sequence {
                     delivery.insert(field::SEQUENCE, sequence);
+                }
+                if unordered {
+                    delivery.insert(field::UNORDERED, true);
                 }
                 delivery.insert(field::LANE_ID, lane);
                 delivery.insert(field::LANE, lane::READY);
@@ -479,22 +499,34 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
                 .into());
             }
             for handler in request.handlers {
+                let unordered = request.unordered.contains(handler);
                 if !item.handlers.contains(&handler.as_str()) {
                     item.handlers.push(handler);
+                    if unordered {
+                        item.unordered.push(handler);
+                    }
+                } else if !unordered {
+                    // Held to the key's order by one request: ordered.
+                    item.unordered.retain(|h| h != handler);
                 }
             }
             continue;
         }
         let mut handlers: Vec<&str> = Vec::with_capacity(request.handlers.len());
+        let mut unordered: Vec<&str> = Vec::new();
         for handler in request.handlers {
             if !handlers.contains(&handler.as_str()) {
                 handlers.push(handler);
+                if request.unordered.contains(handler) {
+                    unordered.push(handler);
+                }
             }
         }
         index_of.insert(&request.event.id, items.len());
         items.push(Item {
             event: request.event,
             handlers,
+            unordered,
             document: Document::new(),
             sequence: None,
             due_at: request.due_at.map(super::bson_date),
@@ -599,5 +631,48 @@ fn command_error(reply: &Document) -> mongodb::error::Error {
     match mongodb::bson::from_document::<CommandError>(reply.clone()) {
         Ok(error) => ErrorKind::Command(error).into(),
         Err(_) => mongodb::error::Error::custom(format!("unexpected write error reply: {reply}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|id| (*id).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_handler_is_unordered_only_when_every_request_of_its_event_says_so() {
+        let event = EventEnvelope::from_json("order.placed.v1", serde_json::json!({}))
+            .unwrap()
+            .with_key("k")
+            .unwrap();
+        let (all, loose, tight, new) = (
+            names(&["a", "b", "c", "a"]),
+            names(&["a", "b", "x"]),
+            names(&["b", "d"]),
+            names(&["d"]),
+        );
+        let items = prepare(&[AppendRequest::new(&event, &all).unordered(&loose)]).unwrap();
+        assert_eq!(items[0].handlers, ["a", "b", "c"]);
+        assert_eq!(
+            items[0].unordered,
+            ["a", "b"],
+            "ids not subscribed are ignored"
+        );
+
+        // The same event again in the batch: `b` is held to order there, `d` is new.
+        let items = prepare(&[
+            AppendRequest::new(&event, &all).unordered(&loose),
+            AppendRequest::new(&event, &tight).unordered(&new),
+        ])
+        .unwrap();
+        assert_eq!(items.len(), 1);
+        assert_eq!(items[0].handlers, ["a", "b", "c", "d"]);
+        assert_eq!(items[0].unordered, ["a", "d"]);
+
+        let plain = prepare(&[AppendRequest::new(&event, &all)]).unwrap();
+        assert!(plain[0].unordered.is_empty());
     }
 }

@@ -454,6 +454,7 @@ fn history_record(delivery: &Document, now: DateTime) -> Document {
         field::EVENT_TYPE,
         field::KEY,
         field::SEQUENCE,
+        field::UNORDERED,
         field::LANE_ID,
         field::CREATED_AT,
     ] {

@@ -28,6 +28,15 @@ pub(crate) const MAX_LIST_LIMIT: u32 = 1_000;
 /// The most ids one requeue takes.
 pub(crate) const MAX_REQUEUE: usize = 10_000;
 
+/// The handler and ordering key of a delivery document, if it is held to its key's order: a
+/// delivery marked `unordered` keeps its key for operators only.
+fn ordered_key_of(doc: &Document) -> Option<(String, String)> {
+    if doc.get_bool(field::UNORDERED) == Ok(true) {
+        return None;
+    }
+    Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?))
+}
+
 /// A listed delivery or completion record, from its stored document.
 fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
     Some(DeliveryRecord {
@@ -37,6 +46,7 @@ fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
         event_type: string(doc, field::EVENT_TYPE).unwrap_or_default(),
         key: string(doc, field::KEY),
         sequence: int(doc, field::SEQUENCE),
+        unordered: doc.get_bool(field::UNORDERED) == Ok(true),
         status: doc
             .get_str(field::STATUS)
             .ok()
@@ -338,9 +348,10 @@ impl MongoEventStore {
         let dead: Vec<Document> = inner
             .deliveries
             .find(doc! { field::ID: { "$in": ids }, field::STATUS: status::DEAD })
-            .projection(
-                doc! { field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::LANE_ID: 1 },
-            )
+            .projection(doc! {
+                field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::UNORDERED: 1,
+                field::LANE_ID: 1,
+            })
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -359,10 +370,11 @@ impl MongoEventStore {
             ..RequeueOutcome::default()
         };
 
-        // What runs in the lanes of the keyed ones.
+        // What runs in the lanes of the ones held to their key's order (an unordered one is
+        // requeued as an unkeyed one is).
         let mut lane_ids: Vec<i32> = dead
             .iter()
-            .filter(|doc| doc.contains_key(field::KEY))
+            .filter(|doc| ordered_key_of(doc).is_some())
             .filter_map(|doc| int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok()))
             .collect();
         lane_ids.sort_unstable();
@@ -386,19 +398,19 @@ impl MongoEventStore {
                 let docs: Vec<Document> = inner
                     .deliveries
                     .find(doc! { field::ID: { "$in": listed }, field::STATUS: status::PENDING })
-                    .projection(doc! { field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1 })
+                    .projection(doc! {
+                        field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::UNORDERED: 1,
+                    })
                     .session(&mut *session)
                     .await?
                     .stream(&mut *session)
                     .try_collect()
                     .await?;
                 for doc in &docs {
-                    if let (Some(handler), Some(key), Some(sequence)) = (
-                        string(doc, field::HANDLER),
-                        string(doc, field::KEY),
-                        int(doc, field::SEQUENCE),
-                    ) {
-                        running.entry((handler, key)).or_default().push(sequence);
+                    if let (Some(key_of), Some(sequence)) =
+                        (ordered_key_of(doc), int(doc, field::SEQUENCE))
+                    {
+                        running.entry(key_of).or_default().push(sequence);
                     }
                 }
             }
@@ -407,14 +419,14 @@ impl MongoEventStore {
             let Ok(id) = doc.get_object_id(field::ID) else {
                 continue;
             };
-            let later_runs = match (string(doc, field::HANDLER), string(doc, field::KEY)) {
-                (Some(handler), Some(key)) => {
+            let later_runs = match ordered_key_of(doc) {
+                Some(key_of) => {
                     let sequence = int(doc, field::SEQUENCE).unwrap_or(i64::MIN);
                     running
-                        .get(&(handler, key))
+                        .get(&key_of)
                         .is_some_and(|runs| runs.iter().any(|&s| s > sequence))
                 }
-                _ => false,
+                None => false,
             };
             if later_runs {
                 outcome.blocked.push(id);

@@ -25,6 +25,10 @@ pub(crate) mod field {
     pub(crate) const KEY: &str = "key";
     /// The event's sequence within its key (on events too).
     pub(crate) const SEQUENCE: &str = "sequence";
+    /// `true` on a delivery of a keyed event whose handler is unordered: it keeps the key and
+    /// sequence for operators, but claims treat it as unkeyed (its lane comes from the event
+    /// id). Absent otherwise.
+    pub(crate) const UNORDERED: &str = "unordered";
     /// The lane of the delivery, 0 to 255: the lane document that leases it.
     pub(crate) const LANE_ID: &str = "laneId";
     /// Where a pending delivery waits: [`lane::READY`](super::lane::READY) or

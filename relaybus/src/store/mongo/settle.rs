@@ -53,7 +53,8 @@ impl MongoEventStore {
     /// The attempt counts (`attempts` grows by one) and `error` is kept as the delivery's last
     /// error (cut to 8 KiB). Returns `false`, changing nothing, when the lease no longer holds:
     /// the lane changed hands or no longer lists the delivery, or the claim already ended.
-    /// Later deliveries of the same key stay blocked until this one completes or is buried.
+    /// Later deliveries of the same key stay blocked until this one completes or is buried,
+    /// unless it is an unordered delivery.
     ///
     /// # Errors
     ///

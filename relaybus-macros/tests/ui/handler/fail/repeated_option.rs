@@ -15,4 +15,9 @@ async fn record(_: OrderPlaced) -> Result<(), BoxError> {
     Ok(())
 }
 
+#[relaybus::handler(id = "notifier", unordered, max_attempts = 3, unordered)]
+async fn notify(_: OrderPlaced) -> Result<(), BoxError> {
+    Ok(())
+}
+
 fn main() {}

@@ -32,9 +32,11 @@ impl std::fmt::Display for MailError {
 
 impl std::error::Error for MailError {}
 
-/// Takes the event alone, through a pattern, and returns an error type of its own.
+/// Takes the event alone, through a pattern, and returns an error type of its own; its mails
+/// need no order.
 #[relaybus::handler(
     id = "mailer",
+    unordered,
     max_attempts = 5,
     initial_backoff_ms = 200,
     max_backoff_ms = 60_000,
@@ -56,9 +58,16 @@ mod audit {
         pub(crate) name: &'static str,
     }
 
-    /// Declared in another module, with the crate path spelled out and `relaybus::Result`,
-    /// taking state before the context, and a state part through a pattern.
-    #[relaybus::handler(id = "audit:orders", max_attempts = 1, crate = ::relaybus)]
+    /// Declared in another module, with the crate path spelled out and `relaybus::Result`;
+    /// unordered and transactional at once; taking state before the context, and a state
+    /// part through a pattern.
+    #[relaybus::handler(
+        id = "audit:orders",
+        unordered,
+        transactional,
+        max_attempts = 1,
+        crate = ::relaybus
+    )]
     pub(crate) async fn record(
         _: OrderPlaced,
         log: relaybus::State<AuditLog>,
@@ -96,7 +105,15 @@ fn main() {
     let _ = audit::record;
 
     let handlers: Vec<_> = relaybus::registry::handlers()
-        .map(|h| (h.id(), h.event_type(), h.rust_path(), h.is_transactional()))
+        .map(|h| {
+            (
+                h.id(),
+                h.event_type(),
+                h.rust_path(),
+                h.is_transactional(),
+                h.is_unordered(),
+            )
+        })
         .collect();
     // trybuild names the crate of each test itself.
     let path = |item: &str| format!("{}::{item}", module_path!());
@@ -107,19 +124,22 @@ fn main() {
                 "audit:orders",
                 "order.placed.v1",
                 path("audit::record").as_str(),
-                false
+                true,
+                true
             ),
             (
                 "mailer",
                 "order.placed.v1",
                 path("send_mail").as_str(),
-                false
+                false,
+                true
             ),
             (
                 "projector",
                 "order.placed.v1",
                 path("project").as_str(),
-                true
+                true,
+                false
             ),
         ]
     );
@@ -142,6 +162,10 @@ fn main() {
     assert_eq!(subscription.id(), "projector");
     assert_eq!(subscription.event_type(), "order.placed.v1");
     assert!(subscription.is_transactional());
+    assert!(!subscription.is_unordered());
+    assert!(mailer.subscription().is_unordered());
+    let audit = audit.subscription();
+    assert!(audit.is_unordered() && audit.is_transactional());
     assert_eq!(
         mailer.subscription().retry_policy(),
         mailer.retry_policy().as_ref()

@@ -164,7 +164,9 @@ impl MongoEventStore {
     /// Deliveries come in `(dueAt, id)` order within each group of lanes, from the lanes the
     /// owner already holds first. A keyed delivery is handed out only when no earlier delivery
     /// of its handler and key is pending and none of them runs, and one claim never hands out
-    /// two deliveries of one key; the claim looks past blocked keys until it has `limit`.
+    /// two deliveries of one key; the claim looks past blocked keys until it has `limit`. An
+    /// unordered delivery (its handler was [unordered](crate::Subscription::unordered) when the
+    /// event was appended) is handed out as an unkeyed one is.
     /// Deliveries a claim finds waiting behind a slow predecessor may be parked, and come back
     /// once the predecessor finished (see the crate documentation).
     ///

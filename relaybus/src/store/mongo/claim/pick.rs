@@ -1,6 +1,7 @@
 //! Picking: the per-key rules, applied to the due deliveries the scans read, in their order.
 //!
-//! A delivery the owner runs already is passed over. An unkeyed delivery is picked as it comes.
+//! A delivery the owner runs already is passed over. An unkeyed delivery is picked as it comes,
+//! and so is an unordered one (marked `unordered`: its candidate has no key).
 //! A keyed delivery is picked only when it is the lowest pending delivery of its handler and key,
 //! no delivery of that handler and key runs, and this claim picked none of them yet: deliveries
 //! of one key run one at a time per handler, in sequence order. The others wait, and the claim

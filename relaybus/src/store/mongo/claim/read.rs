@@ -114,8 +114,8 @@ fn running_of(docs: &[Document]) -> Running {
         };
         generations.insert(id, int(doc, field::CLAIMS).unwrap_or(0));
         ids.insert(id);
-        if let (Some(handler), Some(key)) = (string(doc, field::HANDLER), string(doc, field::KEY)) {
-            keys.insert((handler, key));
+        if let Some(key_of) = ordered_key_of(doc) {
+            keys.insert(key_of);
         }
     }
     Running {
@@ -123,6 +123,15 @@ fn running_of(docs: &[Document]) -> Running {
         keys,
         generations,
     }
+}
+
+/// The handler and ordering key of a delivery document, if it is held to its key's order: a
+/// delivery marked `unordered` keeps its key for operators only.
+fn ordered_key_of(doc: &Document) -> Option<KeyOf> {
+    if doc.get_bool(field::UNORDERED) == Ok(true) {
+        return None;
+    }
+    Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?))
 }
 
 /// Whether a held lane lists a delivery whose current claim this instance did not hand out.
@@ -176,7 +185,8 @@ impl MongoEventStore {
                     "localField": field::IN_FLIGHT,
                     "foreignField": field::ID,
                     "pipeline": [{ "$project": {
-                        field::HANDLER: 1, field::KEY: 1, field::CLAIMS: 1, field::STATUS: 1,
+                        field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
+                        field::STATUS: 1,
                     } }],
                     "as": "running",
                 } },
@@ -306,7 +316,7 @@ impl MongoEventStore {
         let running_pending: HashSet<KeyOf> = running_docs
             .iter()
             .filter(|doc| doc.get_str(field::STATUS) == Ok(status::PENDING))
-            .filter_map(|doc| Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?)))
+            .filter_map(ordered_key_of)
             .collect();
         let result = match parked {
             Some(heads) => self
@@ -359,7 +369,9 @@ impl MongoEventStore {
             .inner
             .deliveries
             .find(doc! { field::ID: { "$in": &listed } })
-            .projection(doc! { field::HANDLER: 1, field::KEY: 1, field::CLAIMS: 1 })
+            .projection(
+                doc! { field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1 },
+            )
             .limit(listed.len() as i64)
             .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
             .await?

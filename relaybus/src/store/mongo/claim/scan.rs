@@ -37,6 +37,8 @@ pub(super) struct Candidate {
     pub(super) lane: i32,
     pub(super) event_id: String,
     pub(super) handler: String,
+    /// The ordering key the per-key rules go by: `None` for a delivery of an unkeyed event,
+    /// and for an unordered one (marked `unordered`), which keeps its key for operators only.
     pub(super) key: Option<String>,
     pub(super) sequence: Option<i64>,
     pub(super) attempts: i64,
@@ -53,7 +55,7 @@ impl Candidate {
             lane: int(field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
             event_id: text(field::EVENT_ID)?,
             handler: text(field::HANDLER)?,
-            key: text(field::KEY),
+            key: text(field::KEY).filter(|_| doc.get_bool(field::UNORDERED) != Ok(true)),
             sequence: int(field::SEQUENCE),
             attempts: int(field::ATTEMPTS).unwrap_or(0),
             claims: int(field::CLAIMS).unwrap_or(0),
@@ -67,7 +69,7 @@ impl Candidate {
             lane: int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
             event_id: string(doc, field::EVENT_ID)?,
             handler: string(doc, field::HANDLER)?,
-            key: string(doc, field::KEY),
+            key: string(doc, field::KEY).filter(|_| doc.get_bool(field::UNORDERED) != Ok(true)),
             sequence: int(doc, field::SEQUENCE),
             attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
             claims: int(doc, field::CLAIMS).unwrap_or(0),
@@ -127,8 +129,9 @@ pub(super) fn page_with_events(filter: Document, window: usize, events: &str) ->
 /// The fields of a delivery a scan reads (see [`Candidate`]).
 fn candidate_fields() -> Document {
     doc! {
-        field::EVENT_ID: 1, field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::LANE_ID: 1,
-        field::ATTEMPTS: 1, field::CLAIMS: 1, field::DUE_AT: 1,
+        field::EVENT_ID: 1, field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1,
+        field::UNORDERED: 1, field::LANE_ID: 1, field::ATTEMPTS: 1, field::CLAIMS: 1,
+        field::DUE_AT: 1,
     }
 }
 
