@@ -40,6 +40,16 @@ pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] DatabaseError),
 
+    /// A commit the database applied on the primary whose write concern then failed: the
+    /// transaction committed there, but no majority acknowledged it (yet).
+    ///
+    /// Not retried, and not transient: running the transaction again would write it twice
+    /// (a new order, new events). It is most likely committed for good; it is lost only if the
+    /// primary fails before the other members have it. Check for its writes before doing it
+    /// again (the event ids tell), or treat it as done.
+    #[error(transparent)]
+    CommitNotAcknowledged(#[from] CommitNotAcknowledgedError),
+
     /// A lease token or delivery id that the store cannot have issued: malformed, or naming a
     /// lane that does not exist. Refused before any database call; nothing was written.
     #[error(transparent)]
@@ -72,7 +82,11 @@ impl Error {
     /// Whether a commit failed without saying whether it committed; sending the commit again
     /// is safe, the database commits a transaction once.
     pub fn is_unknown_commit_result(&self) -> bool {
-        matches!(self, Error::Database(e) if e.is_unknown_commit_result())
+        match self {
+            Error::Database(e) => e.is_unknown_commit_result(),
+            Error::CommitNotAcknowledged(e) => e.source.is_unknown_commit_result(),
+            _ => false,
+        }
     }
 
     /// Whether the database stopped an operation at its time limit (a commit past its
@@ -164,6 +178,30 @@ impl std::fmt::Display for DatabaseError {
 impl std::error::Error for DatabaseError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source.source()
+    }
+}
+
+/// A commit the primary applied whose write concern failed: see
+/// [`Error::CommitNotAcknowledged`].
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the transaction committed on the primary, but its write concern failed ({source}); it \
+     stays committed unless the primary fails before a majority has it: check for its writes \
+     before running it again, which would write them twice"
+)]
+pub struct CommitNotAcknowledgedError {
+    source: DatabaseError,
+}
+
+impl CommitNotAcknowledgedError {
+    /// The commit's write concern error.
+    pub fn new(source: DatabaseError) -> Self {
+        CommitNotAcknowledgedError { source }
+    }
+
+    /// The database's error: the write concern that failed.
+    pub fn database_error(&self) -> &DatabaseError {
+        &self.source
     }
 }
 

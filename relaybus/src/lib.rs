@@ -114,8 +114,8 @@ mod time;
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
 pub use dispatcher::{Retention, RunReport};
 pub use error::{
-    BoxError, ConfigurationError, DatabaseError, Error, EventValidationError, InvalidArgumentError,
-    LeaseError, Result, TransactionTimeoutError,
+    BoxError, CommitNotAcknowledgedError, ConfigurationError, DatabaseError, Error,
+    EventValidationError, InvalidArgumentError, LeaseError, Result, TransactionTimeoutError,
 };
 pub use event::{Event, EventEnvelope};
 pub use handler::{

@@ -1042,6 +1042,21 @@ async fn the_request_transaction_uses_the_transaction_options_of_the_store() {
         StatusCode::INTERNAL_SERVER_ERROR,
         "the commit used the store's write concern, which cannot be satisfied"
     );
+    // The primary applied the commit before the write concern failed: the answer says so
+    // rather than "not saved", and the order is there.
+    let body = axum::body::to_bytes(response.into_body(), 4096)
+        .await
+        .unwrap();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("was saved, but"), "{body}");
+    assert!(
+        db.db()
+            .collection::<mongodb::bson::Document>("orders")
+            .find_one(doc! { "_id": "o-1" })
+            .await
+            .unwrap()
+            .is_some()
+    );
 }
 
 /// `bus.transaction` inside an Axum handler and inside a spawned task: both need a `Send`

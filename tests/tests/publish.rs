@@ -976,3 +976,73 @@ async fn a_delayed_publish_is_stored_now_and_its_deliveries_are_due_later() {
     assert_eq!(at_due.len(), 1, "the key's head, then its follower");
     assert_eq!(at_due[0].sequence(), Some(1));
 }
+
+#[tokio::test]
+async fn a_commit_whose_write_concern_fails_is_committed_not_acknowledged_and_never_run_again() {
+    use mongodb::options::{Acknowledgment, TransactionOptions, WriteConcern};
+
+    let db = test_db("commit_unacknowledged").await;
+    store(&db).await;
+    // More members than any test replica set has: the primary applies the commit, then
+    // reports that the write concern cannot be met.
+    for wait in [None, Some(Duration::from_millis(200))] {
+        let options = TransactionOptions::builder()
+            .write_concern(
+                WriteConcern::builder()
+                    .w(Acknowledgment::Nodes(9))
+                    .w_timeout(wait)
+                    .build(),
+            )
+            .build();
+        let unacknowledged = MongoEventStore::builder(db.client.clone())
+            .database(&db.name)
+            .transaction_options(options)
+            .build()
+            .unwrap();
+        let bus = publisher(&unacknowledged, &["projector"]);
+        let orders = db.db().collection::<Document>("orders");
+        let id = format!("o-{}", wait.map_or(0, |w| w.as_millis()));
+        let runs = AtomicU32::new(0);
+        let outcome = bus
+            .transaction(async |session| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                orders
+                    .insert_one(doc! { "_id": &id })
+                    .session(&mut *session)
+                    .await?;
+                bus.publish(&placed(&id)).session(session).await?;
+                Ok(())
+            })
+            .await;
+        let error = outcome.unwrap_err();
+        assert!(
+            matches!(error, Error::CommitNotAcknowledged(_)),
+            "{wait:?}: {error:?}"
+        );
+        assert!(!error.is_transient_transaction_error());
+        let message = error.to_string();
+        assert!(
+            message.contains("committed on the primary") && message.contains("twice"),
+            "{message}"
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{wait:?}: the body ran again"
+        );
+        // It did commit: the order and its event are there, once.
+        assert!(
+            orders
+                .find_one(doc! { "_id": &id })
+                .await
+                .unwrap()
+                .is_some()
+        );
+        let events = all(&db, "relaybus_events").await;
+        let ours: Vec<_> = events
+            .iter()
+            .filter(|event| event.get_document("payload").unwrap().get_str("order_id") == Ok(&id))
+            .collect();
+        assert_eq!(ours.len(), 1, "{wait:?}: {events:?}");
+    }
+}

@@ -24,8 +24,11 @@ use axum::{
 ///    committed.
 /// 4. [`TimedOut`](Self::TimedOut) with `outcome_known: false`: the commit ran past the budget
 ///    (`maxCommitTimeMS`, or no reply in time). It may or may not have been committed.
-/// 5. [`Database`](Self::Database): any other error of the commit. It was not committed.
-/// 6. [`StillHeld`](Self::StillHeld): an extractor outlived the handler, so the session could
+/// 5. [`NotAcknowledged`](Self::NotAcknowledged): the primary committed, but the commit's
+///    write concern failed (no majority acknowledged it in time, or it cannot be satisfied).
+///    It is committed unless the primary fails before the other members have it.
+/// 6. [`Database`](Self::Database): any other error of the commit. It was not committed.
+/// 7. [`StillHeld`](Self::StillHeld): an extractor outlived the handler, so the session could
 ///    not be taken back to commit. Nothing was committed; the transaction is aborted when that
 ///    extractor drops.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +71,11 @@ pub enum CommitError {
         retry_after: Duration,
     },
 
+    /// The primary committed, but the commit's write concern failed: see
+    /// [`relaybus::Error::CommitNotAcknowledged`].
+    #[error("the commit was applied but not acknowledged: {0}")]
+    NotAcknowledged(#[source] relaybus::Error),
+
     /// The commit failed.
     #[error("the commit failed: {0}")]
     Database(#[source] relaybus::Error),
@@ -87,7 +95,9 @@ impl CommitError {
             CommitError::Transient { .. }
             | CommitError::TimedOut { .. }
             | CommitError::Unknown { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            CommitError::Database(_) | CommitError::StillHeld => StatusCode::INTERNAL_SERVER_ERROR,
+            CommitError::NotAcknowledged(_) | CommitError::Database(_) | CommitError::StillHeld => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -97,7 +107,9 @@ impl CommitError {
             CommitError::Transient { retry_after, .. }
             | CommitError::TimedOut { retry_after, .. }
             | CommitError::Unknown { retry_after, .. } => Some(*retry_after),
-            CommitError::Database(_) | CommitError::StillHeld => None,
+            CommitError::NotAcknowledged(_) | CommitError::Database(_) | CommitError::StillHeld => {
+                None
+            }
         }
     }
 
@@ -107,6 +119,7 @@ impl CommitError {
         !matches!(
             self,
             CommitError::Unknown { .. }
+                | CommitError::NotAcknowledged(_)
                 | CommitError::TimedOut {
                     outcome_known: false,
                     ..
@@ -125,6 +138,9 @@ impl CommitError {
             CommitError::Unknown { .. } | CommitError::TimedOut { .. } => {
                 "the request may not have been saved; check before trying again".to_owned()
             }
+            CommitError::NotAcknowledged(_) => "the request was saved, but the database could \
+                not confirm it on enough servers; check before trying again"
+                .to_owned(),
             CommitError::Database(_) | CommitError::StillHeld => {
                 "the request could not be saved".to_owned()
             }

@@ -355,7 +355,9 @@ impl<St: Store> Slot<St> {
         match commit(&mut *session, shared, started, self.budget).await {
             Ok(()) => (response, outcome),
             Err(error) => {
-                if matches!(error, CommitError::Database(_)) {
+                if matches!(error, CommitError::NotAcknowledged(_)) {
+                    tracing::error!(%error, "the request transaction committed unacknowledged");
+                } else if matches!(error, CommitError::Database(_)) {
                     tracing::error!(%error, "the request transaction did not commit");
                 } else {
                     tracing::debug!(%error, "the request transaction did not commit");
@@ -419,11 +421,14 @@ async fn commit<St: Store>(
         if error.is_timeout() {
             return Err(timed_out());
         }
+        if error.is_unknown_commit_result() && retries < shared.commit_retries {
+            retries += 1;
+            continue;
+        }
+        if matches!(error, relaybus::Error::CommitNotAcknowledged(_)) {
+            return Err(CommitError::NotAcknowledged(error));
+        }
         if error.is_unknown_commit_result() {
-            if retries < shared.commit_retries {
-                retries += 1;
-                continue;
-            }
             return Err(CommitError::Unknown {
                 error,
                 retry_after: shared.retry_after,

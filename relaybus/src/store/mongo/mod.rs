@@ -11,11 +11,12 @@ mod operator;
 mod park;
 mod purge;
 mod schema;
+mod sessions;
 mod settle;
 mod setup;
 mod transaction;
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use mongodb::{
     Client, Collection, Database,
@@ -28,6 +29,7 @@ use tokio::sync::OnceCell;
 
 pub use claim::ClaimedDelivery;
 pub use lease::Lease;
+pub use sessions::DEFAULT_HEARTBEAT_EXPIRY;
 
 use crate::{
     error::{ConfigurationError, DatabaseError, Error},
@@ -90,6 +92,10 @@ pub(crate) struct StoreInner {
     pub(crate) topology_checked: OnceCell<()>,
     /// This instance's identity and what it remembers of the claims it handed out.
     pub(crate) claims: lease::ClaimRegistry,
+    /// Crash recovery: one document per store instance, with its sessions and heartbeat.
+    pub(crate) processes: Collection<Document>,
+    /// The server sessions this instance starts transactions on.
+    pub(crate) sessions: sessions::SessionRegistry,
 }
 
 impl std::fmt::Debug for MongoEventStore {
@@ -113,6 +119,7 @@ impl MongoEventStore {
             completion_history: false,
             transaction_options: None,
             purge_batch_size: DEFAULT_PURGE_BATCH_SIZE,
+            heartbeat_expiry: Some(DEFAULT_HEARTBEAT_EXPIRY),
         }
     }
 
@@ -152,6 +159,7 @@ pub struct MongoEventStoreBuilder {
     completion_history: bool,
     transaction_options: Option<TransactionOptions>,
     purge_batch_size: u32,
+    heartbeat_expiry: Option<Duration>,
 }
 
 impl MongoEventStoreBuilder {
@@ -189,6 +197,38 @@ impl MongoEventStoreBuilder {
         self
     }
 
+    /// How soon the open transactions of a process that died are aborted: 10 seconds by
+    /// default ([`DEFAULT_HEARTBEAT_EXPIRY`]), 1 second to 10 minutes.
+    ///
+    /// MongoDB aborts a transaction whose client died only after
+    /// `transactionLifetimeLimitSeconds` (60 s by default); until then it holds what it wrote,
+    /// and every transaction writing the same documents (the next publish on its ordering key)
+    /// conflicts. So each store instance records the server sessions it starts transactions on
+    /// in the `<prefix>processes` collection, with a heartbeat every quarter of `expiry`, and
+    /// kills (`killSessions`) the sessions of any process whose heartbeat is older than
+    /// `expiry`. A process paused for longer than `expiry` loses its open transactions: they
+    /// fail with a transient error and run again.
+    ///
+    /// Transactions started with this store (its `transaction`, the bus's, the request layer's,
+    /// transactional handlers) are covered; a session on which you call `start_transaction()`
+    /// yourself is not. With access control on, the database user needs the `killAnySession`
+    /// privilege on the cluster to kill the sessions of other processes of the same user.
+    pub fn heartbeat_expiry(mut self, expiry: Duration) -> Self {
+        self.heartbeat_expiry = Some(expiry);
+        self
+    }
+
+    /// Turns crash recovery (see [`heartbeat_expiry`](Self::heartbeat_expiry)) off or on; on by
+    /// default. Off, a dead process's transactions stay open until the server aborts them.
+    pub fn crash_recovery(mut self, enabled: bool) -> Self {
+        self.heartbeat_expiry = if enabled {
+            self.heartbeat_expiry.or(Some(DEFAULT_HEARTBEAT_EXPIRY))
+        } else {
+            None
+        };
+        self
+    }
+
     /// Validates the options and builds the store. Makes no database call.
     ///
     /// # Errors
@@ -210,6 +250,14 @@ impl MongoEventStoreBuilder {
             return Err(ConfigurationError::InvalidOption {
                 option: "purge_batch_size",
                 reason: format!("{} is out of range; use 1 to 100000", self.purge_batch_size),
+            });
+        }
+        if let Some(expiry) = self.heartbeat_expiry
+            && !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&expiry)
+        {
+            return Err(ConfigurationError::InvalidOption {
+                option: "heartbeat_expiry",
+                reason: format!("{expiry:?} is out of range; use 1 second to 10 minutes"),
             });
         }
         let transaction_options = self.transaction_options.unwrap_or_else(|| {
@@ -248,6 +296,8 @@ impl MongoEventStoreBuilder {
             key_sequences: collection("key_sequences"),
             lanes: collection("lanes"),
             completed: collection("completed_deliveries"),
+            processes: collection("processes"),
+            sessions: sessions::SessionRegistry::new(self.heartbeat_expiry),
             client: self.client,
             db,
             prefix,

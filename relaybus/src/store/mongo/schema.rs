@@ -95,6 +95,13 @@ pub(crate) mod field {
     pub(crate) const LOST_EPOCH: &str = "e";
     /// The requeues of dead deliveries of the lane; absent until the first one.
     pub(crate) const REQUEUES: &str = "requeues";
+
+    // Processes (crash recovery).
+
+    /// The server session ids a store instance starts its transactions on.
+    pub(crate) const SESSIONS: &str = "sessions";
+    /// When a store instance's heartbeat expires, by the server's clock.
+    pub(crate) const EXPIRES_AT: &str = "expiresAt";
 }
 
 /// Field paths, `$<field>`: the value of a field of the current document in an aggregation
@@ -116,6 +123,8 @@ pub(crate) mod path {
     pub(crate) const IN_FLIGHT: &str = "$inFlight";
     /// `$lost`.
     pub(crate) const LOST: &str = "$lost";
+    /// `$expiresAt`.
+    pub(crate) const EXPIRES_AT: &str = "$expiresAt";
 }
 
 /// The values of a delivery's `status`.
@@ -306,6 +315,7 @@ mod tests {
             (path::EPOCH, field::EPOCH),
             (path::IN_FLIGHT, field::IN_FLIGHT),
             (path::LOST, field::LOST),
+            (path::EXPIRES_AT, field::EXPIRES_AT),
         ] {
             assert_eq!(path, format!("${field}"));
         }

@@ -3,11 +3,16 @@
 
 use std::time::Duration;
 
-use mongodb::{ClientSession, bson::doc, error::ErrorKind, options::ReadConcern};
+use mongodb::{
+    ClientSession,
+    bson::doc,
+    error::{ErrorKind, WriteFailure},
+    options::ReadConcern,
+};
 
 use super::{MongoEventStore, error_code};
 use crate::{
-    error::{ConfigurationError, Error, InvalidArgumentError, Result},
+    error::{CommitNotAcknowledgedError, ConfigurationError, Error, InvalidArgumentError, Result},
     store::transaction::{self, Attempts, Committed},
 };
 
@@ -196,6 +201,12 @@ impl MongoEventStore {
         if read_concern.is_some() {
             options.read_concern = read_concern;
         }
+        // Recorded before the transaction can write anything, so that the sessions of a
+        // process that dies with it open can be killed.
+        self.inner
+            .sessions
+            .record(&self.inner, session.id())
+            .await?;
         session
             .start_transaction()
             .with_options(options)
@@ -203,12 +214,21 @@ impl MongoEventStore {
             .map_err(|e| map_standalone(e.into()))
     }
 
-    /// Commits once, as the runner asks.
+    /// Commits once, as the runner asks. A write concern error means the primary committed:
+    /// it is [`Error::CommitNotAcknowledged`], never an error to run the transaction again on.
     pub(crate) async fn commit_once(&self, session: &mut ClientSession) -> Result<()> {
-        session
-            .commit_transaction()
-            .await
-            .map_err(|e| map_standalone(e.into()))
+        session.commit_transaction().await.map_err(|e| {
+            let applied = matches!(
+                *e.kind,
+                ErrorKind::Write(WriteFailure::WriteConcernError(_))
+            );
+            match map_standalone(e.into()) {
+                Error::Database(error) if applied => {
+                    CommitNotAcknowledgedError::new(error.with_transient(false)).into()
+                }
+                error => error,
+            }
+        })
     }
 
     /// Refuses a standalone server once, then remembers that the server is fine.

@@ -230,6 +230,8 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>> {
         check_owner(owner)?;
+        // A dispatcher that never runs a transaction still sweeps the sessions of dead ones.
+        self.inner.sessions.start(&self.inner).await;
         let mut wanted: Vec<&str> = Vec::with_capacity(handlers.len());
         for handler in handlers {
             let handler = handler.as_ref();

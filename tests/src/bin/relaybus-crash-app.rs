@@ -1,0 +1,116 @@
+//! An application process for the crash-recovery test: it publishes keyed events in
+//! transactions under load, as a service does, so that the test can kill it with transactions
+//! open.
+//!
+//! ```text
+//! relaybus-crash-app URI DATABASE HEARTBEAT_MS KEYS
+//! ```
+//!
+//! Eight tasks commit business documents with their events, keyed `key-0` .. `key-{KEYS-1}`,
+//! in a loop. Once 50 of them committed, one more transaction writes a business document and
+//! publishes on `held`, prints `holding`, and never ends: it is open when the process dies.
+//! The process runs until it is killed.
+
+use std::{
+    process::ExitCode,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use relaybus::{
+    MongoEventStore, RelayBus,
+    mongodb::{Client, bson::doc},
+};
+use relaybus_tests::support::placed;
+use tokio::sync::Notify;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [uri, database, heartbeat_ms, keys] = args.as_slice() else {
+        eprintln!("usage: relaybus-crash-app URI DATABASE HEARTBEAT_MS KEYS");
+        return ExitCode::from(2);
+    };
+    let (Ok(heartbeat_ms), Ok(keys)) = (heartbeat_ms.parse::<u64>(), keys.parse::<u32>()) else {
+        eprintln!("relaybus-crash-app: HEARTBEAT_MS and KEYS must be whole numbers");
+        return ExitCode::from(2);
+    };
+    match run(uri, database, heartbeat_ms, keys.max(1)).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("relaybus-crash-app: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(
+    uri: &str,
+    database: &str,
+    heartbeat_ms: u64,
+    keys: u32,
+) -> Result<(), relaybus::BoxError> {
+    let client = Client::with_uri_str(uri).await?;
+    let store = MongoEventStore::builder(client.clone())
+        .database(database)
+        .heartbeat_expiry(Duration::from_millis(heartbeat_ms))
+        .build()?;
+    let bus = RelayBus::builder(store)
+        .without_registered_handlers()
+        .build()?;
+    let orders = client.database(database).collection("orders");
+    let committed = Arc::new(AtomicU64::new(0));
+    let enough = Arc::new(Notify::new());
+    for worker in 0..8u32 {
+        let (bus, orders) = (bus.clone(), orders.clone());
+        let (committed, enough) = (Arc::clone(&committed), Arc::clone(&enough));
+        tokio::spawn(async move {
+            for n in 0u64.. {
+                let key = format!("key-{}", (u64::from(worker) + n) % u64::from(keys));
+                let id = format!("w{worker}-{n}");
+                let (publisher, orders) = (bus.clone(), orders.clone());
+                let result = bus
+                    .transaction(async move |session| {
+                        orders
+                            .insert_one(doc! { "_id": &id, "key": &key })
+                            .session(&mut *session)
+                            .await?;
+                        publisher
+                            .publish(&placed(&id))
+                            .key(key.clone())
+                            .session(session)
+                            .await?;
+                        Ok(())
+                    })
+                    .await;
+                match result {
+                    Ok(()) => {
+                        if committed.fetch_add(1, Ordering::Relaxed) + 1 == 50 {
+                            enough.notify_one();
+                        }
+                    }
+                    Err(error) => eprintln!("relaybus-crash-app: {error}"),
+                }
+            }
+        });
+    }
+    enough.notified().await;
+    bus.transaction(async |session| {
+        orders
+            .insert_one(doc! { "_id": "held", "key": "held" })
+            .session(&mut *session)
+            .await?;
+        bus.publish(&placed("held"))
+            .key("held")
+            .session(session)
+            .await?;
+        println!("holding");
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+    .await?;
+    Ok(())
+}
