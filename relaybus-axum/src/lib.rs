@@ -78,7 +78,14 @@
 //! budget (the bus's transaction timeout by default). A commit that fails replaces the response:
 //! with a 503 and `Retry-After` when trying again may work (a write conflict, a timeout), with
 //! a 500 otherwise; [`transaction::error::CommitError`] lists the cases and what was committed
-//! in each. Handlers' writes are not replayed: a request is not a retryable closure.
+//! in each.
+//!
+//! A transaction that fails with a transient error, at commit or in the route (a response
+//! marked [`RetryRequest`], as [`PublishError`] marks its 503s), does not reach the client: the
+//! layer aborts it and runs the route again on a kept copy of the request, in a new
+//! transaction, up to [`Config::request_attempts`] runs within one time budget. So publishers
+//! of one hot ordering key wait for each other instead of answering 503. The route may
+//! therefore run more than once, as the body of `RelayBus::transaction` may.
 //!
 //! # Error handling
 //!

@@ -42,7 +42,7 @@ pub const DEFAULT_COLLECTION_PREFIX: &str = "relaybus_";
 pub const DEFAULT_PURGE_BATCH_SIZE: u32 = 500;
 
 /// The MongoDB event store: the transactional outbox and the delivery queue of relaybus, kept in
-/// four collections of one database.
+/// the collections of one database.
 ///
 /// Events are appended in the caller's own multi-document transaction, together with the business
 /// data, so a committed change always has its events and an aborted one never leaks one. MongoDB
@@ -57,7 +57,8 @@ pub const DEFAULT_PURGE_BATCH_SIZE: u32 = 500;
 /// `relaybus_deliveries` (one per unfinished event and handler), `relaybus_key_sequences` (one
 /// counter per ordering key), `relaybus_lanes` (256 lane documents) and, with
 /// [`completion_history`](MongoEventStoreBuilder::completion_history),
-/// `relaybus_completed_deliveries`.
+/// `relaybus_completed_deliveries`; `relaybus_processes` holds one document per running store
+/// instance, for [crash recovery](MongoEventStoreBuilder::heartbeat_expiry).
 ///
 /// # Example
 ///
