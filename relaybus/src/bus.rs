@@ -5,7 +5,7 @@ use std::{
     future::{Future, IntoFuture},
     pin::Pin,
     sync::Arc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use crate::{
@@ -18,6 +18,7 @@ use crate::{
         AppendRequest, Appended, DefaultStore, Purged, Store,
         transaction::{self, Attempts, Committed},
     },
+    telemetry::Operation,
     time::Timestamp,
 };
 
@@ -335,6 +336,28 @@ impl<S: Store> RelayBus<S> {
     }
 
     async fn append(
+        &self,
+        session: Option<&mut S::Session>,
+        envelopes: &[EventEnvelope],
+        due: Due,
+    ) -> Result<Vec<Appended>> {
+        let started = Instant::now();
+        let appended = self.append_untimed(session, envelopes, due).await;
+        let metrics = &self.inner.shared.metrics;
+        metrics.operation(
+            Operation::Publish,
+            started.elapsed().as_secs_f64(),
+            appended.is_err(),
+        );
+        if appended.is_ok() {
+            for envelope in envelopes {
+                metrics.sent(envelope.event_type(), 1);
+            }
+        }
+        appended
+    }
+
+    async fn append_untimed(
         &self,
         session: Option<&mut S::Session>,
         envelopes: &[EventEnvelope],

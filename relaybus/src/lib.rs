@@ -109,6 +109,7 @@ mod handler;
 pub mod registry;
 mod state;
 pub mod store;
+pub mod telemetry;
 mod time;
 
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};

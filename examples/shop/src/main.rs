@@ -33,6 +33,7 @@ use axum::{
     routing::{get, post},
 };
 use futures::TryStreamExt;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use mongodb::{
     Client, Database,
     bson::{Document, doc, oid::ObjectId},
@@ -101,7 +102,11 @@ impl FromRef<AppState> for RelayState {
     }
 }
 
-fn router(bus: RelayBus, db: Database) -> Result<Router, relaybus::ConfigurationError> {
+fn router(
+    bus: RelayBus,
+    db: Database,
+    metrics: PrometheusHandle,
+) -> Result<Router, relaybus::ConfigurationError> {
     let (relay, layer) = relaybus_axum::setup(bus.clone())?;
     Ok(Router::new()
         .route("/orders", post(place_order))
@@ -112,7 +117,9 @@ fn router(bus: RelayBus, db: Database) -> Result<Router, relaybus::Configuration
         .with_state(AppState { relay, db })
         // Mount the operator routes behind your own authentication; here they are open, on
         // the loopback interface only.
-        .nest("/ops", relaybus_axum::ops::router(bus)))
+        .nest("/ops", relaybus_axum::ops::router(bus))
+        // relaybus's metrics (messaging.*, relaybus.*), for Prometheus to scrape.
+        .route("/metrics", get(async move || metrics.render())))
 }
 
 #[derive(Debug, Deserialize)]
@@ -308,13 +315,15 @@ async fn main() -> Result<(), BoxError> {
     }
     let db = client.database(&database);
 
+    // The metrics recorder goes in before the bus is built: the bus registers its metrics then.
+    let metrics = PrometheusBuilder::new().install_recorder()?;
     let store = MongoEventStore::builder(client.clone())
         .database(&database)
         .build()?;
     // Subscribes every #[handler] of the binary: send-confirmation and projector, which takes
     // the database as its state.
     let bus = RelayBus::builder(store).state(db.clone()).build()?;
-    let app = router(bus.clone(), db)?;
+    let app = router(bus.clone(), db, metrics)?;
 
     let address = match std::env::var("SHOP_ADDR") {
         Ok(address) => address,
@@ -400,6 +409,8 @@ async fn run_demo(address: SocketAddr) -> Result<(), BoxError> {
     }
     let (_, ops) = http(address, "GET", "/ops/statistics", None).await?;
     println!("GET /ops/statistics -> {ops}");
+    let (status, _) = http(address, "GET", "/metrics", None).await?;
+    println!("GET /metrics -> {status} (relaybus's counters and histograms, for Prometheus)");
     Ok(())
 }
 

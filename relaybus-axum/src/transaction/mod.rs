@@ -192,11 +192,23 @@ where
         if !time_left() {
             return response;
         }
+        count("retried");
         tracing::debug!(
             attempt = attempts.attempt() + 1,
             "the request transaction met a transient error; running the request again"
         );
     }
+}
+
+/// Counts a request transaction's outcome: `relaybus.request.transactions`.
+fn count(outcome: &'static str) {
+    use relaybus::telemetry::{OUTCOME_ATTRIBUTE, REQUEST_TRANSACTIONS, SYSTEM, SYSTEM_ATTRIBUTE};
+    metrics::counter!(
+        REQUEST_TRANSACTIONS,
+        SYSTEM_ATTRIBUTE => SYSTEM,
+        OUTCOME_ATTRIBUTE => outcome,
+    )
+    .increment(1);
 }
 
 /// The least budget worth starting another attempt with.
@@ -338,12 +350,14 @@ impl<St: Store> Slot<St> {
         let store = shared.bus.store();
         if !shared.policy.commits(response.status()) {
             store.abort(&mut session).await;
+            count("aborted");
             outcome.retry = response.extensions().get::<RetryRequest>().is_some();
             return (response, outcome);
         }
         let elapsed = started.elapsed();
         if elapsed > self.budget {
             store.abort(&mut session).await;
+            count("aborted");
             let timed_out = CommitError::TimedOut {
                 budget: self.budget,
                 elapsed,
@@ -353,8 +367,16 @@ impl<St: Store> Slot<St> {
             return (timed_out.into_response(), outcome);
         }
         match commit(&mut *session, shared, started, self.budget).await {
-            Ok(()) => (response, outcome),
+            Ok(()) => {
+                count("committed");
+                (response, outcome)
+            }
             Err(error) => {
+                count(if matches!(error, CommitError::NotAcknowledged(_)) {
+                    "unacknowledged"
+                } else {
+                    "aborted"
+                });
                 if matches!(error, CommitError::NotAcknowledged(_)) {
                     tracing::error!(%error, "the request transaction committed unacknowledged");
                 } else if matches!(error, CommitError::Database(_)) {

@@ -6,7 +6,7 @@ mod wake;
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex as StdMutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use futures::future::join_all;
@@ -22,6 +22,7 @@ use crate::{
     handler::{RetryPolicy, Subscription},
     state::StateMap,
     store::{ClaimRequest, Claimed, PurgeOptions, Purged, Store, StoreLease},
+    telemetry::{BusMetrics, Operation},
     time::Timestamp,
 };
 
@@ -85,6 +86,8 @@ pub(crate) struct Shared<S: Store> {
     pub(crate) subscriptions: HashMap<String, Subscription>,
     pub(crate) handler_ids: Vec<String>,
     pub(crate) settings: Settings,
+    /// The bus's metrics, registered when it was built.
+    pub(crate) metrics: BusMetrics,
     running: StdMutex<RunningSet<S>>,
     /// Where the wake-ups reported new deliveries since the last claim (MongoDB: lanes).
     reported: StdMutex<Vec<u32>>,
@@ -120,16 +123,19 @@ pub struct RunReport {
 
 impl<S: Store> Shared<S> {
     pub(crate) fn new(store: S, subscriptions: &[Subscription], settings: Settings) -> Self {
+        let subscriptions_list = subscriptions;
         let handler_ids = subscriptions.iter().map(|s| s.id.clone()).collect();
         let subscriptions = subscriptions
             .iter()
             .map(|s| (s.id.clone(), s.clone()))
             .collect();
+        let metrics = BusMetrics::new(subscriptions_list);
         Shared {
             store,
             subscriptions,
             handler_ids,
             settings,
+            metrics,
             running: StdMutex::new(HashMap::new()),
             reported: StdMutex::new(Vec::new()),
         }
@@ -161,6 +167,7 @@ impl<S: Store> Shared<S> {
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
         let reported = self.take_reported();
         async {
+            let started = Instant::now();
             let batch = self
                 .store
                 .claim(ClaimRequest {
@@ -171,7 +178,18 @@ impl<S: Store> Shared<S> {
                     now: Timestamp::now(),
                     reported: if after_wait { &reported } else { &[] },
                 })
-                .await?;
+                .await;
+            self.metrics.operation(
+                Operation::Receive,
+                started.elapsed().as_secs_f64(),
+                batch.is_err(),
+            );
+            let batch = batch?;
+            for delivery in &batch {
+                if let Some(metrics) = self.metrics.handler(&delivery.handler) {
+                    metrics.consumed.increment(1);
+                }
+            }
             if !batch.is_empty() {
                 debug!(claimed = batch.len(), "claimed deliveries");
             }
@@ -179,6 +197,18 @@ impl<S: Store> Shared<S> {
         }
         .instrument(span)
         .await
+    }
+
+    /// Completes a batch of successful deliveries, timed.
+    async fn complete(&self, leases: &[S::Lease]) -> Result<Vec<bool>> {
+        let started = Instant::now();
+        let completed = self.store.complete(leases, Timestamp::now()).await;
+        self.metrics.operation(
+            Operation::Settle,
+            started.elapsed().as_secs_f64(),
+            completed.is_err(),
+        );
+        completed
     }
 
     /// One claim, its handlers run concurrently, successes completed in one call.
@@ -201,7 +231,7 @@ impl<S: Store> Shared<S> {
             }
         }
         if !leases.is_empty() {
-            let completed = self.store.complete(&leases, Timestamp::now()).await?;
+            let completed = self.complete(&leases).await?;
             let now_completed = completed.iter().filter(|c| **c).count();
             report.completed += now_completed;
             report.other += leases.len() - now_completed;
@@ -430,7 +460,7 @@ async fn complete_batches<S: Store>(
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                match shared.store.complete(&batch, Timestamp::now()).await {
+                match shared.complete(&batch).await {
                     Ok(completed) => {
                         let lost = completed.iter().filter(|c| !**c).count();
                         if lost > 0 {

@@ -12,6 +12,7 @@ use tokio::sync::Mutex;
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::Shared;
+use crate::telemetry::FailureKind;
 use crate::{
     error::{DatabaseError, Error},
     handler::{HandlerContext, Permanent, Subscription},
@@ -54,6 +55,13 @@ pub(crate) async fn run_delivery<S: Store>(
         attempt = delivery.attempt,
     );
     async move {
+        if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
+            metrics.attempts.increment(1);
+            if delivery.attempt == 1 {
+                let waited = Timestamp::now().duration_since(delivery.event.created_at());
+                metrics.latency.record(waited.as_secs_f64());
+            }
+        }
         let Some(subscription) = shared.subscriptions.get(&delivery.handler) else {
             // The claim asks only for our handlers, so this cannot happen; give it back.
             warn!("claimed a delivery of a handler this bus does not run; releasing it");
@@ -70,7 +78,7 @@ pub(crate) async fn run_delivery<S: Store>(
                 delivery.attempt,
                 None,
             );
-            match call(subscription, &shared.settings.state, &delivery, context).await {
+            match call(shared, subscription, &delivery, context).await {
                 Ok(()) => {
                     debug!("handler succeeded");
                     Outcome::Succeeded(delivery.lease.clone())
@@ -94,6 +102,8 @@ pub(crate) struct Failure {
     transient: bool,
     /// The handler said no retry can help ([`Permanent`]).
     permanent: bool,
+    /// How it failed, for the metrics.
+    kind: FailureKind,
 }
 
 impl Failure {
@@ -102,12 +112,39 @@ impl Failure {
             message: message.into(),
             transient: false,
             permanent: false,
+            kind: FailureKind::Error,
+        }
+    }
+
+    fn panic(message: impl Into<String>) -> Self {
+        Failure {
+            kind: FailureKind::Panic,
+            ..Failure::new(message)
         }
     }
 }
 
 /// Calls the handler, turning an error or a panic into a failure.
 async fn call<S: Store>(
+    shared: &Shared<S>,
+    subscription: &Subscription,
+    delivery: &Claimed<S::Lease>,
+    context: HandlerContext<S>,
+) -> Result<(), Failure> {
+    let started = Instant::now();
+    let result = call_timed(subscription, &shared.settings.state, delivery, context).await;
+    if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
+        let seconds = started.elapsed().as_secs_f64();
+        match &result {
+            Ok(()) => metrics.succeeded.record(seconds),
+            Err(failure) => metrics.failed(failure.kind, seconds),
+        }
+    }
+    result
+}
+
+/// Calls the handler, within its timeout, catching its panics.
+async fn call_timed<S: Store>(
     subscription: &Subscription,
     state: &StateMap,
     delivery: &Claimed<S::Lease>,
@@ -118,28 +155,39 @@ async fn call<S: Store>(
         subscription.call(payload, context, state)
     })) {
         Ok(future) => future,
-        Err(panic) => return Err(Failure::new(panic_message(panic.as_ref()))),
+        Err(panic) => return Err(Failure::panic(panic_message(panic.as_ref()))),
     };
     let run = AssertUnwindSafe(future).catch_unwind();
     let ended = match subscription.timeout {
         Some(limit) => match tokio::time::timeout(limit, run).await {
             Ok(ended) => ended,
             Err(_) => {
-                return Err(Failure::new(format!(
-                    "the handler did not finish within its timeout of {limit:?}"
-                )));
+                return Err(Failure {
+                    kind: FailureKind::Timeout,
+                    ..Failure::new(format!(
+                        "the handler did not finish within its timeout of {limit:?}"
+                    ))
+                });
             }
         },
         None => run.await,
     };
     match ended {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(error)) => Err(Failure {
-            message: error_chain(error.as_ref()),
-            transient: is_transient::<S>(error.as_ref()),
-            permanent: error.downcast_ref::<Permanent>().is_some(),
-        }),
-        Err(panic) => Err(Failure::new(panic_message(panic.as_ref()))),
+        Ok(Err(error)) => {
+            let permanent = error.downcast_ref::<Permanent>().is_some();
+            Err(Failure {
+                message: error_chain(error.as_ref()),
+                transient: is_transient::<S>(error.as_ref()),
+                permanent,
+                kind: if permanent {
+                    FailureKind::Permanent
+                } else {
+                    FailureKind::Error
+                },
+            })
+        }
+        Err(panic) => Err(Failure::panic(panic_message(panic.as_ref()))),
     }
 }
 
@@ -219,9 +267,8 @@ impl AttemptFailure {
     /// A failure of the store's own step (completing, committing) inside the transaction.
     fn of_store(error: Error) -> Self {
         let failure = Failure {
-            message: error.to_string(),
             transient: error.is_transient_transaction_error(),
-            permanent: false,
+            ..Failure::new(error.to_string())
         };
         AttemptFailure::of(failure)
     }
@@ -254,7 +301,7 @@ async fn transactional_attempt<S: Store>(
         delivery.attempt,
         Some(Arc::clone(shared_session)),
     );
-    let result = call(subscription, &shared.settings.state, delivery, context).await;
+    let result = call(shared, subscription, delivery, context).await;
     // The handler is done; a guard it leaked into a task of its own would block here, so wait
     // for the session only as long as a transaction may live.
     let guard = tokio::time::timeout(
@@ -295,9 +342,8 @@ async fn transactional_attempt<S: Store>(
             Ok(Outcome::Completed)
         }
         Ok(Committed::RunAgain) => Err(AttemptFailure::Transient(Failure {
-            message: "the commit met a transient error".to_owned(),
             transient: true,
-            permanent: false,
+            ..Failure::new("the commit met a transient error")
         })),
         Err(error) => Err(AttemptFailure::of_store(error)),
     }
@@ -362,6 +408,9 @@ async fn fail<S: Store>(
     if failure.permanent || attempt >= policy.max_attempts() {
         match shared.store.bury(lease, message, now).await {
             Ok(true) => {
+                if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
+                    metrics.dead_letters.increment(1);
+                }
                 warn!(error = %message, attempt, "handler failed for the last time; the delivery is dead")
             }
             Ok(false) => debug!("the lease ended before the delivery could be buried"),
@@ -375,6 +424,9 @@ async fn fail<S: Store>(
     let due_at = now.saturating_add(wait);
     match shared.store.reschedule(lease, due_at, message, now).await {
         Ok(true) => {
+            if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
+                metrics.retries.increment(1);
+            }
             warn!(error = %message, attempt, retry_in_ms = wait.as_millis() as u64, "handler failed; retrying later")
         }
         Ok(false) => debug!("the lease ended before the delivery could be rescheduled"),
