@@ -130,6 +130,7 @@ impl<S: Store> RelayBus<S> {
             setup_on_start: true,
             change_stream: true,
             retention: Some(Retention::default()),
+            gauge_interval: Some(crate::dispatcher::DEFAULT_GAUGE_INTERVAL),
             state: StateMap::default(),
             duplicate_state: None,
         }
@@ -206,6 +207,18 @@ impl<S: Store> RelayBus<S> {
             DispatcherState::ShutDown => {}
         }
         Ok(())
+    }
+
+    /// Samples the delivery gauges now, as a started bus does every
+    /// [`gauge_interval`](RelayBusBuilder::gauge_interval), if this bus leads their sampling
+    /// (see [`telemetry`](crate::telemetry)): `true` when it sampled, `false` when another bus
+    /// leads.
+    ///
+    /// # Errors
+    ///
+    /// The store's errors.
+    pub async fn sample_gauges(&self) -> Result<bool> {
+        self.inner.shared.sample_gauges().await
     }
 
     /// Deletes what the retention settings let go now, as the dispatcher does on its
@@ -438,6 +451,7 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     setup_on_start: bool,
     change_stream: bool,
     retention: Option<Retention>,
+    gauge_interval: Option<Duration>,
     state: StateMap,
     /// The first type given twice to `state`, reported by `build`.
     duplicate_state: Option<&'static str>,
@@ -592,6 +606,15 @@ impl<S: Store> RelayBusBuilder<S> {
         self
     }
 
+    /// How often the started bus samples the delivery gauges (`relaybus.deliveries`,
+    /// `relaybus.delivery.oldest_due.age`) when it leads their sampling, 15 s by default, 100
+    /// ms to 1 hour; `None` never. One started bus of the deployment samples at a time (see
+    /// [`telemetry`](crate::telemetry)), with one aggregation of the store's deliveries.
+    pub fn gauge_interval(mut self, interval: Option<Duration>) -> Self {
+        self.gauge_interval = interval;
+        self
+    }
+
     /// Validates the settings and builds the bus. Makes no database call.
     ///
     /// # Errors
@@ -689,6 +712,7 @@ impl<S: Store> RelayBusBuilder<S> {
             setup_on_start: self.setup_on_start,
             change_stream: self.change_stream,
             retention: self.retention,
+            gauge_interval: self.gauge_interval,
             state: self.state,
         };
         let shared = Arc::new(Shared::new(
@@ -742,6 +766,14 @@ impl<S: Store> RelayBusBuilder<S> {
                     "{:?} is out of range; use 1 ms to 1 hour",
                     self.poll_interval
                 ),
+            );
+        }
+        if let Some(interval) = self.gauge_interval
+            && !(Duration::from_millis(100)..=Duration::from_secs(3_600)).contains(&interval)
+        {
+            return invalid(
+                "gauge_interval",
+                format!("{interval:?} is out of range; use 100 ms to 1 hour, or None"),
             );
         }
         if self.lease_duration <= self.poll_interval

@@ -16,6 +16,18 @@
 //! | `relaybus.delivery.retries` | counter | destination, consumer group | failed runs rescheduled for a retry |
 //! | `relaybus.delivery.dead_letters` | counter | destination, consumer group | deliveries buried as dead letters |
 //! | `relaybus.delivery.latency` | histogram, s | destination, consumer group | from the event's creation to the start of its first run |
+//! | `relaybus.deliveries` | gauge | consumer group, `relaybus.state` | unfinished deliveries: `waiting`, `running`, `parked`, `dead` |
+//! | `relaybus.delivery.oldest_due.age` | gauge, s | consumer group | how long the handler's oldest pending delivery has been due |
+//! | `relaybus.lane.takeovers` | counter | | lanes taken over from a holder whose lease ended with deliveries unfinished |
+//! | `relaybus.delivery.lost_attempts` | counter | | attempts charged to deliveries their worker lost |
+//!
+//! The two gauges come from one aggregation of the store
+//! ([`Store::handler_statistics`](crate::store::Store::handler_statistics)) every
+//! `RelayBusBuilder::gauge_interval` (15 s by default), run by one started bus of the
+//! deployment at a time, the one that holds the store's `gauges` lead
+//! ([`Store::lead`](crate::store::Store::lead)), so that N processes do not report N copies.
+//! A bus that loses the lead sets its gauges to zero, so summing them across processes
+//! counts each delivery once.
 //!
 //! The attributes: `messaging.system` is always `relaybus`; the destination
 //! (`messaging.destination.name`) is the event type; the consumer group
@@ -29,11 +41,11 @@
 //! `unacknowledged` (committed on the primary, its write concern failed) and `retried` (run
 //! again after a transient error; the run that follows counts again).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use metrics::{Counter, Histogram, Label, counter, histogram};
+use metrics::{Counter, Histogram, Label, counter, gauge, histogram};
 
-use crate::handler::Subscription;
+use crate::{handler::Subscription, store::HandlerStatistics, time::Timestamp};
 
 /// `messaging.client.sent.messages`: events appended by a publish.
 pub const SENT_MESSAGES: &str = "messaging.client.sent.messages";
@@ -53,6 +65,18 @@ pub const DEAD_LETTERS: &str = "relaybus.delivery.dead_letters";
 /// `relaybus.delivery.latency`: from an event's creation to the start of its first run, in
 /// seconds.
 pub const LATENCY: &str = "relaybus.delivery.latency";
+/// `relaybus.deliveries`: unfinished deliveries by handler and state (`waiting`, `running`,
+/// `parked`, `dead`), a gauge sampled by one process of the deployment at a time.
+pub const DELIVERIES: &str = "relaybus.deliveries";
+/// `relaybus.delivery.oldest_due.age`: how long the oldest pending delivery of a handler has
+/// been due, in seconds (0 when none is due), sampled with [`DELIVERIES`].
+pub const OLDEST_DUE_AGE: &str = "relaybus.delivery.oldest_due.age";
+/// `relaybus.lane.takeovers`: lanes taken over from a holder whose lease ended with deliveries
+/// unfinished.
+pub const TAKEOVERS: &str = "relaybus.lane.takeovers";
+/// `relaybus.delivery.lost_attempts`: attempts charged to deliveries whose worker lost them
+/// (it died, or stalled past its lease).
+pub const LOST_ATTEMPTS: &str = "relaybus.delivery.lost_attempts";
 /// `relaybus.request.transactions`: request transactions of `relaybus-axum`, by outcome.
 pub const REQUEST_TRANSACTIONS: &str = "relaybus.request.transactions";
 
@@ -70,6 +94,76 @@ pub const OPERATION_ATTRIBUTE: &str = "messaging.operation.name";
 pub const ERROR_TYPE_ATTRIBUTE: &str = "error.type";
 /// The attribute naming the outcome of a request transaction.
 pub const OUTCOME_ATTRIBUTE: &str = "relaybus.outcome";
+/// The attribute naming the state of counted deliveries.
+pub const STATE_ATTRIBUTE: &str = "relaybus.state";
+
+/// The role whose lead samples the gauges.
+pub(crate) const GAUGE_ROLE: &str = "gauges";
+
+/// Records one sample of the delivery gauges. Handlers in `reported` that no longer have a
+/// delivery are set to zero, so that a gauge does not keep its last count once its handler is
+/// done.
+pub(crate) fn record_gauges(
+    statistics: &[HandlerStatistics],
+    now: Timestamp,
+    reported: &mut HashSet<String>,
+) {
+    let mut seen = HashSet::with_capacity(statistics.len());
+    for handler in statistics {
+        let waiting = handler
+            .pending
+            .saturating_sub(handler.running)
+            .saturating_sub(handler.parked);
+        for (state, count) in [
+            ("waiting", waiting),
+            ("running", handler.running),
+            ("parked", handler.parked),
+            ("dead", handler.dead),
+        ] {
+            deliveries_gauge(&handler.handler, state).set(count as f64);
+        }
+        let age = handler
+            .oldest_due_at
+            .map_or(0.0, |due| now.duration_since(due).as_secs_f64());
+        age_gauge(&handler.handler).set(age);
+        seen.insert(handler.handler.clone());
+    }
+    for gone in reported.difference(&seen) {
+        for state in ["waiting", "running", "parked", "dead"] {
+            deliveries_gauge(gone, state).set(0.0);
+        }
+        age_gauge(gone).set(0.0);
+    }
+    *reported = seen;
+}
+
+fn deliveries_gauge(handler: &str, state: &'static str) -> metrics::Gauge {
+    gauge!(
+        DELIVERIES,
+        SYSTEM_ATTRIBUTE => SYSTEM,
+        CONSUMER_GROUP_ATTRIBUTE => handler.to_owned(),
+        STATE_ATTRIBUTE => state,
+    )
+}
+
+fn age_gauge(handler: &str) -> metrics::Gauge {
+    gauge!(
+        OLDEST_DUE_AGE,
+        SYSTEM_ATTRIBUTE => SYSTEM,
+        CONSUMER_GROUP_ATTRIBUTE => handler.to_owned(),
+    )
+}
+
+/// Counts lanes taken over and the lost attempts charged with them (store side).
+#[cfg_attr(not(feature = "mongodb"), allow(dead_code))]
+pub(crate) fn record_takeovers(lanes: u64, lost_attempts: u64) {
+    if lanes > 0 {
+        counter!(TAKEOVERS, SYSTEM_ATTRIBUTE => SYSTEM).increment(lanes);
+    }
+    if lost_attempts > 0 {
+        counter!(LOST_ATTEMPTS, SYSTEM_ATTRIBUTE => SYSTEM).increment(lost_attempts);
+    }
+}
 
 /// How a handler run failed, as `error.type` says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

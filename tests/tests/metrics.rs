@@ -196,20 +196,72 @@ async fn a_known_load_records_known_metrics() {
         assert_eq!(app.clone().oneshot(request).await.unwrap().status(), status);
     }
 
+    // The gauges: this bus took the lead when it started, and keeps it; another does not.
+    assert!(bus.sample_gauges().await.unwrap(), "the started bus leads");
+    let other = RelayBus::builder(relaybus_tests::support::bare_store(&db))
+        .without_registered_handlers()
+        .build()
+        .unwrap();
+    assert!(
+        !other.sample_gauges().await.unwrap(),
+        "one bus samples at a time"
+    );
+
+    // A worker that lost its lane: another claims it after the lease and charges an attempt.
+    let lost = relaybus_tests::support::publisher(bus.store(), &["lost-worker"]);
+    lost.publish(&placed("o-lost")).await.unwrap();
+    let now = mongodb::bson::DateTime::now();
+    let lease = Duration::from_secs(1);
+    let first = bus.store().claim("gone", &["lost-worker"], 10, lease, now);
+    assert_eq!(first.await.unwrap().len(), 1);
+    let later = mongodb::bson::DateTime::from_millis(now.timestamp_millis() + 5_000);
+    let second = bus
+        .store()
+        .claim("heir", &["lost-worker"], 10, lease, later);
+    assert_eq!(second.await.unwrap().len(), 1);
+
     let recorded = Recorded::take(&snapshotter);
     let system = (telemetry::SYSTEM_ATTRIBUTE, telemetry::SYSTEM);
-    let event = (telemetry::DESTINATION_ATTRIBUTE, "order.placed.v1");
     let handler = |id| (telemetry::CONSUMER_GROUP_ATTRIBUTE, id);
+    let gauge = |handler: &str, state: &str| -> f64 {
+        let values = recorded.matching(
+            telemetry::DELIVERIES,
+            &[
+                (telemetry::CONSUMER_GROUP_ATTRIBUTE, handler),
+                (telemetry::STATE_ATTRIBUTE, state),
+            ],
+        );
+        match values.as_slice() {
+            [DebugValue::Gauge(value)] => value.into_inner(),
+            other => panic!("{handler} {state}: {other:?}"),
+        }
+    };
+    assert_eq!(gauge("biller", "dead"), 5.0);
+    // The committed request's event waits for every handler; the rolled-back one left none.
+    assert_eq!(gauge("biller", "waiting"), 1.0);
+    assert_eq!(gauge("mailer", "waiting"), 1.0);
+    assert_eq!(gauge("mailer", "dead"), 0.0);
+    assert_eq!(gauge("projector", "running"), 0.0);
+    assert_eq!(
+        recorded
+            .matching(telemetry::OLDEST_DUE_AGE, &[handler("biller")])
+            .len(),
+        1
+    );
+    assert_eq!(recorded.counter(telemetry::TAKEOVERS, &[system]), 1);
+    assert_eq!(recorded.counter(telemetry::LOST_ATTEMPTS, &[system]), 1);
+    let event = (telemetry::DESTINATION_ATTRIBUTE, "order.placed.v1");
 
-    // 5 publishes, then 2 in requests (the rolled-back one was appended before it aborted).
+    // 5 publishes, 2 in requests (the rolled-back one was appended before it aborted), and
+    // the lost worker's.
     assert_eq!(
         recorded.counter(telemetry::SENT_MESSAGES, &[system, event]),
-        7
+        8
     );
     let publish = (telemetry::OPERATION_ATTRIBUTE, "publish");
     assert_eq!(
         recorded.samples(telemetry::OPERATION_DURATION, &[publish]),
-        7
+        8
     );
     let receive = (telemetry::OPERATION_ATTRIBUTE, "receive");
     assert!(recorded.samples(telemetry::OPERATION_DURATION, &[receive]) >= 1);

@@ -4,7 +4,7 @@ mod run;
 mod wake;
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{Arc, Mutex as StdMutex},
     time::{Duration, Instant},
 };
@@ -22,11 +22,14 @@ use crate::{
     handler::{RetryPolicy, Subscription},
     state::StateMap,
     store::{ClaimRequest, Claimed, PurgeOptions, Purged, Store, StoreLease},
-    telemetry::{BusMetrics, Operation},
+    telemetry::{self, BusMetrics, Operation},
     time::Timestamp,
 };
 
 pub(crate) use run::{Outcome, run_delivery};
+
+/// How often a started bus samples the delivery gauges by default.
+pub(crate) const DEFAULT_GAUGE_INTERVAL: Duration = Duration::from_secs(15);
 
 /// How long completed and dead deliveries are kept, and how often the bus purges older ones.
 ///
@@ -68,6 +71,8 @@ pub(crate) struct Settings {
     pub(crate) setup_on_start: bool,
     pub(crate) change_stream: bool,
     pub(crate) retention: Option<Retention>,
+    /// How often a started bus samples the delivery gauges, if it leads; `None`: never.
+    pub(crate) gauge_interval: Option<Duration>,
     /// The application state handlers take.
     pub(crate) state: StateMap,
 }
@@ -88,6 +93,8 @@ pub(crate) struct Shared<S: Store> {
     pub(crate) settings: Settings,
     /// The bus's metrics, registered when it was built.
     pub(crate) metrics: BusMetrics,
+    /// The handlers whose delivery gauges this bus set last.
+    gauges: StdMutex<HashSet<String>>,
     running: StdMutex<RunningSet<S>>,
     /// Where the wake-ups reported new deliveries since the last claim (MongoDB: lanes).
     reported: StdMutex<Vec<u32>>,
@@ -136,6 +143,7 @@ impl<S: Store> Shared<S> {
             handler_ids,
             settings,
             metrics,
+            gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
             reported: StdMutex::new(Vec::new()),
         }
@@ -197,6 +205,30 @@ impl<S: Store> Shared<S> {
         }
         .instrument(span)
         .await
+    }
+
+    /// Samples the delivery gauges if this bus leads their sampling (see [`crate::telemetry`]);
+    /// a bus that no longer leads sets its gauges to zero. Whether it sampled.
+    pub(crate) async fn sample_gauges(&self) -> Result<bool> {
+        let interval = self
+            .settings
+            .gauge_interval
+            .unwrap_or(DEFAULT_GAUGE_INTERVAL);
+        let leads = self
+            .store
+            .lead(telemetry::GAUGE_ROLE, interval.saturating_mul(3))
+            .await?;
+        if !leads {
+            let mut reported = self.gauges.lock().unwrap_or_else(|e| e.into_inner());
+            if !reported.is_empty() {
+                telemetry::record_gauges(&[], Timestamp::now(), &mut reported);
+            }
+            return Ok(false);
+        }
+        let statistics = self.store.handler_statistics().await?;
+        let mut reported = self.gauges.lock().unwrap_or_else(|e| e.into_inner());
+        telemetry::record_gauges(&statistics, Timestamp::now(), &mut reported);
+        Ok(true)
     }
 
     /// Completes a batch of successful deliveries, timed.
@@ -301,6 +333,13 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         tokio::spawn(purge_periodically(
             Arc::clone(&shared),
             retention,
+            background.clone(),
+        ))
+    });
+    let sampler = settings.gauge_interval.map(|interval| {
+        tokio::spawn(sample_periodically(
+            Arc::clone(&shared),
+            interval,
             background.clone(),
         ))
     });
@@ -418,7 +457,10 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         warn!(%error, "the completion task ended abnormally");
     }
     background.cancel();
-    for task in [Some(renewer), waker, purger].into_iter().flatten() {
+    for task in [Some(renewer), waker, purger, sampler]
+        .into_iter()
+        .flatten()
+    {
         let _ = task.await;
     }
     let unfinished: Vec<S::Lease> = shared
@@ -528,6 +570,23 @@ async fn renew_leases<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToke
             ),
             Ok(_) => {}
             Err(error) => warn!(%error, "renewing leases failed"),
+        }
+    }
+}
+
+/// Samples the delivery gauges on their interval.
+async fn sample_periodically<S: Store>(
+    shared: Arc<Shared<S>>,
+    interval: Duration,
+    cancel: CancellationToken,
+) {
+    loop {
+        if let Err(error) = shared.sample_gauges().await {
+            debug!(%error, "sampling the delivery gauges failed; trying again at the next interval");
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
         }
     }
 }

@@ -52,8 +52,8 @@ use std::{fmt, future::Future, hash::Hash, time::Duration};
 use futures::stream::BoxStream;
 
 pub use model::{
-    AppendRequest, Appended, DeliveryQuery, DeliveryRecord, DeliveryStatus, PurgeOptions, Purged,
-    Requeued, Statistics,
+    AppendRequest, Appended, DeliveryQuery, DeliveryRecord, DeliveryStatus, HandlerStatistics,
+    PurgeOptions, Purged, Requeued, Statistics,
 };
 
 use crate::{error::Result, event::EventEnvelope, time::Timestamp};
@@ -266,6 +266,19 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
     /// Counts deliveries by state.
     fn statistics(&self) -> impl Future<Output = Result<Statistics>> + Send;
 
+    /// Counts deliveries by handler and state, every handler with a pending or dead delivery
+    /// listed once, in handler order: what the `relaybus.deliveries` gauges report.
+    fn handler_statistics(&self) -> impl Future<Output = Result<Vec<HandlerStatistics>>> + Send;
+
+    /// Takes or keeps the lead of `role` for `period`: `true` when this store instance holds it
+    /// now, `false` when another instance, of this process or another, holds it and its lead
+    /// has not expired. For work one process of a deployment does at a time (sampling the
+    /// delivery gauges). A store of one process only leads always.
+    fn lead(&self, role: &str, period: Duration) -> impl Future<Output = Result<bool>> + Send {
+        let _ = (role, period);
+        async { Ok(true) }
+    }
+
     /// Lists deliveries, a page at a time.
     fn list_deliveries(
         &self,
@@ -393,6 +406,10 @@ impl Store for NoStore {
     }
 
     async fn statistics(&self) -> Result<Statistics> {
+        match *self {}
+    }
+
+    async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
         match *self {}
     }
 

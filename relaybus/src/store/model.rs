@@ -110,6 +110,35 @@ pub struct Statistics {
     pub oldest_due_at: Option<Timestamp>,
 }
 
+/// The deliveries of one handler by state, as [`Store::handler_statistics`](crate::store::Store::handler_statistics)
+/// counts them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct HandlerStatistics {
+    /// The handler id.
+    pub handler: String,
+    /// Deliveries waiting or running, parked ones included.
+    pub pending: u64,
+    /// Pending deliveries a worker currently runs.
+    pub running: u64,
+    /// Pending deliveries parked behind an unfinished predecessor of their key.
+    pub parked: u64,
+    /// Dead letters.
+    pub dead: u64,
+    /// The due time of the handler's oldest pending delivery, parked ones included.
+    pub oldest_due_at: Option<Timestamp>,
+}
+
+impl HandlerStatistics {
+    /// A handler with no delivery counted yet.
+    pub fn new(handler: impl Into<String>) -> Self {
+        HandlerStatistics {
+            handler: handler.into(),
+            ..HandlerStatistics::default()
+        }
+    }
+}
+
 /// The state of a listed delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

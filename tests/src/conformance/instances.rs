@@ -218,3 +218,40 @@ pub async fn relinquish_hands_back_across_instances<S: Store>(first: &S, second:
         [true; 3]
     );
 }
+
+/// `lead`: one instance leads a role at a time; it keeps the lead while it renews it, and
+/// another takes it once it expired.
+pub async fn one_instance_leads_a_role_at_a_time_across_instances<S: Store>(first: &S, second: &S) {
+    let period = std::time::Duration::from_secs(1);
+    assert!(
+        first.lead("conformance", period).await.unwrap(),
+        "{}",
+        S::NAME
+    );
+    assert!(
+        !second.lead("conformance", period).await.unwrap(),
+        "{}",
+        S::NAME
+    );
+    assert!(
+        first.lead("conformance", period).await.unwrap(),
+        "{}: renewed",
+        S::NAME
+    );
+    // Another role is free.
+    assert!(second.lead("other", period).await.unwrap(), "{}", S::NAME);
+    // The first stops renewing: the second takes over once the lead expired.
+    let taken = async {
+        while !second.lead("conformance", period).await.unwrap() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(period * 5, taken)
+        .await
+        .unwrap_or_else(|_| panic!("{}: an expired lead is taken over", S::NAME));
+    assert!(
+        !first.lead("conformance", period).await.unwrap(),
+        "{}",
+        S::NAME
+    );
+}

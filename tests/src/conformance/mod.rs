@@ -33,6 +33,7 @@
 //! - [`restarted_owner_waits_for_its_lease_across_instances`]
 //! - [`concurrent_claims_never_share_a_delivery_across_instances`]
 //! - [`relinquish_hands_back_across_instances`]
+//! - [`one_instance_leads_a_role_at_a_time_across_instances`]
 //!
 //! Every other test runs for every store. Skipped today: none for MongoDB.
 //!
@@ -108,6 +109,7 @@ macro_rules! conformance_tests {
             requeue_waits_for_a_running_later_delivery_of_its_key,
             complete_in_transaction_commits_with_the_callers_writes,
             statistics_count_deliveries_by_state,
+            handler_statistics_count_each_handlers_deliveries,
             list_deliveries_filters_and_pages,
             purge_deletes_dead_letters_and_completed_events_by_cutoff,
             an_unordered_handler_gets_every_delivery_of_a_key_at_once,
@@ -122,6 +124,7 @@ macro_rules! conformance_tests {
             restarted_owner_waits_for_its_lease_across_instances,
             concurrent_claims_never_share_a_delivery_across_instances,
             relinquish_hands_back_across_instances,
+            one_instance_leads_a_role_at_a_time_across_instances,
         );
     };
     (@single $make_store:expr; $($test:ident),+ $(,)?) => {

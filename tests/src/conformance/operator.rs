@@ -9,6 +9,64 @@ use super::{
     publish, statistics, typed,
 };
 
+/// `handler_statistics` counts each handler's deliveries by state, lists only handlers with
+/// an unfinished delivery, and finds each handler's oldest due one.
+pub async fn handler_statistics_count_each_handlers_deliveries<S: Store>(store: &S) {
+    assert_eq!(store.handler_statistics().await.unwrap(), [], "{}", S::NAME);
+    let events: Vec<EventEnvelope> = (0..3).map(|i| event(&format!("h-{i}"), None)).collect();
+    publish(store, &events, &[PROJECTOR, MAILER], at(0)).await;
+    publish(store, &[event("h-late", None)], &[MAILER], at(50)).await;
+    let batch = claim(store, "w", &[PROJECTOR], 2, at(60)).await;
+    assert_eq!(batch.len(), 2);
+    assert!(store.bury(&batch[0].lease, "broken", at(61)).await.unwrap());
+
+    let stats = store.handler_statistics().await.unwrap();
+    let names: Vec<&str> = stats.iter().map(|h| h.handler.as_str()).collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    assert_eq!(names, sorted, "{}: in handler order", S::NAME);
+    let of = |id: &str| {
+        stats
+            .iter()
+            .find(|h| h.handler == id)
+            .unwrap_or_else(|| panic!("{}: {id} missing from {stats:?}", S::NAME))
+    };
+    let projector = of(PROJECTOR);
+    assert_eq!(
+        (
+            projector.pending,
+            projector.running,
+            projector.parked,
+            projector.dead
+        ),
+        (2, 1, 0, 1),
+        "{}: two pending (one running), one dead: {projector:?}",
+        S::NAME
+    );
+    assert_eq!(projector.oldest_due_at, Some(at(0)));
+    let mailer = of(MAILER);
+    assert_eq!(
+        (mailer.pending, mailer.running, mailer.dead),
+        (4, 0, 0),
+        "{}: {mailer:?}",
+        S::NAME
+    );
+    assert_eq!(mailer.oldest_due_at, Some(at(0)));
+
+    // A handler with nothing left is not listed.
+    let rest = claim(store, "w", &[MAILER], 10, at(70)).await;
+    assert_eq!(
+        store.complete(&leases(&rest), at(71)).await.unwrap(),
+        [true; 4]
+    );
+    let stats = store.handler_statistics().await.unwrap();
+    assert!(
+        stats.iter().all(|h| h.handler != MAILER),
+        "{}: {stats:?}",
+        S::NAME
+    );
+}
+
 /// `statistics` counts deliveries by state: pending ones (running ones included), running
 /// ones, dead ones, none parked without keys, and the due time of the oldest pending one.
 pub async fn statistics_count_deliveries_by_state<S: Store>(store: &S) {

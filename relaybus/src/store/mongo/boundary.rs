@@ -11,7 +11,7 @@ use crate::{
     error::Result,
     store::{
         AppendRequest, Appended, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord,
-        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
+        HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
     },
     time::Timestamp,
 };
@@ -190,6 +190,14 @@ impl Store for MongoEventStore {
 
     async fn statistics(&self) -> Result<Statistics> {
         MongoEventStore::statistics(self).await
+    }
+
+    async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
+        MongoEventStore::handler_statistics(self).await
+    }
+
+    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
+        MongoEventStore::lead(self, role, period).await
     }
 
     async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {

@@ -17,11 +17,13 @@ use super::{
     MongoEventStore, bson_date,
     lane::{check_owner, int, object_ids, string},
     schema,
-    schema::{field, index, status},
+    schema::{field, index, path, status},
     timestamp,
 };
 use crate::error::{InvalidArgumentError, Result};
-use crate::store::{DeliveryQuery, DeliveryRecord, DeliveryStatus, Requeued, Statistics};
+use crate::store::{
+    DeliveryQuery, DeliveryRecord, DeliveryStatus, HandlerStatistics, Requeued, Statistics,
+};
 
 /// The most records one listing returns.
 pub(crate) const MAX_LIST_LIMIT: u32 = 1_000;
@@ -189,6 +191,107 @@ impl MongoEventStore {
                     .map(|at| timestamp(*at))
             }),
         })
+    }
+
+    /// Counts deliveries by handler and state: one grouping of the pending and dead
+    /// deliveries, and one of what the lanes list as running. Every handler with a pending or
+    /// dead delivery is listed once, in handler order.
+    ///
+    /// The grouping reads every pending and dead delivery: sample it every few seconds at
+    /// most, as the bus does for its gauges, from one process.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
+        let inner = &self.inner;
+        let grouped = async {
+            inner
+                .deliveries
+                .aggregate([
+                    doc! { "$match": {
+                        field::STATUS: { "$in": [status::PENDING, status::DEAD] },
+                    } },
+                    doc! { "$group": {
+                        field::ID: {
+                            "h": format!("${}", field::HANDLER),
+                            "s": format!("${}", field::STATUS),
+                            "l": format!("${}", field::LANE),
+                        },
+                        "n": { "$sum": 1 },
+                        "oldest": { "$min": format!("${}", field::DUE_AT) },
+                    } },
+                ])
+                .hint(Hint::Name(index::STATUS_CREATED.to_owned()))
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        };
+        let running = async {
+            inner
+                .lanes
+                .aggregate([
+                    doc! { "$match": { "inFlight.0": { "$exists": true } } },
+                    doc! { "$project": { field::IN_FLIGHT: 1 } },
+                    doc! { "$unwind": path::IN_FLIGHT },
+                    doc! { "$lookup": {
+                        "from": inner.deliveries.name(),
+                        "localField": field::IN_FLIGHT,
+                        "foreignField": field::ID,
+                        "pipeline": [
+                            { "$match": { field::STATUS: status::PENDING } },
+                            { "$project": { field::HANDLER: 1 } },
+                        ],
+                        "as": "delivery",
+                    } },
+                    doc! { "$unwind": "$delivery" },
+                    doc! { "$group": {
+                        field::ID: format!("$delivery.{}", field::HANDLER),
+                        "n": { "$sum": 1 },
+                    } },
+                ])
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        };
+        let (grouped, running) = futures::try_join!(grouped, running)?;
+        let mut by_handler: std::collections::BTreeMap<String, HandlerStatistics> =
+            std::collections::BTreeMap::new();
+        for group in &grouped {
+            let Ok(id) = group.get_document(field::ID) else {
+                continue;
+            };
+            let Ok(handler) = id.get_str("h") else {
+                continue;
+            };
+            let entry = by_handler
+                .entry(handler.to_owned())
+                .or_insert_with(|| HandlerStatistics::new(handler));
+            let n = int(group, "n").map_or(0, |n| n.max(0) as u64);
+            if id.get_str("s") == Ok(status::DEAD) {
+                entry.dead += n;
+                continue;
+            }
+            entry.pending += n;
+            if id.get_str("l") == Ok(schema::lane::PARKED) {
+                entry.parked += n;
+            }
+            if let Ok(oldest) = group.get_datetime("oldest") {
+                let oldest = timestamp(*oldest);
+                entry.oldest_due_at = Some(match entry.oldest_due_at {
+                    Some(at) if at < oldest => at,
+                    _ => oldest,
+                });
+            }
+        }
+        for group in &running {
+            if let (Ok(handler), Some(n)) = (group.get_str(field::ID), int(group, "n"))
+                && let Some(entry) = by_handler.get_mut(handler)
+            {
+                entry.running = n.max(0) as u64;
+            }
+        }
+        Ok(by_handler.into_values().collect())
     }
 
     /// Lists deliveries and completion records, oldest first, filtered by `query`.

@@ -100,8 +100,10 @@ pub(crate) mod field {
 
     /// The server session ids a store instance starts its transactions on.
     pub(crate) const SESSIONS: &str = "sessions";
-    /// When a store instance's heartbeat expires, by the server's clock.
+    /// When a store instance's heartbeat, or a lead, expires, by the server's clock.
     pub(crate) const EXPIRES_AT: &str = "expiresAt";
+    /// The store instance that holds a lead (`_id: "lead:<role>"`).
+    pub(crate) const HOLDER: &str = "holder";
 }
 
 /// Field paths, `$<field>`: the value of a field of the current document in an aggregation

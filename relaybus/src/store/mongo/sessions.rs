@@ -164,12 +164,55 @@ async fn heartbeat(store: Weak<StoreInner>, expiry: Duration) {
     let _ = processes.delete_one(doc! { field::ID: id }).await;
 }
 
+impl super::MongoEventStore {
+    /// Takes or keeps the lead of `role` for `period`: one document `lead:<role>` in
+    /// `processes`, naming its holder and an expiry by the server's clock.
+    pub(crate) async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
+        let inner = &self.inner;
+        let holder = inner.sessions.id;
+        let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
+        let holder_path = format!("${}", field::HOLDER);
+        // Free (never held, or expired) or ours: take it; otherwise leave it as it is.
+        let ours = doc! { "$or": [
+            { "$eq": [{ "$type": &holder_path }, "missing"] },
+            { "$eq": [&holder_path, holder] },
+            { "$lt": [path::EXPIRES_AT, "$$NOW"] },
+        ] };
+        let taken = inner
+            .processes
+            .find_one_and_update(
+                doc! { field::ID: format!("lead:{role}") },
+                vec![doc! { "$set": {
+                    field::HOLDER: { "$cond": [&ours, holder, &holder_path] },
+                    field::EXPIRES_AT: {
+                        "$cond": [&ours, { "$add": ["$$NOW", period_ms] }, path::EXPIRES_AT],
+                    },
+                } }],
+            )
+            .upsert(true)
+            .return_document(mongodb::options::ReturnDocument::After)
+            .await;
+        match taken {
+            Ok(lead) => {
+                Ok(lead.and_then(|lead| lead.get_object_id(field::HOLDER).ok()) == Some(holder))
+            }
+            // Two instances created the document at once; the other one did.
+            Err(error) if super::error_code(&error) == Some(DUPLICATE_KEY) => Ok(false),
+            Err(error) => Err(error.into()),
+        }
+    }
+}
+
+/// `DuplicateKey`.
+const DUPLICATE_KEY: i32 = 11000;
+
 /// Kills the sessions of every process whose heartbeat expired, and deletes its document.
 async fn sweep(store: &StoreInner) -> Result<u64> {
     let mut expired = store
         .processes
         .find(doc! {
             field::ID: { "$ne": store.sessions.id },
+            field::SESSIONS: { "$exists": true },
             "$expr": { "$lt": [path::EXPIRES_AT, "$$NOW"] },
         })
         .await?;

@@ -73,6 +73,8 @@ impl MongoEventStore {
         }
         if !dirty.is_empty() {
             let taken = self.take_lanes(&dirty, owner, expires_at, now).await?;
+            let taken_over = taken.iter().filter(|lane| !lane.lost.is_empty()).count();
+            crate::telemetry::record_takeovers(taken_over as u64, 0);
             self.charge_lost(&taken, now).await?;
             scanned.extend(taken.iter().map(|lane| lane.id));
             lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
@@ -156,6 +158,7 @@ impl MongoEventStore {
                 }
             })
             .collect();
+        let mut charged = 0;
         for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
             let reply = self
                 .inner
@@ -168,7 +171,10 @@ impl MongoEventStore {
                 })
                 .await?;
             check_write_reply(&reply)?;
+            charged +=
+                crate::store::mongo::lane::int(&reply, "nModified").map_or(0, |n| n.max(0) as u64);
         }
+        crate::telemetry::record_takeovers(0, charged);
         let lost: Vec<ObjectId> = lanes
             .iter()
             .flat_map(|lane| lane.lost.iter().map(|lost| lost.delivery))
