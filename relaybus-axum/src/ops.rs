@@ -310,6 +310,12 @@ fn record_json(record: &DeliveryRecord) -> Value {
         "updated_at": record.updated_at.map(rfc3339),
         "completed_at": record.completed_at.map(rfc3339),
         "last_error": record.last_error,
+        "errors": record.errors.iter().map(|e| json!({
+            "at": rfc3339(e.at),
+            "attempt": e.attempt,
+            "error": e.error,
+        })).collect::<Vec<_>>(),
+        "requeues": record.requeues,
     })
 }
 

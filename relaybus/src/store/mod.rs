@@ -52,8 +52,8 @@ use std::{fmt, future::Future, hash::Hash, time::Duration};
 use futures::stream::BoxStream;
 
 pub use model::{
-    AppendRequest, Appended, DeliveryQuery, DeliveryRecord, DeliveryStatus, HandlerStatistics,
-    PurgeOptions, Purged, Requeued, Statistics,
+    AppendRequest, Appended, AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus,
+    HandlerStatistics, MAX_ERROR_HISTORY, PurgeOptions, Purged, Requeued, Statistics,
 };
 
 use crate::{error::Result, event::EventEnvelope, time::Timestamp};

@@ -209,6 +209,38 @@ pub struct DeliveryRecord {
     pub completed_at: Option<Timestamp>,
     /// The error of the last failed attempt.
     pub last_error: Option<String>,
+    /// The failed attempts, oldest first: the last [`MAX_ERROR_HISTORY`] of them, kept across
+    /// requeues and into the completion record.
+    pub errors: Vec<AttemptError>,
+    /// How many times the delivery was requeued from the dead letters.
+    pub requeues: u32,
+}
+
+/// How many failed attempts a delivery remembers.
+pub const MAX_ERROR_HISTORY: usize = 10;
+
+/// One failed attempt of a delivery, in its error history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AttemptError {
+    /// When it failed.
+    pub at: Timestamp,
+    /// Which attempt it was (counted since the last requeue), when known; a claim lost with
+    /// its worker is charged without one.
+    pub attempt: Option<u32>,
+    /// What went wrong, cut to 1 KiB.
+    pub error: String,
+}
+
+impl AttemptError {
+    /// A failed attempt.
+    pub fn new(at: Timestamp, attempt: Option<u32>, error: impl Into<String>) -> Self {
+        AttemptError {
+            at,
+            attempt,
+            error: error.into(),
+        }
+    }
 }
 
 /// Which deliveries [`crate::store::Store::list_deliveries`] returns; every filter is optional and

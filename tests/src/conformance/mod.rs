@@ -106,6 +106,7 @@ macro_rules! conformance_tests {
             release_gives_back_without_charging,
             reschedule_charges_and_delays,
             bury_makes_a_dead_letter_and_requeue_revives_it,
+            failed_attempts_are_kept_across_a_requeue,
             requeue_waits_for_a_running_later_delivery_of_its_key,
             complete_in_transaction_commits_with_the_callers_writes,
             statistics_count_deliveries_by_state,

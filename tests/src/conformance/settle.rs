@@ -331,3 +331,84 @@ pub async fn complete_in_transaction_commits_with_the_callers_writes<S: Store>(s
     );
     assert_eq!(store.complete(&[lease], at(7)).await.unwrap(), [false]);
 }
+
+/// A delivery remembers its failed attempts, oldest first, with their attempt numbers, across
+/// a requeue: a dead letter that is requeued and fails again shows its whole history.
+pub async fn failed_attempts_are_kept_across_a_requeue<S: Store>(store: &S) {
+    publish(store, &[event("h-1", None)], &[PROJECTOR], at(0)).await;
+    let first = claim(store, "w", &[PROJECTOR], 1, at(1)).await;
+    assert!(
+        store
+            .reschedule(
+                &first[0].lease,
+                at(5),
+                "timeout talking to the warehouse",
+                at(2)
+            )
+            .await
+            .unwrap()
+    );
+    let second = claim(store, "w", &[PROJECTOR], 1, at(10)).await;
+    assert_eq!(second.len(), 1, "{}", S::NAME);
+    assert!(
+        store
+            .bury(&second[0].lease, "warehouse refused", at(11))
+            .await
+            .unwrap()
+    );
+
+    let dead = delivery(store, "h-1", PROJECTOR).await.unwrap();
+    let history: Vec<(Option<u32>, &str)> = dead
+        .errors
+        .iter()
+        .map(|e| (e.attempt, e.error.as_str()))
+        .collect();
+    assert_eq!(
+        history,
+        [
+            (Some(1), "timeout talking to the warehouse"),
+            (Some(2), "warehouse refused")
+        ],
+        "{}: {dead:?}",
+        S::NAME
+    );
+    assert_eq!(dead.errors[0].at, at(2));
+    assert_eq!(dead.requeues, 0);
+
+    let requeued = store
+        .requeue(std::slice::from_ref(&dead.id), at(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        requeued.requeued,
+        std::slice::from_ref(&dead.id),
+        "{}",
+        S::NAME
+    );
+    let revived = delivery(store, "h-1", PROJECTOR).await.unwrap();
+    assert_eq!(revived.attempts, 0, "{}: attempts start again", S::NAME);
+    assert_eq!(revived.requeues, 1, "{}: {revived:?}", S::NAME);
+    assert_eq!(
+        revived.errors,
+        dead.errors,
+        "{}: the history stays",
+        S::NAME
+    );
+    assert_eq!(revived.last_error.as_deref(), Some("warehouse refused"));
+
+    let third = claim(store, "w", &[PROJECTOR], 1, at(21)).await;
+    assert!(
+        store
+            .reschedule(&third[0].lease, at(30), "still refused", at(22))
+            .await
+            .unwrap()
+    );
+    let again = delivery(store, "h-1", PROJECTOR).await.unwrap();
+    assert_eq!(again.errors.len(), 3, "{}: {again:?}", S::NAME);
+    assert_eq!(
+        again.errors[2].attempt,
+        Some(1),
+        "{}: counted since the requeue",
+        S::NAME
+    );
+}

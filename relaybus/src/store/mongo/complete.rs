@@ -457,6 +457,9 @@ fn history_record(delivery: &Document, now: DateTime) -> Document {
         field::UNORDERED,
         field::LANE_ID,
         field::CREATED_AT,
+        field::LAST_ERROR,
+        field::ERRORS,
+        field::REQUEUED,
     ] {
         if let Some(value) = delivery.get(field) {
             record.insert(field, value.clone());

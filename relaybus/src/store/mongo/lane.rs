@@ -164,10 +164,36 @@ pub(crate) fn check_owner(owner: &str) -> Result<()> {
 
 /// An error message cut to at most 8 KiB, at a character boundary.
 pub(crate) fn clip_error(message: &str) -> &str {
-    if message.len() <= MAX_ERROR_BYTES {
+    clip_to(message, MAX_ERROR_BYTES)
+}
+
+/// The most bytes of an error kept in a delivery's error history.
+pub(crate) const MAX_HISTORY_ERROR_BYTES: usize = 1024;
+
+/// The failed attempt appended to a delivery's error history, the last
+/// [`MAX_ERROR_HISTORY`](crate::store::MAX_ERROR_HISTORY) kept: an aggregation expression for a
+/// pipeline update, evaluated against the delivery before the update (its attempt is
+/// `attempts + 1`).
+pub(crate) fn push_error(error: &str, now: DateTime) -> Bson {
+    let attempt = doc! { "$add": [{ "$ifNull": [format!("${}", field::ATTEMPTS), 0] }, 1] };
+    let entry = doc! {
+        field::ERROR_AT: now,
+        field::ERROR_ATTEMPT: attempt,
+        field::ERROR_TEXT: { "$literal": clip_to(error, MAX_HISTORY_ERROR_BYTES) },
+    };
+    let limit = i64::try_from(crate::store::MAX_ERROR_HISTORY).unwrap_or(10);
+    Bson::Document(doc! { "$slice": [
+        { "$concatArrays": [{ "$ifNull": [format!("${}", field::ERRORS), []] }, [entry]] },
+        -limit,
+    ] })
+}
+
+/// `message`, cut at a character boundary to at most `limit` bytes.
+fn clip_to(message: &str, limit: usize) -> &str {
+    if message.len() <= limit {
         return message;
     }
-    let mut end = MAX_ERROR_BYTES;
+    let mut end = limit;
     while !message.is_char_boundary(end) {
         end -= 1;
     }

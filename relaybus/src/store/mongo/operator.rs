@@ -22,7 +22,8 @@ use super::{
 };
 use crate::error::{InvalidArgumentError, Result};
 use crate::store::{
-    DeliveryQuery, DeliveryRecord, DeliveryStatus, HandlerStatistics, Requeued, Statistics,
+    AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus, HandlerStatistics, Requeued,
+    Statistics,
 };
 
 /// The most records one listing returns.
@@ -73,7 +74,23 @@ fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
             .ok()
             .map(|at| timestamp(*at)),
         last_error: string(doc, field::LAST_ERROR),
+        errors: doc
+            .get_array(field::ERRORS)
+            .map(|errors| errors.iter().filter_map(attempt_error).collect())
+            .unwrap_or_default(),
+        requeues: int(doc, field::REQUEUED)
+            .map_or(0, |n| u32::try_from(n.max(0)).unwrap_or(u32::MAX)),
     })
+}
+
+/// An entry of a delivery's error history.
+fn attempt_error(entry: &Bson) -> Option<AttemptError> {
+    let entry = entry.as_document()?;
+    Some(AttemptError::new(
+        timestamp(*entry.get_datetime(field::ERROR_AT).ok()?),
+        int(entry, field::ERROR_ATTEMPT).and_then(|n| u32::try_from(n).ok()),
+        entry.get_str(field::ERROR_TEXT).ok()?,
+    ))
 }
 
 /// A listed record with its id as stored, for ordering.
@@ -552,7 +569,8 @@ impl MongoEventStore {
                         field::DUE_AT: now,
                         field::UPDATED_AT: now,
                     },
-                    "$inc": { field::CLAIMS: 1_i64 },
+                    // `lastError` and `errors` stay: the history goes on across the requeue.
+                    "$inc": { field::CLAIMS: 1_i64, field::REQUEUED: 1_i64 },
                 },
             )
             .session(&mut *session)

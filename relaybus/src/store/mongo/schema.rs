@@ -52,6 +52,16 @@ pub(crate) mod field {
     pub(crate) const COMPLETED_AT: &str = "completedAt";
     /// The error of the last failed attempt.
     pub(crate) const LAST_ERROR: &str = "lastError";
+    /// The failed attempts, the last ten: `{at, attempt?, error}`, kept across requeues.
+    pub(crate) const ERRORS: &str = "errors";
+    /// The times a dead delivery was requeued; absent until the first.
+    pub(crate) const REQUEUED: &str = "requeued";
+    /// An entry of `errors`: when the attempt failed.
+    pub(crate) const ERROR_AT: &str = "at";
+    /// An entry of `errors`: the attempt.
+    pub(crate) const ERROR_ATTEMPT: &str = "attempt";
+    /// An entry of `errors`: the error, cut to 1 KiB.
+    pub(crate) const ERROR_TEXT: &str = "error";
 
     // Events.
 
@@ -127,6 +137,10 @@ pub(crate) mod path {
     pub(crate) const LOST: &str = "$lost";
     /// `$expiresAt`.
     pub(crate) const EXPIRES_AT: &str = "$expiresAt";
+    /// `$attempts`.
+    pub(crate) const ATTEMPTS: &str = "$attempts";
+    /// `$claims`.
+    pub(crate) const CLAIMS: &str = "$claims";
 }
 
 /// The values of a delivery's `status`.
@@ -318,6 +332,8 @@ mod tests {
             (path::IN_FLIGHT, field::IN_FLIGHT),
             (path::LOST, field::LOST),
             (path::EXPIRES_AT, field::EXPIRES_AT),
+            (path::ATTEMPTS, field::ATTEMPTS),
+            (path::CLAIMS, field::CLAIMS),
         ] {
             assert_eq!(path, format!("${field}"));
         }

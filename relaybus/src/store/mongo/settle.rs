@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use mongodb::{
     ClientSession,
-    bson::{DateTime, Document, doc},
+    bson::{Bson, DateTime, Document, doc},
 };
 
 use super::{
     MongoEventStore,
-    lane::{add, check_lease_duration, clip_error},
+    lane::{add, check_lease_duration, clip_error, push_error},
     lease::Lease,
     schema::{field, status},
 };
@@ -29,21 +29,31 @@ enum Ending<'a> {
 }
 
 impl Ending<'_> {
-    fn update(&self, now: DateTime) -> Document {
+    /// The delivery's update, a pipeline: a failed attempt also joins the error history.
+    fn update(&self, now: DateTime) -> Vec<Document> {
+        let plus_one = |field: &str, one: Bson| {
+            doc! { "$add": [{ "$ifNull": [format!("${field}"), 0_i32] }, one] }
+        };
+        let mut set = doc! {
+            field::CLAIMS: plus_one(field::CLAIMS, Bson::Int64(1)),
+            field::UPDATED_AT: now,
+        };
         match *self {
-            Ending::Reschedule { due_at, error } => doc! {
-                "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
-                "$set": { field::DUE_AT: due_at, field::LAST_ERROR: clip_error(error), field::UPDATED_AT: now },
-            },
-            Ending::Release => doc! {
-                "$inc": { field::CLAIMS: 1_i64 },
-                "$set": { field::UPDATED_AT: now },
-            },
-            Ending::Bury { error } => doc! {
-                "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
-                "$set": { field::STATUS: status::DEAD, field::LAST_ERROR: clip_error(error), field::UPDATED_AT: now },
-            },
+            Ending::Reschedule { due_at, error } => {
+                set.insert(field::ATTEMPTS, plus_one(field::ATTEMPTS, Bson::Int32(1)));
+                set.insert(field::DUE_AT, due_at);
+                set.insert(field::LAST_ERROR, doc! { "$literal": clip_error(error) });
+                set.insert(field::ERRORS, push_error(error, now));
+            }
+            Ending::Release => {}
+            Ending::Bury { error } => {
+                set.insert(field::ATTEMPTS, plus_one(field::ATTEMPTS, Bson::Int32(1)));
+                set.insert(field::STATUS, status::DEAD);
+                set.insert(field::LAST_ERROR, doc! { "$literal": clip_error(error) });
+                set.insert(field::ERRORS, push_error(error, now));
+            }
         }
+        vec![doc! { "$set": set }]
     }
 }
 

@@ -134,7 +134,8 @@ impl MongoEventStore {
             .collect())
     }
 
-    /// Charges every lost claim listed by `lanes` one attempt, once: `lostAt` records the epoch
+    /// Charges every lost claim listed by `lanes` one attempt, once, with [`LOST_ERROR`] as its
+    /// error: `lostAt` records the epoch
     /// of the last lost claim charged and only grows. The claim generation moves on, so the
     /// lease of the lost claim can no longer match.
     pub(super) async fn charge_lost(&self, lanes: &[Lane], now: DateTime) -> Result<()> {
@@ -151,10 +152,14 @@ impl MongoEventStore {
                             { field::LOST_AT: { "$lt": lost.epoch } },
                         ],
                     },
-                    "u": {
-                        "$inc": { field::ATTEMPTS: 1, field::CLAIMS: 1_i64 },
-                        "$set": { field::LOST_AT: lost.epoch, field::UPDATED_AT: now },
-                    },
+                    "u": [{ "$set": {
+                        field::ATTEMPTS: { "$add": [{ "$ifNull": [path::ATTEMPTS, 0_i32] }, 1_i32] },
+                        field::CLAIMS: { "$add": [{ "$ifNull": [path::CLAIMS, 0_i64] }, 1_i64] },
+                        field::LOST_AT: lost.epoch,
+                        field::UPDATED_AT: now,
+                        field::LAST_ERROR: { "$literal": LOST_ERROR },
+                        field::ERRORS: crate::store::mongo::lane::push_error(LOST_ERROR, now),
+                    } }],
                 }
             })
             .collect();
@@ -183,3 +188,7 @@ impl MongoEventStore {
         Ok(())
     }
 }
+
+/// The error of an attempt charged because its worker lost the claim.
+pub(crate) const LOST_ERROR: &str =
+    "the worker running this delivery stopped or lost its lease before it finished";
