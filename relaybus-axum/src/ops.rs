@@ -1,28 +1,49 @@
-//! Operator routes: statistics, deliveries, and requeueing dead letters, as JSON.
+//! Operator routes: statistics, deliveries, and requeueing or discarding dead letters, as JSON.
 //!
 //! [`router`] has no authentication of its own: mount it behind yours.
 //!
 //! | Route | Answers |
 //! |---|---|
 //! | `GET /statistics` | `{"pending", "running", "parked", "dead", "completed", "oldest_due_at"}` |
+//! | `GET /handlers` | `{"handlers": [{"handler", "waiting", "running", "parked", "dead", "oldest_due_at", "oldest_due_age_seconds"}, ..]}` |
 //! | `GET /deliveries` | `{"deliveries": [..], "limit", "next_after"}`, oldest first |
-//! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..]}` |
+//! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..], "more"}` |
+//! | `POST /deliveries/discard` | `{"discarded": [..], "not_found": [..], "more"}` |
 //!
 //! `GET /deliveries` takes the query parameters `status` (`pending`, `dead` or `completed`),
 //! `handler`, `event_type`, `created_from` and `created_before` (RFC 3339 times), `after` (the
 //! id of the last record of the previous page) and `limit` (1 to 1,000, 100 by default);
 //! `next_after` is the `after` of the next page, or `null` on the last one. Every page costs
-//! the same, however deep it is. `POST /deliveries/requeue` takes a JSON body
-//! `{"ids": ["<24 hex digits>", ..]}` with 1 to 1,000 ids, sent as `application/json` (which
-//! a cross-site HTML form cannot send).
+//! the same, however deep it is. Each record carries its error history (`errors`, the last 10
+//! failed attempts) and how often it was requeued.
+//!
+//! The two writes take a JSON body naming dead letters in one of three ways:
+//! `{"ids": ["<24 hex digits>", ..]}` (1 to 1,000 ids), `{"filter": {"handler", "event_type",
+//! "created_from", "created_before"}}` (at least one field), or `{"all": true}`; an empty
+//! filter is refused, so that "everything" is always said explicitly. A filter or `all` takes
+//! at most 10,000 dead letters per call, and `more` says whether others are left. Discarding
+//! deletes dead letters for good (see [`Store::discard`](relaybus::Store::discard)).
+//!
+//! # Safety
+//!
+//! - Every write needs the header [`WRITE_HEADER`] (`x-relaybus-ops: 1`) and a
+//!   `Content-Type: application/json` body, which a page of another site cannot send: no
+//!   cross-site request forgery.
+//! - [`config`]`(bus).read_only(true)` refuses every write with 403.
+//! - Every answer is sent with `Cache-Control: no-store`, `X-Frame-Options: DENY`,
+//!   `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer` and a
+//!   `Content-Security-Policy` that loads nothing and cannot be framed.
+//! - Every write is logged at `INFO` (target `relaybus::ops`) with what it selected and what it
+//!   changed.
 //!
 //! Every input is checked before any database call, and anything else is refused with 400 and
 //! `{"error": "..."}` saying what is accepted: unknown or repeated parameters, values of the
 //! wrong type (an object or array where a string belongs, as in `{"ids": [{"$ne": null}]}` or
 //! `?handler[$ne]=x`), names that no handler or event type can have. Other refusals answer
-//! with the same JSON shape: 415 for a body that is not JSON, 413 for a body over the
-//! router's limit, 405 for a wrong method and 404 for an unknown route. A failure of the store
-//! answers 500 without its details, which are logged.
+//! with the same JSON shape: 403 for a write without its header or on read-only routes, 415 for
+//! a body that is not JSON, 413 for a body over the router's limit, 405 for a wrong method and
+//! 404 for an unknown route. A failure of the store answers 500 without its details, which are
+//! logged.
 //!
 //! # Example
 //!
@@ -40,7 +61,7 @@
 use axum::{
     Json, Router,
     body::Bytes,
-    extract::{RawQuery, State, rejection::BytesRejection},
+    extract::{Query, RawQuery, State, rejection::BytesRejection},
     http::{HeaderMap, StatusCode, header::CONTENT_TYPE},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -55,25 +76,103 @@ const MAX_LIMIT: u32 = 1_000;
 const MAX_REQUEUE_IDS: usize = 1_000;
 
 /// The operator routes of `bus`, to nest under a path of your choice behind your own
-/// authentication; see the [module docs](self).
+/// authentication; see the [module docs](self). Writes are allowed; [`config`] makes them
+/// read-only.
 pub fn router<S, St: Store>(bus: RelayBus<St>) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    Router::new()
-        .route("/statistics", get(statistics::<St>))
-        .route("/deliveries", get(deliveries::<St>))
-        .route("/deliveries/requeue", post(requeue::<St>))
-        .method_not_allowed_fallback(method_not_allowed)
-        .fallback(not_found)
-        .with_state(bus)
+    config(bus).router()
+}
+
+/// The options of the operator routes of `bus`, to set before [`Ops::router`].
+pub fn config<St: Store>(bus: RelayBus<St>) -> Ops<St> {
+    Ops {
+        bus,
+        read_only: false,
+    }
+}
+
+/// The operator routes' options; made by [`config`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct Ops<St: Store> {
+    bus: RelayBus<St>,
+    read_only: bool,
+}
+
+impl<St: Store> Ops<St> {
+    /// Refuses every write (requeue, discard) with 403: for a view that only observes.
+    pub fn read_only(mut self, read_only: bool) -> Self {
+        self.read_only = read_only;
+        self
+    }
+
+    /// The routes, to nest behind your own authentication.
+    pub fn router<S>(self) -> Router<S>
+    where
+        S: Clone + Send + Sync + 'static,
+    {
+        let state = OpsState {
+            bus: self.bus,
+            read_only: self.read_only,
+        };
+        Router::new()
+            .route("/statistics", get(statistics::<St>))
+            .route("/handlers", get(handlers::<St>))
+            .route("/deliveries", get(deliveries::<St>))
+            .route("/deliveries/requeue", post(requeue::<St>))
+            .route("/deliveries/discard", post(discard::<St>))
+            .method_not_allowed_fallback(method_not_allowed)
+            .fallback(not_found)
+            .layer(axum::middleware::map_response(secure))
+            .with_state(state)
+    }
+}
+
+/// What the routes share.
+#[derive(Debug, Clone)]
+struct OpsState<St: Store> {
+    bus: RelayBus<St>,
+    read_only: bool,
+}
+
+impl<St: Store> axum::extract::FromRef<OpsState<St>> for RelayBus<St> {
+    fn from_ref(state: &OpsState<St>) -> Self {
+        state.bus.clone()
+    }
+}
+
+/// The header every write must carry, with the value `1`: a page of another site cannot set
+/// it on a request to this one.
+pub const WRITE_HEADER: &str = "x-relaybus-ops";
+
+/// Headers of every answer: never cached, never framed, never sniffed, no content loaded.
+async fn secure(mut response: Response) -> Response {
+    use axum::http::{HeaderValue, header};
+    let headers = response.headers_mut();
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    response
 }
 
 async fn method_not_allowed() -> OpsError {
     OpsError::Refused(
         StatusCode::METHOD_NOT_ALLOWED,
-        "this route takes another method: GET /statistics, GET /deliveries, \
-         POST /deliveries/requeue"
+        "this route takes another method: GET /statistics, GET /handlers, GET /deliveries, \
+         POST /deliveries/requeue, POST /deliveries/discard"
             .to_owned(),
     )
 }
@@ -81,8 +180,8 @@ async fn method_not_allowed() -> OpsError {
 async fn not_found() -> OpsError {
     OpsError::Refused(
         StatusCode::NOT_FOUND,
-        "no such operator route; the routes are GET /statistics, GET /deliveries and \
-         POST /deliveries/requeue"
+        "no such operator route; the routes are GET /statistics, GET /handlers, \
+         GET /deliveries, POST /deliveries/requeue and POST /deliveries/discard"
             .to_owned(),
     )
 }
@@ -159,10 +258,7 @@ struct Listing {
 }
 
 fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
-    let params: ListParams = match raw {
-        None | Some("") => ListParams::default(),
-        Some(raw) => serde_urlencoded_params(raw)?,
-    };
+    let params = list_params(raw)?;
     let mut query = DeliveryQuery::new();
     if let Some(status) = params.status {
         query = query.status(match status.as_str() {
@@ -172,21 +268,15 @@ fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
             _ => return Err(bad("`status` must be `pending`, `dead` or `completed`")),
         });
     }
-    if let Some(handler) = params.handler {
-        relaybus::validate_handler_id(&handler).map_err(|e| bad(format!("`handler`: {e}")))?;
-        query = query.handler(handler);
-    }
-    if let Some(event_type) = params.event_type {
-        relaybus::event::validate_type_name(&event_type)
-            .map_err(|e| bad(format!("`event_type`: {e}")))?;
-        query = query.event_type(event_type);
-    }
-    if let Some(from) = params.created_from {
-        query = query.created_from(parse_time("created_from", &from)?);
-    }
-    if let Some(before) = params.created_before {
-        query = query.created_before(parse_time("created_before", &before)?);
-    }
+    query = filtered(
+        query,
+        &Filter {
+            handler: params.handler,
+            event_type: params.event_type,
+            created_from: params.created_from,
+            created_before: params.created_before,
+        },
+    )?;
     if let Some(after) = params.after {
         let usable = (1..=128).contains(&after.len())
             && after
@@ -217,53 +307,63 @@ fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
     })
 }
 
-/// Parses a query string into [`ListParams`], refusing repeated and unknown keys (which is
-/// where `handler[$ne]=x` ends up).
-fn serde_urlencoded_params(raw: &str) -> Result<ListParams, OpsError> {
-    let mut seen = std::collections::HashSet::new();
-    let mut object = serde_json::Map::new();
-    for pair in raw.split('&').filter(|pair| !pair.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        let key = decode(key).map_err(bad)?;
-        let value = decode(value).map_err(bad)?;
-        if !seen.insert(key.clone()) {
-            return Err(bad(format!("`{key}` is given more than once")));
-        }
-        object.insert(key, Value::String(value));
-    }
-    serde_json::from_value(Value::Object(object)).map_err(|e| {
-        bad(format!(
-            "{e}; the parameters are status, handler, event_type, created_from, created_before, \
-             after and limit"
-        ))
-    })
+/// Reads the query string with axum's [`Query`], which refuses unknown keys (where
+/// `handler[$ne]=x` ends up) and repeated ones.
+fn list_params(raw: Option<&str>) -> Result<ListParams, OpsError> {
+    let uri: axum::http::Uri = match raw {
+        None | Some("") => return Ok(ListParams::default()),
+        Some(raw) => format!("/?{raw}")
+            .parse()
+            .map_err(|_| bad("the query string is not a valid URI query"))?,
+    };
+    Query::<ListParams>::try_from_uri(&uri)
+        .map(|Query(params)| params)
+        .map_err(|rejection| {
+            bad(format!(
+                "{}; the parameters are status, handler, event_type, created_from, \
+                 created_before, after and limit, none given more than once",
+                rejection.body_text()
+            ))
+        })
 }
 
-/// Percent-decodes one component of a query string, `+` as a space; the error says what is
-/// wrong with it.
-fn decode(component: &str) -> Result<String, &'static str> {
-    const BAD_ESCAPE: &str = "the query string has a `%` not followed by two hexadecimal \
-                              digits; percent-encode `%` itself as `%25`";
-    let bytes = component.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut at = 0;
-    while at < bytes.len() {
-        match bytes[at] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let hex = bytes
-                    .get(at + 1..at + 3)
-                    .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
-                    .ok_or(BAD_ESCAPE)?;
-                let hex = std::str::from_utf8(hex).map_err(|_| BAD_ESCAPE)?;
-                out.push(u8::from_str_radix(hex, 16).map_err(|_| BAD_ESCAPE)?);
-                at += 2;
-            }
-            byte => out.push(byte),
-        }
-        at += 1;
+/// The filter of a listing, a requeue or a discard: every field optional, each checked.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Filter {
+    handler: Option<String>,
+    event_type: Option<String>,
+    created_from: Option<String>,
+    created_before: Option<String>,
+}
+
+impl Filter {
+    fn is_empty(&self) -> bool {
+        self.handler.is_none()
+            && self.event_type.is_none()
+            && self.created_from.is_none()
+            && self.created_before.is_none()
     }
-    String::from_utf8(out).map_err(|_| "the query string is not valid UTF-8 once percent-decoded")
+}
+
+/// `query` narrowed by `filter`, every value checked first.
+fn filtered(mut query: DeliveryQuery, filter: &Filter) -> Result<DeliveryQuery, OpsError> {
+    if let Some(handler) = &filter.handler {
+        relaybus::validate_handler_id(handler).map_err(|e| bad(format!("`handler`: {e}")))?;
+        query = query.handler(handler.clone());
+    }
+    if let Some(event_type) = &filter.event_type {
+        relaybus::event::validate_type_name(event_type)
+            .map_err(|e| bad(format!("`event_type`: {e}")))?;
+        query = query.event_type(event_type.clone());
+    }
+    if let Some(from) = &filter.created_from {
+        query = query.created_from(parse_time("created_from", from)?);
+    }
+    if let Some(before) = &filter.created_before {
+        query = query.created_before(parse_time("created_before", before)?);
+    }
+    Ok(query)
 }
 
 fn parse_time(name: &str, value: &str) -> Result<Timestamp, OpsError> {
@@ -323,14 +423,30 @@ fn rfc3339(time: Timestamp) -> String {
     time.to_string()
 }
 
-/// The body of `POST /deliveries/requeue`.
+/// The body of `POST /deliveries/requeue` and `POST /deliveries/discard`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RequeueBody {
-    ids: Vec<String>,
+struct WriteBody {
+    ids: Option<Vec<String>>,
+    filter: Option<Filter>,
+    all: Option<bool>,
 }
 
-fn parse_requeue(headers: &HeaderMap, body: &[u8]) -> Result<Vec<String>, OpsError> {
+/// The dead letters a write names.
+#[derive(Debug)]
+enum Selection {
+    /// These ids.
+    Ids(Vec<String>),
+    /// Every dead letter this filter matches.
+    Filter(Filter),
+    /// Every dead letter, as asked for with `"all": true`.
+    All,
+}
+
+const WRITE_SHAPES: &str = "send {\"ids\": [\"<delivery id>\", ..]}, {\"filter\": {\"handler\", \
+                            \"event_type\", \"created_from\", \"created_before\"}} or {\"all\": true}";
+
+fn parse_write(headers: &HeaderMap, body: &[u8]) -> Result<Selection, OpsError> {
     let json = headers
         .get(CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
@@ -339,54 +455,195 @@ fn parse_requeue(headers: &HeaderMap, body: &[u8]) -> Result<Vec<String>, OpsErr
     if !json {
         return Err(OpsError::NotJson);
     }
-    let body: RequeueBody = serde_json::from_slice(body).map_err(|e| {
-        bad(format!(
-            "{e}; send {{\"ids\": [\"<delivery id>\", ..]}} with the ids as strings"
-        ))
-    })?;
-    if body.ids.is_empty() || body.ids.len() > MAX_REQUEUE_IDS {
-        return Err(bad(format!(
-            "`ids` must hold 1 to {MAX_REQUEUE_IDS} ids, not {}",
-            body.ids.len()
-        )));
+    let body: WriteBody =
+        serde_json::from_slice(body).map_err(|e| bad(format!("{e}; {WRITE_SHAPES}")))?;
+    match (body.ids, body.filter, body.all) {
+        (Some(ids), None, None) => {
+            if ids.is_empty() || ids.len() > MAX_REQUEUE_IDS {
+                return Err(bad(format!(
+                    "`ids` must hold 1 to {MAX_REQUEUE_IDS} ids, not {}",
+                    ids.len()
+                )));
+            }
+            if let Some(id) = ids
+                .iter()
+                .find(|id| id.len() != 24 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
+            {
+                let shown: String = id.chars().take(64).collect();
+                return Err(bad(format!(
+                    "{shown:?} is not a delivery id; ids are the 24 hexadecimal digits listed by \
+                     GET /deliveries"
+                )));
+            }
+            Ok(Selection::Ids(ids))
+        }
+        (None, Some(filter), None) => {
+            if filter.is_empty() {
+                return Err(bad(
+                    "an empty `filter` matches every dead letter; send {\"all\": true} if that \
+                     is what you mean",
+                ));
+            }
+            // Checked now, so that a bad value is refused before anything is read.
+            let _checked = filtered(DeliveryQuery::new(), &filter)?;
+            Ok(Selection::Filter(filter))
+        }
+        (None, None, Some(true)) => Ok(Selection::All),
+        (None, None, Some(false)) => Err(bad(
+            "`all` must be `true` when given; to name some dead letters, send `ids` or `filter`",
+        )),
+        _ => Err(bad(format!(
+            "give exactly one of `ids`, `filter` and `all`; {WRITE_SHAPES}"
+        ))),
     }
-    if let Some(id) = body
-        .ids
-        .iter()
-        .find(|id| id.len() != 24 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
-    {
-        let shown: String = id.chars().take(64).collect();
-        return Err(bad(format!(
-            "{shown:?} is not a delivery id; ids are the 24 hexadecimal digits listed by GET /deliveries"
-        )));
+}
+
+/// The most dead letters one write by filter takes; the answer says when more are left.
+const MAX_SELECTED: usize = 10_000;
+
+/// The ids of the dead letters a selection names, at most [`MAX_SELECTED`], and whether more
+/// match.
+async fn select<St: Store>(
+    bus: &RelayBus<St>,
+    selection: &Selection,
+) -> Result<(Vec<String>, bool), OpsError> {
+    let filter = match selection {
+        Selection::Ids(ids) => return Ok((ids.clone(), false)),
+        Selection::Filter(filter) => filter.clone(),
+        Selection::All => Filter::default(),
+    };
+    let base = filtered(DeliveryQuery::new().status(DeliveryStatus::Dead), &filter)?;
+    let mut ids = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut page = base.clone().limit(MAX_LIMIT);
+        if let Some(after) = &after {
+            page = page.after(after.clone());
+        }
+        let records = bus
+            .store()
+            .list_deliveries(&page)
+            .await
+            .map_err(OpsError::Store)?;
+        let full = records.len() == MAX_LIMIT as usize;
+        after = records.last().map(|last| last.id.clone());
+        ids.extend(records.into_iter().map(|record| record.id));
+        if ids.len() >= MAX_SELECTED {
+            let more = ids.len() > MAX_SELECTED || full;
+            ids.truncate(MAX_SELECTED);
+            return Ok((ids, more));
+        }
+        if !full {
+            return Ok((ids, false));
+        }
     }
-    Ok(body.ids)
+}
+
+/// Refuses a write of a read-only router, or one without [`WRITE_HEADER`].
+fn check_write<St: Store>(state: &OpsState<St>, headers: &HeaderMap) -> Result<(), OpsError> {
+    if state.read_only {
+        return Err(OpsError::Refused(
+            StatusCode::FORBIDDEN,
+            "these operator routes are read-only".to_owned(),
+        ));
+    }
+    if headers.get(WRITE_HEADER).and_then(|v| v.to_str().ok()) != Some("1") {
+        return Err(OpsError::Refused(
+            StatusCode::FORBIDDEN,
+            format!(
+                "a write needs the header `{WRITE_HEADER}: 1`, which a page of another site \
+                 cannot send"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The body of a write, or the refusal of one that could not be read.
+fn write_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, OpsError> {
+    body.map_err(|rejection| {
+        OpsError::Refused(
+            rejection.status(),
+            format!("{}; {WRITE_SHAPES}", rejection.body_text()),
+        )
+    })
 }
 
 async fn requeue<St: Store>(
-    State(bus): State<RelayBus<St>>,
+    State(state): State<OpsState<St>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpsError> {
-    let body = body.map_err(|rejection| {
-        OpsError::Refused(
-            rejection.status(),
-            format!(
-                "{}; send {{\"ids\": [..]}} with at most {MAX_REQUEUE_IDS} ids",
-                rejection.body_text()
-            ),
-        )
-    })?;
-    let ids = parse_requeue(&headers, &body)?;
-    let outcome = bus
+    check_write(&state, &headers)?;
+    let selection = parse_write(&headers, &write_body(body)?)?;
+    let (ids, more) = select(&state.bus, &selection).await?;
+    let outcome = state
+        .bus
         .store()
         .requeue(&ids, Timestamp::now())
         .await
         .map_err(OpsError::Store)?;
+    tracing::info!(
+        target: "relaybus::ops",
+        selection = ?selection,
+        requeued = ?outcome.requeued,
+        blocked = ?outcome.blocked,
+        not_found = outcome.not_found.len(),
+        "an operator requeued dead letters"
+    );
     Ok(Json(json!({
         "requeued": outcome.requeued,
         "blocked": outcome.blocked,
         "not_found": outcome.not_found,
+        "more": more,
+    })))
+}
+
+async fn discard<St: Store>(
+    State(state): State<OpsState<St>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, OpsError> {
+    check_write(&state, &headers)?;
+    let selection = parse_write(&headers, &write_body(body)?)?;
+    let (ids, more) = select(&state.bus, &selection).await?;
+    let outcome = state
+        .bus
+        .store()
+        .discard(&ids, Timestamp::now())
+        .await
+        .map_err(OpsError::Store)?;
+    tracing::info!(
+        target: "relaybus::ops",
+        selection = ?selection,
+        discarded = ?outcome.discarded,
+        not_found = outcome.not_found.len(),
+        "an operator discarded dead letters"
+    );
+    Ok(Json(json!({
+        "discarded": outcome.discarded,
+        "not_found": outcome.not_found,
+        "more": more,
+    })))
+}
+
+async fn handlers<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
+    let handlers = bus
+        .store()
+        .handler_statistics()
+        .await
+        .map_err(OpsError::Store)?;
+    let now = Timestamp::now();
+    Ok(Json(json!({
+        "handlers": handlers.iter().map(|h| json!({
+            "handler": h.handler,
+            "waiting": h.pending.saturating_sub(h.running).saturating_sub(h.parked),
+            "running": h.running,
+            "parked": h.parked,
+            "dead": h.dead,
+            "oldest_due_at": h.oldest_due_at.map(rfc3339),
+            "oldest_due_age_seconds": h.oldest_due_at.map(|due| now.duration_since(due).as_secs_f64()),
+        })).collect::<Vec<_>>(),
     })))
 }
 
@@ -416,7 +673,7 @@ mod tests {
 
         assert!(refused("status=buried").contains("`status`"));
         assert!(refused("handler[$ne]=x").contains("unknown field"));
-        assert!(refused("handler=a&handler=b").contains("more than once"));
+        assert!(refused("handler=a&handler=b").contains("duplicate field"));
         assert!(refused("handler=a%20b").contains("`handler`"));
         assert!(refused("event_type=Order%24Placed").contains("`event_type`"));
         assert!(refused("created_before=yesterday").contains("RFC 3339"));
@@ -424,17 +681,18 @@ mod tests {
         assert!(refused("limit=1001").contains("`limit`"));
         assert!(refused("after=%24ne").contains("`after`"));
         assert!(refused("skip=20").contains("unknown field"));
-        assert!(refused("limit=%FF").contains("UTF-8"));
-        assert!(refused("limit=%zz").contains("two hexadecimal digits"));
-        assert!(refused("limit=1%2").contains("two hexadecimal digits"));
-        assert!(refused("limit=%+1").contains("two hexadecimal digits"));
+        // Escapes that decode to nothing usable leave values no check accepts.
+        assert!(refused("limit=%FF").contains("`limit`"));
+        assert!(refused("limit=%zz").contains("`limit`"));
+        assert!(refused("handler=%zz").contains("`handler`"));
+        assert!(refused("after=%2").contains("`after`"));
     }
 
     #[test]
-    fn requeue_bodies_are_checked() {
+    fn write_bodies_are_checked() {
         let mut headers = HeaderMap::new();
         assert!(matches!(
-            parse_requeue(&headers, br#"{"ids": []}"#),
+            parse_write(&headers, br#"{"ids": []}"#),
             Err(OpsError::NotJson)
         ));
         headers.insert(
@@ -442,26 +700,42 @@ mod tests {
             HeaderValue::from_static("application/json; charset=utf-8"),
         );
         let id = "65f0a1b2c3d4e5f601234567";
-        assert_eq!(
-            parse_requeue(&headers, format!(r#"{{"ids": ["{id}"]}}"#).as_bytes()).unwrap(),
-            [id]
-        );
-        for body in [
-            r#"{"ids": [{"$ne": null}]}"#,
-            r#"{"ids": {"$gt": ""}}"#,
-            r#"{"ids": ["65f0a1b2c3d4e5f601234567"], "all": true}"#,
-            r#"{"ids": []}"#,
-            r#"{"ids": ["not-an-id"]}"#,
-            r#"["65f0a1b2c3d4e5f601234567"]"#,
-            "ids=65f0a1b2c3d4e5f601234567",
+        match parse_write(&headers, format!(r#"{{"ids": ["{id}"]}}"#).as_bytes()) {
+            Ok(Selection::Ids(ids)) => assert_eq!(ids, [id]),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            parse_write(&headers, br#"{"filter": {"handler": "mailer"}}"#),
+            Ok(Selection::Filter(_))
+        ));
+        assert!(matches!(
+            parse_write(&headers, br#"{"all": true}"#),
+            Ok(Selection::All)
+        ));
+        for (body, says) in [
+            (r#"{"ids": [{"$ne": null}]}"#, "invalid type"),
+            (r#"{"ids": {"$gt": ""}}"#, "invalid type"),
+            (
+                r#"{"ids": ["65f0a1b2c3d4e5f601234567"], "all": true}"#,
+                "exactly one",
+            ),
+            (r#"{"ids": []}"#, "1 to 1000"),
+            (r#"{"ids": ["not-an-id"]}"#, "not a delivery id"),
+            (r#"["65f0a1b2c3d4e5f601234567"]"#, "invalid type"),
+            ("ids=65f0a1b2c3d4e5f601234567", "expected"),
+            (r#"{"filter": {}}"#, "\"all\": true"),
+            (r#"{"filter": {"handler": {"$ne": 1}}}"#, "invalid type"),
+            (r#"{"filter": {"handler": "a b"}}"#, "`handler`"),
+            (r#"{"filter": {"key": "k"}}"#, "unknown field"),
+            (r#"{"all": false}"#, "must be `true`"),
+            ("{}", "exactly one"),
         ] {
-            assert!(
-                matches!(
-                    parse_requeue(&headers, body.as_bytes()),
-                    Err(OpsError::BadRequest(_))
-                ),
-                "{body}"
-            );
+            match parse_write(&headers, body.as_bytes()) {
+                Err(OpsError::BadRequest(message)) => {
+                    assert!(message.contains(says), "{body}: {message}")
+                }
+                other => panic!("{body} was not refused: {other:?}"),
+            }
         }
     }
 }

@@ -131,8 +131,8 @@ pub use state::State;
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use store::mongo::{ClaimedDelivery, Lease, MongoEventStore, MongoEventStoreBuilder};
 pub use store::{
-    AppendRequest, Appended, DeliveryQuery, DeliveryRecord, DeliveryStatus, PurgeOptions, Purged,
-    Requeued, Statistics, Store,
+    AppendRequest, Appended, AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus,
+    Discarded, HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store,
 };
 pub use time::Timestamp;
 

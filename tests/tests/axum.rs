@@ -888,7 +888,12 @@ fn get_from(uri: &str) -> Request<Body> {
 }
 
 fn requeue_request(body: &str, json: bool) -> Request<Body> {
-    let mut request = Request::post("/ops/deliveries/requeue");
+    ops_write("/ops/deliveries/requeue", body, json)
+}
+
+/// A write to the operator routes, with the header writes need.
+fn ops_write(uri: &str, body: &str, json: bool) -> Request<Body> {
+    let mut request = Request::post(uri).header(relaybus_axum::ops::WRITE_HEADER, "1");
     if json {
         request = request.header("content-type", "application/json");
     }
@@ -999,6 +1004,177 @@ async fn ops_routes_answer_and_refuse_bad_input() {
     assert_eq!(response.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
     let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
     assert_eq!(stats["dead"], 2, "refused input changed nothing: {stats}");
+}
+
+/// A bus with `n` dead letters of handler `doomed` and `m` of handler `broken`.
+async fn dead_letters(db: &TestDb, doomed: usize, broken: usize) -> RelayBus {
+    let store = store(db).await;
+    let failing = |id: &'static str| {
+        Subscription::new(id, |_: OrderPlaced, _: HandlerContext| async {
+            Err::<(), BoxError>("the mail server said no".into())
+        })
+        .retry(RetryPolicy::new(1))
+    };
+    let bus = RelayBus::builder(store)
+        .without_registered_handlers()
+        .subscribe(failing("doomed"))
+        .build()
+        .unwrap();
+    for n in 0..doomed {
+        bus.publish(&placed(&format!("d-{n}"))).await.unwrap();
+    }
+    let both = RelayBus::builder(bus.store().clone())
+        .without_registered_handlers()
+        .subscribe(failing("doomed"))
+        .subscribe(failing("broken"))
+        .build()
+        .unwrap();
+    for n in 0..broken {
+        // An event for `broken` alone: a bus whose only handler of it is `broken`.
+        let only = RelayBus::builder(bus.store().clone())
+            .without_registered_handlers()
+            .subscribe(failing("broken"))
+            .build()
+            .unwrap();
+        only.publish(&placed(&format!("b-{n}"))).await.unwrap();
+    }
+    while both.run_once().await.unwrap().claimed > 0 {}
+    both
+}
+
+#[tokio::test]
+async fn ops_writes_need_their_header_and_take_ids_a_filter_or_all() {
+    let db = test_db("axum_ops_writes").await;
+    let bus = dead_letters(&db, 3, 2).await;
+    let router: Router = Router::new().nest("/ops", relaybus_axum::ops::router(bus.clone()));
+    let call = |request: Request<Body>| router.clone().oneshot(request);
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(stats["dead"], 5, "{stats}");
+
+    // Every answer is uncacheable and unframeable.
+    let answer = call(get_from("/ops/statistics")).await.unwrap();
+    let headers = answer.headers();
+    assert_eq!(headers["cache-control"], "no-store");
+    assert_eq!(headers["x-frame-options"], "DENY");
+    assert_eq!(headers["x-content-type-options"], "nosniff");
+    assert!(
+        headers["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .contains("frame-ancestors 'none'")
+    );
+
+    // Per handler.
+    let handlers = json(call(get_from("/ops/handlers")).await.unwrap()).await;
+    let list = handlers["handlers"].as_array().unwrap();
+    let dead_of = |id: &str| {
+        list.iter()
+            .find(|h| h["handler"] == id)
+            .map(|h| h["dead"].as_u64().unwrap())
+    };
+    assert_eq!(
+        (dead_of("doomed"), dead_of("broken")),
+        (Some(3), Some(2)),
+        "{handlers}"
+    );
+
+    // Without the header, a write is refused and changes nothing.
+    let unmarked = Request::post("/ops/deliveries/requeue")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"all": true}"#))
+        .unwrap();
+    let refused = call(unmarked).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    assert!(
+        json(refused).await["error"]
+            .as_str()
+            .unwrap()
+            .contains(relaybus_axum::ops::WRITE_HEADER)
+    );
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(stats["dead"], 5, "{stats}");
+
+    // Read-only routes refuse every write.
+    let read_only: Router = Router::new().nest(
+        "/ops",
+        relaybus_axum::ops::config(bus.clone())
+            .read_only(true)
+            .router(),
+    );
+    for uri in ["/ops/deliveries/requeue", "/ops/deliveries/discard"] {
+        let response = read_only
+            .clone()
+            .oneshot(ops_write(uri, r#"{"all": true}"#, true))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN, "{uri}");
+    }
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(stats["dead"], 5, "{stats}");
+
+    // Requeue by filter: the handler's dead letters only.
+    let requeued = json(
+        call(ops_write(
+            "/ops/deliveries/requeue",
+            r#"{"filter": {"handler": "broken"}}"#,
+            true,
+        ))
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        requeued["requeued"].as_array().unwrap().len(),
+        2,
+        "{requeued}"
+    );
+    assert_eq!(requeued["more"], false);
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(
+        (stats["dead"].as_u64(), stats["pending"].as_u64()),
+        (Some(3), Some(2))
+    );
+
+    // Discard one by id, then the rest with "all".
+    let page = json(
+        call(get_from("/ops/deliveries?status=dead&limit=1"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    let id = page["deliveries"][0]["id"].as_str().unwrap().to_owned();
+    let discarded = json(
+        call(ops_write(
+            "/ops/deliveries/discard",
+            &format!(r#"{{"ids": ["{id}"]}}"#),
+            true,
+        ))
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        discarded["discarded"],
+        serde_json::json!([id]),
+        "{discarded}"
+    );
+    let rest = json(
+        call(ops_write(
+            "/ops/deliveries/discard",
+            r#"{"all": true}"#,
+            true,
+        ))
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(rest["discarded"].as_array().unwrap().len(), 2, "{rest}");
+    let stats = json(call(get_from("/ops/statistics")).await.unwrap()).await;
+    assert_eq!(
+        (stats["dead"].as_u64(), stats["pending"].as_u64()),
+        (Some(0), Some(2)),
+        "the requeued ones are left: {stats}"
+    );
 }
 
 #[tokio::test]

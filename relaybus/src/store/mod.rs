@@ -53,7 +53,7 @@ use futures::stream::BoxStream;
 
 pub use model::{
     AppendRequest, Appended, AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus,
-    HandlerStatistics, MAX_ERROR_HISTORY, PurgeOptions, Purged, Requeued, Statistics,
+    Discarded, HandlerStatistics, MAX_ERROR_HISTORY, PurgeOptions, Purged, Requeued, Statistics,
 };
 
 use crate::{error::Result, event::EventEnvelope, time::Timestamp};
@@ -285,6 +285,16 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         query: &DeliveryQuery,
     ) -> impl Future<Output = Result<Vec<DeliveryRecord>>> + Send;
 
+    /// Deletes dead deliveries for good: dead letters an operator gave up on. An event left
+    /// with no delivery counts as finished from `now` (it stays as a deduplication record until
+    /// the retention of completed events purges it). Ids that name no dead delivery are
+    /// reported, never refused.
+    fn discard(
+        &self,
+        ids: &[String],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Discarded>> + Send;
+
     /// Makes dead deliveries pending again.
     fn requeue(
         &self,
@@ -414,6 +424,10 @@ impl Store for NoStore {
     }
 
     async fn list_deliveries(&self, _: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        match *self {}
+    }
+
+    async fn discard(&self, _: &[String], _: Timestamp) -> Result<Discarded> {
         match *self {}
     }
 

@@ -348,6 +348,16 @@ pub struct Requeued {
     pub not_found: Vec<String>,
 }
 
+/// What [`crate::store::Store::discard`] did with each id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Discarded {
+    /// Dead deliveries deleted.
+    pub discarded: Vec<String>,
+    /// Ids that name no dead delivery (unknown, not dead, or not an id at all).
+    pub not_found: Vec<String>,
+}
+
 /// What [`crate::store::Store::purge`] deletes. Leave a cutoff out to keep those documents.
 ///
 /// Cutoffs compare with the times the store recorded: when a delivery died, when an event last

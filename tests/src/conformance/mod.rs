@@ -111,6 +111,7 @@ macro_rules! conformance_tests {
             complete_in_transaction_commits_with_the_callers_writes,
             statistics_count_deliveries_by_state,
             handler_statistics_count_each_handlers_deliveries,
+            discard_deletes_dead_letters_only,
             list_deliveries_filters_and_pages,
             purge_deletes_dead_letters_and_completed_events_by_cutoff,
             an_unordered_handler_gets_every_delivery_of_a_key_at_once,

@@ -316,3 +316,58 @@ pub async fn purge_deletes_dead_letters_and_completed_events_by_cutoff<S: Store>
     assert!(holds_event(store, "mixed", PLACED).await, "{}", S::NAME);
     assert!(holds_event(store, "late-dead", PLACED).await, "{}", S::NAME);
 }
+
+/// `discard` deletes dead deliveries only; an event left with none counts as finished (purged
+/// with the completed ones), one that still has a delivery stays.
+pub async fn discard_deletes_dead_letters_only<S: Store>(store: &S) {
+    publish(store, &[event("d-1", None)], &[PROJECTOR, MAILER], at(0)).await;
+    publish(store, &[event("d-2", None)], &[PROJECTOR], at(0)).await;
+    let batch = claim(store, "w", &[PROJECTOR], 2, at(1)).await;
+    assert_eq!(batch.len(), 2, "{}", S::NAME);
+    for delivery in &batch {
+        assert!(store.bury(&delivery.lease, "poison", at(2)).await.unwrap());
+    }
+    let dead = list(store, DeliveryQuery::new().status(DeliveryStatus::Dead)).await;
+    assert_eq!(dead.len(), 2, "{}: {dead:?}", S::NAME);
+    let pending = list(store, DeliveryQuery::new().status(DeliveryStatus::Pending)).await;
+    assert_eq!(pending.len(), 1, "{}: the mailer's: {pending:?}", S::NAME);
+
+    let mut ids: Vec<String> = dead.iter().map(|d| d.id.clone()).collect();
+    ids.push(pending[0].id.clone());
+    ids.push("not-an-id".to_owned());
+    let outcome = store.discard(&ids, at(3)).await.unwrap();
+    let mut discarded = outcome.discarded.clone();
+    discarded.sort();
+    let mut expected: Vec<String> = dead.iter().map(|d| d.id.clone()).collect();
+    expected.sort();
+    assert_eq!(discarded, expected, "{}: {outcome:?}", S::NAME);
+    let mut not_found = outcome.not_found.clone();
+    not_found.sort();
+    let mut refused = vec![pending[0].id.clone(), "not-an-id".to_owned()];
+    refused.sort();
+    assert_eq!(
+        not_found,
+        refused,
+        "{}: pending ones are left alone",
+        S::NAME
+    );
+
+    let stats = statistics(store).await;
+    assert_eq!(
+        (stats.dead, stats.pending),
+        (0, 1),
+        "{}: {stats:?}",
+        S::NAME
+    );
+    // d-2 has nothing left: it is purged with the completed events; d-1 waits for its mailer.
+    let purged = store
+        .purge(&PurgeOptions::new().completed_before(at(100)))
+        .await
+        .unwrap();
+    assert_eq!(purged.events, 1, "{}: {purged:?}", S::NAME);
+    assert!(holds_event(store, "d-1", PLACED).await, "{}", S::NAME);
+    assert!(!holds_event(store, "d-2", PLACED).await, "{}", S::NAME);
+    // Discarding again finds nothing.
+    let again = store.discard(&expected, at(4)).await.unwrap();
+    assert!(again.discarded.is_empty(), "{}: {again:?}", S::NAME);
+}

@@ -10,7 +10,7 @@ use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord,
+        AppendRequest, Appended, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord, Discarded,
         HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
     },
     time::Timestamp,
@@ -202,6 +202,10 @@ impl Store for MongoEventStore {
 
     async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
         MongoEventStore::list_deliveries(self, query).await
+    }
+
+    async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {
+        MongoEventStore::discard(self, ids, bson_date(now)).await
     }
 
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {

@@ -22,8 +22,8 @@ use super::{
 };
 use crate::error::{InvalidArgumentError, Result};
 use crate::store::{
-    AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus, HandlerStatistics, Requeued,
-    Statistics,
+    AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus, Discarded, HandlerStatistics,
+    Requeued, Statistics,
 };
 
 /// The most records one listing returns.
@@ -588,6 +588,120 @@ impl MongoEventStore {
                 .await?;
         }
         Ok(outcome)
+    }
+
+    /// Deletes dead deliveries for good, in one transaction: the dead letters an operator gave
+    /// up on. An event with no delivery left gets its completion time, `now`, so that it stays
+    /// as a deduplication record until the completed events' retention purges it. Pending
+    /// deliveries are never touched: their ids come back in [`Discarded::not_found`], as do
+    /// ids that are not ObjectIds (which never reach a query).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for more than 10,000 ids;
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn discard<S: AsRef<str>>(&self, ids: &[S], now: DateTime) -> Result<Discarded> {
+        if ids.len() > MAX_REQUEUE {
+            return Err(InvalidArgumentError::new(
+                "ids",
+                format!("{} ids given; discard at most 10000 at a time", ids.len()),
+            )
+            .into());
+        }
+        let mut parsed = Vec::new();
+        let mut not_found = Vec::new();
+        for id in ids {
+            let id = id.as_ref();
+            match ObjectId::parse_str(id) {
+                Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
+                Ok(_) => {}
+                Err(_) => not_found.push(id.to_owned()),
+            }
+        }
+        if parsed.is_empty() {
+            return Ok(Discarded {
+                not_found,
+                ..Discarded::default()
+            });
+        }
+        let discarded = self
+            .own_transaction((self, &parsed, now), |session, (store, ids, now)| {
+                Box::pin(store.discard_in(session, ids, *now))
+            })
+            .await?;
+        let found: HashSet<&ObjectId> = discarded.iter().collect();
+        not_found.extend(
+            parsed
+                .iter()
+                .filter(|id| !found.contains(id))
+                .map(|id| id.to_hex()),
+        );
+        Ok(Discarded {
+            discarded: discarded.iter().map(|id| id.to_hex()).collect(),
+            not_found,
+        })
+    }
+
+    async fn discard_in(
+        &self,
+        session: &mut ClientSession,
+        ids: &[ObjectId],
+        now: DateTime,
+    ) -> Result<Vec<ObjectId>> {
+        let inner = &self.inner;
+        let dead: Vec<Document> = inner
+            .deliveries
+            .find(doc! { field::ID: { "$in": ids }, field::STATUS: status::DEAD })
+            .projection(doc! { field::ID: 1, field::EVENT_ID: 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        if dead.is_empty() {
+            return Ok(Vec::new());
+        }
+        let found: Vec<ObjectId> = dead
+            .iter()
+            .filter_map(|doc| doc.get_object_id(field::ID).ok())
+            .collect();
+        inner
+            .deliveries
+            .delete_many(doc! { field::ID: { "$in": &found }, field::STATUS: status::DEAD })
+            .session(&mut *session)
+            .await?;
+        let mut events: Vec<String> = dead
+            .iter()
+            .filter_map(|doc| string(doc, field::EVENT_ID))
+            .collect();
+        events.sort_unstable();
+        events.dedup();
+        let still_referenced: Vec<String> = inner
+            .deliveries
+            .distinct(
+                field::EVENT_ID,
+                doc! { field::EVENT_ID: { "$in": &events } },
+            )
+            .session(&mut *session)
+            .await?
+            .into_iter()
+            .filter_map(|id| id.as_str().map(str::to_owned))
+            .collect();
+        let finished: Vec<&String> = events
+            .iter()
+            .filter(|id| !still_referenced.contains(id))
+            .collect();
+        if !finished.is_empty() {
+            inner
+                .events
+                .update_many(
+                    doc! { field::ID: { "$in": finished } },
+                    doc! { "$max": { field::COMPLETED_AT: now } },
+                )
+                .session(&mut *session)
+                .await?;
+        }
+        Ok(found)
     }
 
     /// Hands back every lane `owner` holds on this store instance, for a worker that stops.
