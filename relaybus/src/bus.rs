@@ -918,8 +918,10 @@ impl<'a, S: Store> IntoFuture for Publish<'a, S> {
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
 
     fn into_future(self) -> Self::IntoFuture {
+        // The trace context of the caller's span, taken where the publish is awaited.
+        let envelope = self.envelope.map(crate::trace::inject);
         Box::pin(async move {
-            let envelope = self.envelope?;
+            let envelope = envelope?;
             let mut appended = self
                 .bus
                 .append(self.session, std::slice::from_ref(&envelope), self.due)
@@ -959,11 +961,12 @@ impl<'a, S: Store> IntoFuture for PublishAll<'a, S> {
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        Box::pin(async move {
-            self.bus
-                .append(self.session, &self.envelopes, Due::Now)
-                .await
-        })
+        let envelopes: Vec<EventEnvelope> = self
+            .envelopes
+            .into_iter()
+            .map(crate::trace::inject)
+            .collect();
+        Box::pin(async move { self.bus.append(self.session, &envelopes, Due::Now).await })
     }
 }
 

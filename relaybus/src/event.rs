@@ -346,6 +346,12 @@ impl EventEnvelope {
         &self.headers
     }
 
+    /// The headers, to change in place (trace context).
+    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    pub(crate) fn headers_mut(&mut self) -> &mut BTreeMap<String, String> {
+        &mut self.headers
+    }
+
     /// When the envelope was made.
     pub fn created_at(&self) -> Timestamp {
         self.created_at

@@ -111,6 +111,7 @@ mod state;
 pub mod store;
 pub mod telemetry;
 mod time;
+mod trace;
 
 pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
 pub use dispatcher::{Retention, RunReport};

@@ -54,6 +54,7 @@ pub(crate) async fn run_delivery<S: Store>(
         handler = delivery.handler,
         attempt = delivery.attempt,
     );
+    crate::trace::continue_trace(&span, &delivery.event);
     async move {
         if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
             metrics.attempts.increment(1);
