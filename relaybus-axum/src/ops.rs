@@ -9,6 +9,7 @@
 //! | `GET /deliveries` | `{"deliveries": [..], "limit", "next_after"}`, oldest first |
 //! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..], "more"}` |
 //! | `POST /deliveries/discard` | `{"discarded": [..], "not_found": [..], "more"}` |
+//! | `POST /deliveries/bury` | `{"buried": [..], "running": [..], "not_found": [..]}` |
 //!
 //! `GET /deliveries` takes the query parameters `status` (`pending`, `dead` or `completed`),
 //! `handler`, `event_type`, `created_from` and `created_before` (RFC 3339 times), `after` (the
@@ -23,6 +24,9 @@
 //! filter is refused, so that "everything" is always said explicitly. A filter or `all` takes
 //! at most 10,000 dead letters per call, and `more` says whether others are left. Discarding
 //! deletes dead letters for good (see [`Store::discard`](relaybus::Store::discard)).
+//! `POST /deliveries/bury` takes `{"ids": [..], "reason": "why"}` and buries pending deliveries
+//! that no worker runs, to free a key stuck behind one that will never succeed (see
+//! [`RelayBus::bury`]).
 //!
 //! # Safety
 //!
@@ -123,6 +127,7 @@ impl<St: Store> Ops<St> {
             .route("/deliveries", get(deliveries::<St>))
             .route("/deliveries/requeue", post(requeue::<St>))
             .route("/deliveries/discard", post(discard::<St>))
+            .route("/deliveries/bury", post(bury::<St>))
             .method_not_allowed_fallback(method_not_allowed)
             .fallback(not_found)
             .layer(axum::middleware::map_response(secure))
@@ -172,7 +177,7 @@ async fn method_not_allowed() -> OpsError {
     OpsError::Refused(
         StatusCode::METHOD_NOT_ALLOWED,
         "this route takes another method: GET /statistics, GET /handlers, GET /deliveries, \
-         POST /deliveries/requeue, POST /deliveries/discard"
+         POST /deliveries/requeue, POST /deliveries/discard, POST /deliveries/bury"
             .to_owned(),
     )
 }
@@ -181,7 +186,8 @@ async fn not_found() -> OpsError {
     OpsError::Refused(
         StatusCode::NOT_FOUND,
         "no such operator route; the routes are GET /statistics, GET /handlers, \
-         GET /deliveries, POST /deliveries/requeue and POST /deliveries/discard"
+         GET /deliveries, POST /deliveries/requeue, POST /deliveries/discard and \
+         POST /deliveries/bury"
             .to_owned(),
     )
 }
@@ -446,35 +452,45 @@ enum Selection {
 const WRITE_SHAPES: &str = "send {\"ids\": [\"<delivery id>\", ..]}, {\"filter\": {\"handler\", \
                             \"event_type\", \"created_from\", \"created_before\"}} or {\"all\": true}";
 
-fn parse_write(headers: &HeaderMap, body: &[u8]) -> Result<Selection, OpsError> {
-    let json = headers
+/// Whether the request says its body is JSON.
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
         .get(CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.split(';').next())
-        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
-    if !json {
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Refuses a list of ids that is empty, too long, or holds anything but delivery ids.
+fn check_ids(ids: &[String]) -> Result<(), OpsError> {
+    if ids.is_empty() || ids.len() > MAX_REQUEUE_IDS {
+        return Err(bad(format!(
+            "`ids` must hold 1 to {MAX_REQUEUE_IDS} ids, not {}",
+            ids.len()
+        )));
+    }
+    if let Some(id) = ids
+        .iter()
+        .find(|id| id.len() != 24 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
+    {
+        let shown: String = id.chars().take(64).collect();
+        return Err(bad(format!(
+            "{shown:?} is not a delivery id; ids are the 24 hexadecimal digits listed by \
+             GET /deliveries"
+        )));
+    }
+    Ok(())
+}
+
+fn parse_write(headers: &HeaderMap, body: &[u8]) -> Result<Selection, OpsError> {
+    if !is_json(headers) {
         return Err(OpsError::NotJson);
     }
     let body: WriteBody =
         serde_json::from_slice(body).map_err(|e| bad(format!("{e}; {WRITE_SHAPES}")))?;
     match (body.ids, body.filter, body.all) {
         (Some(ids), None, None) => {
-            if ids.is_empty() || ids.len() > MAX_REQUEUE_IDS {
-                return Err(bad(format!(
-                    "`ids` must hold 1 to {MAX_REQUEUE_IDS} ids, not {}",
-                    ids.len()
-                )));
-            }
-            if let Some(id) = ids
-                .iter()
-                .find(|id| id.len() != 24 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
-            {
-                let shown: String = id.chars().take(64).collect();
-                return Err(bad(format!(
-                    "{shown:?} is not a delivery id; ids are the 24 hexadecimal digits listed by \
-                     GET /deliveries"
-                )));
-            }
+            check_ids(&ids)?;
             Ok(Selection::Ids(ids))
         }
         (None, Some(filter), None) => {
@@ -624,6 +640,55 @@ async fn discard<St: Store>(
         "discarded": outcome.discarded,
         "not_found": outcome.not_found,
         "more": more,
+    })))
+}
+
+/// The body of `POST /deliveries/bury`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BuryBody {
+    ids: Vec<String>,
+    reason: String,
+}
+
+async fn bury<St: Store>(
+    State(state): State<OpsState<St>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, OpsError> {
+    check_write(&state, &headers)?;
+    let body = write_body(body)?;
+    if !is_json(&headers) {
+        return Err(OpsError::NotJson);
+    }
+    let BuryBody { ids, reason } = serde_json::from_slice(&body).map_err(|e| {
+        bad(format!(
+            "{e}; send {{\"ids\": [\"<delivery id>\", ..], \"reason\": \"why\"}}"
+        ))
+    })?;
+    check_ids(&ids)?;
+    if reason.trim().is_empty() || reason.len() > 1024 {
+        return Err(bad(
+            "`reason` must say, in 1 to 1024 bytes, why the deliveries are buried",
+        ));
+    }
+    let outcome = state
+        .bus
+        .bury(&ids, &reason)
+        .await
+        .map_err(OpsError::Store)?;
+    tracing::info!(
+        target: "relaybus::ops",
+        %reason,
+        buried = ?outcome.buried,
+        running = ?outcome.running,
+        not_found = outcome.not_found.len(),
+        "an operator buried pending deliveries"
+    );
+    Ok(Json(json!({
+        "buried": outcome.buried,
+        "running": outcome.running,
+        "not_found": outcome.not_found,
     })))
 }
 

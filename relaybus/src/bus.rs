@@ -209,6 +209,30 @@ impl<S: Store> RelayBus<S> {
         Ok(())
     }
 
+    /// Makes dead deliveries pending again, by id: the store's
+    /// [`requeue`](crate::store::Store::requeue), now.
+    ///
+    /// # Errors
+    ///
+    /// The store's errors.
+    pub async fn requeue(&self, ids: &[String]) -> Result<crate::store::Requeued> {
+        self.inner.store.requeue(ids, Timestamp::now()).await
+    }
+
+    /// Buries pending deliveries that no worker runs, by id, with `reason` as their error:
+    /// frees a key stuck behind a delivery that will never succeed. The store's
+    /// [`bury_by_id`](crate::store::Store::bury_by_id), now.
+    ///
+    /// # Errors
+    ///
+    /// The store's errors, and [`Error::InvalidArgument`] for an empty reason.
+    pub async fn bury(&self, ids: &[String], reason: &str) -> Result<crate::store::Buried> {
+        self.inner
+            .store
+            .bury_by_id(ids, reason, Timestamp::now())
+            .await
+    }
+
     /// Samples the delivery gauges now, as a started bus does every
     /// [`gauge_interval`](RelayBusBuilder::gauge_interval), if this bus leads their sampling
     /// (see [`telemetry`](crate::telemetry)): `true` when it sampled, `false` when another bus

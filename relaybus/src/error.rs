@@ -213,7 +213,7 @@ impl CommitNotAcknowledgedError {
 pub enum ConfigurationError {
     /// The server is a standalone `mongod`, which has no multi-document transactions.
     #[error(
-        "relaybus needs multi-document transactions, and the server at {address} is a standalone mongod; \
+        "MongoEventStore needs multi-document transactions, and the server at {address} is a standalone mongod; \
          run it as a replica set (`mongod --replSet rs0`, then `rs.initiate()` or the `replSetInitiate` command) \
          or connect to a sharded cluster"
     )]

@@ -132,7 +132,7 @@ pub use state::State;
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use store::mongo::{ClaimedDelivery, Lease, MongoEventStore, MongoEventStoreBuilder};
 pub use store::{
-    AppendRequest, Appended, AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus,
+    AppendRequest, Appended, AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus,
     Discarded, HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store,
 };
 pub use time::Timestamp;

@@ -1175,6 +1175,42 @@ async fn ops_writes_need_their_header_and_take_ids_a_filter_or_all() {
         (Some(0), Some(2)),
         "the requeued ones are left: {stats}"
     );
+
+    // Bury a pending one by id, with a reason; none is refused.
+    let page = json(
+        call(get_from("/ops/deliveries?status=pending&limit=1"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    let id = page["deliveries"][0]["id"].as_str().unwrap().to_owned();
+    let unexplained = call(ops_write(
+        "/ops/deliveries/bury",
+        &format!(r#"{{"ids": ["{id}"], "reason": " "}}"#),
+        true,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(unexplained.status(), StatusCode::BAD_REQUEST);
+    let buried = json(
+        call(ops_write(
+            "/ops/deliveries/bury",
+            &format!(r#"{{"ids": ["{id}"], "reason": "the customer was deleted"}}"#),
+            true,
+        ))
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(buried["buried"], serde_json::json!([id]), "{buried}");
+    let dead = json(call(get_from("/ops/deliveries?status=dead")).await.unwrap()).await;
+    assert!(
+        dead["deliveries"][0]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("the customer was deleted"),
+        "{dead}"
+    );
 }
 
 #[tokio::test]

@@ -939,7 +939,7 @@ async fn publish_and_append_with_a_session_outside_a_transaction_write_nothing()
             matches!(
                 &error,
                 Error::Configuration(ConfigurationError::NoTransaction {
-                    operation: "complete_in_transaction"
+                    operation: "MongoEventStore.complete_in_transaction"
                 })
             ),
             "{state}: {error:?}"

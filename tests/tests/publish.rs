@@ -633,6 +633,13 @@ async fn a_standalone_server_is_refused_by_setup_and_by_the_first_transaction() 
         "{error:?}"
     );
     assert!(error.to_string().contains("replica set"), "{error}");
+    // The specification's own words, which runbooks may search for.
+    assert!(
+        error
+            .to_string()
+            .contains("MongoEventStore needs multi-document transactions"),
+        "{error}"
+    );
 
     let fresh = MongoEventStore::builder(client.clone())
         .database("standalone")
@@ -677,6 +684,12 @@ async fn a_session_without_a_transaction_is_refused_and_nothing_is_written() {
         "{error:?}"
     );
     assert!(error.to_string().contains("start_transaction"), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("MongoEventStore.append needs a ClientSession inside a started transaction"),
+        "the specification's words: {error}"
+    );
 
     // A session whose transaction was committed already is refused too.
     session.start_transaction().await.unwrap();

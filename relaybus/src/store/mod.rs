@@ -52,7 +52,7 @@ use std::{fmt, future::Future, hash::Hash, time::Duration};
 use futures::stream::BoxStream;
 
 pub use model::{
-    AppendRequest, Appended, AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus,
+    AppendRequest, Appended, AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus,
     Discarded, HandlerStatistics, MAX_ERROR_HISTORY, PurgeOptions, Purged, Requeued, Statistics,
 };
 
@@ -295,6 +295,16 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<Discarded>> + Send;
 
+    /// Buries pending deliveries that no worker runs, by id, with `reason` as their error: an
+    /// operator's way to free a key stuck behind a delivery that will never succeed. Their
+    /// key's later deliveries can then run. Running ones are reported and left to their worker.
+    fn bury_by_id(
+        &self,
+        ids: &[String],
+        reason: &str,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Buried>> + Send;
+
     /// Makes dead deliveries pending again.
     fn requeue(
         &self,
@@ -424,6 +434,10 @@ impl Store for NoStore {
     }
 
     async fn list_deliveries(&self, _: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        match *self {}
+    }
+
+    async fn bury_by_id(&self, _: &[String], _: &str, _: Timestamp) -> Result<Buried> {
         match *self {}
     }
 

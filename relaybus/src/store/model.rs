@@ -358,6 +358,18 @@ pub struct Discarded {
     pub not_found: Vec<String>,
 }
 
+/// What [`crate::store::Store::bury_by_id`] did with each id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Buried {
+    /// Pending deliveries made dead letters.
+    pub buried: Vec<String>,
+    /// Pending deliveries left alone because a worker runs them now; its result settles them.
+    pub running: Vec<String>,
+    /// Ids that name no pending delivery (unknown, dead already, or not an id at all).
+    pub not_found: Vec<String>,
+}
+
 /// What [`crate::store::Store::purge`] deletes. Leave a cutoff out to keep those documents.
 ///
 /// Cutoffs compare with the times the store recorded: when a delivery died, when an event last

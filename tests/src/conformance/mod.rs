@@ -107,6 +107,7 @@ macro_rules! conformance_tests {
             reschedule_charges_and_delays,
             bury_makes_a_dead_letter_and_requeue_revives_it,
             failed_attempts_are_kept_across_a_requeue,
+            bury_by_id_frees_a_stuck_key,
             requeue_waits_for_a_running_later_delivery_of_its_key,
             complete_in_transaction_commits_with_the_callers_writes,
             statistics_count_deliveries_by_state,

@@ -412,3 +412,78 @@ pub async fn failed_attempts_are_kept_across_a_requeue<S: Store>(store: &S) {
         S::NAME
     );
 }
+
+/// `bury_by_id` frees a key stuck behind a pending delivery: it buries deliveries no worker
+/// runs, leaves running ones to their worker, and fences the leases of earlier claims.
+pub async fn bury_by_id_frees_a_stuck_key<S: Store>(store: &S) {
+    let events = [event("k-1", Some("k")), event("k-2", Some("k"))];
+    publish(store, &events, &[PROJECTOR], at(0)).await;
+    let first = claim(store, "w", &[PROJECTOR], 10, at(1)).await;
+    assert_eq!(
+        first.len(),
+        1,
+        "{}: one delivery of the key at a time",
+        S::NAME
+    );
+    let head = delivery_id(&first[0]);
+
+    let running = store
+        .bury_by_id(std::slice::from_ref(&head), "poison pill", at(2))
+        .await
+        .unwrap();
+    assert_eq!(
+        running.running,
+        std::slice::from_ref(&head),
+        "{}: {running:?}",
+        S::NAME
+    );
+    assert!(running.buried.is_empty());
+
+    assert!(store.release(&first[0].lease, at(3)).await.unwrap());
+    let outcome = store
+        .bury_by_id(&[head.clone(), "junk".to_owned()], "poison pill", at(4))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome.buried,
+        std::slice::from_ref(&head),
+        "{}: {outcome:?}",
+        S::NAME
+    );
+    assert_eq!(outcome.not_found, ["junk"]);
+    let dead = delivery(store, "k-1", PROJECTOR).await.unwrap();
+    assert_eq!(dead.status, DeliveryStatus::Dead);
+    assert!(
+        dead.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("buried by an operator: poison pill")),
+        "{}: {dead:?}",
+        S::NAME
+    );
+    assert_eq!(
+        dead.attempts,
+        0,
+        "{}: an operator's burial is no attempt",
+        S::NAME
+    );
+    assert_eq!(
+        store.complete(&leases(&first), at(5)).await.unwrap(),
+        [false],
+        "{}: the earlier claim's lease no longer settles it",
+        S::NAME
+    );
+    // The key moves on.
+    let next = claim(store, "w", &[PROJECTOR], 10, at(6)).await;
+    assert_eq!(event_ids(&next), ["k-2"], "{}", S::NAME);
+    // A dead one is not found again, and an empty reason is refused.
+    let again = store
+        .bury_by_id(std::slice::from_ref(&head), "again", at(7))
+        .await
+        .unwrap();
+    assert_eq!(again.not_found, std::slice::from_ref(&head), "{}", S::NAME);
+    assert!(
+        store.bury_by_id(&[head], " ", at(8)).await.is_err(),
+        "{}: an empty reason",
+        S::NAME
+    );
+}

@@ -83,7 +83,8 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<Vec<Appended>> {
         let items = prepare(events)?;
-        self.ensure_in_transaction(session, "append").await?;
+        self.ensure_in_transaction(session, "MongoEventStore.append")
+            .await?;
         self.append_prepared(session, items, now).await
     }
 

@@ -10,8 +10,9 @@ use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord, Discarded,
-        HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
+        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord,
+        Discarded, HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store,
+        StoreLease, WakeUp,
     },
     time::Timestamp,
 };
@@ -202,6 +203,10 @@ impl Store for MongoEventStore {
 
     async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
         MongoEventStore::list_deliveries(self, query).await
+    }
+
+    async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {
+        MongoEventStore::bury_by_id(self, ids, reason, bson_date(now)).await
     }
 
     async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {

@@ -147,7 +147,7 @@ impl MongoEventStore {
         lease: &Lease,
         now: DateTime,
     ) -> Result<bool> {
-        self.ensure_in_transaction(session, "complete_in_transaction")
+        self.ensure_in_transaction(session, "MongoEventStore.complete_in_transaction")
             .await?;
         let outcome = self
             .complete_in(session, std::slice::from_ref(lease), now)

@@ -22,8 +22,8 @@ use super::{
 };
 use crate::error::{InvalidArgumentError, Result};
 use crate::store::{
-    AttemptError, DeliveryQuery, DeliveryRecord, DeliveryStatus, Discarded, HandlerStatistics,
-    Requeued, Statistics,
+    AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus, Discarded,
+    HandlerStatistics, Requeued, Statistics,
 };
 
 /// The most records one listing returns.
@@ -702,6 +702,141 @@ impl MongoEventStore {
                 .await?;
         }
         Ok(found)
+    }
+
+    /// Buries pending deliveries by id, in one transaction, with `reason` as their error (cut
+    /// to 8 KiB; it joins their error history, not counted as an attempt). A delivery a lane
+    /// lists as running is left to its worker and reported in [`Buried::running`]; ids that are
+    /// not ObjectIds never reach a query. The claim generation moves on, so a lease of an
+    /// earlier claim can no longer settle a buried delivery.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for more than 10,000 ids or an
+    /// empty reason; [`Error::Database`](crate::Error::Database).
+    pub async fn bury_by_id<S: AsRef<str>>(
+        &self,
+        ids: &[S],
+        reason: &str,
+        now: DateTime,
+    ) -> Result<Buried> {
+        if ids.len() > MAX_REQUEUE {
+            return Err(InvalidArgumentError::new(
+                "ids",
+                format!("{} ids given; bury at most 10000 at a time", ids.len()),
+            )
+            .into());
+        }
+        if reason.trim().is_empty() {
+            return Err(InvalidArgumentError::new(
+                "reason",
+                "the reason is empty; say why the deliveries are buried, it becomes their error",
+            )
+            .into());
+        }
+        let mut parsed = Vec::new();
+        let mut not_found = Vec::new();
+        for id in ids {
+            let id = id.as_ref();
+            match ObjectId::parse_str(id) {
+                Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
+                Ok(_) => {}
+                Err(_) => not_found.push(id.to_owned()),
+            }
+        }
+        if parsed.is_empty() {
+            return Ok(Buried {
+                not_found,
+                ..Buried::default()
+            });
+        }
+        let (buried, running) = self
+            .own_transaction(
+                (self, &parsed, reason, now),
+                |session, (store, ids, reason, now)| {
+                    Box::pin(store.bury_by_id_in(session, ids, reason, *now))
+                },
+            )
+            .await?;
+        let known: HashSet<&ObjectId> = buried.iter().chain(running.iter()).collect();
+        not_found.extend(
+            parsed
+                .iter()
+                .filter(|id| !known.contains(id))
+                .map(|id| id.to_hex()),
+        );
+        Ok(Buried {
+            buried: buried.iter().map(|id| id.to_hex()).collect(),
+            running: running.iter().map(|id| id.to_hex()).collect(),
+            not_found,
+        })
+    }
+
+    async fn bury_by_id_in(
+        &self,
+        session: &mut ClientSession,
+        ids: &[ObjectId],
+        reason: &str,
+        now: DateTime,
+    ) -> Result<(Vec<ObjectId>, Vec<ObjectId>)> {
+        let inner = &self.inner;
+        let pending: Vec<Document> = inner
+            .deliveries
+            .find(doc! { field::ID: { "$in": ids }, field::STATUS: status::PENDING })
+            .projection(doc! { field::ID: 1, field::LANE_ID: 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        if pending.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let found: Vec<ObjectId> = pending
+            .iter()
+            .filter_map(|doc| doc.get_object_id(field::ID).ok())
+            .collect();
+        // Read in the transaction: a claim that lists one of them later conflicts with it.
+        let listed: Vec<Document> = inner
+            .lanes
+            .find(doc! { field::IN_FLIGHT: { "$in": &found } })
+            .projection(doc! { field::IN_FLIGHT: 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        let running: HashSet<ObjectId> = listed
+            .iter()
+            .filter_map(|lane| lane.get_array(field::IN_FLIGHT).ok())
+            .flatten()
+            .filter_map(|id| id.as_object_id())
+            .filter(|id| found.contains(id))
+            .collect();
+        let buried: Vec<ObjectId> = found
+            .iter()
+            .filter(|id| !running.contains(id))
+            .copied()
+            .collect();
+        if !buried.is_empty() {
+            let error = format!("buried by an operator: {reason}");
+            inner
+                .deliveries
+                .update_many(
+                    doc! { field::ID: { "$in": &buried }, field::STATUS: status::PENDING },
+                    vec![doc! { "$set": {
+                        field::STATUS: status::DEAD,
+                        field::LANE: schema::lane::READY,
+                        field::LAST_ERROR: { "$literal": super::lane::clip_error(&error) },
+                        field::ERRORS: super::lane::push_error(&error, now),
+                        field::CLAIMS: { "$add": [{ "$ifNull": [path::CLAIMS, 0_i64] }, 1_i64] },
+                        field::UPDATED_AT: now,
+                    } }],
+                )
+                .session(&mut *session)
+                .await?;
+        }
+        Ok((buried, running.into_iter().collect()))
     }
 
     /// Hands back every lane `owner` holds on this store instance, for a worker that stops.
