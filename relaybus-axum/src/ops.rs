@@ -585,14 +585,25 @@ fn write_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, OpsError> {
     })
 }
 
+/// A requeue's or discard's checks, then the dead letters it names: the selection, their ids
+/// and whether more match.
+async fn selected<St: Store>(
+    state: &OpsState<St>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Selection, Vec<String>, bool), OpsError> {
+    check_write(state, headers)?;
+    let selection = parse_write(headers, &write_body(body)?)?;
+    let (ids, more) = select(&state.bus, &selection).await?;
+    Ok((selection, ids, more))
+}
+
 async fn requeue<St: Store>(
     State(state): State<OpsState<St>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpsError> {
-    check_write(&state, &headers)?;
-    let selection = parse_write(&headers, &write_body(body)?)?;
-    let (ids, more) = select(&state.bus, &selection).await?;
+    let (selection, ids, more) = selected(&state, &headers, body).await?;
     let outcome = state
         .bus
         .store()
@@ -620,9 +631,7 @@ async fn discard<St: Store>(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpsError> {
-    check_write(&state, &headers)?;
-    let selection = parse_write(&headers, &write_body(body)?)?;
-    let (ids, more) = select(&state.bus, &selection).await?;
+    let (selection, ids, more) = selected(&state, &headers, body).await?;
     let outcome = state
         .bus
         .store()

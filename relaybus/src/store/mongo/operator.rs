@@ -40,6 +40,46 @@ fn ordered_key_of(doc: &Document) -> Option<(String, String)> {
     Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?))
 }
 
+/// The distinct ObjectIds among `ids`, and the ids that are not ObjectIds (which never reach a
+/// query); refuses more than 10,000 ids, naming what `verb` does.
+fn parse_ids<S: AsRef<str>>(ids: &[S], verb: &str) -> Result<(Vec<ObjectId>, Vec<String>)> {
+    if ids.len() > MAX_REQUEUE {
+        return Err(InvalidArgumentError::new(
+            "ids",
+            format!("{} ids given; {verb} at most 10000 at a time", ids.len()),
+        )
+        .into());
+    }
+    let mut parsed = Vec::new();
+    let mut not_found = Vec::new();
+    for id in ids {
+        let id = id.as_ref();
+        match ObjectId::parse_str(id) {
+            Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
+            Ok(_) => {}
+            Err(_) => not_found.push(id.to_owned()),
+        }
+    }
+    Ok((parsed, not_found))
+}
+
+/// Every document of `collection` that `filter` matches, read in the session's transaction.
+async fn documents_in(
+    session: &mut ClientSession,
+    collection: &mongodb::Collection<Document>,
+    filter: Document,
+    projection: Document,
+) -> Result<Vec<Document>> {
+    Ok(collection
+        .find(filter)
+        .projection(projection)
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?)
+}
+
 /// A listed delivery or completion record, from its stored document.
 fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
     Some(DeliveryRecord {
@@ -422,23 +462,7 @@ impl MongoEventStore {
     ///
     /// Dropping the future may or may not have requeued the deliveries (it is one transaction).
     pub async fn requeue<S: AsRef<str>>(&self, ids: &[S], now: DateTime) -> Result<Requeued> {
-        if ids.len() > MAX_REQUEUE {
-            return Err(InvalidArgumentError::new(
-                "ids",
-                format!("{} ids given; requeue at most 10000 at a time", ids.len()),
-            )
-            .into());
-        }
-        let mut parsed = Vec::new();
-        let mut not_found = Vec::new();
-        for id in ids {
-            let id = id.as_ref();
-            match ObjectId::parse_str(id) {
-                Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
-                Ok(_) => {}
-                Err(_) => not_found.push(id.to_owned()),
-            }
-        }
+        let (parsed, not_found) = parse_ids(ids, "requeue")?;
         if parsed.is_empty() {
             return Ok(Requeued {
                 not_found,
@@ -601,23 +625,7 @@ impl MongoEventStore {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for more than 10,000 ids;
     /// [`Error::Database`](crate::Error::Database).
     pub async fn discard<S: AsRef<str>>(&self, ids: &[S], now: DateTime) -> Result<Discarded> {
-        if ids.len() > MAX_REQUEUE {
-            return Err(InvalidArgumentError::new(
-                "ids",
-                format!("{} ids given; discard at most 10000 at a time", ids.len()),
-            )
-            .into());
-        }
-        let mut parsed = Vec::new();
-        let mut not_found = Vec::new();
-        for id in ids {
-            let id = id.as_ref();
-            match ObjectId::parse_str(id) {
-                Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
-                Ok(_) => {}
-                Err(_) => not_found.push(id.to_owned()),
-            }
-        }
+        let (parsed, mut not_found) = parse_ids(ids, "discard")?;
         if parsed.is_empty() {
             return Ok(Discarded {
                 not_found,
@@ -649,15 +657,13 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<Vec<ObjectId>> {
         let inner = &self.inner;
-        let dead: Vec<Document> = inner
-            .deliveries
-            .find(doc! { field::ID: { "$in": ids }, field::STATUS: status::DEAD })
-            .projection(doc! { field::ID: 1, field::EVENT_ID: 1 })
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?;
+        let dead = documents_in(
+            session,
+            &inner.deliveries,
+            doc! { field::ID: { "$in": ids }, field::STATUS: status::DEAD },
+            doc! { field::ID: 1, field::EVENT_ID: 1 },
+        )
+        .await?;
         if dead.is_empty() {
             return Ok(Vec::new());
         }
@@ -720,29 +726,13 @@ impl MongoEventStore {
         reason: &str,
         now: DateTime,
     ) -> Result<Buried> {
-        if ids.len() > MAX_REQUEUE {
-            return Err(InvalidArgumentError::new(
-                "ids",
-                format!("{} ids given; bury at most 10000 at a time", ids.len()),
-            )
-            .into());
-        }
+        let (parsed, mut not_found) = parse_ids(ids, "bury")?;
         if reason.trim().is_empty() {
             return Err(InvalidArgumentError::new(
                 "reason",
                 "the reason is empty; say why the deliveries are buried, it becomes their error",
             )
             .into());
-        }
-        let mut parsed = Vec::new();
-        let mut not_found = Vec::new();
-        for id in ids {
-            let id = id.as_ref();
-            match ObjectId::parse_str(id) {
-                Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
-                Ok(_) => {}
-                Err(_) => not_found.push(id.to_owned()),
-            }
         }
         if parsed.is_empty() {
             return Ok(Buried {
@@ -780,15 +770,13 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<(Vec<ObjectId>, Vec<ObjectId>)> {
         let inner = &self.inner;
-        let pending: Vec<Document> = inner
-            .deliveries
-            .find(doc! { field::ID: { "$in": ids }, field::STATUS: status::PENDING })
-            .projection(doc! { field::ID: 1, field::LANE_ID: 1 })
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?;
+        let pending = documents_in(
+            session,
+            &inner.deliveries,
+            doc! { field::ID: { "$in": ids }, field::STATUS: status::PENDING },
+            doc! { field::ID: 1 },
+        )
+        .await?;
         if pending.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
@@ -797,15 +785,13 @@ impl MongoEventStore {
             .filter_map(|doc| doc.get_object_id(field::ID).ok())
             .collect();
         // Read in the transaction: a claim that lists one of them later conflicts with it.
-        let listed: Vec<Document> = inner
-            .lanes
-            .find(doc! { field::IN_FLIGHT: { "$in": &found } })
-            .projection(doc! { field::IN_FLIGHT: 1 })
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?;
+        let listed = documents_in(
+            session,
+            &inner.lanes,
+            doc! { field::IN_FLIGHT: { "$in": &found } },
+            doc! { field::IN_FLIGHT: 1 },
+        )
+        .await?;
         let running: HashSet<ObjectId> = listed
             .iter()
             .filter_map(|lane| lane.get_array(field::IN_FLIGHT).ok())
