@@ -1549,6 +1549,33 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
 // Operator API
 
 #[tokio::test]
+async fn statistics_and_listings_work_after_the_listing_indexes_are_dropped() {
+    let db = test_db("dropped_listing_indexes").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "s", 3, at(0)).await;
+    let batch = claim(&store, "w", 1, at(1)).await;
+    assert!(store.bury(batch[0].lease(), "broken", at(2)).await.unwrap());
+    // The specification allows dropping them when listings are not filtered.
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    for index in ["status_created", "handler_created", "type_created"] {
+        deliveries.drop_index(index).await.unwrap();
+    }
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.pending, stats.dead), (2, 1), "{stats:?}");
+    let per_handler = store.handler_statistics().await.unwrap();
+    assert_eq!(per_handler.len(), 1, "{per_handler:?}");
+    assert_eq!((per_handler[0].pending, per_handler[0].dead), (2, 1));
+    let listed = store
+        .list_deliveries(
+            &DeliveryQuery::new()
+                .handler(HANDLER)
+                .status(DeliveryStatus::Dead),
+        )
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+}
+#[tokio::test]
 async fn requeue_makes_a_dead_delivery_pending_again_ahead_of_its_key() {
     let db = test_db("requeue").await;
     let store = store(&db).await;

@@ -63,6 +63,14 @@ fn parse_ids<S: AsRef<str>>(ids: &[S], verb: &str) -> Result<(Vec<ObjectId>, Vec
     Ok((parsed, not_found))
 }
 
+/// Whether the server refused a query because its hinted index does not exist.
+fn is_missing_index(error: &mongodb::error::Error) -> bool {
+    super::error_code(error) == Some(BAD_VALUE) && error.to_string().contains("hint")
+}
+
+/// `BadValue`, which a hint naming no index gets.
+const BAD_VALUE: i32 = 2;
+
 /// Every document of `collection` that `filter` matches, read in the session's transaction.
 async fn documents_in(
     session: &mut ClientSession,
@@ -183,12 +191,20 @@ impl MongoEventStore {
     /// Cancel safe: it only reads.
     pub async fn statistics(&self) -> Result<Statistics> {
         let inner = &self.inner;
+        // The specification lets the listing indexes be dropped: a count whose index is gone
+        // runs on what the planner finds.
         let count = |filter: Document, hint: &'static str| async move {
-            inner
+            let hinted = inner
                 .deliveries
-                .count_documents(filter)
+                .count_documents(filter.clone())
                 .hint(Hint::Name(hint.to_owned()))
-                .await
+                .await;
+            match hinted {
+                Err(error) if is_missing_index(&error) => {
+                    inner.deliveries.count_documents(filter).await
+                }
+                counted => counted,
+            }
         };
         let (pending, dead, legacy, parked) = futures::try_join!(
             count(
@@ -263,26 +279,33 @@ impl MongoEventStore {
     pub async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
         let inner = &self.inner;
         let grouped = async {
-            inner
+            let pipeline = [
+                doc! { "$match": {
+                    field::STATUS: { "$in": [status::PENDING, status::DEAD] },
+                } },
+                doc! { "$group": {
+                    field::ID: {
+                        "h": format!("${}", field::HANDLER),
+                        "s": format!("${}", field::STATUS),
+                        "l": format!("${}", field::LANE),
+                    },
+                    "n": { "$sum": 1 },
+                    "oldest": { "$min": format!("${}", field::DUE_AT) },
+                } },
+            ];
+            let hinted = inner
                 .deliveries
-                .aggregate([
-                    doc! { "$match": {
-                        field::STATUS: { "$in": [status::PENDING, status::DEAD] },
-                    } },
-                    doc! { "$group": {
-                        field::ID: {
-                            "h": format!("${}", field::HANDLER),
-                            "s": format!("${}", field::STATUS),
-                            "l": format!("${}", field::LANE),
-                        },
-                        "n": { "$sum": 1 },
-                        "oldest": { "$min": format!("${}", field::DUE_AT) },
-                    } },
-                ])
+                .aggregate(pipeline.clone())
                 .hint(Hint::Name(index::STATUS_CREATED.to_owned()))
-                .await?
-                .try_collect::<Vec<Document>>()
-                .await
+                .await;
+            let cursor = match hinted {
+                // A listing index the deployment dropped, as the specification allows.
+                Err(error) if is_missing_index(&error) => {
+                    inner.deliveries.aggregate(pipeline).await?
+                }
+                cursor => cursor?,
+            };
+            cursor.try_collect::<Vec<Document>>().await
         };
         let running = async {
             inner
