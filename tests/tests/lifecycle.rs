@@ -1549,6 +1549,34 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
 // Operator API
 
 #[tokio::test]
+async fn headers_of_any_json_value_reach_the_handler_as_text() {
+    let db = test_db("json_headers").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "h", 1, at(0)).await;
+    // Another writer of the specification's format may store headers of any JSON value.
+    db.db()
+        .collection::<Document>("relaybus_events")
+        .update_one(
+            doc! { "_id": "h-0" },
+            doc! { "$set": { "headers": {
+                "tenant": "acme",
+                "retries": 3,
+                "route": { "region": "eu" },
+                "flags": [true, null],
+            } } },
+        )
+        .await
+        .unwrap();
+    let batch = claim(&store, "w", 1, at(1)).await;
+    let headers = batch[0].event().headers();
+    assert_eq!(headers["tenant"], "acme");
+    assert_eq!(headers["retries"], "3");
+    assert_eq!(headers["route"], r#"{"region":"eu"}"#);
+    assert_eq!(headers["flags"], "[true,null]");
+    assert_eq!(headers.len(), 4, "none dropped: {headers:?}");
+}
+
+#[tokio::test]
 async fn statistics_and_listings_work_after_the_listing_indexes_are_dropped() {
     let db = test_db("dropped_listing_indexes").await;
     let store = store(&db).await;

@@ -127,9 +127,14 @@ fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
         Ok(headers) => headers
             .into_iter()
             .filter_map(Result::ok)
-            .filter_map(|(name, value)| match raw_to_json(value) {
-                serde_json::Value::String(value) => Some((name.to_owned(), value)),
-                _ => None,
+            // Another writer may store any JSON value, as the specification allows: a value
+            // that is not a string reaches the handler as its JSON text rather than vanishing.
+            .map(|(name, value)| {
+                let value = match raw_to_json(value) {
+                    serde_json::Value::String(value) => value,
+                    other => other.to_string(),
+                };
+                (name.to_owned(), value)
             })
             .collect(),
         _ => Default::default(),
