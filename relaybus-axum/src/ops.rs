@@ -70,9 +70,13 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post},
 };
-use relaybus::{DeliveryQuery, DeliveryRecord, DeliveryStatus, RelayBus, Store, Timestamp};
+use relaybus::{
+    DeliveryQuery, DeliveryRecord, DeliveryStatus, PendingState, RelayBus, Store, Timestamp,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
+
+mod page;
 
 /// The most records per page.
 const MAX_LIMIT: u32 = 1_000;
@@ -128,6 +132,13 @@ impl<St: Store> Ops<St> {
             .route("/deliveries/requeue", post(requeue::<St>))
             .route("/deliveries/discard", post(discard::<St>))
             .route("/deliveries/bury", post(bury::<St>))
+            .route("/events/{event_id}", get(event::<St>))
+            .route("/lanes", get(lanes::<St>))
+            .route("/dead-letters", get(dead_letters::<St>))
+            .route("/activity", get(activity::<St>))
+            .route("/", get(page::index))
+            .route("/assets/ops.js", get(page::script))
+            .route("/assets/ops.css", get(page::style))
             .method_not_allowed_fallback(method_not_allowed)
             .fallback(not_found)
             .layer(axum::middleware::map_response(secure))
@@ -162,10 +173,12 @@ async fn secure(mut response: Response) -> Response {
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
     );
-    headers.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
-    );
+    if !headers.contains_key(header::CONTENT_SECURITY_POLICY) {
+        headers.insert(
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
+        );
+    }
     headers.insert(
         header::REFERRER_POLICY,
         HeaderValue::from_static("no-referrer"),
@@ -176,7 +189,8 @@ async fn secure(mut response: Response) -> Response {
 async fn method_not_allowed() -> OpsError {
     OpsError::Refused(
         StatusCode::METHOD_NOT_ALLOWED,
-        "this route takes another method: GET /statistics, GET /handlers, GET /deliveries, \
+        "this route takes another method: GET /, GET /statistics, GET /handlers, \
+         GET /activity, GET /deliveries, GET /events/{event_id}, GET /dead-letters, GET /lanes, \
          POST /deliveries/requeue, POST /deliveries/discard, POST /deliveries/bury"
             .to_owned(),
     )
@@ -185,8 +199,9 @@ async fn method_not_allowed() -> OpsError {
 async fn not_found() -> OpsError {
     OpsError::Refused(
         StatusCode::NOT_FOUND,
-        "no such operator route; the routes are GET /statistics, GET /handlers, \
-         GET /deliveries, POST /deliveries/requeue, POST /deliveries/discard and \
+        "no such operator route; the routes are GET / (the page), GET /statistics, \
+         GET /handlers, GET /activity, GET /deliveries, GET /events/{event_id}, \
+         GET /dead-letters, GET /lanes, POST /deliveries/requeue, POST /deliveries/discard and \
          POST /deliveries/bury"
             .to_owned(),
     )
@@ -233,15 +248,25 @@ fn bad(message: impl Into<String>) -> OpsError {
 
 async fn statistics<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
     let stats = bus.store().statistics().await.map_err(OpsError::Store)?;
-    Ok(Json(json!({
+    let mut answer = json!({
         "pending": stats.pending,
         "running": stats.running,
         "parked": stats.parked,
         "dead": stats.dead,
         "completed": stats.completed,
+        "completion_history": stats.completion_history,
         "oldest_due_at": stats.oldest_due_at.map(rfc3339),
-    })))
+    });
+    if !stats.completion_history {
+        answer["completed"] = Value::Null;
+        answer["completed_note"] = json!(COMPLETED_NOTE);
+    }
+    Ok(Json(answer))
 }
+
+/// Why `completed` is `null`.
+const COMPLETED_NOTE: &str = "completed deliveries are deleted and not counted: turn on \
+                              completion history on the store to count and list them";
 
 /// The query string of `GET /deliveries`, every value still text.
 #[derive(Debug, Default, Deserialize)]
@@ -250,6 +275,10 @@ struct ListParams {
     status: Option<String>,
     handler: Option<String>,
     event_type: Option<String>,
+    key: Option<String>,
+    event_id: Option<String>,
+    error: Option<String>,
+    last_error: Option<String>,
     created_from: Option<String>,
     created_before: Option<String>,
     after: Option<String>,
@@ -267,18 +296,30 @@ fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
     let params = list_params(raw)?;
     let mut query = DeliveryQuery::new();
     if let Some(status) = params.status {
-        query = query.status(match status.as_str() {
-            "pending" => DeliveryStatus::Pending,
-            "dead" => DeliveryStatus::Dead,
-            "completed" => DeliveryStatus::Completed,
-            _ => return Err(bad("`status` must be `pending`, `dead` or `completed`")),
-        });
+        query = match status.as_str() {
+            "pending" => query.status(DeliveryStatus::Pending),
+            "waiting" => query.pending_state(PendingState::Waiting),
+            "running" => query.pending_state(PendingState::Running),
+            "parked" => query.pending_state(PendingState::Parked),
+            "dead" => query.status(DeliveryStatus::Dead),
+            "completed" => query.status(DeliveryStatus::Completed),
+            _ => {
+                return Err(bad(
+                    "`status` must be `pending`, `waiting`, `running`, `parked`, `dead` or \
+                     `completed`",
+                ));
+            }
+        };
     }
     query = filtered(
         query,
         &Filter {
             handler: params.handler,
             event_type: params.event_type,
+            key: params.key,
+            event_id: params.event_id,
+            error: params.error,
+            last_error: params.last_error,
             created_from: params.created_from,
             created_before: params.created_before,
         },
@@ -313,21 +354,31 @@ fn parse_listing(raw: Option<&str>) -> Result<Listing, OpsError> {
     })
 }
 
-/// Reads the query string with axum's [`Query`], which refuses unknown keys (where
-/// `handler[$ne]=x` ends up) and repeated ones.
 fn list_params(raw: Option<&str>) -> Result<ListParams, OpsError> {
+    parse_query(
+        raw,
+        "status, handler, event_type, key, event_id, error, last_error, created_from, \
+         created_before, after and limit",
+    )
+}
+
+/// Reads a query string with axum's [`Query`], which refuses unknown keys (where
+/// `handler[$ne]=x` ends up) and repeated ones; `known` names the parameters.
+fn parse_query<T: serde::de::DeserializeOwned + Default>(
+    raw: Option<&str>,
+    known: &str,
+) -> Result<T, OpsError> {
     let uri: axum::http::Uri = match raw {
-        None | Some("") => return Ok(ListParams::default()),
+        None | Some("") => return Ok(T::default()),
         Some(raw) => format!("/?{raw}")
             .parse()
             .map_err(|_| bad("the query string is not a valid URI query"))?,
     };
-    Query::<ListParams>::try_from_uri(&uri)
+    Query::<T>::try_from_uri(&uri)
         .map(|Query(params)| params)
         .map_err(|rejection| {
             bad(format!(
-                "{}; the parameters are status, handler, event_type, created_from, \
-                 created_before, after and limit, none given more than once",
+                "{}; the parameters are {known}, none given more than once",
                 rejection.body_text()
             ))
         })
@@ -339,6 +390,12 @@ fn list_params(raw: Option<&str>) -> Result<ListParams, OpsError> {
 struct Filter {
     handler: Option<String>,
     event_type: Option<String>,
+    key: Option<String>,
+    event_id: Option<String>,
+    /// Text the last error contains, whatever its case.
+    error: Option<String>,
+    /// The last error exactly: a group of `GET /dead-letters`.
+    last_error: Option<String>,
     created_from: Option<String>,
     created_before: Option<String>,
 }
@@ -347,9 +404,23 @@ impl Filter {
     fn is_empty(&self) -> bool {
         self.handler.is_none()
             && self.event_type.is_none()
+            && self.key.is_none()
+            && self.event_id.is_none()
+            && self.error.is_none()
+            && self.last_error.is_none()
             && self.created_from.is_none()
             && self.created_before.is_none()
     }
+}
+
+/// Refuses a text that is empty, longer than `max` bytes, or holds control characters.
+fn check_text(name: &str, value: &str, max: usize, what: &str) -> Result<(), OpsError> {
+    if value.is_empty() || value.len() > max || value.chars().any(char::is_control) {
+        return Err(bad(format!(
+            "`{name}` must be {what}: 1 to {max} bytes without control characters"
+        )));
+    }
+    Ok(())
 }
 
 /// `query` narrowed by `filter`, every value checked first.
@@ -362,6 +433,27 @@ fn filtered(mut query: DeliveryQuery, filter: &Filter) -> Result<DeliveryQuery, 
         relaybus::event::validate_type_name(event_type)
             .map_err(|e| bad(format!("`event_type`: {e}")))?;
         query = query.event_type(event_type.clone());
+    }
+    if let Some(key) = &filter.key {
+        check_text("key", key, 512, "an ordering key")?;
+        query = query.key(key.clone());
+    }
+    if let Some(event_id) = &filter.event_id {
+        check_text("event_id", event_id, 256, "an event id")?;
+        query = query.event_id(event_id.clone());
+    }
+    if let Some(error) = &filter.error {
+        check_text("error", error, 256, "text of the last error")?;
+        query = query.error_contains(error.clone());
+    }
+    if let Some(error) = &filter.last_error {
+        // Stored errors are cut to 1 KiB, with an ellipsis.
+        if error.is_empty() || error.len() > 1100 {
+            return Err(bad(
+                "`last_error` must be a last error as listed, 1 to 1100 bytes",
+            ));
+        }
+        query = query.last_error(error.clone());
     }
     if let Some(from) = &filter.created_from {
         query = query.created_from(parse_time("created_from", from)?);
@@ -410,6 +502,7 @@ fn record_json(record: &DeliveryRecord) -> Value {
         "unordered": record.unordered,
         "status": record.status.as_str(),
         "parked": record.parked,
+        "running": record.running,
         "attempts": record.attempts,
         "due_at": record.due_at.map(rfc3339),
         "created_at": record.created_at.map(rfc3339),
@@ -450,7 +543,8 @@ enum Selection {
 }
 
 const WRITE_SHAPES: &str = "send {\"ids\": [\"<delivery id>\", ..]}, {\"filter\": {\"handler\", \
-                            \"event_type\", \"created_from\", \"created_before\"}} or {\"all\": true}";
+                            \"event_type\", \"key\", \"event_id\", \"error\", \"last_error\", \
+                            \"created_from\", \"created_before\"}} or {\"all\": true}";
 
 /// Whether the request says its body is JSON.
 fn is_json(headers: &HeaderMap) -> bool {
@@ -721,6 +815,120 @@ async fn handlers<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Val
     })))
 }
 
+async fn event<St: Store>(
+    State(bus): State<RelayBus<St>>,
+    path: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
+) -> Result<Json<Value>, OpsError> {
+    let axum::extract::Path(event_id) = path.map_err(|rejection| {
+        bad(format!(
+            "{}; ask for /events/<event id>",
+            rejection.body_text()
+        ))
+    })?;
+    check_text("event_id", &event_id, 256, "an event id")?;
+    let detail = bus
+        .store()
+        .event_detail(&event_id)
+        .await
+        .map_err(OpsError::Store)?
+        .ok_or_else(|| {
+            OpsError::Refused(
+                StatusCode::NOT_FOUND,
+                "no event has this id: it was never published, or it was purged".to_owned(),
+            )
+        })?;
+    let event = &detail.event;
+    Ok(Json(json!({
+        "event": {
+            "id": event.id(),
+            "type": event.event_type(),
+            "key": event.key(),
+            "sequence": detail.sequence,
+            "correlation_id": event.correlation_id(),
+            "causation_id": event.causation_id(),
+            "headers": event.headers(),
+            "payload": event.payload(),
+            "created_at": rfc3339(event.created_at()),
+            "completed_at": detail.completed_at.map(rfc3339),
+            "handlers": detail.handlers,
+        },
+        "deliveries": detail.deliveries.iter().map(record_json).collect::<Vec<_>>(),
+    })))
+}
+
+async fn lanes<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
+    let report = bus.store().lanes().await.map_err(OpsError::Store)?;
+    let now = Timestamp::now();
+    Ok(Json(json!({
+        "lanes": report.lanes.iter().map(|lane| json!({
+            "lane": lane.lane,
+            "owner": lane.owner,
+            "lease_expires_at": lane.lease_expires_at.map(rfc3339),
+            "held": lane.owner.is_some() && lane.lease_expires_at.is_some_and(|at| at > now),
+            "in_flight": lane.in_flight,
+            "lost": lane.lost,
+            "epoch": lane.epoch,
+        })).collect::<Vec<_>>(),
+        "blocked": report.blocked.iter().map(|key| json!({
+            "handler": key.handler,
+            "key": key.key,
+            "parked": key.parked,
+            "first_parked_sequence": key.first_parked_sequence,
+            "waiting_for": key.waiting_for.as_ref().map(record_json),
+        })).collect::<Vec<_>>(),
+    })))
+}
+
+/// The query string of `GET /dead-letters`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupParams {
+    handler: Option<String>,
+}
+
+async fn dead_letters<St: Store>(
+    State(bus): State<RelayBus<St>>,
+    RawQuery(raw): RawQuery,
+) -> Result<Json<Value>, OpsError> {
+    let params: GroupParams = parse_query(raw.as_deref(), "handler")?;
+    if let Some(handler) = &params.handler {
+        relaybus::validate_handler_id(handler).map_err(|e| bad(format!("`handler`: {e}")))?;
+    }
+    let groups = bus
+        .store()
+        .dead_letter_groups(params.handler.as_deref())
+        .await
+        .map_err(OpsError::Store)?;
+    Ok(Json(json!({
+        "groups": groups.iter().map(|group| json!({
+            "handler": group.handler,
+            "error": group.error,
+            "count": group.count,
+            "first_created_at": group.first_created_at.map(rfc3339),
+            "last_updated_at": group.last_updated_at.map(rfc3339),
+            "sample_id": group.sample_id,
+        })).collect::<Vec<_>>(),
+    })))
+}
+
+async fn activity<St: Store>(State(bus): State<RelayBus<St>>) -> Json<Value> {
+    Json(json!({
+        "scope": "this process, the last hour",
+        "handlers": bus.activity().iter().map(|handler| json!({
+            "handler": handler.handler,
+            "succeeded": handler.succeeded,
+            "failed": handler.failed,
+            "dead_lettered": handler.dead_lettered,
+            "minutes": handler.minutes.iter().map(|minute| json!({
+                "start": rfc3339(minute.start),
+                "succeeded": minute.succeeded,
+                "failed": minute.failed,
+                "dead_lettered": minute.dead_lettered,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use axum::http::HeaderValue;
@@ -755,6 +963,22 @@ mod tests {
         assert!(refused("limit=1001").contains("`limit`"));
         assert!(refused("after=%24ne").contains("`after`"));
         assert!(refused("skip=20").contains("unknown field"));
+        assert!(refused("status=stuck").contains("`waiting`"));
+        assert!(refused("key=").contains("`key`"));
+        assert!(refused("event_id=").contains("`event_id`"));
+        assert!(refused("error=%00").contains("`error`"));
+        for state in [
+            "pending",
+            "waiting",
+            "running",
+            "parked",
+            "dead",
+            "completed",
+        ] {
+            assert!(
+                parse_listing(Some(&format!("status={state}&key=k&event_id=e&error=x"))).is_ok()
+            );
+        }
         // Escapes that decode to nothing usable leave values no check accepts.
         assert!(refused("limit=%FF").contains("`limit`"));
         assert!(refused("limit=%zz").contains("`limit`"));
@@ -800,7 +1024,9 @@ mod tests {
             (r#"{"filter": {}}"#, "\"all\": true"),
             (r#"{"filter": {"handler": {"$ne": 1}}}"#, "invalid type"),
             (r#"{"filter": {"handler": "a b"}}"#, "`handler`"),
-            (r#"{"filter": {"key": "k"}}"#, "unknown field"),
+            (r#"{"filter": {"sequence": 1}}"#, "unknown field"),
+            (r#"{"filter": {"key": ""}}"#, "`key`"),
+            (r#"{"filter": {"error": "a\u0000b"}}"#, "`error`"),
             (r#"{"all": false}"#, "must be `true`"),
             ("{}", "exactly one"),
         ] {

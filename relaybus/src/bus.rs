@@ -233,6 +233,13 @@ impl<S: Store> RelayBus<S> {
             .await
     }
 
+    /// What this bus's handlers did in this process over the last hour, minute by minute:
+    /// runs that succeeded, that failed, and deliveries dead-lettered. The counts live in
+    /// memory (nothing is written per run); each process reports its own.
+    pub fn activity(&self) -> Vec<crate::activity::HandlerActivity> {
+        self.inner.shared.metrics.activity(Timestamp::now())
+    }
+
     /// Samples the delivery gauges now, as a started bus does every
     /// [`gauge_interval`](RelayBusBuilder::gauge_interval), if this bus leads their sampling
     /// (see [`telemetry`](crate::telemetry)): `true` when it sampled, `false` when another bus

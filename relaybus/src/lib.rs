@@ -101,6 +101,7 @@
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;
+pub mod activity;
 mod bus;
 mod dispatcher;
 pub mod error;
@@ -132,8 +133,9 @@ pub use state::State;
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use store::mongo::{ClaimedDelivery, Lease, MongoEventStore, MongoEventStoreBuilder};
 pub use store::{
-    AppendRequest, Appended, AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus,
-    Discarded, HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store,
+    AppendRequest, Appended, AttemptError, BlockedKey, Buried, DeadLetterGroup, DeliveryQuery,
+    DeliveryRecord, DeliveryStatus, Discarded, EventDetail, HandlerStatistics, LaneReport,
+    LaneStatus, PendingState, PurgeOptions, Purged, Requeued, Statistics, Store,
 };
 pub use time::Timestamp;
 

@@ -195,6 +195,8 @@ pub(crate) struct HandlerMetrics {
     pub(crate) dead_letters: Counter,
     pub(crate) succeeded: Histogram,
     pub(crate) latency: Histogram,
+    /// The last hour's runs, for the operator page.
+    pub(crate) activity: crate::activity::ActivityLog,
 }
 
 impl HandlerMetrics {
@@ -211,6 +213,7 @@ impl HandlerMetrics {
             dead_letters: counter!(DEAD_LETTERS, labels.iter()),
             succeeded: histogram!(PROCESS_DURATION, labels.iter()),
             latency: histogram!(LATENCY, labels.iter()),
+            activity: crate::activity::ActivityLog::default(),
             labels,
         }
     }
@@ -259,6 +262,17 @@ impl BusMetrics {
     /// A handler's metrics; `None` for a handler the bus does not run.
     pub(crate) fn handler(&self, id: &str) -> Option<&HandlerMetrics> {
         self.handlers.get(id)
+    }
+
+    /// The last hour of every handler of the bus, in handler order.
+    pub(crate) fn activity(&self, now: crate::Timestamp) -> Vec<crate::activity::HandlerActivity> {
+        let mut activity: Vec<_> = self
+            .handlers
+            .iter()
+            .map(|(id, metrics)| metrics.activity.report(id, now))
+            .collect();
+        activity.sort_by(|a, b| a.handler.cmp(&b.handler));
+        activity
     }
 
     /// Counts published events of a type.

@@ -160,3 +160,38 @@ pub async fn fail_command(
     .await
     .unwrap()
 }
+
+/// The errors of [`operated_bus`]'s mailer: orders 0 to 3 get the first, 4 and 5 the second.
+pub const MAILER_ERRORS: [&str; 2] = ["SMTP 554: mailbox unavailable", "connection reset by peer"];
+
+/// A bus that has run a known load, for the operator routes and page: six orders, each
+/// projected by `projector` (which succeeds) and mailed by `mailer` (which fails for good on
+/// its first attempt, with one of [`MAILER_ERRORS`]), so that `mailer` holds six dead letters
+/// in two groups, and this process's activity shows six successes and six dead letters.
+pub async fn operated_bus(db: &TestDb) -> RelayBus {
+    let mailer = Subscription::new(
+        "mailer",
+        |order: OrderPlaced, _: HandlerContext| async move {
+            let n: usize = order
+                .order_id
+                .trim_start_matches("order-")
+                .parse()
+                .unwrap_or(0);
+            Err::<(), BoxError>(MAILER_ERRORS[usize::from(n >= 4)].into())
+        },
+    )
+    .retry(relaybus::RetryPolicy::new(1));
+    let bus = RelayBus::builder(store(db).await)
+        .without_registered_handlers()
+        .subscribe(noop::<OrderPlaced>("projector"))
+        .subscribe(mailer)
+        .build()
+        .expect("valid bus");
+    for n in 0..6 {
+        bus.publish(&placed(&format!("order-{n}")))
+            .await
+            .expect("publish");
+    }
+    while bus.run_once().await.expect("a run").claimed > 0 {}
+    bus
+}

@@ -136,10 +136,17 @@ async fn call<S: Store>(
     let result = call_timed(subscription, &shared.settings.state, delivery, context).await;
     if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
         let seconds = started.elapsed().as_secs_f64();
-        match &result {
-            Ok(()) => metrics.succeeded.record(seconds),
-            Err(failure) => metrics.failed(failure.kind, seconds),
-        }
+        let outcome = match &result {
+            Ok(()) => {
+                metrics.succeeded.record(seconds);
+                crate::activity::Outcome::Succeeded
+            }
+            Err(failure) => {
+                metrics.failed(failure.kind, seconds);
+                crate::activity::Outcome::Failed
+            }
+        };
+        metrics.activity.record(outcome, Timestamp::now());
     }
     result
 }
@@ -411,6 +418,9 @@ async fn fail<S: Store>(
             Ok(true) => {
                 if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
                     metrics.dead_letters.increment(1);
+                    metrics
+                        .activity
+                        .record(crate::activity::Outcome::DeadLettered, now);
                 }
                 warn!(error = %message, attempt, "handler failed for the last time; the delivery is dead")
             }

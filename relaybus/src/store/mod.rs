@@ -52,8 +52,10 @@ use std::{fmt, future::Future, hash::Hash, time::Duration};
 use futures::stream::BoxStream;
 
 pub use model::{
-    AppendRequest, Appended, AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus,
-    Discarded, HandlerStatistics, MAX_ERROR_HISTORY, PurgeOptions, Purged, Requeued, Statistics,
+    AppendRequest, Appended, AttemptError, BlockedKey, Buried, DeadLetterGroup, DeliveryQuery,
+    DeliveryRecord, DeliveryStatus, Discarded, EventDetail, HandlerStatistics, LaneReport,
+    LaneStatus, MAX_BLOCKED_KEYS, MAX_DEAD_LETTER_GROUPS, MAX_ERROR_HISTORY, PendingState,
+    PurgeOptions, Purged, Requeued, Statistics,
 };
 
 use crate::{error::Result, event::EventEnvelope, time::Timestamp};
@@ -285,6 +287,25 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         query: &DeliveryQuery,
     ) -> impl Future<Output = Result<Vec<DeliveryRecord>>> + Send;
 
+    /// An event with all its deliveries, completion records included: `None` when the store
+    /// holds no event with this id (never seen, or purged).
+    fn event_detail(
+        &self,
+        event_id: &str,
+    ) -> impl Future<Output = Result<Option<EventDetail>>> + Send;
+
+    /// Every unit of lease with its holder, and the keys whose deliveries are parked with what
+    /// they wait for.
+    fn lanes(&self) -> impl Future<Output = Result<LaneReport>> + Send;
+
+    /// Dead letters grouped by handler and last error, the largest groups first, at most
+    /// [`MAX_DEAD_LETTER_GROUPS`]; only `handler`'s when given. A group's dead letters are
+    /// selected with [`DeliveryQuery::last_error`].
+    fn dead_letter_groups(
+        &self,
+        handler: Option<&str>,
+    ) -> impl Future<Output = Result<Vec<DeadLetterGroup>>> + Send;
+
     /// Deletes dead deliveries for good: dead letters an operator gave up on. An event left
     /// with no delivery counts as finished from `now` (it stays as a deduplication record until
     /// the retention of completed events purges it). Ids that name no dead delivery are
@@ -434,6 +455,18 @@ impl Store for NoStore {
     }
 
     async fn list_deliveries(&self, _: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        match *self {}
+    }
+
+    async fn event_detail(&self, _: &str) -> Result<Option<EventDetail>> {
+        match *self {}
+    }
+
+    async fn lanes(&self) -> Result<LaneReport> {
+        match *self {}
+    }
+
+    async fn dead_letter_groups(&self, _: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
         match *self {}
     }
 

@@ -103,8 +103,12 @@ pub struct Statistics {
     /// Dead letters.
     pub dead: u64,
     /// Completion records (with completion history), plus `completed` documents an earlier
-    /// version left.
+    /// version left. Without completion history, completed deliveries are deleted and not
+    /// counted: see [`completion_history`](Self::completion_history).
     pub completed: u64,
+    /// Whether the store keeps completion records, so that [`completed`](Self::completed)
+    /// counts completions.
+    pub completion_history: bool,
     /// The due time of the oldest pending delivery, parked ones included: how far behind the
     /// workers are.
     pub oldest_due_at: Option<Timestamp>,
@@ -197,6 +201,8 @@ pub struct DeliveryRecord {
     pub status: DeliveryStatus,
     /// Whether a pending delivery is parked behind an unfinished predecessor.
     pub parked: bool,
+    /// Whether a worker runs the pending delivery now (its lane lists it in flight).
+    pub running: bool,
     /// Attempts that ended (for a completion record: including the one that completed).
     pub attempts: u32,
     /// When a pending delivery is due.
@@ -265,8 +271,36 @@ pub struct DeliveryQuery {
     pub(crate) event_type: Option<String>,
     pub(crate) created_from: Option<Timestamp>,
     pub(crate) created_before: Option<Timestamp>,
+    pub(crate) pending_state: Option<PendingState>,
+    pub(crate) key: Option<String>,
+    pub(crate) event_id: Option<String>,
+    pub(crate) error_contains: Option<String>,
+    pub(crate) last_error: Option<String>,
     pub(crate) after: Option<String>,
     pub(crate) limit: u32,
+}
+
+/// What a pending delivery is doing, for [`DeliveryQuery::pending_state`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PendingState {
+    /// Due or scheduled, neither running nor parked.
+    Waiting,
+    /// A worker runs it now.
+    Running,
+    /// Parked behind an unfinished predecessor of its key.
+    Parked,
+}
+
+impl PendingState {
+    /// `waiting`, `running` or `parked`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PendingState::Waiting => "waiting",
+            PendingState::Running => "running",
+            PendingState::Parked => "parked",
+        }
+    }
 }
 
 impl Default for DeliveryQuery {
@@ -284,6 +318,11 @@ impl DeliveryQuery {
             event_type: None,
             created_from: None,
             created_before: None,
+            pending_state: None,
+            key: None,
+            event_id: None,
+            error_contains: None,
+            last_error: None,
             after: None,
             limit: 100,
         }
@@ -317,6 +356,39 @@ impl DeliveryQuery {
     /// Only deliveries created before `before`.
     pub fn created_before(mut self, before: impl Into<Timestamp>) -> Self {
         self.created_before = Some(before.into());
+        self
+    }
+
+    /// Only pending deliveries doing this: waiting, running or parked. Implies
+    /// [`DeliveryStatus::Pending`]; with another status nothing matches.
+    pub fn pending_state(mut self, state: PendingState) -> Self {
+        self.pending_state = Some(state);
+        self
+    }
+
+    /// Only deliveries of events with this ordering key.
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Only the deliveries of this event.
+    pub fn event_id(mut self, event_id: impl Into<String>) -> Self {
+        self.event_id = Some(event_id.into());
+        self
+    }
+
+    /// Only deliveries whose last error contains `text`, compared without regard to case. The
+    /// text is matched as it is: no pattern syntax.
+    pub fn error_contains(mut self, text: impl Into<String>) -> Self {
+        self.error_contains = Some(text.into());
+        self
+    }
+
+    /// Only deliveries whose last error is exactly `error`: one group of
+    /// [`Store::dead_letter_groups`](crate::store::Store::dead_letter_groups).
+    pub fn last_error(mut self, error: impl Into<String>) -> Self {
+        self.last_error = Some(error.into());
         self
     }
 
@@ -440,3 +512,104 @@ pub struct Purged {
     /// Events.
     pub events: u64,
 }
+
+/// An event with every delivery it has, from [`Store::event_detail`](crate::store::Store::event_detail).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct EventDetail {
+    /// The event, payload and headers included.
+    pub event: crate::EventEnvelope,
+    /// Its sequence within its ordering key, if keyed.
+    pub sequence: Option<i64>,
+    /// When every delivery of it completed, once they have.
+    pub completed_at: Option<Timestamp>,
+    /// The handlers it was delivered to.
+    pub handlers: Vec<String>,
+    /// Its deliveries, pending and dead ones and completion records, in handler order.
+    pub deliveries: Vec<DeliveryRecord>,
+}
+
+/// The state of one unit of lease (MongoDB: a lane), from [`Store::lanes`](crate::store::Store::lanes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LaneStatus {
+    /// The lane number.
+    pub lane: u32,
+    /// The owner name of its holder, while held.
+    pub owner: Option<String>,
+    /// When the holder's lease ends, while held.
+    pub lease_expires_at: Option<Timestamp>,
+    /// Deliveries the holder claimed and has not settled.
+    pub in_flight: u32,
+    /// Claims of earlier holders still to be charged as failed attempts.
+    pub lost: u32,
+    /// How many times the lane changed hands.
+    pub epoch: i64,
+}
+
+impl LaneStatus {
+    /// A lane nobody holds.
+    pub fn new(lane: u32) -> Self {
+        LaneStatus {
+            lane,
+            owner: None,
+            lease_expires_at: None,
+            in_flight: 0,
+            lost: 0,
+            epoch: 0,
+        }
+    }
+}
+
+/// A key whose deliveries of one handler are parked, and what they wait for.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct BlockedKey {
+    /// The handler.
+    pub handler: String,
+    /// The ordering key.
+    pub key: String,
+    /// How many of its deliveries are parked.
+    pub parked: u64,
+    /// The lowest parked sequence.
+    pub first_parked_sequence: Option<i64>,
+    /// What they wait for: the key's lowest pending delivery that is not parked (running,
+    /// retrying later, or due); `None` when the next claim will move them on.
+    pub waiting_for: Option<DeliveryRecord>,
+}
+
+/// The lanes, and the keys held back in them, from [`Store::lanes`](crate::store::Store::lanes).
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct LaneReport {
+    /// Every lane, in lane order.
+    pub lanes: Vec<LaneStatus>,
+    /// Keys with parked deliveries, the most parked first, at most
+    /// [`MAX_BLOCKED_KEYS`].
+    pub blocked: Vec<BlockedKey>,
+}
+
+/// The most blocked keys a [`LaneReport`] lists.
+pub const MAX_BLOCKED_KEYS: usize = 100;
+
+/// Dead letters of one handler with one error, from
+/// [`Store::dead_letter_groups`](crate::store::Store::dead_letter_groups).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetterGroup {
+    /// The handler.
+    pub handler: String,
+    /// The error of their last attempt, as stored (cut to 1 KiB).
+    pub error: Option<String>,
+    /// How many dead letters have it.
+    pub count: u64,
+    /// When the oldest of them was created.
+    pub first_created_at: Option<Timestamp>,
+    /// When the newest of them last changed (was buried).
+    pub last_updated_at: Option<Timestamp>,
+    /// The id of one of them, to open.
+    pub sample_id: String,
+}
+
+/// The most groups [`Store::dead_letter_groups`](crate::store::Store::dead_letter_groups) returns.
+pub const MAX_DEAD_LETTER_GROUPS: usize = 200;

@@ -48,6 +48,7 @@
 
 mod append;
 mod claim;
+mod inspect;
 mod instances;
 mod operator;
 mod settle;
@@ -64,6 +65,7 @@ use serde_json::json;
 
 pub use append::*;
 pub use claim::*;
+pub use inspect::*;
 pub use instances::*;
 pub use operator::*;
 pub use settle::*;
@@ -114,6 +116,10 @@ macro_rules! conformance_tests {
             handler_statistics_count_each_handlers_deliveries,
             discard_deletes_dead_letters_only,
             list_deliveries_filters_and_pages,
+            list_deliveries_filters_by_state_key_event_and_error,
+            event_detail_has_the_event_and_every_delivery,
+            lanes_show_holders_and_blocked_keys,
+            dead_letter_groups_group_by_handler_and_error,
             purge_deletes_dead_letters_and_completed_events_by_cutoff,
             an_unordered_handler_gets_every_delivery_of_a_key_at_once,
             a_failed_unordered_delivery_holds_back_nothing_of_its_key,

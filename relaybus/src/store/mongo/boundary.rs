@@ -10,9 +10,9 @@ use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeliveryQuery, DeliveryRecord,
-        Discarded, HandlerStatistics, PurgeOptions, Purged, Requeued, Statistics, Store,
-        StoreLease, WakeUp,
+        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
+        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
+        Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
     },
     time::Timestamp,
 };
@@ -203,6 +203,18 @@ impl Store for MongoEventStore {
 
     async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
         MongoEventStore::list_deliveries(self, query).await
+    }
+
+    async fn event_detail(&self, event_id: &str) -> Result<Option<EventDetail>> {
+        MongoEventStore::event_detail(self, event_id).await
+    }
+
+    async fn lanes(&self) -> Result<LaneReport> {
+        MongoEventStore::lanes(self).await
+    }
+
+    async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
+        MongoEventStore::dead_letter_groups(self, handler).await
     }
 
     async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {

@@ -5,6 +5,7 @@ mod boundary;
 mod bson_json;
 mod claim;
 mod complete;
+mod inspect;
 mod lane;
 mod lease;
 mod operator;

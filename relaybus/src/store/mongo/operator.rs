@@ -23,7 +23,7 @@ use super::{
 use crate::error::{InvalidArgumentError, Result};
 use crate::store::{
     AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus, Discarded,
-    HandlerStatistics, Requeued, Statistics,
+    HandlerStatistics, PendingState, Requeued, Statistics,
 };
 
 /// The most records one listing returns.
@@ -64,7 +64,7 @@ fn parse_ids<S: AsRef<str>>(ids: &[S], verb: &str) -> Result<(Vec<ObjectId>, Vec
 }
 
 /// Whether the server refused a query because its hinted index does not exist.
-fn is_missing_index(error: &mongodb::error::Error) -> bool {
+pub(crate) fn is_missing_index(error: &mongodb::error::Error) -> bool {
     super::error_code(error) == Some(BAD_VALUE) && error.to_string().contains("hint")
 }
 
@@ -89,7 +89,7 @@ async fn documents_in(
 }
 
 /// A listed delivery or completion record, from its stored document.
-fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
+pub(crate) fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
     Some(DeliveryRecord {
         id: doc.get_object_id(field::ID).ok()?.to_hex(),
         event_id: string(doc, field::EVENT_ID).unwrap_or_default(),
@@ -103,6 +103,7 @@ fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
             .ok()
             .and_then(DeliveryStatus::from_stored)?,
         parked: doc.get_str(field::LANE) == Ok(schema::lane::PARKED),
+        running: false,
         attempts: int(doc, field::ATTEMPTS)
             .map_or(0, |a| u32::try_from(a.max(0)).unwrap_or(u32::MAX)),
         due_at: doc
@@ -150,8 +151,29 @@ fn record_with_id(doc: &Document) -> Option<(ObjectId, DeliveryRecord)> {
 }
 
 /// The filter of a listing's fields other than the state.
-fn query_filter(query: &DeliveryQuery) -> Document {
+pub(crate) fn query_filter(query: &DeliveryQuery) -> Document {
     let mut filter = Document::new();
+    if let Some(key) = &query.key {
+        filter.insert(field::KEY, Bson::String(key.clone()));
+    }
+    if let Some(event_id) = &query.event_id {
+        filter.insert(field::EVENT_ID, Bson::String(event_id.clone()));
+    }
+    match (&query.last_error, &query.error_contains) {
+        (Some(exact), _) => {
+            filter.insert(field::LAST_ERROR, Bson::String(exact.clone()));
+        }
+        (None, Some(text)) => {
+            filter.insert(
+                field::LAST_ERROR,
+                Bson::RegularExpression(mongodb::bson::Regex {
+                    pattern: regex_escape(text),
+                    options: "i".to_owned(),
+                }),
+            );
+        }
+        (None, None) => {}
+    }
     if let Some(handler) = &query.handler {
         filter.insert(field::HANDLER, Bson::String(handler.clone()));
     }
@@ -169,6 +191,34 @@ fn query_filter(query: &DeliveryQuery) -> Document {
         filter.insert(field::CREATED_AT, created);
     }
     filter
+}
+
+/// `text` as a regular expression that matches exactly it: every character with a meaning in
+/// a pattern escaped.
+fn regex_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len() * 2);
+    for c in text.chars() {
+        if "\\^$.|?*+()[]{}/-#&~ ".contains(c) {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+/// The ids of the deliveries the lanes list in flight: the running ones (at most a lane's
+/// in-flight list per lane, 256 small documents).
+pub(crate) async fn in_flight(lanes: &mongodb::Collection<Document>) -> Result<HashSet<ObjectId>> {
+    let docs: Vec<Document> = lanes
+        .find(doc! { "inFlight.0": { "$exists": true } })
+        .projection(doc! { field::IN_FLIGHT: 1 })
+        .await?
+        .try_collect()
+        .await?;
+    Ok(docs
+        .iter()
+        .flat_map(|doc| object_ids(doc, field::IN_FLIGHT))
+        .collect())
 }
 
 /// What a requeue did, with the ids as the database holds them.
@@ -258,6 +308,7 @@ impl MongoEventStore {
             parked,
             dead,
             completed: history + legacy,
+            completion_history: inner.completion_history,
             oldest_due_at: oldest.and_then(|doc| {
                 doc.get_datetime(field::DUE_AT)
                     .ok()
@@ -401,6 +452,7 @@ impl MongoEventStore {
         let inner = &self.inner;
         let base = query_filter(query);
         let mut base = base;
+        let mut after_id = None;
         if let Some(after) = &query.after {
             let after = ObjectId::parse_str(after).map_err(|_| {
                 InvalidArgumentError::new(
@@ -411,6 +463,7 @@ impl MongoEventStore {
                     ),
                 )
             })?;
+            after_id = Some(after);
             base.insert(field::ID, doc! { "$gt": after });
         }
         // Ids grow with creation time, so the id order is the creation order, and the last id
@@ -421,15 +474,41 @@ impl MongoEventStore {
 
         // Deliveries of the wanted states, then (for completed) the history.
         let mut delivery_filter = base.clone();
-        match query.status {
-            Some(status) => {
+        let running = if matches!(query.status, None | Some(DeliveryStatus::Pending)) {
+            in_flight(&inner.lanes).await?
+        } else {
+            HashSet::new()
+        };
+        match (query.status, query.pending_state) {
+            (Some(status), None) => {
                 delivery_filter.insert(field::STATUS, status.as_str());
             }
-            None => {
+            (None, None) => {
                 delivery_filter.insert(
                     field::STATUS,
                     doc! { "$in": [status::PENDING, status::DEAD] },
                 );
+            }
+            (Some(status), Some(_)) if status != DeliveryStatus::Pending => return Ok(Vec::new()),
+            (_, Some(state)) => {
+                delivery_filter.insert(field::STATUS, status::PENDING);
+                let ids: Vec<ObjectId> = running.iter().copied().collect();
+                match state {
+                    PendingState::Running => {
+                        let ids: Vec<ObjectId> = ids
+                            .into_iter()
+                            .filter(|id| after_id.is_none_or(|after| *id > after))
+                            .collect();
+                        delivery_filter.insert(field::ID, doc! { "$in": ids });
+                    }
+                    PendingState::Parked => {
+                        delivery_filter.insert(field::LANE, schema::lane::PARKED);
+                    }
+                    PendingState::Waiting => {
+                        delivery_filter.insert(field::LANE, doc! { "$ne": schema::lane::PARKED });
+                        delivery_filter.insert("$nor", vec![doc! { field::ID: { "$in": ids } }]);
+                    }
+                }
             }
         }
         let mut records: Vec<(ObjectId, DeliveryRecord)> = inner
@@ -443,7 +522,11 @@ impl MongoEventStore {
             .iter()
             .filter_map(record_with_id)
             .collect();
+        for (id, record) in &mut records {
+            record.running = record.status == DeliveryStatus::Pending && running.contains(id);
+        }
         let completed_wanted = matches!(query.status, None | Some(DeliveryStatus::Completed))
+            && query.pending_state.is_none()
             && inner.completion_history;
         if completed_wanted {
             let history = inner

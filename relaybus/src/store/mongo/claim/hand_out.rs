@@ -99,7 +99,7 @@ impl MongoEventStore {
                 .unwrap_or_default();
             let lease = Lease::new(pick.id, pick.lane as u32, lane, pick.claims);
             let event = match events.get(&pick.event_id) {
-                Some(raw) => envelope(&pick, raw),
+                Some(raw) => envelope(&pick.event_id, raw),
                 None => continue,
             };
             claimed.push(ClaimedDelivery {
@@ -116,8 +116,8 @@ impl MongoEventStore {
     }
 }
 
-/// The event of a pick, from its raw stored document.
-fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
+/// An event, from its raw stored document.
+pub(crate) fn envelope(event_id: &str, raw: &RawDocumentBuf) -> EventEnvelope {
     let text = |name: &str| raw.get_str(name).ok().map(str::to_owned);
     let payload = match raw.get_document(field::PAYLOAD) {
         Ok(payload) => raw_document_to_json(payload),
@@ -145,7 +145,7 @@ fn envelope(pick: &Candidate, raw: &RawDocumentBuf) -> EventEnvelope {
             Timestamp::from_millis(at.timestamp_millis())
         });
     EventEnvelope {
-        id: pick.event_id.clone(),
+        id: event_id.to_owned(),
         event_type: text(field::TYPE).unwrap_or_default(),
         payload,
         key: text(field::KEY),
@@ -183,7 +183,7 @@ mod tests {
             "createdAt": DateTime::from_millis(7),
         })
         .unwrap();
-        let event = envelope(&pick, &raw);
+        let event = envelope(&pick.event_id, &raw);
         assert_eq!(
             serde_json::Value::Object(event.payload),
             serde_json::json!({ "id": { "$oid": "not an id" }, "n": 1 })

@@ -34,7 +34,7 @@
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
 //! ([`reconcile`]).
 
-mod hand_out;
+pub(crate) mod hand_out;
 mod pick;
 mod rank;
 mod read;
