@@ -1,32 +1,64 @@
-//! Operator routes: statistics, deliveries, and requeueing or discarding dead letters, as JSON.
+//! The operator page and the JSON routes behind it: counts, listings, event detail, lanes,
+//! dead letters by error, and requeueing, discarding or burying deliveries.
 //!
 //! [`router`] has no authentication of its own: mount it behind yours.
 //!
+//! # The page
+//!
+//! `GET /` (the path the router is nested at, `/ops` in the example) is a page for people, with
+//! no build step and nothing loaded from elsewhere: its script and style sheet are embedded in
+//! this crate and served at `/assets/ops.js` and `/assets/ops.css`. It has
+//!
+//! - an **overview** per handler: waiting, running, parked and dead deliveries, the age of the
+//!   oldest due one, and this process's runs of the last hour (succeeded, failed,
+//!   dead-lettered, minute by minute); completed deliveries when completion history is on, and
+//!   a note saying why they are not counted when it is off;
+//! - a **deliveries browser** filtering by handler, state (waiting, running, parked, dead,
+//!   completed), event type, key, event id, error text and creation time, paged by cursor, the
+//!   filters kept in the URL;
+//! - the **event detail**: payload, headers, every handler's delivery with its attempts and
+//!   error history;
+//! - **dead letters grouped by error**, each group requeued or discarded as a whole, and in the
+//!   browser a selection or everything matching the filter, always behind a confirmation;
+//! - the **lanes**: holders, lease expiries, in-flight counts, and the keys whose deliveries
+//!   are parked, with the delivery they wait for;
+//! - **live refresh**, polling every 5 seconds, paused while the tab is hidden.
+//!
+//! A read-only router ([`Ops::read_only`]) shows no write buttons.
+//!
+//! # The JSON routes
+//!
 //! | Route | Answers |
 //! |---|---|
-//! | `GET /statistics` | `{"pending", "running", "parked", "dead", "completed", "oldest_due_at"}` |
+//! | `GET /statistics` | `{"pending", "running", "parked", "dead", "completed", "completion_history", "oldest_due_at"}`; `completed` is `null`, with `completed_note`, without completion history |
 //! | `GET /handlers` | `{"handlers": [{"handler", "waiting", "running", "parked", "dead", "oldest_due_at", "oldest_due_age_seconds"}, ..]}` |
+//! | `GET /activity` | `{"handlers": [{"handler", "succeeded", "failed", "dead_lettered", "minutes": [..]}, ..]}`: this process's last hour |
 //! | `GET /deliveries` | `{"deliveries": [..], "limit", "next_after"}`, oldest first |
+//! | `GET /events/{event_id}` | `{"event": {"id", "type", "key", "sequence", "headers", "payload", "created_at", "completed_at", "handlers", ..}, "deliveries": [..]}`, 404 for an unknown id |
+//! | `GET /dead-letters` | `{"groups": [{"handler", "error", "count", "first_created_at", "last_updated_at", "sample_id"}, ..]}`, the largest first; `?handler=` narrows it |
+//! | `GET /lanes` | `{"lanes": [{"lane", "owner", "lease_expires_at", "held", "in_flight", "lost", "epoch"}, ..], "blocked": [{"handler", "key", "parked", "first_parked_sequence", "waiting_for"}, ..]}` |
 //! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..], "more"}` |
 //! | `POST /deliveries/discard` | `{"discarded": [..], "not_found": [..], "more"}` |
 //! | `POST /deliveries/bury` | `{"buried": [..], "running": [..], "not_found": [..]}` |
 //!
-//! `GET /deliveries` takes the query parameters `status` (`pending`, `dead` or `completed`),
-//! `handler`, `event_type`, `created_from` and `created_before` (RFC 3339 times), `after` (the
-//! id of the last record of the previous page) and `limit` (1 to 1,000, 100 by default);
-//! `next_after` is the `after` of the next page, or `null` on the last one. Every page costs
-//! the same, however deep it is. Each record carries its error history (`errors`, the last 10
-//! failed attempts) and how often it was requeued.
+//! `GET /deliveries` takes the query parameters `status` (`pending`, `waiting`, `running`,
+//! `parked`, `dead` or `completed`), `handler`, `event_type`, `key`, `event_id`, `error` (text
+//! the last error contains, whatever its case), `last_error` (the whole last error, as a group
+//! of `GET /dead-letters` names it), `created_from` and `created_before` (RFC 3339 times),
+//! `after` (the id of the last record of the previous page) and `limit` (1 to 1,000, 100 by
+//! default); `next_after` is the `after` of the next page, or `null` on the last one. Every page
+//! costs the same, however deep it is. Each record carries whether it runs now, its error
+//! history (`errors`, the last 10 failed attempts) and how often it was requeued.
 //!
 //! The two writes take a JSON body naming dead letters in one of three ways:
 //! `{"ids": ["<24 hex digits>", ..]}` (1 to 1,000 ids), `{"filter": {"handler", "event_type",
-//! "created_from", "created_before"}}` (at least one field), or `{"all": true}`; an empty
-//! filter is refused, so that "everything" is always said explicitly. A filter or `all` takes
-//! at most 10,000 dead letters per call, and `more` says whether others are left. Discarding
-//! deletes dead letters for good (see [`Store::discard`](relaybus::Store::discard)).
-//! `POST /deliveries/bury` takes `{"ids": [..], "reason": "why"}` and buries pending deliveries
-//! that no worker runs, to free a key stuck behind one that will never succeed (see
-//! [`RelayBus::bury`]).
+//! "key", "event_id", "error", "last_error", "created_from", "created_before"}}` (at least one
+//! field), or `{"all": true}`; an empty filter is refused, so that "everything" is always said
+//! explicitly. A filter or `all` takes at most 10,000 dead letters per call, and `more` says
+//! whether others are left. Discarding deletes dead letters for good (see
+//! [`Store::discard`]). `POST /deliveries/bury` takes
+//! `{"ids": [..], "reason": "why"}` and buries pending deliveries that no worker runs, to free a
+//! key stuck behind one that will never succeed (see [`RelayBus::bury`]).
 //!
 //! # Safety
 //!
@@ -36,7 +68,9 @@
 //! - [`config`]`(bus).read_only(true)` refuses every write with 403.
 //! - Every answer is sent with `Cache-Control: no-store`, `X-Frame-Options: DENY`,
 //!   `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer` and a
-//!   `Content-Security-Policy` that loads nothing and cannot be framed.
+//!   `Content-Security-Policy` that cannot be framed: the JSON routes load nothing, the page
+//!   only its own script, style sheet and calls (no inline script, no `eval`). The page builds
+//!   its DOM from text alone, so nothing stored is ever read as HTML.
 //! - Every write is logged at `INFO` (target `relaybus::ops`) with what it selected and what it
 //!   changed.
 //!

@@ -23,7 +23,7 @@
 //!
 //! `SHOP_DATABASE` names the database (`shop` by default), `SHOP_ADDR` the address.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use axum::{
     Json, Router,
@@ -102,11 +102,68 @@ impl FromRef<AppState> for RelayState {
     }
 }
 
+/// The answer an operator route expects in `Authorization`: HTTP Basic authentication as user
+/// `ops` with `password`, which a browser asks for when it opens the page.
+fn basic_credentials(password: &str) -> String {
+    use base64::Engine;
+    let token = base64::engine::general_purpose::STANDARD.encode(format!("ops:{password}"));
+    format!("Basic {token}")
+}
+
+/// The operators' password: `SHOP_OPS_PASSWORD`, or a random one made up at start and printed.
+fn ops_password() -> String {
+    std::env::var("SHOP_OPS_PASSWORD").unwrap_or_else(|_| {
+        use rand::Rng;
+        rand::rng()
+            .sample_iter(rand::distr::Alphanumeric)
+            .take(20)
+            .map(char::from)
+            .collect()
+    })
+}
+
+/// Your own authentication in front of the operator routes (relaybus has none of its own):
+/// here HTTP Basic, compared in constant time; anything else answers 401.
+async fn require_operator(
+    State(expected): State<Arc<str>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|value| value.as_bytes())
+        .unwrap_or_default();
+    let matches = given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected.as_bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if matches {
+        return next.run(request).await;
+    }
+    (
+        StatusCode::UNAUTHORIZED,
+        [(
+            header::WWW_AUTHENTICATE,
+            "Basic realm=\"relaybus operations\"",
+        )],
+        "sign in as user `ops` with the operators' password",
+    )
+        .into_response()
+}
+
 fn router(
     bus: RelayBus,
     db: Database,
     metrics: PrometheusHandle,
+    ops_password: &str,
 ) -> Result<Router, relaybus::ConfigurationError> {
+    let operator = axum::middleware::from_fn_with_state(
+        Arc::<str>::from(basic_credentials(ops_password)),
+        require_operator,
+    );
     let (relay, layer) = relaybus_axum::setup(bus.clone())?;
     Ok(Router::new()
         .route("/orders", post(place_order))
@@ -115,9 +172,8 @@ fn router(
         // Routes above get a request transaction.
         .layer(layer)
         .with_state(AppState { relay, db })
-        // Mount the operator routes behind your own authentication; here they are open, on
-        // the loopback interface only.
-        .nest("/ops", relaybus_axum::ops::router(bus))
+        // The operator page and its JSON routes, behind your own authentication.
+        .nest("/ops", relaybus_axum::ops::router(bus).layer(operator))
         // relaybus's metrics (messaging.*, relaybus.*), for Prometheus to scrape.
         .route("/metrics", get(async move || metrics.render())))
 }
@@ -323,7 +379,8 @@ async fn main() -> Result<(), BoxError> {
     // Subscribes every #[handler] of the binary: send-confirmation and projector, which takes
     // the database as its state.
     let bus = RelayBus::builder(store).state(db.clone()).build()?;
-    let app = router(bus.clone(), db, metrics)?;
+    let password = ops_password();
+    let app = router(bus.clone(), db, metrics, &password)?;
 
     let address = match std::env::var("SHOP_ADDR") {
         Ok(address) => address,
@@ -335,16 +392,18 @@ async fn main() -> Result<(), BoxError> {
     let service = DispatcherService::new(bus);
     if !demo {
         println!("shop on http://{address} (database {database}); Ctrl-C stops it gracefully");
+        println!("operator page on http://{address}/ops (user ops, password {password})");
         service.serve(listener, app).await?;
         println!("stopped");
         return Ok(());
     }
 
     println!("relaybus shop demo on {uri}, database {database}");
-    println!("shop serving on http://{address}, dispatcher running beside it\n");
+    println!("shop serving on http://{address}, dispatcher running beside it");
+    println!("operator page on http://{address}/ops (user ops, password {password})\n");
     let shutdown = service.shutdown_token();
     let server = tokio::spawn(service.serve(listener, app));
-    let outcome = run_demo(address).await;
+    let outcome = run_demo(address, &basic_credentials(&password)).await;
     println!(
         "\nshutting down, as on Ctrl-C: draining requests, releasing deliveries, handing lanes back"
     );
@@ -356,12 +415,12 @@ async fn main() -> Result<(), BoxError> {
 }
 
 /// Places orders over HTTP and watches the projection catch up.
-async fn run_demo(address: SocketAddr) -> Result<(), BoxError> {
+async fn run_demo(address: SocketAddr, operator: &str) -> Result<(), BoxError> {
     let orders = [("ada", 1250), ("grace", 990), ("ada", 4200)];
     let mut first = None;
     for (customer, total_cents) in orders {
         let body = json!({ "customer": customer, "total_cents": total_cents });
-        let (status, answer) = http(address, "POST", "/orders", Some(body)).await?;
+        let (status, answer) = http(address, "POST", "/orders", Some(body), None).await?;
         println!(
             "POST /orders {customer} {} -> {status} {answer}",
             money(total_cents)
@@ -377,19 +436,20 @@ async fn run_demo(address: SocketAddr) -> Result<(), BoxError> {
         "POST",
         "/orders",
         Some(json!({ "customer": "ada", "total_cents": -5 })),
+        None,
     )
     .await?;
     println!("POST /orders ada -$0.05 -> {status} {answer} (rolled back: no order, no event)");
 
     let id = first.unwrap_or_default();
-    let (status, answer) = http(address, "GET", &format!("/orders/{id}"), None).await?;
+    let (status, answer) = http(address, "GET", &format!("/orders/{id}"), None, None).await?;
     println!("GET /orders/{id} -> {status} {answer}\n");
 
     // The handlers run in the background: poll the projection until it counted every order.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let mut last_seen = -1;
     loop {
-        let (_, stats) = http(address, "GET", "/stats", None).await?;
+        let (_, stats) = http(address, "GET", "/stats", None, None).await?;
         let projected = stats["projected_orders"].as_i64().unwrap_or_default();
         if projected != last_seen {
             println!(
@@ -407,9 +467,13 @@ async fn run_demo(address: SocketAddr) -> Result<(), BoxError> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (_, ops) = http(address, "GET", "/ops/statistics", None).await?;
-    println!("GET /ops/statistics -> {ops}");
-    let (status, _) = http(address, "GET", "/metrics", None).await?;
+    let (refused, _) = http(address, "GET", "/ops/statistics", None, None).await?;
+    if refused != StatusCode::UNAUTHORIZED {
+        return Err(format!("the operator routes answered {refused} without credentials").into());
+    }
+    let (_, ops) = http(address, "GET", "/ops/statistics", None, Some(operator)).await?;
+    println!("GET /ops/statistics (as ops) -> {ops}");
+    let (status, _) = http(address, "GET", "/metrics", None, None).await?;
     println!("GET /metrics -> {status} (relaybus's counters and histograms, for Prometheus)");
     Ok(())
 }
@@ -420,6 +484,7 @@ async fn http(
     method: &str,
     path: &str,
     body: Option<Value>,
+    authorization: Option<&str>,
 ) -> Result<(StatusCode, Value), BoxError> {
     use http_body_util::{BodyExt, Full};
     use hyper::body::Bytes;
@@ -432,6 +497,9 @@ async fn http(
         .method(method)
         .uri(path)
         .header(header::HOST, address.to_string());
+    if let Some(authorization) = authorization {
+        request = request.header(header::AUTHORIZATION, authorization);
+    }
     let body = match body {
         Some(body) => {
             request = request.header(header::CONTENT_TYPE, "application/json");

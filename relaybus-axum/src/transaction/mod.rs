@@ -9,7 +9,7 @@
 //! 2. The first extraction starts a session and a transaction on the bus's store, with the
 //!    transaction options the store was built with, and later extractions of the same request
 //!    reuse it. An extractor holds the session until it is dropped; a second extraction while
-//!    one is held fails with [`OverlappingExtractors`](crate::rejection::OverlappingExtractors).
+//!    one is held fails with [`OverlappingExtractors`].
 //! 3. When the inner service has answered, the transaction is committed if the
 //!    [`CommitPolicy`](crate::CommitPolicy) commits the status (1xx–3xx by default) and
 //!    aborted otherwise. The response is sent after that, so a client that sees a success

@@ -22,7 +22,7 @@
       else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
       else node.setAttribute(name, value === true ? "" : String(value));
     }
-    for (const child of children.flat()) {
+    for (const child of children.flat(Infinity)) {
       if (child === undefined || child === null || child === false) continue;
       node.append(child instanceof Node ? child : document.createTextNode(String(child)));
     }
@@ -198,15 +198,15 @@
         card("oldest-due", "oldest due", stats.oldest_due_at ?
           age((Date.now() - new Date(stats.oldest_due_at)) / 1000) : "–")),
       stats.completion_history ? null : el("p", { class: "note", id: "completed-note",
-        text: `Completed: not counted. ${stats.completed_note}.` }),
+        text: stats.completed_note.charAt(0).toUpperCase() + stats.completed_note.slice(1) + "." }),
       el("h2", { text: "Handlers" }),
       rows.length ? table(["Handler", { label: "Waiting", num: 1 }, { label: "Running", num: 1 },
         { label: "Parked", num: 1 }, { label: "Dead", num: 1 }, { label: "Oldest due", num: 1 },
         { label: "Succeeded (1 h)", num: 1 }, { label: "Failed (1 h)", num: 1 },
         { label: "Dead-lettered (1 h)", num: 1 }, "Last hour"], rows, { id: "handlers" })
         : el("p", { class: "muted", text: "No handler has pending or dead deliveries." }),
-      el("p", { class: "muted", text: "Counts come from the store; the last hour's runs are " +
-        "this process's own (" + activity.scope + ")." }),
+      el("p", { class: "muted", text: "Counts come from the store. The last hour's runs are " +
+        "counted by this process alone, in memory." }),
     ];
   }
 
@@ -341,7 +341,7 @@
     const fields = [["Event id", e.id], ["Type", e.type], ["Key", e.key ? `${e.key} (#${e.sequence})` : "none"],
       ["Created", time(e.created_at)], ["Completed", e.completed_at ? time(e.completed_at) : "not yet"],
       ["Correlation id", e.correlation_id || ""], ["Causation id", e.causation_id || ""],
-      ["Handlers", (e.handlers || []).join(", ")]];
+      ["Handlers", [...(e.handlers || [])].sort().join(", ")]];
     const headerRows = Object.entries(e.headers || {}).map(([name, value]) =>
       el("tr", {}, el("td", { text: name }), el("td", { text: value })));
     const highlighted = params().get("delivery");
