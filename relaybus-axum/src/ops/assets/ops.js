@@ -489,10 +489,19 @@
 
   for (const a of document.querySelectorAll("header nav a")) a.addEventListener("click", navigate);
   window.addEventListener("popstate", () => render());
-  // Live refresh polls, and pauses while the tab is hidden or a confirmation is open.
-  setInterval(() => {
-    if (live.checked && !document.hidden && !document.getElementById("confirm").open) render(true);
-  }, REFRESH_MS);
+  // Live refresh polls, and pauses while the tab is hidden or a confirmation is open. On a
+  // store slow to answer (a large backlog to count) it polls less often: never more than a
+  // tenth of the time goes to waiting for answers.
+  let lastTook = 0;
+  async function tick() {
+    if (live.checked && !document.hidden && !document.getElementById("confirm").open) {
+      const started = performance.now();
+      await render(true);
+      lastTook = performance.now() - started;
+    }
+    setTimeout(tick, Math.max(REFRESH_MS, 10 * lastTook));
+  }
+  setTimeout(tick, REFRESH_MS);
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden && live.checked) render(true);
   });

@@ -16,6 +16,7 @@ mod sessions;
 mod settle;
 mod setup;
 mod transaction;
+mod upgrade;
 
 use std::{sync::Arc, time::Duration};
 

@@ -79,6 +79,12 @@ impl MongoEventStore {
             }
         }
 
+        // No lane documents: a new database, or one a 0.1.0 version left (or an upgrade that
+        // stopped part-way). The lanes are seeded last and mark the upgrade as done.
+        if inner.lanes.count_documents(doc! {}).await? < u64::from(LANE_COUNT) {
+            self.upgrade_from_0_1().await?;
+        }
+
         match inner.deliveries.create_indexes(delivery_indexes()).await {
             Ok(_) => {}
             Err(e) if error_code(&e) == Some(INDEX_KEY_SPECS_CONFLICT) => {
