@@ -317,12 +317,15 @@ impl<S: Store> RelayBus<S> {
     /// When `work` or the commit fails with a transient error (a write conflict, typically),
     /// the transaction is aborted and **the whole of `work` runs again**; a commit whose
     /// result is unknown is sent again. Retries stop after 120 seconds with the last error.
-    /// An attempt whose `work` ran past the budget is aborted with all its writes.
+    /// The budget covers the whole transaction, every attempt included: a transaction that
+    /// ran past it is aborted with all its writes, each commit is bounded on the server by what
+    /// is left of it (`maxCommitTimeMS`), and no attempt starts once it is spent.
     ///
     /// # Errors
     ///
-    /// The error of `work`; [`Error::TransactionTimeout`] when an attempt ran past the budget;
-    /// database errors of the commit.
+    /// The error of `work`; [`Error::TransactionTimeout`] when the transaction ran past the
+    /// budget, the server stopped its commit at the budget, or a transient error left no
+    /// budget to run it again; database errors of the commit.
     pub async fn transaction<R, F>(&self, work: F) -> Result<R>
     where
         F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
@@ -437,7 +440,9 @@ impl<S: Store> RelayBus<S> {
                 let mut attempts = Attempts::new(budget);
                 loop {
                     attempts.start();
-                    store.begin(&mut session, budget).await?;
+                    store
+                        .begin(&mut session, attempts.remaining_budget())
+                        .await?;
                     let appended = match store
                         .append_in_transaction(&mut session, &requests, Timestamp::now())
                         .await
@@ -448,7 +453,7 @@ impl<S: Store> RelayBus<S> {
                             if attempts.retry_after(&error).await {
                                 continue;
                             }
-                            return Err(error);
+                            return Err(attempts.give_up(error));
                         }
                     };
                     if let Err(error) = attempts.check_budget() {

@@ -459,6 +459,98 @@ async fn a_transaction_over_its_budget_is_aborted_with_all_its_writes() {
 }
 
 #[tokio::test]
+async fn the_budget_covers_every_attempt_of_a_transaction() {
+    let db = test_db("budget_attempts").await;
+    let bus = RelayBus::builder(store(&db).await)
+        .subscribe(noop::<OrderPlaced>("a"))
+        .transaction_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let orders = db.db().collection::<Document>("orders");
+    let runs = AtomicU32::new(0);
+    let result = bus
+        .transaction(async |session| {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            orders
+                .insert_one(doc! { "run": run })
+                .session(&mut *session)
+                .await?;
+            // Each attempt is within the budget alone; two are not.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if run < 3 {
+                return Err(Error::Database(
+                    relaybus::DatabaseError::new(std::io::Error::other("a write conflict"))
+                        .with_transient(true),
+                ));
+            }
+            Ok(())
+        })
+        .await;
+    match result {
+        Err(Error::TransactionTimeout(timeout)) => {
+            assert_eq!(timeout.budget(), Duration::from_millis(300));
+            assert!(
+                timeout.elapsed() >= Duration::from_millis(400),
+                "{timeout:?}"
+            );
+        }
+        other => panic!("expected a transaction timeout, got {other:?}"),
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "no third attempt past the budget"
+    );
+    assert_eq!(
+        count(&db, "orders").await,
+        0,
+        "nothing of any attempt committed"
+    );
+}
+
+#[tokio::test]
+async fn a_commit_stopped_at_max_commit_time_is_a_transaction_timeout() {
+    let db = test_db("budget_commit").await;
+    let app = "relaybus-max-commit-time";
+    let client = client_named(&db, app).await;
+    let store = store_on(&client, &db).await;
+    let bus = RelayBus::builder(store)
+        .subscribe(noop::<OrderPlaced>("a"))
+        .build()
+        .unwrap();
+    // The server answers the commit with MaxTimeMSExpired, as when `maxCommitTimeMS` (the
+    // budget's remainder) runs out.
+    let _expired = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": { "failCommands": ["commitTransaction"], "appName": app, "errorCode": 50 },
+        },
+    )
+    .await
+    .unwrap();
+    let orders = client.database(&db.name).collection::<Document>("orders");
+    let result = bus
+        .transaction(async |session| {
+            orders
+                .insert_one(doc! { "_id": "o-1" })
+                .session(&mut *session)
+                .await?;
+            bus.publish(&placed("o-1")).session(&mut *session).await?;
+            Ok(())
+        })
+        .await;
+    match result {
+        Err(Error::TransactionTimeout(timeout)) => {
+            assert_eq!(timeout.budget(), bus.transaction_timeout());
+        }
+        other => panic!("expected a transaction timeout, got {other:?}"),
+    }
+    assert_eq!(written(&db).await, (0, 0, 0, 0));
+}
+
+#[tokio::test]
 async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() {
     let db = test_db("setup").await;
     let store = MongoEventStore::builder(db.client.clone())

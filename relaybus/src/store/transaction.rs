@@ -71,17 +71,20 @@ pub(crate) async fn as_body<F: Future>(body: F) -> F::Output {
 /// let mut attempts = Attempts::new(budget);
 /// loop {
 ///     attempts.start();
-///     store.begin(&mut session, budget).await?;
+///     store.begin(&mut session, attempts.remaining_budget()).await?;
 ///     match body(&mut session).await {
 ///         Ok(value) => { attempts.check_budget()?; match attempts.commit(..) { .. } }
-///         Err(error) => { store.abort(..); if attempts.retry_after(&error).await { continue } .. }
+///         Err(error) => {
+///             store.abort(..);
+///             if attempts.retry_after(&error).await { continue }
+///             return Err(attempts.give_up(error));
+///         }
 ///     }
 /// }
 /// ```
 #[derive(Debug)]
 pub struct Attempts {
     started: Instant,
-    attempt_started: Instant,
     attempt: u32,
     budget: Option<Duration>,
     deadline: Instant,
@@ -103,7 +106,6 @@ impl Attempts {
         let now = Instant::now();
         Attempts {
             started: now,
-            attempt_started: now,
             attempt: 0,
             budget,
             deadline: now + RETRY_LIMIT,
@@ -120,7 +122,6 @@ impl Attempts {
     /// Counts an attempt that starts now.
     pub fn start(&mut self) {
         self.attempt += 1;
-        self.attempt_started = Instant::now();
     }
 
     /// The number of attempts started.
@@ -128,9 +129,46 @@ impl Attempts {
         self.attempt
     }
 
-    /// Whether retrying is still allowed: before the retry deadline.
+    /// Whether retrying is still allowed: before the retry deadline, and within the budget,
+    /// which covers every attempt.
     pub fn time_left(&self) -> bool {
-        Instant::now() < self.deadline
+        Instant::now() < self.deadline && !self.over_budget()
+    }
+
+    /// Whether the attempts so far have used up the budget.
+    fn over_budget(&self) -> bool {
+        self.budget
+            .is_some_and(|budget| self.started.elapsed() > budget)
+    }
+
+    /// What is left of the budget for the attempt that starts now (at least 1 ms), to bound its
+    /// commit on the server; `None` without a budget.
+    pub fn remaining_budget(&self) -> Option<Duration> {
+        self.budget.map(|budget| {
+            budget
+                .saturating_sub(self.started.elapsed())
+                .max(Duration::from_millis(1))
+        })
+    }
+
+    /// The error of a transaction stopped by its budget: at the commit (the server's
+    /// `maxCommitTimeMS`), or before another attempt.
+    fn timed_out(&self) -> Option<TransactionTimeoutError> {
+        self.budget.map(|budget| TransactionTimeoutError {
+            budget,
+            elapsed: self.started.elapsed(),
+        })
+    }
+
+    /// After a failed body: the error to return when no retry follows. A transient error that
+    /// ran out of budget is a [`TransactionTimeoutError`]; any other error is itself.
+    pub fn give_up(&self, error: Error) -> Error {
+        if error.is_transient_transaction_error() && self.over_budget() {
+            if let Some(timeout) = self.timed_out() {
+                return timeout.into();
+            }
+        }
+        error
     }
 
     /// After a failed body or commit: whether to run the transaction again. It may when the
@@ -151,19 +189,15 @@ impl Attempts {
         true
     }
 
-    /// Refuses to commit an attempt whose body ran past the budget.
+    /// Refuses to commit when the attempts so far ran past the budget, which covers the whole
+    /// transaction, every attempt included.
     ///
     /// # Errors
     ///
     /// [`TransactionTimeoutError`]; abort the transaction.
     pub fn check_budget(&self) -> Result<(), TransactionTimeoutError> {
-        match self.budget {
-            Some(budget) if self.attempt_started.elapsed() > budget => {
-                Err(TransactionTimeoutError {
-                    budget,
-                    elapsed: self.attempt_started.elapsed(),
-                })
-            }
+        match self.timed_out() {
+            Some(error) if self.over_budget() => Err(error),
             _ => Ok(()),
         }
     }
@@ -172,8 +206,11 @@ impl Attempts {
     ///
     /// # Errors
     ///
-    /// The commit's error when it is neither transient nor unknown, is a timeout, or came
-    /// after the retry deadline.
+    /// The commit's error when it is neither transient nor unknown, or came after the retry
+    /// deadline; [`Error::TransactionTimeout`] when the server stopped the commit at its
+    /// `maxCommitTimeMS` (the budget's remainder), or a transient commit error left no budget
+    /// to run the transaction again. A commit whose result is unknown is sent again until the
+    /// retry deadline, past the budget: it may have committed, and only another send tells.
     pub async fn commit<S: Store>(
         &mut self,
         store: &S,
@@ -184,16 +221,25 @@ impl Attempts {
                 Ok(()) => return Ok(Committed::Yes),
                 Err(error) => error,
             };
-            if error.is_timeout() || !self.time_left() {
-                return Err(error);
+            if error.is_timeout() {
+                // The server stopped the commit at `maxCommitTimeMS`: it did not commit.
+                return Err(match self.timed_out() {
+                    Some(timeout) => timeout.into(),
+                    None => error,
+                });
             }
             if error.is_unknown_commit_result() {
-                continue;
+                // It may have committed: sending it again is the only way to know, whatever
+                // the budget says, until the retry deadline.
+                if Instant::now() < self.deadline {
+                    continue;
+                }
+                return Err(error);
             }
             if self.retry_after(&error).await {
                 return Ok(Committed::RunAgain);
             }
-            return Err(error);
+            return Err(self.give_up(error));
         }
     }
 
@@ -204,13 +250,15 @@ impl Attempts {
 }
 
 /// Runs `work` in a transaction of `store` and commits it, running the whole of `work` again
-/// after a transient error, within `budget` per attempt when one is given. Publishes inside
+/// after a transient error, within `budget` when one is given: the budget covers every attempt,
+/// and each attempt's commit is bounded on the server by what is left of it. Publishes inside
 /// `work` without its session are refused.
 ///
 /// # Errors
 ///
-/// The error of `work`; [`Error::TransactionTimeout`] for an attempt past the budget; the
-/// errors of starting and committing.
+/// The error of `work`; [`Error::TransactionTimeout`] for a transaction past its budget (at
+/// the commit, or when a transient error leaves no budget for another attempt); the errors of
+/// starting and committing.
 pub async fn run<S, R, F>(store: &S, budget: Option<Duration>, mut work: F) -> Result<R>
 where
     S: Store,
@@ -220,7 +268,9 @@ where
     let mut attempts = Attempts::new(budget);
     loop {
         attempts.start();
-        store.begin(&mut session, budget).await?;
+        store
+            .begin(&mut session, attempts.remaining_budget())
+            .await?;
         let value = match as_body(work(&mut session)).await {
             Ok(value) => value,
             Err(error) => {
@@ -228,7 +278,7 @@ where
                 if attempts.retry_after(&error).await {
                     continue;
                 }
-                return Err(error);
+                return Err(attempts.give_up(error));
             }
         };
         if let Err(error) = attempts.check_budget() {
@@ -277,6 +327,33 @@ mod tests {
         let mut late = Attempts::new(None).retry_until(Instant::now());
         late.start();
         assert!(!late.retry_after(&transient).await);
+    }
+
+    #[tokio::test]
+    async fn the_budget_covers_every_attempt() {
+        let transient = Error::Database(
+            crate::DatabaseError::new(std::io::Error::other("conflict")).with_transient(true),
+        );
+        let mut attempts = Attempts::new(Some(Duration::from_millis(20)));
+        attempts.start();
+        assert!(attempts.remaining_budget() <= Some(Duration::from_millis(20)));
+        tokio::time::sleep(Duration::from_millis(12)).await;
+        assert!(
+            attempts.check_budget().is_ok(),
+            "the first attempt is within it"
+        );
+        assert!(attempts.retry_after(&transient).await);
+        attempts.start();
+        assert!(attempts.remaining_budget() < Some(Duration::from_millis(9)));
+        tokio::time::sleep(Duration::from_millis(12)).await;
+        // The second attempt alone is within 20 ms; both together are not.
+        assert!(attempts.check_budget().is_err());
+        assert!(!attempts.retry_after(&transient).await);
+        assert!(matches!(
+            attempts.give_up(transient),
+            Error::TransactionTimeout(_)
+        ));
+        assert_eq!(attempts.remaining_budget(), Some(Duration::from_millis(1)));
     }
 
     #[tokio::test]
