@@ -163,12 +163,12 @@ impl Attempts {
     /// After a failed body: the error to return when no retry follows. A transient error that
     /// ran out of budget is a [`TransactionTimeoutError`]; any other error is itself.
     pub fn give_up(&self, error: Error) -> Error {
-        if error.is_transient_transaction_error() && self.over_budget() {
-            if let Some(timeout) = self.timed_out() {
-                return timeout.into();
+        match self.timed_out() {
+            Some(timeout) if error.is_transient_transaction_error() && self.over_budget() => {
+                timeout.into()
             }
+            _ => error,
         }
-        error
     }
 
     /// After a failed body or commit: whether to run the transaction again. It may when the
