@@ -84,6 +84,7 @@ struct BusInner<S: Store> {
     /// The unordered ones among them: their deliveries ignore the event's key.
     unordered_by_type: HashMap<&'static str, Vec<String>>,
     transaction_timeout: Duration,
+    transaction_retry_limit: Duration,
     shared: Arc<Shared<S>>,
     dispatcher: tokio::sync::Mutex<DispatcherState>,
 }
@@ -120,6 +121,7 @@ impl<S: Store> RelayBus<S> {
             subscriptions: Vec::new(),
             registered: crate::registry::Selection::All,
             transaction_timeout: DEFAULT_TRANSACTION_TIMEOUT,
+            transaction_retry_limit: transaction::RETRY_LIMIT,
             owner: None,
             batch_size: 32,
             concurrency: 32,
@@ -316,7 +318,9 @@ impl<S: Store> RelayBus<S> {
     /// [`ConfigurationError::SessionNotPassed`], since it would commit on its own.
     /// When `work` or the commit fails with a transient error (a write conflict, typically),
     /// the transaction is aborted and **the whole of `work` runs again**; a commit whose
-    /// result is unknown is sent again. Retries stop after 120 seconds with the last error.
+    /// result is unknown is sent again. Retries stop after 120 seconds
+    /// ([`transaction_retry_limit`](RelayBusBuilder::transaction_retry_limit)) with the last
+    /// error.
     /// The budget covers the whole transaction, every attempt included: a transaction that
     /// ran past it is aborted with all its writes, each commit is bounded on the server by what
     /// is left of it (`maxCommitTimeMS`), and no attempt starts once it is spent.
@@ -330,9 +334,10 @@ impl<S: Store> RelayBus<S> {
     where
         F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
     {
-        transaction::run(
+        transaction::run_within(
             &self.inner.store,
             Some(self.inner.transaction_timeout),
+            self.inner.transaction_retry_limit,
             work,
         )
         .await
@@ -437,7 +442,8 @@ impl<S: Store> RelayBus<S> {
                 // `transaction::run` could not be proven `Send` here.
                 let budget = Some(self.inner.transaction_timeout);
                 let mut session = store.session().await?;
-                let mut attempts = Attempts::new(budget);
+                let mut attempts =
+                    Attempts::new(budget).retry_for(self.inner.transaction_retry_limit);
                 loop {
                     attempts.start();
                     store
@@ -477,6 +483,7 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     subscriptions: Vec<Subscription>,
     registered: crate::registry::Selection,
     transaction_timeout: Duration,
+    transaction_retry_limit: Duration,
     owner: Option<String>,
     batch_size: u32,
     concurrency: usize,
@@ -569,6 +576,14 @@ impl<S: Store> RelayBusBuilder<S> {
     /// longest a MongoDB transaction may live).
     pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
         self.transaction_timeout = timeout;
+        self
+    }
+
+    /// How long [`RelayBus::transaction`] and publishes without a session run their
+    /// transaction again after transient errors: 120 seconds by default, as MongoDB's drivers
+    /// do (1 ms to 10 minutes). The time budget ends the retries sooner when it runs out first.
+    pub fn transaction_retry_limit(mut self, limit: Duration) -> Self {
+        self.transaction_retry_limit = limit;
         self
     }
 
@@ -667,6 +682,17 @@ impl<S: Store> RelayBusBuilder<S> {
             std::mem::take(&mut self.subscriptions),
         )?;
         transaction::validate_budget(self.transaction_timeout)?;
+        if self.transaction_retry_limit < Duration::from_millis(1)
+            || self.transaction_retry_limit > Duration::from_secs(600)
+        {
+            return Err(ConfigurationError::InvalidOption {
+                option: "transaction_retry_limit",
+                reason: format!(
+                    "{:?} is out of range; use 1 ms to 10 minutes",
+                    self.transaction_retry_limit
+                ),
+            });
+        }
         self.check_dispatch_settings()?;
         if let Some(type_name) = self.duplicate_state {
             return Err(ConfigurationError::DuplicateState { type_name });
@@ -763,6 +789,7 @@ impl<S: Store> RelayBusBuilder<S> {
                 handlers_by_type,
                 unordered_by_type,
                 transaction_timeout: self.transaction_timeout,
+                transaction_retry_limit: self.transaction_retry_limit,
                 shared,
                 dispatcher: tokio::sync::Mutex::new(DispatcherState::Idle),
             }),

@@ -472,6 +472,16 @@ async fn bus_builder_refuses_settings_out_of_range_before_any_database_call() {
             "use 1 ms to 60 s",
             b().transaction_timeout(Duration::from_secs(61)),
         ),
+        (
+            "transaction_retry_limit",
+            "use 1 ms to 10 minutes",
+            b().transaction_retry_limit(Duration::ZERO),
+        ),
+        (
+            "transaction_retry_limit",
+            "use 1 ms to 10 minutes",
+            b().transaction_retry_limit(Duration::from_secs(601)),
+        ),
     ];
     for (option, hint, builder) in cases {
         match builder.build() {

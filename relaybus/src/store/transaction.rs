@@ -112,6 +112,12 @@ impl Attempts {
         }
     }
 
+    /// Retries for `limit` after the first attempt started instead of [`RETRY_LIMIT`].
+    pub fn retry_for(mut self, limit: Duration) -> Self {
+        self.deadline = self.started + limit;
+        self
+    }
+
     /// Stops retrying at `deadline` instead, if it is sooner: a transactional handler must
     /// end within its lease.
     pub fn retry_until(mut self, deadline: Instant) -> Self {
@@ -259,13 +265,31 @@ impl Attempts {
 /// The error of `work`; [`Error::TransactionTimeout`] for a transaction past its budget (at
 /// the commit, or when a transient error leaves no budget for another attempt); the errors of
 /// starting and committing.
-pub async fn run<S, R, F>(store: &S, budget: Option<Duration>, mut work: F) -> Result<R>
+pub async fn run<S, R, F>(store: &S, budget: Option<Duration>, work: F) -> Result<R>
+where
+    S: Store,
+    F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
+{
+    run_within(store, budget, RETRY_LIMIT, work).await
+}
+
+/// [`run`], retrying transient errors for `retry_limit` instead of [`RETRY_LIMIT`].
+///
+/// # Errors
+///
+/// As for [`run`]; after `retry_limit`, the last transient error.
+pub async fn run_within<S, R, F>(
+    store: &S,
+    budget: Option<Duration>,
+    retry_limit: Duration,
+    mut work: F,
+) -> Result<R>
 where
     S: Store,
     F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
 {
     let mut session = store.session().await?;
-    let mut attempts = Attempts::new(budget);
+    let mut attempts = Attempts::new(budget).retry_for(retry_limit);
     loop {
         attempts.start();
         store

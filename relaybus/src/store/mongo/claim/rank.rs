@@ -6,6 +6,11 @@
 //! among a wider set of old lanes at random, so that concurrent claimers mostly look at
 //! different lanes. Ranking reads one index range per free lane and scanning a few lanes does
 //! not, so the rest of a ranking is kept for the owner's next claims, for a second.
+//!
+//! The specification takes 4, 8 and 16 free lanes per round, oldest due first; this tuned
+//! variant is listed among the README's differences from the specification, and
+//! `tests/tests/specification.rs` checks that every lane taken is among the oldest
+//! `round × spread` free ones.
 
 use std::{
     collections::{HashMap, HashSet},
