@@ -500,3 +500,292 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
         free.retain(|lane| !taken.contains(lane));
     }
 }
+
+/// A client named `app` whose started commands are sent on a channel.
+async fn announcing_client(
+    db: &TestDb,
+    app: &str,
+) -> (Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.to_owned());
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event {
+            let _ = tx.send(started.command_name);
+        }
+    }));
+    (Client::with_options(options).unwrap(), rx)
+}
+
+#[tokio::test]
+async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_completed() {
+    let db = test_db("spec_fewer_deleted").await;
+    let app = "relaybus-fewer-deleted";
+    let (client, mut commands) = announcing_client(&db, app).await;
+    let completer = MongoEventStore::builder(client)
+        .database(&db.name)
+        .build()
+        .unwrap();
+    completer.setup().await.unwrap();
+    let taker = store(&db).await;
+
+    // One delivery of `projector` and one of `mailer`, in two lanes.
+    let (first, second) = (envelope(&id_in_lane(3)), envelope(&id_in_lane(200)));
+    let now = Timestamp::now();
+    let (projector, mailer) = (["projector".to_owned()], ["mailer".to_owned()]);
+    transaction::run(&completer, None, async |session| {
+        let requests = [
+            AppendRequest::new(&first, &projector),
+            AppendRequest::new(&second, &mailer),
+        ];
+        Store::append(&completer, session, &requests, now).await
+    })
+    .await
+    .unwrap();
+    let both = ["projector".to_owned(), "mailer".to_owned()];
+    let claimed = Store::claim(
+        &completer,
+        ClaimRequest {
+            owner: "first-owner",
+            handlers: &both,
+            limit: 10,
+            lease_duration: Duration::from_secs(30),
+            now,
+            reported: &[],
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(claimed.len(), 2);
+    let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+
+    // The completion's delete waits on the server while another owner, whose clock says the
+    // lease has ended, takes the mailer's lane over and charges its delivery.
+    let _held = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["delete"],
+                "appName": app,
+                "blockConnection": true,
+                "blockTimeMS": 1_500,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    while commands.try_recv().is_ok() {}
+    let completion = tokio::spawn({
+        let completer = completer.clone();
+        async move { Store::complete(&completer, &leases, Timestamp::now()).await }
+    });
+    loop {
+        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
+            .await
+            .expect("the completion sends its delete")
+            .unwrap();
+        if name == "delete" {
+            break;
+        }
+    }
+    let later = now.saturating_add(Duration::from_secs(120));
+    let taken = Store::claim(
+        &taker,
+        ClaimRequest {
+            owner: "second-owner",
+            handlers: &mailer,
+            limit: 10,
+            lease_duration: Duration::from_secs(30),
+            now: later,
+            reported: &[],
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(taken.len(), 1, "the mailer's delivery, taken over");
+    assert_eq!(taken[0].attempt, 2, "its lost attempt charged");
+
+    let outcome = completion.await.unwrap().unwrap();
+    assert_eq!(
+        outcome,
+        [false, false],
+        "one delivery went, one did not: neither is proven completed"
+    );
+    let left = Store::list_deliveries(&taker, &DeliveryQuery::new())
+        .await
+        .unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].handler, "mailer");
+}
+
+#[tokio::test]
+async fn a_running_handler_keeps_its_lane_leased() {
+    let db = test_db("spec_renewal").await;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let release = Arc::clone(&release);
+        relaybus::Subscription::new(
+            "slow",
+            move |_: OrderPlaced, _: relaybus::HandlerContext| {
+                let started = started_tx.clone();
+                let release = Arc::clone(&release);
+                async move {
+                    started.send(()).unwrap();
+                    release.notified().await;
+                    Ok::<(), relaybus::BoxError>(())
+                }
+            },
+        )
+    };
+    let bus = RelayBus::builder(store(&db).await)
+        .without_registered_handlers()
+        .subscribe(handler)
+        .lease_duration(Duration::from_millis(900))
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    bus.publish(&placed("o-1")).await.unwrap();
+    bus.start().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), started.recv())
+        .await
+        .expect("the handler starts")
+        .unwrap();
+
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    let held = doc! { "inFlight.0": { "$exists": true } };
+    let expiry = async || {
+        lanes
+            .find_one(held.clone())
+            .await
+            .unwrap()
+            .and_then(|lane| lane.get_datetime("leaseExpiresAt").ok().copied())
+            .expect("the lane of the running delivery")
+    };
+    let first = expiry().await;
+    // Renewed within three lease periods, past where it first ended, while the handler runs.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut renewals = 0;
+    let mut last = first;
+    while renewals < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the lease was not renewed: {first} .. {last}"
+        );
+        let now = expiry().await;
+        if now > last {
+            renewals += 1;
+            last = now;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        last.timestamp_millis() - first.timestamp_millis() >= 900,
+        "renewed past the first expiry: {first} .. {last}"
+    );
+    release.notify_one();
+    bus.shutdown().await.unwrap();
+    assert_eq!(
+        relaybus_tests::support::deliveries(&db).await.len(),
+        0,
+        "the delivery completed under its renewed lease, once"
+    );
+}
+
+/// What the store logged, as text.
+#[derive(Clone, Default)]
+struct Logged(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
+    let db = test_db("spec_park_failure").await;
+    let app = "relaybus-park-failure";
+    let (client, _commands) = announcing_client(&db, app).await;
+    let store = MongoEventStore::builder(client)
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let backlog: Vec<EventEnvelope> = (0..40)
+        .map(|i| envelope(&format!("b-{i}")).with_key("busy").unwrap())
+        .collect();
+    let handlers = ["projector".to_owned()];
+    let now = Timestamp::now();
+    transaction::run(&store, None, async |session| {
+        let requests: Vec<AppendRequest<'_>> = backlog
+            .iter()
+            .map(|e| AppendRequest::new(e, &handlers))
+            .collect();
+        Store::append(&store, session, &requests, now).await
+    })
+    .await
+    .unwrap();
+
+    // Every update of a delivery fails: parking is one; the claim's own record is on a lane.
+    let _broken = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {
+                "failCommands": ["update"],
+                "appName": app,
+                "namespace": format!("{}.relaybus_deliveries", db.name),
+                "errorCode": 8,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    let logged = Logged::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let logged = logged.clone();
+            move || logged.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    let claimed = Store::claim(
+        &store,
+        ClaimRequest {
+            owner: "w",
+            handlers: &handlers,
+            limit: 10,
+            lease_duration: Duration::from_secs(30),
+            now,
+            reported: &[],
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        claimed.len(),
+        1,
+        "the key's head, claimed in spite of the failure"
+    );
+    assert_eq!(claimed[0].event.id(), "b-0");
+    let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        text.contains("parking waiting deliveries failed"),
+        "the failure is logged: {text}"
+    );
+    assert_eq!(
+        Store::statistics(&store).await.unwrap().parked,
+        0,
+        "nothing parked: they wait in the claim index"
+    );
+}
