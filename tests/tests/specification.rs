@@ -789,3 +789,191 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
         "nothing parked: they wait in the claim index"
     );
 }
+
+/// Appends `event` for `projector`, created and due at `at`, and claims it.
+async fn published_and_claimed(
+    store: &MongoEventStore,
+    event: &EventEnvelope,
+    at: Timestamp,
+) -> relaybus::Lease {
+    let handlers = ["projector".to_owned()];
+    transaction::run(store, None, async |session| {
+        Store::append(store, session, &[AppendRequest::new(event, &handlers)], at).await
+    })
+    .await
+    .unwrap();
+    let claimed = claim_all(store, &["projector"]).await;
+    assert_eq!(claimed.len(), 1);
+    claimed[0].lease
+}
+
+#[tokio::test]
+async fn a_purge_racing_a_completion_keeps_the_completed_event() {
+    let db = test_db("spec_purge_race").await;
+    let app = "relaybus-purge-race";
+    let (client, mut commands) = announcing_client(&db, app).await;
+    let completer = MongoEventStore::builder(client)
+        .database(&db.name)
+        .build()
+        .unwrap();
+    completer.setup().await.unwrap();
+    let purger = store(&db).await;
+    let now = Timestamp::now();
+    let two_hours_ago = now.saturating_sub(Duration::from_secs(7_200));
+    let lease = published_and_claimed(&completer, &envelope("old-order"), two_hours_ago).await;
+
+    // The completion's writes after its delete wait on the server: the event has no delivery
+    // left and no completion time yet.
+    let held = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "skip": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "appName": app,
+                "namespace": format!("{}.relaybus_events", db.name),
+                "blockConnection": true,
+                "blockTimeMS": 2_000,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    while commands.try_recv().is_ok() {}
+    let completion = tokio::spawn({
+        let completer = completer.clone();
+        async move { Store::complete(&completer, &[lease], Timestamp::now()).await }
+    });
+    let mut seen = Vec::new();
+    while !(seen.ends_with(&["delete".to_owned(), "update".to_owned()])) {
+        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
+            .await
+            .expect("the completion's writes")
+            .unwrap();
+        seen.push(name);
+    }
+    let events = db.db().collection::<Document>("relaybus_events");
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    assert_eq!(
+        deliveries.count_documents(doc! {}).await.unwrap(),
+        0,
+        "{seen:?}"
+    );
+    let event = events
+        .find_one(doc! { "_id": "old-order" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(event.get_datetime("completingAt").is_ok(), "{event}");
+    assert!(event.get_datetime("completedAt").is_err(), "{event}");
+
+    // A purge that would delete events created before its earliest cutoff that never
+    // completed keeps this one: it completed just now.
+    let purged = Store::purge(
+        &purger,
+        &relaybus::PurgeOptions::new()
+            .dead_before(now)
+            .completed_before(now.saturating_sub(Duration::from_secs(3_600))),
+    )
+    .await
+    .unwrap();
+    assert_eq!(purged.events, 0, "{purged:?}");
+    assert!(
+        events
+            .find_one(doc! { "_id": "old-order" })
+            .await
+            .unwrap()
+            .is_some()
+    );
+
+    held.disable().await.unwrap();
+    assert_eq!(completion.await.unwrap().unwrap(), [true]);
+    let event = events
+        .find_one(doc! { "_id": "old-order" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(event.get_datetime("completedAt").is_ok(), "{event}");
+
+    // Once its completion is older than the cutoff, the event goes.
+    let later = Timestamp::now().saturating_add(Duration::from_secs(60));
+    let purged = Store::purge(
+        &purger,
+        &relaybus::PurgeOptions::new().completed_before(later),
+    )
+    .await
+    .unwrap();
+    assert_eq!(purged.events, 1, "{purged:?}");
+}
+
+#[tokio::test]
+async fn a_completion_marks_with_majority_before_it_deletes_and_stamps_only_what_it_proved() {
+    let db = test_db("spec_completion_order").await;
+    let (options, seen) = recording_client(&db.uri).await;
+    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let lease = published_and_claimed(&store, &envelope("o-1"), Timestamp::now()).await;
+    seen.lock().unwrap().clear();
+    assert_eq!(
+        Store::complete(&store, &[lease], Timestamp::now())
+            .await
+            .unwrap(),
+        [true]
+    );
+
+    let writes: Vec<Document> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.contains_key("update") || c.contains_key("delete"))
+        .cloned()
+        .collect();
+    let shape: Vec<(String, String, Option<String>)> = writes
+        .iter()
+        .map(|c| {
+            let (verb, target) = match c.get_str("update") {
+                Ok(target) => ("update", target),
+                Err(_) => ("delete", c.get_str("delete").unwrap()),
+            };
+            let field = c
+                .get_array("updates")
+                .ok()
+                .and_then(|u| u[0].as_document())
+                .and_then(|u| u.get_document("u").ok())
+                .and_then(|u| u.get_document("$max").ok())
+                .and_then(|max| max.keys().next().cloned())
+                .unwrap_or_default();
+            let concern = c
+                .get_document("writeConcern")
+                .ok()
+                .and_then(|w| w.get("w"))
+                .map(|w| w.to_string());
+            (format!("{verb} {target}"), field, concern)
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            (
+                "update relaybus_events".to_owned(),
+                "completingAt".to_owned(),
+                Some("\"majority\"".to_owned())
+            ),
+            (
+                "delete relaybus_deliveries".to_owned(),
+                String::new(),
+                Some("\"majority\"".to_owned())
+            ),
+            (
+                "update relaybus_events".to_owned(),
+                "completedAt".to_owned(),
+                Some("1".to_owned())
+            ),
+        ],
+        "{writes:?}"
+    );
+}

@@ -63,12 +63,14 @@ impl MongoEventStore {
     ///
     /// A lease counts only while its lane still has the lease's epoch and lists the delivery,
     /// and the delivery still has the lease's claim generation; a worker that lost its lane
-    /// changes nothing. Without completion history this needs no transaction and costs four
+    /// changes nothing. Without completion history this needs no transaction and costs five
     /// commands for any batch: read the deliveries' claim generations and the lanes (the two
-    /// reads at the same time), record the completion time on the events, delete the deliveries
-    /// that still have their lease's generation. When fewer deliveries were deleted than passed the checks (a claim ended or
-    /// changed hands meanwhile), no lease is reported completed: a missing document cannot be
-    /// told from one completed by the newer claim, so success is reported only when proven.
+    /// reads at the same time), mark the events as completing (majority), delete the deliveries
+    /// that still have their lease's generation, and stamp the events' completion time. When
+    /// fewer deliveries were deleted than passed the checks (a claim ended or changed hands
+    /// meanwhile), no lease is reported completed and no event is stamped: a missing document
+    /// cannot be told from one completed by the newer claim, so success is reported only when
+    /// proven.
     ///
     /// With [`completion_history`](crate::MongoEventStoreBuilder::completion_history) the
     /// batch runs in one transaction that also inserts the completion records.
@@ -155,7 +157,7 @@ impl MongoEventStore {
         Ok(outcome.first().copied().unwrap_or(false))
     }
 
-    /// The four-command completion: two reads at the same time, then two writes.
+    /// The completion without a transaction: two reads at the same time, then three writes.
     async fn complete_without_transaction(
         &self,
         leases: &[Lease],
@@ -175,30 +177,40 @@ impl MongoEventStore {
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
-        // The completion time goes on the events before the deliveries go, so that a purge
-        // never sees an event without deliveries and without a completion time while it is
-        // being completed: it would take it for one that never completed.
-        //
-        // This write waits for the primary alone. The delete after it waits for a majority, and
-        // a majority that holds the delete holds every write the primary applied before it, so
-        // the completion is proven all the same, with one wait for the journal instead of two.
-        // Should the primary fail between the two and the delete then run on the new one, the
-        // event may lack its completion time; a purge then keeps it as a dedupe record only until
-        // the earliest cutoff it is given, as for an event that never completed.
+        // 1. The events are marked as completing before the deliveries go, with the store's
+        //    write concern (majority): a purge that then finds one of them without deliveries
+        //    keeps it as a recently completed event, and no failover can roll the mark back
+        //    under an acknowledged delete. The mark says a completion began, not that one
+        //    happened, so a completion that turns out not to happen marks no event completed.
         let event_ids = event_ids(&fenced, &found);
         inner
             .events
             .update_many(
-                doc! { field::ID: { "$in": event_ids } },
-                doc! { "$max": { field::COMPLETED_AT: now } },
+                doc! { field::ID: { "$in": &event_ids } },
+                doc! { "$max": { field::COMPLETING_AT: now } },
             )
-            .write_concern(WriteConcern::nodes(1))
             .await?;
+        // 2. The deliveries that still have their lease's claim generation.
         let deleted = inner
             .deliveries
             .delete_many(delete_filter(&fenced))
             .await?
             .deleted_count;
+        // 3. Only a proven completion stamps its events completed. This write waits for the
+        //    primary alone: should it be lost, the mark of step 1 stands for it (readers take
+        //    it as the completion time of an event left without deliveries).
+        if deleted == fenced.len() as u64
+            && let Err(error) = inner
+                .events
+                .update_many(
+                    doc! { field::ID: { "$in": &event_ids } },
+                    doc! { "$max": { field::COMPLETED_AT: now } },
+                )
+                .write_concern(WriteConcern::nodes(1))
+                .await
+        {
+            tracing::warn!(%error, "relaybus: the events' completion time could not be written; their completion mark stands for it");
+        }
         Ok(outcome(leases, &fenced, deleted))
     }
 

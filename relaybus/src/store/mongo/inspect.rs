@@ -40,6 +40,21 @@ async fn aggregate_hinted(
     Ok(cursor.try_collect().await?)
 }
 
+/// When an event completed: its `completedAt`, or, once no pending or dead delivery of it is
+/// left, the `completingAt` mark its last completion wrote before its deliveries went (which
+/// stands for a completion time lost in a failover).
+fn completed_at(event: &Document, deliveries: &[DeliveryRecord]) -> Option<crate::Timestamp> {
+    let unfinished = deliveries
+        .iter()
+        .any(|d| matches!(d.status, DeliveryStatus::Pending | DeliveryStatus::Dead));
+    let stamp = |name: &str| event.get_datetime(name).ok().map(|at| timestamp(*at));
+    match stamp(field::COMPLETED_AT) {
+        Some(at) => Some(at),
+        None if !unfinished => stamp(field::COMPLETING_AT),
+        None => None,
+    }
+}
+
 fn count(doc: &Document, name: &str) -> u64 {
     int(doc, name).map_or(0, |n| n.max(0) as u64)
 }
@@ -94,10 +109,7 @@ impl MongoEventStore {
         Ok(Some(EventDetail {
             event,
             sequence: int(&doc, field::SEQUENCE),
-            completed_at: doc
-                .get_datetime(field::COMPLETED_AT)
-                .ok()
-                .map(|at| timestamp(*at)),
+            completed_at: completed_at(&doc, &deliveries),
             handlers: doc
                 .get_array(field::HANDLERS)
                 .map(|handlers| {

@@ -2,8 +2,9 @@
 //!
 //! Every batch deletes its documents together with the events they leave unreferenced, in one
 //! transaction, so a crash never leaves a delivery without its event. An event that ever
-//! completed (it has `completedAt`) stays as the record that deduplicates a later publish of the
-//! same id until `completed_before` passes its last completion, however old it is.
+//! completed (it has `completedAt`, or the `completingAt` mark a completion writes before its
+//! deliveries go) stays as the record that deduplicates a later publish of the same id until
+//! `completed_before` passes its last completion, however old it is.
 
 use std::collections::HashSet;
 
@@ -186,7 +187,9 @@ impl MongoEventStore {
         let events: Vec<Document> = inner
             .events
             .find(doc! { field::ID: { "$in": ids } })
-            .projection(doc! { field::CREATED_AT: 1, field::COMPLETED_AT: 1 })
+            .projection(
+                doc! { field::CREATED_AT: 1, field::COMPLETED_AT: 1, field::COMPLETING_AT: 1 },
+            )
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -215,10 +218,16 @@ impl MongoEventStore {
                 if referenced.contains(id) {
                     return None;
                 }
-                let expired = match event.get_datetime(field::COMPLETED_AT) {
+                // A completion marks its event as completing before its deliveries go, and
+                // stamps it completed after: the later of the two is when it last completed.
+                let completed = [field::COMPLETED_AT, field::COMPLETING_AT]
+                    .iter()
+                    .filter_map(|name| event.get_datetime(name).ok().copied())
+                    .max();
+                let expired = match completed.ok_or(()) {
                     Ok(completed) => options
                         .completed_before
-                        .is_some_and(|cut| *completed < bson_date(cut)),
+                        .is_some_and(|cut| completed < bson_date(cut)),
                     Err(_) => match (event.get_datetime(field::CREATED_AT), earliest) {
                         (Ok(created), Some(cut)) => *created < cut,
                         _ => false,

@@ -50,6 +50,10 @@ pub(crate) mod field {
     pub(crate) const UPDATED_AT: &str = "updatedAt";
     /// When the delivery, or every delivery of an event, completed.
     pub(crate) const COMPLETED_AT: &str = "completedAt";
+    /// On events: when a completion of one of its deliveries last began. Written with
+    /// majority before the deliveries go, so that a purge racing the completion, or a failover
+    /// in the middle of it, never takes a completed event for one that never completed.
+    pub(crate) const COMPLETING_AT: &str = "completingAt";
     /// The error of the last failed attempt.
     pub(crate) const LAST_ERROR: &str = "lastError";
     /// The failed attempts, the last ten: `{at, attempt?, error}`, kept across requeues.
