@@ -149,6 +149,17 @@ where
     }
 }
 
+/// Clicks the element `css` finds.
+async fn click(client: &Client, css: &str) {
+    client
+        .find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("no `{css}` on the page: {e}"))
+        .click()
+        .await
+        .unwrap();
+}
+
 async fn screenshot(client: &Client, name: &str) {
     if let Some(dir) = std::env::var_os("RELAYBUS_SCREENSHOTS") {
         let png = client.screenshot().await.expect("a screenshot");
@@ -198,13 +209,7 @@ async fn an_operator_finds_requeues_and_discards_dead_letters_in_the_page() {
     screenshot(&client, "overview").await;
 
     // The deliveries browser filters, and keeps the filter in the URL.
-    client
-        .find(Locator::Css("nav a[data-view=deliveries]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&client, "nav a[data-view=deliveries]").await;
     let form = until(&client, "#filters", "the filter form", |f| f.len() == 1).await;
     form[0]
         .find(Locator::Css("select[name=status]"))
@@ -284,13 +289,7 @@ async fn an_operator_finds_requeues_and_discards_dead_letters_in_the_page() {
     screenshot(&client, "event").await;
 
     // Requeue it behind the confirmation, and see it go.
-    client
-        .find(Locator::Css("#event-deliveries button.requeue"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&client, "#event-deliveries button.requeue").await;
     confirm(&client).await;
     until(&client, "#notice", "the requeue's outcome", |t| {
         t.iter().any(|t| t.starts_with("Requeued 1"))
@@ -306,13 +305,7 @@ async fn an_operator_finds_requeues_and_discards_dead_letters_in_the_page() {
     assert_eq!(dead(&bus).await, 5, "the store has one dead letter less");
 
     // The dead letters by error: discard a whole group behind the confirmation.
-    client
-        .find(Locator::Css("nav a[data-view=dead]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&client, "nav a[data-view=dead]").await;
     let groups = until(&client, "#groups tbody tr", "two groups of 3 and 2", |t| {
         t.len() == 2 && t[0].contains(MAILER_ERRORS[0]) && t[1].contains(MAILER_ERRORS[1])
     })
@@ -365,13 +358,7 @@ async fn an_operator_finds_requeues_and_discards_dead_letters_in_the_page() {
     assert_eq!(dead(&bus).await, 3, "a cancelled requeue changes nothing");
 
     // The lanes view answers.
-    client
-        .find(Locator::Css("nav a[data-view=lanes]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&client, "nav a[data-view=lanes]").await;
     until(
         &client,
         "#view[data-view=lanes] .card .label",

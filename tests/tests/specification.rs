@@ -35,24 +35,49 @@ fn envelope(id: &str) -> EventEnvelope {
         .unwrap()
 }
 
-async fn claim_all(
+/// Appends `event` for `handlers`, created and due at `at`, in a transaction of its own.
+async fn append_one(
     store: &MongoEventStore,
-    handlers: &[&str],
+    event: &EventEnvelope,
+    handlers: &[String],
+    at: Timestamp,
+) {
+    transaction::run(store, None, async |session| {
+        Store::append(store, session, &[AppendRequest::new(event, handlers)], at).await
+    })
+    .await
+    .unwrap();
+}
+
+/// Claims up to `limit` deliveries of `handlers` for `owner` at `now`, with a 30 s lease.
+async fn claim_as(
+    store: &MongoEventStore,
+    owner: &str,
+    handlers: &[String],
+    limit: u32,
+    now: Timestamp,
 ) -> Vec<relaybus::store::Claimed<relaybus::Lease>> {
-    let handlers: Vec<String> = handlers.iter().map(|h| (*h).to_owned()).collect();
     Store::claim(
         store,
         ClaimRequest {
-            owner: "w",
-            handlers: &handlers,
-            limit: 100,
+            owner,
+            handlers,
+            limit,
             lease_duration: Duration::from_secs(30),
-            now: Timestamp::now(),
+            now,
             reported: &[],
         },
     )
     .await
     .unwrap()
+}
+
+async fn claim_all(
+    store: &MongoEventStore,
+    handlers: &[&str],
+) -> Vec<relaybus::store::Claimed<relaybus::Lease>> {
+    let handlers: Vec<String> = handlers.iter().map(|h| (*h).to_owned()).collect();
+    claim_as(store, "w", &handlers, 100, Timestamp::now()).await
 }
 
 /// Every command a client started, whole.
@@ -82,17 +107,7 @@ async fn the_default_transaction_options_read_a_snapshot_and_commit_with_majorit
 
     let event = envelope("o-1");
     let handlers = ["projector".to_owned()];
-    transaction::run(&store, None, async |session| {
-        Store::append(
-            &store,
-            session,
-            &[AppendRequest::new(&event, &handlers)],
-            Timestamp::now(),
-        )
-        .await
-    })
-    .await
-    .unwrap();
+    append_one(&store, &event, &handlers, Timestamp::now()).await;
 
     let commands = seen.lock().unwrap().clone();
     let in_transaction: Vec<&Document> = commands
@@ -331,17 +346,7 @@ async fn documents_with_null_fields_are_read_as_absent_ones() {
     write_with_nulls(&db, "with-nulls").await;
     let event = envelope("without");
     let handlers = ["projector".to_owned()];
-    transaction::run(&store, None, async |session| {
-        Store::append(
-            &store,
-            session,
-            &[AppendRequest::new(&event, &handlers)],
-            Timestamp::now(),
-        )
-        .await
-    })
-    .await
-    .unwrap();
+    append_one(&store, &event, &handlers, Timestamp::now()).await;
 
     let claimed = claim_all(&store, &["projector"]).await;
     assert_eq!(claimed.len(), 2);
@@ -465,19 +470,7 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
     let handlers = ["projector".to_owned()];
     for claimer in 0..8 {
         let owner = format!("claimer-{claimer}");
-        let batch = Store::claim(
-            &store,
-            ClaimRequest {
-                owner: &owner,
-                handlers: &handlers,
-                limit: 4,
-                lease_duration: Duration::from_secs(30),
-                now,
-                reported: &[],
-            },
-        )
-        .await
-        .unwrap();
+        let batch = claim_as(&store, &owner, &handlers, 4, now).await;
         assert_eq!(batch.len(), 4, "{owner}");
         let taken: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
         let ranks: Vec<usize> = taken
@@ -517,16 +510,29 @@ async fn announcing_client(
     (Client::with_options(options).unwrap(), rx)
 }
 
+/// A set-up store on the test's database through a client named `app`, and the names of the
+/// commands it starts.
+async fn announced_store(
+    db: &TestDb,
+    app: &str,
+) -> (
+    MongoEventStore,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    let (client, commands) = announcing_client(db, app).await;
+    let store = MongoEventStore::builder(client)
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    (store, commands)
+}
+
 #[tokio::test]
 async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_completed() {
     let db = test_db("spec_fewer_deleted").await;
     let app = "relaybus-fewer-deleted";
-    let (client, mut commands) = announcing_client(&db, app).await;
-    let completer = MongoEventStore::builder(client)
-        .database(&db.name)
-        .build()
-        .unwrap();
-    completer.setup().await.unwrap();
+    let (completer, mut commands) = announced_store(&db, app).await;
     let taker = store(&db).await;
 
     // One delivery of `projector` and one of `mailer`, in two lanes.
@@ -543,19 +549,7 @@ async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_complet
     .await
     .unwrap();
     let both = ["projector".to_owned(), "mailer".to_owned()];
-    let claimed = Store::claim(
-        &completer,
-        ClaimRequest {
-            owner: "first-owner",
-            handlers: &both,
-            limit: 10,
-            lease_duration: Duration::from_secs(30),
-            now,
-            reported: &[],
-        },
-    )
-    .await
-    .unwrap();
+    let claimed = claim_as(&completer, "first-owner", &both, 10, now).await;
     assert_eq!(claimed.len(), 2);
     let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
 
@@ -591,19 +585,7 @@ async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_complet
         }
     }
     let later = now.saturating_add(Duration::from_secs(120));
-    let taken = Store::claim(
-        &taker,
-        ClaimRequest {
-            owner: "second-owner",
-            handlers: &mailer,
-            limit: 10,
-            lease_duration: Duration::from_secs(30),
-            now: later,
-            reported: &[],
-        },
-    )
-    .await
-    .unwrap();
+    let taken = claim_as(&taker, "second-owner", &mailer, 10, later).await;
     assert_eq!(taken.len(), 1, "the mailer's delivery, taken over");
     assert_eq!(taken[0].attempt, 2, "its lost attempt charged");
 
@@ -713,12 +695,7 @@ impl std::io::Write for Logged {
 async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
     let db = test_db("spec_park_failure").await;
     let app = "relaybus-park-failure";
-    let (client, _commands) = announcing_client(&db, app).await;
-    let store = MongoEventStore::builder(client)
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
+    let (store, _commands) = announced_store(&db, app).await;
     let backlog: Vec<EventEnvelope> = (0..40)
         .map(|i| envelope(&format!("b-{i}")).with_key("busy").unwrap())
         .collect();
@@ -759,19 +736,7 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
         .with_ansi(false)
         .finish();
     let _default = tracing::subscriber::set_default(subscriber);
-    let claimed = Store::claim(
-        &store,
-        ClaimRequest {
-            owner: "w",
-            handlers: &handlers,
-            limit: 10,
-            lease_duration: Duration::from_secs(30),
-            now,
-            reported: &[],
-        },
-    )
-    .await
-    .unwrap();
+    let claimed = claim_as(&store, "w", &handlers, 10, now).await;
     assert_eq!(
         claimed.len(),
         1,
@@ -796,12 +761,7 @@ async fn published_and_claimed(
     event: &EventEnvelope,
     at: Timestamp,
 ) -> relaybus::Lease {
-    let handlers = ["projector".to_owned()];
-    transaction::run(store, None, async |session| {
-        Store::append(store, session, &[AppendRequest::new(event, &handlers)], at).await
-    })
-    .await
-    .unwrap();
+    append_one(store, event, &["projector".to_owned()], at).await;
     let claimed = claim_all(store, &["projector"]).await;
     assert_eq!(claimed.len(), 1);
     claimed[0].lease
@@ -811,12 +771,7 @@ async fn published_and_claimed(
 async fn a_purge_racing_a_completion_keeps_the_completed_event() {
     let db = test_db("spec_purge_race").await;
     let app = "relaybus-purge-race";
-    let (client, mut commands) = announcing_client(&db, app).await;
-    let completer = MongoEventStore::builder(client)
-        .database(&db.name)
-        .build()
-        .unwrap();
-    completer.setup().await.unwrap();
+    let (completer, mut commands) = announced_store(&db, app).await;
     let purger = store(&db).await;
     let now = Timestamp::now();
     let two_hours_ago = now.saturating_sub(Duration::from_secs(7_200));
