@@ -932,3 +932,203 @@ async fn a_completion_marks_with_majority_before_it_deletes_and_stamps_only_what
         "{writes:?}"
     );
 }
+
+/// A second event type, so that two handlers get deliveries in lanes of their own.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct OrderShipped {
+    order_id: String,
+}
+
+impl relaybus::Event for OrderShipped {
+    const TYPE: &'static str = "order.shipped.v1";
+}
+
+/// A handler of `E` that tells the test it started, then waits for `release`.
+fn waits_for<E: relaybus::Event>(
+    id: &str,
+    started: tokio::sync::mpsc::UnboundedSender<&'static str>,
+    release: Arc<tokio::sync::Notify>,
+    name: &'static str,
+) -> relaybus::Subscription {
+    relaybus::Subscription::new(id, move |_: E, _: relaybus::HandlerContext| {
+        let started = started.clone();
+        let release = Arc::clone(&release);
+        async move {
+            started.send(name).unwrap();
+            release.notified().await;
+            Ok::<(), relaybus::BoxError>(())
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_transactional_handlers_lease_is_not_renewed() {
+    let db = test_db("spec_no_tx_renewal").await;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let (steady, atomic) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let bus = RelayBus::builder(store(&db).await)
+        .without_registered_handlers()
+        .subscribe(waits_for::<OrderPlaced>(
+            "steady",
+            started_tx.clone(),
+            Arc::clone(&steady),
+            "steady",
+        ))
+        .subscribe(
+            waits_for::<OrderShipped>("atomic", started_tx, Arc::clone(&atomic), "atomic")
+                .transactional(),
+        )
+        .lease_duration(Duration::from_millis(4_500))
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let (placed_id, shipped_id) = (id_in_lane(10), id_in_lane(20));
+    bus.publish(&placed("o-1"))
+        .id(placed_id.as_str())
+        .await
+        .unwrap();
+    bus.publish(&OrderShipped {
+        order_id: "o-1".to_owned(),
+    })
+    .id(shipped_id.as_str())
+    .await
+    .unwrap();
+    bus.start().await.unwrap();
+    let mut names = Vec::new();
+    for _ in 0..2 {
+        names.push(
+            tokio::time::timeout(Duration::from_secs(10), started.recv())
+                .await
+                .expect("both handlers start")
+                .unwrap(),
+        );
+    }
+    names.sort_unstable();
+    assert_eq!(names, ["atomic", "steady"]);
+
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    let expiry = async |lane: i32| {
+        lanes
+            .find_one(doc! { "_id": lane })
+            .await
+            .unwrap()
+            .and_then(|doc| doc.get_datetime("leaseExpiresAt").ok().copied())
+            .expect("a held lane")
+    };
+    let (steady_first, atomic_first) = (expiry(10).await, expiry(20).await);
+    // One renewal round covers every renewable lease at once: once the plain handler's lane
+    // was renewed, the transactional one would have been too.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while expiry(10).await <= steady_first {
+        assert!(
+            Instant::now() < deadline,
+            "the plain handler's lease was never renewed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        expiry(20).await,
+        atomic_first,
+        "the transactional handler's lane keeps the lease of its claim"
+    );
+    steady.notify_one();
+    atomic.notify_one();
+    bus.shutdown().await.unwrap();
+    assert_eq!(relaybus_tests::support::deliveries(&db).await.len(), 0);
+}
+
+#[tokio::test]
+async fn claims_of_one_owner_on_one_instance_run_one_after_another() {
+    let db = test_db("spec_claims_serialized").await;
+    let app = "relaybus-claims-serialized";
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.to_owned());
+    let (tx, mut events) = tokio::sync::mpsc::unbounded_channel::<(bool, String)>();
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        let _ = match event {
+            CommandEvent::Started(e) => tx.send((true, e.command_name)),
+            CommandEvent::Succeeded(e) => tx.send((false, e.command_name)),
+            CommandEvent::Failed(e) => tx.send((false, e.command_name)),
+            _ => Ok(()),
+        };
+    }));
+    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let events_in: Vec<EventEnvelope> = [10, 20, 30, 40]
+        .iter()
+        .map(|lane| envelope(&id_in_lane(*lane)))
+        .collect();
+    let handlers = ["projector".to_owned()];
+    for event in &events_in {
+        append_one(&store, event, &handlers, Timestamp::now()).await;
+    }
+
+    // The first claim's record on its lanes waits on the server for a while.
+    let _held = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "appName": app,
+                "namespace": format!("{}.relaybus_lanes", db.name),
+                "blockConnection": true,
+                "blockTimeMS": 800,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    while events.try_recv().is_ok() {}
+    let first = tokio::spawn({
+        let (store, handlers) = (store.clone(), handlers.clone());
+        async move { claim_as(&store, "w", &handlers, 2, Timestamp::now()).await }
+    });
+    let mut log = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .expect("the first claim's commands")
+            .unwrap();
+        log.push(event.clone());
+        if event == (true, "update".to_owned()) {
+            break;
+        }
+    }
+    // A second claim of the same owner, while the first is held in its write.
+    let second = tokio::spawn({
+        let (store, handlers) = (store.clone(), handlers.clone());
+        async move { claim_as(&store, "w", &handlers, 2, Timestamp::now()).await }
+    });
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    while let Ok(event) = events.try_recv() {
+        log.push(event);
+    }
+    let held_at = log
+        .iter()
+        .position(|e| *e == (true, "update".to_owned()))
+        .unwrap();
+    let released_at = log[held_at..]
+        .iter()
+        .position(|e| !e.0)
+        .map(|offset| held_at + offset)
+        .expect("the held update ends");
+    assert!(
+        log[held_at + 1..released_at].iter().all(|e| !e.0),
+        "no command of the second claim started while the first one's write was held: {log:?}"
+    );
+    assert_eq!(
+        first.len() + second.len(),
+        4,
+        "both claims ran: {} + {}",
+        first.len(),
+        second.len()
+    );
+}
