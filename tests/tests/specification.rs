@@ -1132,3 +1132,112 @@ async fn claims_of_one_owner_on_one_instance_run_one_after_another() {
         second.len()
     );
 }
+
+#[tokio::test]
+async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
+    let db = test_db("spec_requeue_race").await;
+    let app = "relaybus-requeue-race";
+    let (claimer, mut commands) = announced_store(&db, app).await;
+    let operator = store(&db).await;
+    let keyed: Vec<EventEnvelope> = (1..=2)
+        .map(|i| envelope(&format!("k-{i}")).with_key("cart-9").unwrap())
+        .collect();
+    let handlers = ["projector".to_owned()];
+    let now = Timestamp::now();
+    transaction::run(&claimer, None, async |session| {
+        let requests: Vec<AppendRequest<'_>> = keyed
+            .iter()
+            .map(|e| AppendRequest::new(e, &handlers))
+            .collect();
+        Store::append(&claimer, session, &requests, now).await
+    })
+    .await
+    .unwrap();
+    // The key's head dies; its follower is next.
+    let head = claim_as(&claimer, "w", &handlers, 10, now).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(head[0].event.id(), "k-1");
+    assert!(
+        Store::bury(&claimer, &head[0].lease, "broken", now)
+            .await
+            .unwrap()
+    );
+    let dead = Store::list_deliveries(
+        &operator,
+        &DeliveryQuery::new().status(DeliveryStatus::Dead),
+    )
+    .await
+    .unwrap();
+    assert_eq!(dead.len(), 1);
+
+    // A claim picks the follower; its record on the lane waits on the server while an
+    // operator requeues the head, which now goes first again.
+    let _held = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "appName": app,
+                "namespace": format!("{}.relaybus_lanes", db.name),
+                "blockConnection": true,
+                "blockTimeMS": 1_000,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    while commands.try_recv().is_ok() {}
+    let racing = tokio::spawn({
+        let (claimer, handlers) = (claimer.clone(), handlers.clone());
+        async move { claim_as(&claimer, "w", &handlers, 10, now).await }
+    });
+    loop {
+        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
+            .await
+            .expect("the claim records its picks")
+            .unwrap();
+        if name == "update" {
+            break;
+        }
+    }
+    let requeued = Store::requeue(&operator, &[dead[0].id.clone()], now)
+        .await
+        .unwrap();
+    assert_eq!(requeued.requeued, [dead[0].id.clone()], "{requeued:?}");
+    let raced = racing.await.unwrap();
+    // The record missed the lane's new requeue count, so the follower was given back; the
+    // claim then read the lane again and took the requeued head, in the key's order.
+    assert_eq!(
+        raced.iter().map(|c| c.event.id()).collect::<Vec<_>>(),
+        ["k-1"],
+        "the follower was given back and the head taken instead"
+    );
+    assert_eq!(
+        raced[0].attempt, 1,
+        "the requeued head starts again at attempt 1"
+    );
+    let follower = Store::list_deliveries(&operator, &DeliveryQuery::new().event_id("k-2"))
+        .await
+        .unwrap();
+    assert_eq!(follower[0].attempts, 0, "no attempt charged: {follower:?}");
+    assert!(!follower[0].running);
+
+    // Once the head completes, the follower runs.
+    assert_eq!(
+        Store::complete(&claimer, &[raced[0].lease], now)
+            .await
+            .unwrap(),
+        [true]
+    );
+    let next = claim_as(&claimer, "w", &handlers, 10, now).await;
+    assert_eq!(
+        next.iter().map(|c| c.event.id()).collect::<Vec<_>>(),
+        ["k-2"]
+    );
+    assert_eq!(
+        next[0].attempt, 1,
+        "the follower's give-back charged nothing"
+    );
+}
