@@ -1241,3 +1241,143 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
         "the follower's give-back charged nothing"
     );
 }
+
+/// A claim of owner `first` whose record on its held lane waits on the server and then ends
+/// as `failure` says, while another owner whose clock says the lease has ended takes the lane
+/// over. Checks that the taker keeps its lane and its leases, and returns what the first claim
+/// returned and the commands its client sent after the record.
+async fn record_fails_during_a_takeover(
+    test: &str,
+    failure: Document,
+) -> (
+    relaybus::Result<Vec<relaybus::store::Claimed<relaybus::Lease>>>,
+    Vec<String>,
+) {
+    let db = test_db(test).await;
+    let app = format!("relaybus-{test}");
+    let (first, mut commands) = announced_store(&db, &app).await;
+    let taker = store(&db).await;
+    let handlers = ["projector".to_owned()];
+    let now = Timestamp::now();
+    let lane = 77;
+    let mut in_lane = (0..)
+        .map(|n| format!("in-lane-{n}"))
+        .filter(|id| lane_of(None, id) == lane);
+    let (one, two) = (
+        envelope(&in_lane.next().unwrap()),
+        envelope(&in_lane.next().unwrap()),
+    );
+    append_one(&first, &one, &handlers, now).await;
+    // The first owner holds the lane with one delivery running.
+    let running = claim_as(&first, "first", &handlers, 10, now).await;
+    assert_eq!(running.len(), 1);
+    append_one(&first, &two, &handlers, now).await;
+
+    let mut data = doc! {
+        "failCommands": ["update"],
+        "appName": &app,
+        "namespace": format!("{}.relaybus_lanes", db.name),
+        "blockConnection": true,
+        "blockTimeMS": 1_000,
+    };
+    data.extend(failure);
+    let _failing = relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! { "configureFailPoint": "failCommand", "mode": { "times": 1 }, "data": data },
+    )
+    .await
+    .unwrap();
+    while commands.try_recv().is_ok() {}
+    let failed = tokio::spawn({
+        let (first, handlers) = (first.clone(), handlers.clone());
+        async move {
+            Store::claim(
+                &first,
+                ClaimRequest {
+                    owner: "first",
+                    handlers: &handlers,
+                    limit: 10,
+                    lease_duration: Duration::from_secs(30),
+                    now,
+                    reported: &[],
+                },
+            )
+            .await
+        }
+    });
+    loop {
+        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
+            .await
+            .expect("the claim records its picks")
+            .unwrap();
+        if name == "update" {
+            break;
+        }
+    }
+    let later = now.saturating_add(Duration::from_secs(120));
+    let taken = claim_as(&taker, "taker", &handlers, 10, later).await;
+    let mut ids: Vec<&str> = taken.iter().map(|c| c.event.id()).collect();
+    ids.sort_unstable();
+    let mut expected = [one.id(), two.id()];
+    expected.sort_unstable();
+    assert_eq!(ids, expected, "the taker holds both deliveries of the lane");
+
+    let failed = failed.await.unwrap();
+    let mut after = Vec::new();
+    while let Ok(name) = commands.try_recv() {
+        after.push(name);
+    }
+    let lane_doc = db
+        .db()
+        .collection::<Document>("relaybus_lanes")
+        .find_one(doc! { "_id": lane as i32 })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(lane_doc.get_str("owner"), Ok("taker"), "{lane_doc}");
+    assert_eq!(
+        lane_doc.get_array("inFlight").unwrap().len(),
+        2,
+        "{lane_doc}"
+    );
+    let leases: Vec<_> = taken.iter().map(|c| c.lease).collect();
+    assert_eq!(
+        Store::complete(&taker, &leases, later).await.unwrap(),
+        [true, true],
+        "the taker's leases still hold"
+    );
+    (failed, after)
+}
+
+#[tokio::test]
+async fn a_failed_claims_reconciliation_leaves_a_taker_of_its_lane_alone() {
+    // The connection drops: the claim cannot know whether its record applied, fails, and
+    // reconciles the owner's lanes in a transaction.
+    let (failed, after) =
+        record_fails_during_a_takeover("reconcile_takeover", doc! { "closeConnection": true })
+            .await;
+    assert!(failed.is_err(), "the claim failed: {failed:?}");
+    assert!(
+        after.iter().any(|name| name == "commitTransaction"),
+        "it reconciled in a transaction: {after:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_unconfirmed_record_read_back_after_a_takeover_hands_out_nothing() {
+    // The record answers a write concern error: the claim reads its lanes back, finds this
+    // one taken, and hands nothing of it out.
+    let (claimed, _) = record_fails_during_a_takeover(
+        "unconfirmed_takeover",
+        doc! { "writeConcernError": {
+            "code": 64,
+            "codeName": "WriteConcernFailed",
+            "errmsg": "waiting for replication timed out",
+        } },
+    )
+    .await;
+    assert!(
+        claimed.as_ref().is_ok_and(|claimed| claimed.is_empty()),
+        "the first owner's claim handed out {claimed:?}"
+    );
+}
