@@ -12,7 +12,7 @@ use std::{
 
 use mongodb::{
     Client,
-    bson::{DateTime, Document, doc},
+    bson::{Bson, DateTime, Document, doc},
     event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
@@ -78,6 +78,16 @@ async fn claim_all(
 ) -> Vec<relaybus::store::Claimed<relaybus::Lease>> {
     let handlers: Vec<String> = handlers.iter().map(|h| (*h).to_owned()).collect();
     claim_as(store, "w", &handlers, 100, Timestamp::now()).await
+}
+
+/// The server's `failCommand` fail point in `mode` with `data`, until the guard drops.
+async fn fail_command(db: &TestDb, mode: Bson, data: Document) -> relaybus_harness::FailPoint {
+    relaybus_harness::FailPoint::enable(
+        &db.client,
+        doc! { "configureFailPoint": "failCommand", "mode": mode, "data": data },
+    )
+    .await
+    .unwrap()
 }
 
 /// Every command a client started, whole.
@@ -510,6 +520,26 @@ async fn announcing_client(
     (Client::with_options(options).unwrap(), rx)
 }
 
+/// Waits until a command named `name` starts, failing the test after 10 s; returns the names
+/// of the commands that started before it.
+async fn started(
+    commands: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    name: &str,
+    what: &str,
+) -> Vec<String> {
+    let mut before = Vec::new();
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(10), commands.recv())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .unwrap();
+        if next == name {
+            return before;
+        }
+        before.push(next);
+    }
+}
+
 /// A set-up store on the test's database through a client named `app`, and the names of the
 /// commands it starts.
 async fn announced_store(
@@ -555,35 +585,23 @@ async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_complet
 
     // The completion's delete waits on the server while another owner, whose clock says the
     // lease has ended, takes the mailer's lane over and charges its delivery.
-    let _held = relaybus_harness::FailPoint::enable(
-        &db.client,
+    let _held = fail_command(
+        &db,
+        Bson::from(doc! { "times": 1 }),
         doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["delete"],
-                "appName": app,
-                "blockConnection": true,
-                "blockTimeMS": 1_500,
-            },
+            "failCommands": ["delete"],
+            "appName": app,
+            "blockConnection": true,
+            "blockTimeMS": 1_500,
         },
     )
-    .await
-    .unwrap();
+    .await;
     while commands.try_recv().is_ok() {}
     let completion = tokio::spawn({
         let completer = completer.clone();
         async move { Store::complete(&completer, &leases, Timestamp::now()).await }
     });
-    loop {
-        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
-            .await
-            .expect("the completion sends its delete")
-            .unwrap();
-        if name == "delete" {
-            break;
-        }
-    }
+    started(&mut commands, "delete", "the completion sends its delete").await;
     let later = now.saturating_add(Duration::from_secs(120));
     let taken = claim_as(&taker, "second-owner", &mailer, 10, later).await;
     assert_eq!(taken.len(), 1, "the mailer's delivery, taken over");
@@ -712,21 +730,17 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
     .unwrap();
 
     // Every update of a delivery fails: parking is one; the claim's own record is on a lane.
-    let _broken = relaybus_harness::FailPoint::enable(
-        &db.client,
+    let _broken = fail_command(
+        &db,
+        Bson::from("alwaysOn"),
         doc! {
-            "configureFailPoint": "failCommand",
-            "mode": "alwaysOn",
-            "data": {
-                "failCommands": ["update"],
-                "appName": app,
-                "namespace": format!("{}.relaybus_deliveries", db.name),
-                "errorCode": 8,
-            },
+            "failCommands": ["update"],
+            "appName": app,
+            "namespace": format!("{}.relaybus_deliveries", db.name),
+            "errorCode": 8,
         },
     )
-    .await
-    .unwrap();
+    .await;
     let logged = Logged::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer({
@@ -779,35 +793,25 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
 
     // The completion's writes after its delete wait on the server: the event has no delivery
     // left and no completion time yet.
-    let held = relaybus_harness::FailPoint::enable(
-        &db.client,
+    let held = fail_command(
+        &db,
+        Bson::from(doc! { "skip": 1 }),
         doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "skip": 1 },
-            "data": {
-                "failCommands": ["update"],
-                "appName": app,
-                "namespace": format!("{}.relaybus_events", db.name),
-                "blockConnection": true,
-                "blockTimeMS": 2_000,
-            },
+            "failCommands": ["update"],
+            "appName": app,
+            "namespace": format!("{}.relaybus_events", db.name),
+            "blockConnection": true,
+            "blockTimeMS": 2_000,
         },
     )
-    .await
-    .unwrap();
+    .await;
     while commands.try_recv().is_ok() {}
     let completion = tokio::spawn({
         let completer = completer.clone();
         async move { Store::complete(&completer, &[lease], Timestamp::now()).await }
     });
-    let mut seen = Vec::new();
-    while !(seen.ends_with(&["delete".to_owned(), "update".to_owned()])) {
-        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
-            .await
-            .expect("the completion's writes")
-            .unwrap();
-        seen.push(name);
-    }
+    let seen = started(&mut commands, "delete", "the completion's delete").await;
+    started(&mut commands, "update", "the completion's stamp").await;
     let events = db.db().collection::<Document>("relaybus_events");
     let deliveries = db.db().collection::<Document>("relaybus_deliveries");
     assert_eq!(
@@ -1070,22 +1074,18 @@ async fn claims_of_one_owner_on_one_instance_run_one_after_another() {
     }
 
     // The first claim's record on its lanes waits on the server for a while.
-    let _held = relaybus_harness::FailPoint::enable(
-        &db.client,
+    let _held = fail_command(
+        &db,
+        Bson::from(doc! { "times": 1 }),
         doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["update"],
-                "appName": app,
-                "namespace": format!("{}.relaybus_lanes", db.name),
-                "blockConnection": true,
-                "blockTimeMS": 800,
-            },
+            "failCommands": ["update"],
+            "appName": app,
+            "namespace": format!("{}.relaybus_lanes", db.name),
+            "blockConnection": true,
+            "blockTimeMS": 800,
         },
     )
-    .await
-    .unwrap();
+    .await;
     while events.try_recv().is_ok() {}
     let first = tokio::spawn({
         let (store, handlers) = (store.clone(), handlers.clone());
@@ -1172,36 +1172,24 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
 
     // A claim picks the follower; its record on the lane waits on the server while an
     // operator requeues the head, which now goes first again.
-    let _held = relaybus_harness::FailPoint::enable(
-        &db.client,
+    let _held = fail_command(
+        &db,
+        Bson::from(doc! { "times": 1 }),
         doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["update"],
-                "appName": app,
-                "namespace": format!("{}.relaybus_lanes", db.name),
-                "blockConnection": true,
-                "blockTimeMS": 1_000,
-            },
+            "failCommands": ["update"],
+            "appName": app,
+            "namespace": format!("{}.relaybus_lanes", db.name),
+            "blockConnection": true,
+            "blockTimeMS": 1_000,
         },
     )
-    .await
-    .unwrap();
+    .await;
     while commands.try_recv().is_ok() {}
     let racing = tokio::spawn({
         let (claimer, handlers) = (claimer.clone(), handlers.clone());
         async move { claim_as(&claimer, "w", &handlers, 10, now).await }
     });
-    loop {
-        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
-            .await
-            .expect("the claim records its picks")
-            .unwrap();
-        if name == "update" {
-            break;
-        }
-    }
+    started(&mut commands, "update", "the claim records its picks").await;
     let requeued = Store::requeue(&operator, &[dead[0].id.clone()], now)
         .await
         .unwrap();
@@ -1281,12 +1269,7 @@ async fn record_fails_during_a_takeover(
         "blockTimeMS": 1_000,
     };
     data.extend(failure);
-    let _failing = relaybus_harness::FailPoint::enable(
-        &db.client,
-        doc! { "configureFailPoint": "failCommand", "mode": { "times": 1 }, "data": data },
-    )
-    .await
-    .unwrap();
+    let _failing = fail_command(&db, Bson::from(doc! { "times": 1 }), data).await;
     while commands.try_recv().is_ok() {}
     let failed = tokio::spawn({
         let (first, handlers) = (first.clone(), handlers.clone());
@@ -1305,15 +1288,7 @@ async fn record_fails_during_a_takeover(
             .await
         }
     });
-    loop {
-        let name = tokio::time::timeout(Duration::from_secs(10), commands.recv())
-            .await
-            .expect("the claim records its picks")
-            .unwrap();
-        if name == "update" {
-            break;
-        }
-    }
+    started(&mut commands, "update", "the claim records its picks").await;
     let later = now.saturating_add(Duration::from_secs(120));
     let taken = claim_as(&taker, "taker", &handlers, 10, later).await;
     let mut ids: Vec<&str> = taken.iter().map(|c| c.event.id()).collect();

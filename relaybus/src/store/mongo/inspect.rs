@@ -3,16 +3,13 @@
 //! error. Every value from a request reaches a query as a string.
 
 use futures::TryStreamExt;
-use mongodb::{
-    bson::{Bson, Document, RawDocumentBuf, doc},
-    options::Hint,
-};
+use mongodb::bson::{Bson, Document, RawDocumentBuf, doc};
 
 use super::{
     MongoEventStore,
     claim::hand_out::envelope,
     lane::{Lane, int, string},
-    operator::{in_flight, is_missing_index, record_from_document},
+    operator::{aggregate_hinted, in_flight, record_from_document},
     schema::{self, field, index, status},
     timestamp,
 };
@@ -21,24 +18,6 @@ use crate::store::{
     BlockedKey, DeadLetterGroup, DeliveryRecord, DeliveryStatus, EventDetail, LaneReport,
     LaneStatus, MAX_BLOCKED_KEYS, MAX_DEAD_LETTER_GROUPS,
 };
-
-/// Runs `pipeline` on `collection` with the index `hint`, or without it when a deployment
-/// dropped that index (the specification lets it drop the listing indexes).
-async fn aggregate_hinted(
-    collection: &mongodb::Collection<Document>,
-    pipeline: Vec<Document>,
-    hint: &str,
-) -> Result<Vec<Document>> {
-    let hinted = collection
-        .aggregate(pipeline.clone())
-        .hint(Hint::Name(hint.to_owned()))
-        .await;
-    let cursor = match hinted {
-        Err(error) if is_missing_index(&error) => collection.aggregate(pipeline).await?,
-        cursor => cursor?,
-    };
-    Ok(cursor.try_collect().await?)
-}
 
 /// When an event completed: its `completedAt`, or, once no pending or dead delivery of it is
 /// left, the `completingAt` mark its last completion wrote before its deliveries went (which

@@ -68,6 +68,24 @@ pub(crate) fn is_missing_index(error: &mongodb::error::Error) -> bool {
     super::error_code(error) == Some(BAD_VALUE) && error.to_string().contains("hint")
 }
 
+/// Runs `pipeline` on `collection` with the index `hint`, or without it when a deployment
+/// dropped that index (the specification lets it drop the listing indexes).
+pub(crate) async fn aggregate_hinted(
+    collection: &mongodb::Collection<Document>,
+    pipeline: Vec<Document>,
+    hint: &str,
+) -> Result<Vec<Document>> {
+    let hinted = collection
+        .aggregate(pipeline.clone())
+        .hint(Hint::Name(hint.to_owned()))
+        .await;
+    let cursor = match hinted {
+        Err(error) if is_missing_index(&error) => collection.aggregate(pipeline).await?,
+        cursor => cursor?,
+    };
+    Ok(cursor.try_collect().await?)
+}
+
 /// `BadValue`, which a hint naming no index gets.
 const BAD_VALUE: i32 = 2;
 
@@ -329,8 +347,9 @@ impl MongoEventStore {
     /// [`Error::Database`](crate::Error::Database).
     pub async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
         let inner = &self.inner;
-        let grouped = async {
-            let pipeline = [
+        let grouped = aggregate_hinted(
+            &inner.deliveries,
+            vec![
                 doc! { "$match": {
                     field::STATUS: { "$in": [status::PENDING, status::DEAD] },
                 } },
@@ -343,21 +362,9 @@ impl MongoEventStore {
                     "n": { "$sum": 1 },
                     "oldest": { "$min": format!("${}", field::DUE_AT) },
                 } },
-            ];
-            let hinted = inner
-                .deliveries
-                .aggregate(pipeline.clone())
-                .hint(Hint::Name(index::STATUS_CREATED.to_owned()))
-                .await;
-            let cursor = match hinted {
-                // A listing index the deployment dropped, as the specification allows.
-                Err(error) if is_missing_index(&error) => {
-                    inner.deliveries.aggregate(pipeline).await?
-                }
-                cursor => cursor?,
-            };
-            cursor.try_collect::<Vec<Document>>().await
-        };
+            ],
+            index::STATUS_CREATED,
+        );
         let running = async {
             inner
                 .lanes
@@ -384,6 +391,7 @@ impl MongoEventStore {
                 .await?
                 .try_collect::<Vec<Document>>()
                 .await
+                .map_err(crate::Error::from)
         };
         let (grouped, running) = futures::try_join!(grouped, running)?;
         let mut by_handler: std::collections::BTreeMap<String, HandlerStatistics> =

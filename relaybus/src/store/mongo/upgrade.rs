@@ -69,10 +69,6 @@ impl MongoEventStore {
         // stays counted, as a lost lease counts it today.
         done.processing = self
             .in_batches(doc! { field::STATUS: PROCESSING }, |ids| {
-                let mut unset = Document::new();
-                for name in LEASE_FIELDS {
-                    unset.insert(name, "");
-                }
                 (
                     doc! { field::ID: { "$in": ids }, field::STATUS: PROCESSING },
                     doc! {
@@ -82,7 +78,7 @@ impl MongoEventStore {
                             field::DUE_AT: now,
                             field::UPDATED_AT: now,
                         },
-                        "$unset": unset,
+                        "$unset": lease_unset(),
                     },
                 )
             })
@@ -95,11 +91,10 @@ impl MongoEventStore {
             .collect();
         done.leases = self
             .in_batches(doc! { "$or": any_lease }, |ids| {
-                let mut unset = Document::new();
-                for name in LEASE_FIELDS {
-                    unset.insert(name, "");
-                }
-                (doc! { field::ID: { "$in": ids } }, doc! { "$unset": unset })
+                (
+                    doc! { field::ID: { "$in": ids } },
+                    doc! { "$unset": lease_unset() },
+                )
             })
             .await?;
 
@@ -311,6 +306,14 @@ impl MongoEventStore {
         }
         Ok(dropped)
     }
+}
+
+/// The `$unset` of every 0.1.0 lease field.
+fn lease_unset() -> Document {
+    LEASE_FIELDS
+        .iter()
+        .map(|name| ((*name).to_owned(), Bson::from("")))
+        .collect()
 }
 
 fn ids_of(docs: Vec<Document>) -> Vec<ObjectId> {
