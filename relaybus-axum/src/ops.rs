@@ -735,7 +735,7 @@ async fn requeue<St: Store>(
     let outcome = state
         .bus
         .store()
-        .requeue(&ids, Timestamp::now())
+        .requeue(&ids, state.bus.now())
         .await
         .map_err(OpsError::Store)?;
     tracing::info!(
@@ -763,7 +763,7 @@ async fn discard<St: Store>(
     let outcome = state
         .bus
         .store()
-        .discard(&ids, Timestamp::now())
+        .discard(&ids, state.bus.now())
         .await
         .map_err(OpsError::Store)?;
     tracing::info!(
@@ -835,7 +835,7 @@ async fn handlers<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Val
         .handler_statistics()
         .await
         .map_err(OpsError::Store)?;
-    let now = Timestamp::now();
+    let now = bus.now();
     Ok(Json(json!({
         "handlers": handlers.iter().map(|h| json!({
             "handler": h.handler,
@@ -892,7 +892,7 @@ async fn event<St: Store>(
 
 async fn lanes<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
     let report = bus.store().lanes().await.map_err(OpsError::Store)?;
-    let now = Timestamp::now();
+    let now = bus.now();
     Ok(Json(json!({
         "lanes": report.lanes.iter().map(|lane| json!({
             "lane": lane.lane,

@@ -9,7 +9,10 @@ use std::{
 };
 
 use crate::{
-    dispatcher::{Handle, Retention, RunReport, Settings, Shared},
+    clock::Clock,
+    dispatcher::{
+        DEFAULT_MAX_RUNS, Handle, IdleOptions, IdleReport, Retention, RunReport, Settings, Shared,
+    },
     error::{ConfigurationError, Error, Result},
     event::{Event, EventEnvelope},
     handler::{RetryPolicy, Subscription, validate_handler_id},
@@ -135,6 +138,7 @@ impl<S: Store> RelayBus<S> {
             gauge_interval: Some(crate::dispatcher::DEFAULT_GAUGE_INTERVAL),
             state: StateMap::default(),
             duplicate_state: None,
+            clock: Clock::system(),
         }
     }
 
@@ -185,6 +189,51 @@ impl<S: Store> RelayBus<S> {
         self.inner.shared.run_once().await
     }
 
+    /// Runs every delivery of this bus's handlers that is due, batch after batch, until a
+    /// claim finds nothing due, and reports every run: what succeeded, what failed and when it
+    /// is due again, and what became a dead letter. Deliveries that become due while it runs
+    /// (the next event of a key, events the handlers publish, retries whose backoff has passed
+    /// on the bus's clock) run too.
+    ///
+    /// For tests: with a [`TestClock`](crate::clock::TestClock),
+    /// [`advance_clock(within)`](RunUntilIdle::advance_clock) also moves the clock to each
+    /// retry or delayed delivery due within `within`, so a handler that fails twice and then
+    /// succeeds runs to its success in one call, with no sleep.
+    ///
+    /// ```no_run
+    /// # use relaybus::{RelayBus, Store};
+    /// # async fn example<S: Store>(bus: RelayBus<S>) -> Result<(), relaybus::Error> {
+    /// use std::time::Duration;
+    ///
+    /// let report = bus.run_until_idle().advance_clock(Duration::from_secs(3600)).await?;
+    /// assert_eq!(report.dead().count(), 0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigurationError::InvalidOption`] when the bus dispatches in the background
+    /// (after [`start`](Self::start)), or when `advance_clock` is asked of a bus on the system
+    /// clock; [`Error::InvalidArgument`] when it ran more than
+    /// [`max_runs`](RunUntilIdle::max_runs) deliveries ([`DEFAULT_MAX_RUNS`](crate::DEFAULT_MAX_RUNS)
+    /// by default) without becoming idle; the store's errors. The handlers' own errors are in
+    /// the report.
+    pub fn run_until_idle(&self) -> RunUntilIdle<'_, S> {
+        RunUntilIdle {
+            bus: self,
+            options: IdleOptions {
+                advance: None,
+                max_runs: DEFAULT_MAX_RUNS,
+            },
+        }
+    }
+
+    /// The current time of the bus's clock (see [`RelayBusBuilder::clock`]).
+    pub fn now(&self) -> Timestamp {
+        self.inner.shared.now()
+    }
+
     /// Stops dispatching gracefully: no more claims; running handlers get the shutdown timeout
     /// to finish; deliveries still unfinished then are released without charging an attempt;
     /// every lane this bus holds is handed back, so other workers take the work at once rather
@@ -218,7 +267,7 @@ impl<S: Store> RelayBus<S> {
     ///
     /// The store's errors.
     pub async fn requeue(&self, ids: &[String]) -> Result<crate::store::Requeued> {
-        self.inner.store.requeue(ids, Timestamp::now()).await
+        self.inner.store.requeue(ids, self.now()).await
     }
 
     /// Buries pending deliveries that no worker runs, by id, with `reason` as their error:
@@ -229,17 +278,14 @@ impl<S: Store> RelayBus<S> {
     ///
     /// The store's errors, and [`Error::InvalidArgument`] for an empty reason.
     pub async fn bury(&self, ids: &[String], reason: &str) -> Result<crate::store::Buried> {
-        self.inner
-            .store
-            .bury_by_id(ids, reason, Timestamp::now())
-            .await
+        self.inner.store.bury_by_id(ids, reason, self.now()).await
     }
 
     /// What this bus's handlers did in this process over the last hour, minute by minute:
     /// runs that succeeded, that failed, and deliveries dead-lettered. The counts live in
     /// memory (nothing is written per run); each process reports its own.
     pub fn activity(&self) -> Vec<crate::activity::HandlerActivity> {
-        self.inner.shared.metrics.activity(Timestamp::now())
+        self.inner.shared.metrics.activity(self.now())
     }
 
     /// Samples the delivery gauges now, as a started bus does every
@@ -359,7 +405,9 @@ impl<S: Store> RelayBus<S> {
     pub fn publish<E: Event>(&self, event: &E) -> Publish<'_, S> {
         Publish {
             bus: self,
-            envelope: EventEnvelope::new(event).map_err(Error::from),
+            envelope: EventEnvelope::new(event)
+                .map(|envelope| envelope.made_at(self.now()))
+                .map_err(Error::from),
             session: None,
             due: Due::Now,
         }
@@ -415,7 +463,8 @@ impl<S: Store> RelayBus<S> {
         envelopes: &[EventEnvelope],
         due: Due,
     ) -> Result<Vec<Appended>> {
-        let due_at = due.at(Timestamp::now());
+        let now = self.now();
+        let due_at = due.at(now);
         let requests: Vec<AppendRequest<'_>> = envelopes
             .iter()
             .map(|envelope| {
@@ -430,7 +479,7 @@ impl<S: Store> RelayBus<S> {
             .collect();
         let store = &self.inner.store;
         match session {
-            Some(session) => store.append(session, &requests, Timestamp::now()).await,
+            Some(session) => store.append(session, &requests, now).await,
             None if transaction::in_transaction_body() => {
                 Err(ConfigurationError::SessionNotPassed {
                     operation: "publish",
@@ -450,7 +499,7 @@ impl<S: Store> RelayBus<S> {
                         .begin(&mut session, attempts.remaining_budget())
                         .await?;
                     let appended = match store
-                        .append_in_transaction(&mut session, &requests, Timestamp::now())
+                        .append_in_transaction(&mut session, &requests, self.now())
                         .await
                     {
                         Ok(appended) => appended,
@@ -498,6 +547,7 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     state: StateMap,
     /// The first type given twice to `state`, reported by `build`.
     duplicate_state: Option<&'static str>,
+    clock: Clock,
 }
 
 impl<S: Store> std::fmt::Debug for RelayBusBuilder<S> {
@@ -514,6 +564,14 @@ impl<S: Store> std::fmt::Debug for RelayBusBuilder<S> {
 }
 
 impl<S: Store> RelayBusBuilder<S> {
+    /// The clock the bus reads the time from: the system clock by default, or a
+    /// [`TestClock`](crate::clock::TestClock) that a test moves, so that backoff, delayed
+    /// publishes, lease expiry and retention wait for nothing (see [`crate::clock`]).
+    pub fn clock(mut self, clock: impl Into<Clock>) -> Self {
+        self.clock = clock.into();
+        self
+    }
+
     /// Gives the handlers a value of the application's state, which a handler takes as a
     /// [`State<T>`](crate::State) argument: a database handle, an HTTP client, a
     /// configuration. Call it once per type; to hand out a part of a larger state, give the
@@ -776,6 +834,7 @@ impl<S: Store> RelayBusBuilder<S> {
             retention: self.retention,
             gauge_interval: self.gauge_interval,
             state: self.state,
+            clock: self.clock,
         };
         let shared = Arc::new(Shared::new(
             self.store.clone(),
@@ -1044,4 +1103,61 @@ fn default_owner() -> String {
         .unwrap_or_else(|| "worker".to_owned());
     let random: u32 = rand::random();
     format!("{host}-{}-{random:08x}", std::process::id())
+}
+
+/// A pending [`RelayBus::run_until_idle`]. Runs when awaited.
+#[must_use = "running until idle does nothing until it is awaited"]
+pub struct RunUntilIdle<'a, S: Store = DefaultStore> {
+    bus: &'a RelayBus<S>,
+    options: IdleOptions,
+}
+
+impl<S: Store> std::fmt::Debug for RunUntilIdle<'_, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunUntilIdle")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> RunUntilIdle<'_, S> {
+    /// Once nothing is due, moves the bus's [`TestClock`](crate::clock::TestClock) to the
+    /// next due time of a delivery of its handlers (a retry after its backoff, a delayed
+    /// publish), if it lies within `within` of the clock's time when the call started, and
+    /// goes on running. The clock ends at the last due time it moved to.
+    pub fn advance_clock(mut self, within: Duration) -> Self {
+        self.options.advance = Some(within);
+        self
+    }
+
+    /// Stops with an error after this many runs, rather than running on forever when handlers
+    /// keep making new work; [`DEFAULT_MAX_RUNS`](crate::DEFAULT_MAX_RUNS) by default.
+    pub fn max_runs(mut self, runs: usize) -> Self {
+        self.options.max_runs = runs.max(1);
+        self
+    }
+}
+
+impl<'a, S: Store> IntoFuture for RunUntilIdle<'a, S> {
+    type Output = Result<IdleReport>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(async move {
+            {
+                let state = self.bus.inner.dispatcher.lock().await;
+                if matches!(*state, DispatcherState::Running(_)) {
+                    return Err(ConfigurationError::InvalidOption {
+                        option: "run_until_idle",
+                        reason: "the bus dispatches in the background (`start` was called), \
+                                 which would run the same deliveries; run a bus that is not \
+                                 started step by step"
+                            .to_owned(),
+                    }
+                    .into());
+                }
+            }
+            self.bus.inner.shared.run_until_idle(self.options).await
+        })
+    }
 }

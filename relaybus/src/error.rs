@@ -225,8 +225,10 @@ pub enum ConfigurationError {
     /// A session was handed to an operation that must run in a transaction, but the session has
     /// no started transaction: each write would commit on its own.
     #[error(
-        "{operation} needs a ClientSession inside a started transaction; start one with \
-         `session.start_transaction()` or use `transaction(..)` of the bus or store"
+        "{operation} needs a {} inside a started transaction; start one with {} or use \
+         `transaction(..)` of the bus or store",
+        session_of(operation).0,
+        session_of(operation).1
     )]
     NoTransaction {
         /// The operation that was refused.
@@ -578,4 +580,21 @@ impl InvalidArgumentError {
 #[cfg_attr(not(feature = "mongodb"), allow(dead_code))]
 pub(crate) fn truncate_for_message(text: &str, max: usize) -> String {
     text.chars().take(max).collect()
+}
+
+/// The session type of the store an operation belongs to (named by the operation's type, as in
+/// `MemorySession.put`), and how to start its transaction, for
+/// [`ConfigurationError::NoTransaction`].
+fn session_of(operation: &str) -> (&'static str, &'static str) {
+    let owner = operation.split('.').next().unwrap_or_default();
+    if owner.starts_with("Memory") {
+        ("MemorySession", "`store.begin(&mut session, None)`")
+    } else if owner.starts_with("Postgres") {
+        (
+            "PostgresSession",
+            "`store.begin(&mut session, None)` or `PostgresSession::from(pool.begin().await?)`",
+        )
+    } else {
+        ("ClientSession", "`session.start_transaction()`")
+    }
 }

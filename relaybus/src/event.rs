@@ -210,6 +210,13 @@ impl EventEnvelope {
         })
     }
 
+    /// The envelope with its creation time set to `at`: the time of the bus's clock when it
+    /// publishes.
+    pub(crate) fn made_at(mut self, at: Timestamp) -> Self {
+        self.created_at = at;
+        self
+    }
+
     /// Replaces the generated id with one of the caller's, for example the id of a message being
     /// relayed. Appending an event whose id the store already holds adds nothing but the
     /// deliveries of handlers the stored event has never had.

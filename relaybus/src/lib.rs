@@ -103,6 +103,7 @@
 pub mod __private;
 pub mod activity;
 mod bus;
+pub mod clock;
 mod dispatcher;
 pub mod error;
 pub mod event;
@@ -113,9 +114,14 @@ pub mod store;
 pub mod telemetry;
 mod time;
 mod trace;
+#[cfg(any(feature = "nats", feature = "rabbitmq"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "nats", feature = "rabbitmq"))))]
+pub mod transport;
 
-pub use bus::{DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder};
-pub use dispatcher::{Retention, RunReport};
+pub use bus::{
+    DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder, RunUntilIdle,
+};
+pub use dispatcher::{DEFAULT_MAX_RUNS, DeliveryRun, IdleReport, Retention, RunOutcome, RunReport};
 pub use error::{
     BoxError, CommitNotAcknowledgedError, ConfigurationError, DatabaseError, Error,
     EventValidationError, InvalidArgumentError, LeaseError, Result, TransactionTimeoutError,
@@ -129,9 +135,14 @@ pub use handler::{
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use relaybus_macros::{event, handler};
 pub use state::State;
+#[cfg(feature = "memory")]
+pub use store::memory::{MemoryEventStore, MemorySession};
 #[cfg(feature = "mongodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use store::mongo::{ClaimedDelivery, Lease, MongoEventStore, MongoEventStoreBuilder};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::postgres::{PostgresEventStore, PostgresSession};
 pub use store::{
     AppendRequest, Appended, AttemptError, BlockedKey, Buried, DeadLetterGroup, DeliveryQuery,
     DeliveryRecord, DeliveryStatus, Discarded, EventDetail, HandlerStatistics, LaneReport,
@@ -139,8 +150,9 @@ pub use store::{
 };
 pub use time::Timestamp;
 
-/// The README's examples, compiled as doc tests.
-#[cfg(doctest)]
+/// The README's examples, compiled as doc tests. They use the MongoDB and the in-memory store,
+/// so they run when both features are on (`scripts/test --all-features`, as in CI).
+#[cfg(all(doctest, feature = "mongodb", feature = "memory"))]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
 

@@ -14,6 +14,11 @@
 //!
 //! An event can ask to fail its first `fail` attempts (retries), or to always fail (`poison`,
 //! which must end as a dead letter carrying its error).
+//!
+//! [`postgres`] has the same handlers and tables for the PostgreSQL store, and a private
+//! PostgreSQL cluster the scenarios can restart.
+
+pub mod postgres;
 
 use std::time::Duration;
 
@@ -128,7 +133,7 @@ pub fn subscriptions(db: &Database, owner: &str) -> Vec<Subscription> {
     vec![projector, auditor]
 }
 
-fn outcome(event: &FaultOrder, attempt: u32) -> Result<(), BoxError> {
+pub(crate) fn outcome(event: &FaultOrder, attempt: u32) -> Result<(), BoxError> {
     if event.poison {
         return Err(format!("order {} is poison: every attempt fails", event.order).into());
     }

@@ -21,6 +21,22 @@
 //!   one restarts and rejoins;
 //! - `step_down`: the primary of a three-node set steps down.
 //!
+//! The `postgres` scenario runs the same load and checks on the PostgreSQL store, on a private
+//! cluster of its own (`initdb` and `postgres` from `scripts/postgres install`, or `PG_BIN`),
+//! with the same worker binary (`--store postgres`): its transactional handler writes its
+//! effect rows through the handler's `PostgresSession`, in the transaction that completes the
+//! delivery. Its faults:
+//!
+//! - `kill_worker`, `kill_worker_new_owner` and `pause_worker`, as above;
+//! - `kill_worker_after_claim`: the suite locks the handlers' effect tables (`LOCK TABLE ..
+//!   IN SHARE MODE`) and kills a worker once one of its connections waits for that lock: it
+//!   claimed, its handler runs, its first write is held;
+//! - `kill_worker_in_completion`: the same with the store's `events` table, which a completion
+//!   updates in its transaction (appends wait too while it is locked);
+//! - `restart_server_fast` and `restart_server_immediate`: the server is shut down (fast:
+//!   transactions aborted and a checkpoint; immediate: it exits at once and the next start
+//!   runs crash recovery) and started again on its data.
+//!
 //! When the load stops, the workers drain the deliveries and stop gracefully, and the checker
 //! compares what the database holds with what must hold. The last line printed is one JSON
 //! object with the figures; `lost`, `phantom`, `duplicated`, `order_violations` and `stuck`
@@ -28,7 +44,7 @@
 //!
 //! `RELAYBUS_FAULT_PROFILE=long` runs the long profile (minutes of load per scenario);
 //! `RELAYBUS_FAULT_SEED` replays a run's random choices (the seed is printed first);
-//! `RELAYBUS_FAULT_SCENARIO=single|failover` runs one scenario.
+//! `RELAYBUS_FAULT_SCENARIO=single|failover|postgres` runs one scenario.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -48,9 +64,13 @@ use mongodb::{
     options::{DatabaseOptions, ReadConcern, WriteConcern},
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
-use relaybus::{BoxError, MongoEventStore, RelayBus};
+use relaybus::{BoxError, MongoEventStore, PostgresEventStore, PostgresSession, RelayBus};
 use relaybus_harness::ReplicaSet;
-use relaybus_tests::fault::{self, AUDITOR, FaultOrder, PROJECTOR};
+use relaybus_tests::fault::{
+    self, AUDITOR, FaultOrder, PROJECTOR,
+    postgres::{self as pg, Cluster, Shutdown},
+};
+use sqlx::{PgPool, Row, postgres::PgPoolOptions};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_relaybus-fault-worker");
 const LEASE: Duration = Duration::from_millis(2_000);
@@ -71,6 +91,8 @@ enum Fault {
     KillServer,
     KillPrimary,
     StepDown,
+    RestartServerFast,
+    RestartServerImmediate,
 }
 
 impl Fault {
@@ -84,6 +106,27 @@ impl Fault {
             Fault::KillServer => "kill_server",
             Fault::KillPrimary => "kill_primary",
             Fault::StepDown => "step_down",
+            Fault::RestartServerFast => "restart_server_fast",
+            Fault::RestartServerImmediate => "restart_server_immediate",
+        }
+    }
+}
+
+/// The store a scenario runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    /// A private MongoDB replica set of `nodes` nodes.
+    MongoDb,
+    /// A private PostgreSQL cluster.
+    Postgres,
+}
+
+impl Backend {
+    /// The worker's `--store`.
+    fn arg(self) -> &'static str {
+        match self {
+            Backend::MongoDb => "mongodb",
+            Backend::Postgres => "postgres",
         }
     }
 }
@@ -91,6 +134,7 @@ impl Fault {
 #[derive(Debug, Clone)]
 struct Scenario {
     name: &'static str,
+    backend: Backend,
     nodes: usize,
     workers: usize,
     faults: Vec<Fault>,
@@ -102,10 +146,11 @@ struct Scenario {
 
 fn scenarios() -> Vec<Scenario> {
     let long = std::env::var("RELAYBUS_FAULT_PROFILE").is_ok_and(|p| p == "long");
-    let (single_load, failover_load, rate, drain) = if long {
+    let (single_load, failover_load, postgres_load, rate, drain) = if long {
         (
             Duration::from_secs(600),
             Duration::from_secs(300),
+            Duration::from_secs(600),
             30,
             Duration::from_secs(900),
         )
@@ -113,6 +158,7 @@ fn scenarios() -> Vec<Scenario> {
         (
             Duration::from_secs(45),
             Duration::from_secs(35),
+            Duration::from_secs(32),
             50,
             Duration::from_secs(180),
         )
@@ -120,6 +166,7 @@ fn scenarios() -> Vec<Scenario> {
     vec![
         Scenario {
             name: "single",
+            backend: Backend::MongoDb,
             nodes: 1,
             workers: 3,
             faults: vec![
@@ -136,6 +183,7 @@ fn scenarios() -> Vec<Scenario> {
         },
         Scenario {
             name: "failover",
+            backend: Backend::MongoDb,
             nodes: 3,
             workers: 2,
             faults: vec![
@@ -147,6 +195,24 @@ fn scenarios() -> Vec<Scenario> {
             ],
             load: failover_load,
             rate: rate / 2,
+            drain,
+        },
+        Scenario {
+            name: "postgres",
+            backend: Backend::Postgres,
+            nodes: 1,
+            workers: 3,
+            faults: vec![
+                Fault::KillWorker,
+                Fault::KillWorkerNewOwner,
+                Fault::KillAfterClaim,
+                Fault::KillInCompletion,
+                Fault::PauseWorker,
+                Fault::RestartServerFast,
+                Fault::RestartServerImmediate,
+            ],
+            load: postgres_load,
+            rate,
             drain,
         },
     ]
@@ -223,7 +289,11 @@ async fn main() -> ExitCode {
         }
         let mut rng = StdRng::seed_from_u64(seed.wrapping_add(n as u64));
         let at = Instant::now();
-        let figures = match run(&scenario, &mut rng).await {
+        let outcome = match scenario.backend {
+            Backend::MongoDb => run(&scenario, &mut rng).await,
+            Backend::Postgres => run_postgres(&scenario, &mut rng).await,
+        };
+        let figures = match outcome {
             Ok(figures) => figures,
             Err(error) => {
                 let mut figures = Figures::default();
@@ -309,6 +379,7 @@ struct Worker {
 }
 
 struct Workers {
+    backend: Backend,
     uri: String,
     database: String,
     logs: std::path::PathBuf,
@@ -320,10 +391,17 @@ impl Workers {
     fn spawn(&mut self, owner: &str) -> Result<Child, BoxError> {
         self.spawned += 1;
         let log = File::create(self.logs.join(format!("{owner}-{}.log", self.spawned)))?;
-        let uri = format!("{}&appName={owner}", self.uri);
+        // The server tells the workers' connections apart by their application name (MongoDB's
+        // `appName`; the PostgreSQL worker sets `application_name` to its owner itself).
+        let uri = match self.backend {
+            Backend::MongoDb => format!("{}&appName={owner}", self.uri),
+            Backend::Postgres => self.uri.clone(),
+        };
         let mut command = Command::new(WORKER);
         command
             .args([
+                "--store",
+                self.backend.arg(),
                 uri.as_str(),
                 self.database.as_str(),
                 owner,
@@ -452,6 +530,7 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
         .join(scenario.name);
     std::fs::create_dir_all(&logs)?;
     let mut workers = Workers {
+        backend: Backend::MongoDb,
         uri: rs.uri().to_owned(),
         database: database.clone(),
         logs,
@@ -467,55 +546,12 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
         builder = builder.subscribe(subscription);
     }
     let bus = Arc::new(builder.build()?);
-    let acknowledged = Arc::new(Mutex::new(HashSet::<String>::new()));
-    let unacknowledged = Arc::new(AtomicU64::new(0));
-    let deadline = Instant::now() + scenario.load;
-    let generators: u32 = 4;
-    let mut load = Vec::new();
-    let next = Arc::new(AtomicU64::new(0));
-    for g in 0..generators {
-        let bus = Arc::clone(&bus);
-        let orders: Collection<Document> = db.collection(fault::ORDERS);
-        let acknowledged = Arc::clone(&acknowledged);
-        let unacknowledged = Arc::clone(&unacknowledged);
-        let next = Arc::clone(&next);
-        let name = scenario.name;
-        let period = Duration::from_secs_f64(f64::from(generators) / f64::from(scenario.rate));
-        let mut rng = StdRng::seed_from_u64(rng.random::<u64>() ^ u64::from(g));
-        load.push(tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(period);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while Instant::now() < deadline {
-                ticks.tick().await;
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                let id = format!("{name}-{i}");
-                let key = rng
-                    .random_bool(0.7)
-                    .then(|| format!("k{}", rng.random_range(0..KEYS)));
-                let order = FaultOrder {
-                    order: id.clone(),
-                    fail: if rng.random_bool(0.05) {
-                        rng.random_range(1..=2)
-                    } else {
-                        0
-                    },
-                    poison: rng.random_bool(0.005),
-                };
-                let committed = publish(&bus, &orders, &order, key.as_deref()).await;
-                match committed {
-                    Ok(()) => {
-                        acknowledged
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(id);
-                    }
-                    Err(_) => {
-                        unacknowledged.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-            }
-        }));
-    }
+    let orders: Collection<Document> = db.collection(fault::ORDERS);
+    let load = Load::start(scenario, rng, move |order, key| {
+        let (bus, orders) = (Arc::clone(&bus), orders.clone());
+        async move { publish(&bus, &orders, &order, key.as_deref()).await }
+    });
+    let deadline = load.deadline;
 
     let mut figures = Figures::default();
     // Faults, one after the other, at random moments, until the load stops.
@@ -536,11 +572,7 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
         workers.revive(&mut figures)?;
         tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_500))).await;
     }
-    for task in load {
-        task.await?;
-    }
-    figures.acknowledged = acknowledged.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
-    figures.unacknowledged = unacknowledged.load(Ordering::SeqCst);
+    let acknowledged = load.finish(&mut figures).await?;
 
     // Drain: every worker up, until no delivery is pending.
     rs.wait_for_primary().await;
@@ -602,6 +634,92 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
     check_database(&db, &store, &acknowledged, &mut figures).await?;
     drop(rs);
     Ok(figures)
+}
+
+/// The load generator: 4 tasks committing orders with their events at the scenario's rate
+/// until its load time is over, counting the commits that were acknowledged.
+struct Load {
+    deadline: Instant,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    acknowledged: Arc<Mutex<HashSet<String>>>,
+    unacknowledged: Arc<AtomicU64>,
+}
+
+impl Load {
+    /// Starts the tasks; `publish` commits one order (and its event, under the key if any).
+    fn start<P, F>(scenario: &Scenario, rng: &mut StdRng, publish: P) -> Load
+    where
+        P: Fn(FaultOrder, Option<String>) -> F + Clone + Send + 'static,
+        F: Future<Output = relaybus::Result<()>> + Send,
+    {
+        let acknowledged = Arc::new(Mutex::new(HashSet::<String>::new()));
+        let unacknowledged = Arc::new(AtomicU64::new(0));
+        let deadline = Instant::now() + scenario.load;
+        let generators: u32 = 4;
+        let mut tasks = Vec::new();
+        let next = Arc::new(AtomicU64::new(0));
+        for g in 0..generators {
+            let publish = publish.clone();
+            let acknowledged = Arc::clone(&acknowledged);
+            let unacknowledged = Arc::clone(&unacknowledged);
+            let next = Arc::clone(&next);
+            let name = scenario.name;
+            let period = Duration::from_secs_f64(f64::from(generators) / f64::from(scenario.rate));
+            let mut rng = StdRng::seed_from_u64(rng.random::<u64>() ^ u64::from(g));
+            tasks.push(tokio::spawn(async move {
+                let mut ticks = tokio::time::interval(period);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                while Instant::now() < deadline {
+                    ticks.tick().await;
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let id = format!("{name}-{i}");
+                    let key = rng
+                        .random_bool(0.7)
+                        .then(|| format!("k{}", rng.random_range(0..KEYS)));
+                    let order = FaultOrder {
+                        order: id.clone(),
+                        fail: if rng.random_bool(0.05) {
+                            rng.random_range(1..=2)
+                        } else {
+                            0
+                        },
+                        poison: rng.random_bool(0.005),
+                    };
+                    match publish(order, key).await {
+                        Ok(()) => {
+                            acknowledged
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .insert(id);
+                        }
+                        Err(_) => {
+                            unacknowledged.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+            }));
+        }
+        Load {
+            deadline,
+            tasks,
+            acknowledged,
+            unacknowledged,
+        }
+    }
+
+    /// Waits for the load to end; returns the acknowledged orders.
+    async fn finish(self, figures: &mut Figures) -> Result<Arc<Mutex<HashSet<String>>>, BoxError> {
+        for task in self.tasks {
+            task.await?;
+        }
+        figures.acknowledged = self
+            .acknowledged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len() as u64;
+        figures.unacknowledged = self.unacknowledged.load(Ordering::SeqCst);
+        Ok(self.acknowledged)
+    }
 }
 
 async fn publish(
@@ -711,6 +829,9 @@ async fn inject(
             tune(rs, primary).await?;
             wait_for_secondary(rs, primary).await?;
         }
+        Fault::RestartServerFast | Fault::RestartServerImmediate => {
+            return Err(format!("{} is a PostgreSQL fault", fault.name()).into());
+        }
         Fault::StepDown => match rs.try_step_down().await {
             Ok(old) => {
                 rs.wait_for_primary().await;
@@ -809,36 +930,118 @@ async fn all(
         .await?)
 }
 
-/// Compares what the database holds with what must hold.
+/// What the checker reads from the database, whichever the store.
+#[derive(Debug, Default)]
+struct Snapshot {
+    /// Business documents (rows): id, and whether the order is poison.
+    orders: HashMap<String, bool>,
+    /// Events: id, and the handlers it was delivered to.
+    events: HashMap<String, Vec<String>>,
+    /// Deliveries left (completed ones are gone): event id, handler, status, last error.
+    deliveries: Vec<(String, String, Option<String>, String)>,
+    /// The event of each committed effect of the transactional handler.
+    effects: Vec<String>,
+    /// The event of each run of the at-least-once handler.
+    runs: Vec<String>,
+    /// Per `<handler>|<key>`, the sequences of the runs in the order they happened.
+    logs: Vec<(String, Vec<i64>)>,
+}
+
+/// Compares what the MongoDB database holds with what must hold.
 async fn check_database(
     db: &Database,
     store: &MongoEventStore,
     acknowledged: &Mutex<HashSet<String>>,
     figures: &mut Figures,
 ) -> Result<(), BoxError> {
-    let orders: HashMap<String, Document> = all(db, fault::ORDERS, doc! {})
+    let orders = all(db, fault::ORDERS, doc! {})
         .await?
         .into_iter()
-        .filter_map(|d| Some((d.get_str("_id").ok()?.to_owned(), d)))
+        .filter_map(|d| {
+            let poison = d.get_bool("poison") == Ok(true);
+            Some((d.get_str("_id").ok()?.to_owned(), poison))
+        })
         .collect();
-    let events: HashMap<String, Document> = all(
+    let events = all(
         db,
         &store.collection_name("events"),
         doc! { "key": 1, "sequence": 1, "handlers": 1 },
     )
     .await?
     .into_iter()
-    .filter_map(|d| Some((d.get_str("_id").ok()?.to_owned(), d)))
+    .filter_map(|d| {
+        let handlers = d
+            .get_array("handlers")
+            .map(|a| {
+                a.iter()
+                    .filter_map(Bson::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        Some((d.get_str("_id").ok()?.to_owned(), handlers))
+    })
     .collect();
     let deliveries = all(
         db,
         &store.collection_name("deliveries"),
         doc! { "eventId": 1, "handler": 1, "status": 1, "lastError": 1 },
     )
-    .await?;
-    let effects = all(db, fault::EFFECTS, doc! { "event": 1 }).await?;
-    let runs = all(db, fault::RUNS, doc! { "event": 1 }).await?;
-    let logs = all(db, fault::ORDER_LOG, doc! {}).await?;
+    .await?
+    .into_iter()
+    .map(|d| {
+        (
+            d.get_str("eventId").unwrap_or_default().to_owned(),
+            d.get_str("handler").unwrap_or_default().to_owned(),
+            d.get_str("status").ok().map(str::to_owned),
+            d.get_str("lastError").unwrap_or_default().to_owned(),
+        )
+    })
+    .collect();
+    let event_of = |d: Document| d.get_str("event").unwrap_or_default().to_owned();
+    let effects = all(db, fault::EFFECTS, doc! { "event": 1 })
+        .await?
+        .into_iter()
+        .map(event_of)
+        .collect();
+    let runs = all(db, fault::RUNS, doc! { "event": 1 })
+        .await?
+        .into_iter()
+        .map(event_of)
+        .collect();
+    let logs = all(db, fault::ORDER_LOG, doc! {})
+        .await?
+        .into_iter()
+        .map(|log| {
+            let seqs = log
+                .get_array("seqs")
+                .map(|a| a.iter().filter_map(Bson::as_i64).collect())
+                .unwrap_or_default();
+            (log.get_str("_id").unwrap_or_default().to_owned(), seqs)
+        })
+        .collect();
+    let snapshot = Snapshot {
+        orders,
+        events,
+        deliveries,
+        effects,
+        runs,
+        logs,
+    };
+    check(&snapshot, acknowledged, figures);
+    Ok(())
+}
+
+/// Compares what the database holds with what must hold.
+fn check(snapshot: &Snapshot, acknowledged: &Mutex<HashSet<String>>, figures: &mut Figures) {
+    let Snapshot {
+        orders,
+        events,
+        deliveries,
+        effects,
+        runs,
+        logs,
+    } = snapshot;
 
     figures.events = events.len() as u64;
     // Committed business documents and their events.
@@ -869,25 +1072,20 @@ async fn check_database(
 
     // Deliveries: none pending, the dead ones with their error.
     let mut dead: HashSet<(String, String)> = HashSet::new();
-    for delivery in &deliveries {
-        let event = delivery.get_str("eventId").unwrap_or_default().to_owned();
-        let handler = delivery.get_str("handler").unwrap_or_default().to_owned();
-        match delivery.get_str("status") {
-            Ok("dead") => {
-                let error = delivery.get_str("lastError").unwrap_or_default();
+    for (event, handler, status, error) in deliveries {
+        match status.as_deref() {
+            Some("dead") => {
                 if error.is_empty() {
                     figures.stuck += 1;
                     figures.problem(format!("dead delivery {event}/{handler} has no error"));
                 }
-                let poison = orders
-                    .get(&event)
-                    .is_some_and(|o| o.get_bool("poison") == Ok(true));
+                let poison = orders.get(event).copied().unwrap_or(false);
                 if poison {
                     figures.dead_poison += 1;
                 } else {
                     figures.dead_other += 1;
                 }
-                dead.insert((event, handler));
+                dead.insert((event.clone(), handler.clone()));
             }
             status => {
                 figures.stuck += 1;
@@ -901,32 +1099,22 @@ async fn check_database(
     // Handler effects: exactly one committed effect of the transactional handler per event
     // (none when dead), at least one run of the other.
     let mut effect_count: HashMap<&str, u64> = HashMap::new();
-    for effect in &effects {
-        *effect_count
-            .entry(effect.get_str("event").unwrap_or_default())
-            .or_default() += 1;
+    for event in effects {
+        *effect_count.entry(event.as_str()).or_default() += 1;
     }
     let mut run_count: HashMap<&str, u64> = HashMap::new();
-    for run in &runs {
-        *run_count
-            .entry(run.get_str("event").unwrap_or_default())
-            .or_default() += 1;
+    for event in runs {
+        *run_count.entry(event.as_str()).or_default() += 1;
     }
-    for (id, event) in &events {
-        let handlers: Vec<&str> = event
-            .get_array("handlers")
-            .map(|a| a.iter().filter_map(Bson::as_str).collect())
-            .unwrap_or_default();
+    for (id, handlers) in events {
         for handler in [PROJECTOR, AUDITOR] {
             figures.deliveries += 1;
-            if !handlers.contains(&handler) {
+            if !handlers.iter().any(|h| h == handler) {
                 figures.lost += 1;
                 figures.problem(format!("event {id} has no delivery for {handler}"));
             }
         }
-        let poison = orders
-            .get(id)
-            .is_some_and(|o| o.get_bool("poison") == Ok(true));
+        let poison = orders.get(id).copied().unwrap_or(false);
         let projector_dead = dead.contains(&(id.clone(), PROJECTOR.to_owned()));
         let effects = effect_count.get(id.as_str()).copied().unwrap_or(0);
         let expected = u64::from(!projector_dead);
@@ -957,15 +1145,10 @@ async fn check_database(
     }
 
     // Per key and handler, the first runs came in sequence order.
-    for log in &logs {
-        let id = log.get_str("_id").unwrap_or_default();
-        let seqs: Vec<i64> = log
-            .get_array("seqs")
-            .map(|a| a.iter().filter_map(Bson::as_i64).collect())
-            .unwrap_or_default();
+    for (id, seqs) in logs {
         let mut seen = HashSet::new();
         let mut last = i64::MIN;
-        for seq in seqs {
+        for &seq in seqs {
             if !seen.insert(seq) {
                 continue;
             }
@@ -976,5 +1159,378 @@ async fn check_database(
             last = last.max(seq);
         }
     }
+}
+
+/// The `postgres` scenario: as [`run`], on the PostgreSQL store in a private cluster.
+async fn run_postgres(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError> {
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("faults")
+        .join(scenario.name);
+    std::fs::create_dir_all(&logs)?;
+    let mut cluster = Cluster::start(&logs.join("cluster"))
+        .await
+        .map_err(|e| format!("the private PostgreSQL cluster did not start: {e}"))?;
+    let schema = format!("faults_{}", scenario.name);
+    // The suite's own connections: the load generator's bus, the checker, the locks of the
+    // held kills.
+    let pool = PgPoolOptions::new()
+        .max_connections(12)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&cluster.url())
+        .await?;
+    let store = PostgresEventStore::builder(pool.clone())
+        .schema(&schema)
+        .build()?;
+    store.setup().await?;
+    pg::create_tables(&pool, &schema).await?;
+
+    let mut workers = Workers {
+        backend: Backend::Postgres,
+        uri: cluster.url(),
+        database: schema.clone(),
+        logs,
+        slots: Vec::new(),
+        spawned: 0,
+    };
+    workers.start(scenario.workers)?;
+
+    // The load generator's bus registers the same handlers, so its events get both
+    // deliveries; it never dispatches.
+    let mut builder = RelayBus::builder(store).without_registered_handlers();
+    for subscription in pg::subscriptions(&pool, &schema, "generator") {
+        builder = builder.subscribe(subscription);
+    }
+    let bus = Arc::new(builder.build()?);
+    let insert = Arc::new(format!(
+        "INSERT INTO {} (id, key, poison) VALUES ($1, $2, $3)",
+        pg::table(&schema, fault::ORDERS)
+    ));
+    let load = Load::start(scenario, rng, move |order, key| {
+        let (bus, insert) = (Arc::clone(&bus), Arc::clone(&insert));
+        async move { publish_postgres(&bus, &insert, &order, key.as_deref()).await }
+    });
+    let deadline = load.deadline;
+
+    let mut figures = Figures::default();
+    // Faults, one after the other, at random moments, until the load stops.
+    tokio::time::sleep(Duration::from_millis(rng.random_range(500..1_500))).await;
+    let mut upcoming: Vec<Fault> = Vec::new();
+    while Instant::now() + Duration::from_secs(3) < deadline {
+        if upcoming.is_empty() {
+            upcoming = scenario.faults.clone();
+            upcoming.shuffle(rng);
+        }
+        let Some(fault) = upcoming.pop() else {
+            break;
+        };
+        let injected =
+            inject_postgres(fault, &mut cluster, &mut workers, &pool, &schema, rng).await?;
+        *figures.faults.entry(injected).or_default() += 1;
+        workers.revive(&mut figures)?;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_500))).await;
+    }
+    let acknowledged = load.finish(&mut figures).await?;
+
+    // Drain: every worker up, until no delivery is pending.
+    workers.revive(&mut figures)?;
+    let deliveries = pg::table(&schema, "deliveries");
+    let pending_sql = format!("SELECT count(*) FROM {deliveries} WHERE status = 'pending'");
+    let drain_started = Instant::now();
+    let drained_by = drain_started + scenario.drain;
+    let mut shown = Instant::now();
+    let mut progress = (u64::MAX, Instant::now(), false);
+    loop {
+        let pending: i64 = sqlx::query_scalar(&pending_sql).fetch_one(&pool).await?;
+        let pending = u64::try_from(pending).unwrap_or(0);
+        if pending != progress.0 {
+            progress = (pending, Instant::now(), false);
+        } else if !progress.2 && progress.1.elapsed() > Duration::from_secs(10) {
+            // No progress for 10 s: show where the work waits.
+            progress.2 = true;
+            println!(
+                "  {}: no progress for 10 s; pending deliveries and sessions:",
+                scenario.name
+            );
+            diagnose_postgres(&pool, &schema).await?;
+        }
+        if shown.elapsed() > Duration::from_secs(5) || figures.backlog.is_none() {
+            println!(
+                "  {}: {pending} deliveries pending {:.0} s after the load stopped",
+                scenario.name,
+                drain_started.elapsed().as_secs_f64()
+            );
+            shown = Instant::now();
+        }
+        figures.backlog.get_or_insert(pending);
+        if pending == 0 {
+            break;
+        }
+        if Instant::now() > drained_by {
+            figures.problem(format!(
+                "{pending} deliveries still pending {} s after the load stopped",
+                scenario.drain.as_secs()
+            ));
+            break;
+        }
+        workers.revive(&mut figures)?;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    figures.drain_seconds = drain_started.elapsed().as_secs_f64();
+    workers.stop(&mut figures).await;
+
+    check_postgres(&pool, &schema, &acknowledged, &mut figures).await?;
+    pool.close().await;
+    cluster.stop(Shutdown::Fast).await;
+    Ok(figures)
+}
+
+async fn publish_postgres(
+    bus: &Arc<RelayBus<PostgresEventStore>>,
+    insert: &Arc<String>,
+    order: &FaultOrder,
+    key: Option<&str>,
+) -> relaybus::Result<()> {
+    // Owned captures: the body runs again after a transient error, and must be `Send`.
+    let body = {
+        let (bus, insert, order) = (Arc::clone(bus), Arc::clone(insert), order.clone());
+        let key = key.map(str::to_owned);
+        async move |session: &mut PostgresSession| {
+            sqlx::query(insert.as_str())
+                .bind(&order.order)
+                .bind(&key)
+                .bind(order.poison)
+                .execute(&mut **session)
+                .await?;
+            let publish = bus.publish(&order).id(order.order.clone());
+            let publish = match &key {
+                Some(key) => publish.key(key.clone()),
+                None => publish,
+            };
+            publish.session(session).await?;
+            Ok(())
+        }
+    };
+    bus.transaction(body).await
+}
+
+/// Injects `fault` on the PostgreSQL scenario and returns the name of what was injected: a
+/// held kill whose worker never waited for the lock counts as a plain kill.
+async fn inject_postgres(
+    fault: Fault,
+    cluster: &mut Cluster,
+    workers: &mut Workers,
+    pool: &PgPool,
+    schema: &str,
+    rng: &mut StdRng,
+) -> Result<&'static str, BoxError> {
+    match fault {
+        Fault::KillAfterClaim | Fault::KillInCompletion => {
+            let n = rng.random_range(0..workers.slots.len());
+            let tables: Vec<String> = if fault == Fault::KillAfterClaim {
+                vec![
+                    pg::table(schema, fault::EFFECTS),
+                    pg::table(schema, fault::RUNS),
+                ]
+            } else {
+                vec![pg::table(schema, "events")]
+            };
+            // SHARE mode lets readers through and holds every insert, update and delete.
+            let mut lock = pool.begin().await?;
+            sqlx::query("SET LOCAL lock_timeout = '5s'")
+                .execute(&mut *lock)
+                .await?;
+            let locked = sqlx::query(&format!("LOCK TABLE {} IN SHARE MODE", tables.join(", ")))
+                .execute(&mut *lock)
+                .await
+                .is_ok();
+            // Held now: kill it there. A worker with nothing to do for 5 s is killed anyway,
+            // and counted as a plain kill.
+            let mut held = false;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while locked && Instant::now() < deadline {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid \
+                     WHERE NOT l.granted AND l.locktype = 'relation' AND a.application_name = $1 \
+                       AND l.relation IN (SELECT to_regclass(t) FROM unnest($2::text[]) AS t)",
+                )
+                .bind(&workers.slots[n].owner)
+                .bind(&tables)
+                .fetch_one(pool)
+                .await?;
+                if waiting > 0 {
+                    held = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            workers.kill_and_restart(n, false)?;
+            let _ = lock.rollback().await;
+            if !held {
+                return Ok(Fault::KillWorker.name());
+            }
+        }
+        Fault::KillWorker | Fault::KillWorkerNewOwner => {
+            let n = rng.random_range(0..workers.slots.len());
+            workers.kill_and_restart(n, fault == Fault::KillWorkerNewOwner)?;
+        }
+        Fault::PauseWorker => {
+            let n = rng.random_range(0..workers.slots.len());
+            workers.signal(n, libc::SIGSTOP);
+            let past_lease = Duration::from_millis(rng.random_range(300..2_000));
+            tokio::time::sleep(LEASE + past_lease).await;
+            workers.signal(n, libc::SIGCONT);
+        }
+        Fault::RestartServerFast | Fault::RestartServerImmediate => {
+            let how = if fault == Fault::RestartServerFast {
+                Shutdown::Fast
+            } else {
+                Shutdown::Immediate
+            };
+            cluster.stop(how).await;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(100..1_500))).await;
+            cluster.start_again().await?;
+        }
+        Fault::KillServer | Fault::KillPrimary | Fault::StepDown => {
+            return Err(format!("{} is a MongoDB fault", fault.name()).into());
+        }
+    }
+    Ok(fault.name())
+}
+
+/// Where the pending deliveries wait, and what the sessions do.
+async fn diagnose_postgres(pool: &PgPool, schema: &str) -> Result<(), BoxError> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as i64;
+    let deliveries = pg::table(schema, "deliveries");
+    let groups = sqlx::query(&format!(
+        "SELECT handler, parked, due_at <= $1 AS due, lease_owner IS NOT NULL AS leased, \
+             count(*) AS n \
+         FROM {deliveries} WHERE status = 'pending' GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+    ))
+    .bind(now)
+    .fetch_all(pool)
+    .await?;
+    for row in groups {
+        println!(
+            "    deliveries handler {} parked {} due {} leased {}: {}",
+            row.try_get::<String, _>("handler")?,
+            row.try_get::<bool, _>("parked")?,
+            row.try_get::<bool, _>("due")?,
+            row.try_get::<bool, _>("leased")?,
+            row.try_get::<i64, _>("n")?,
+        );
+    }
+    let leased = sqlx::query(&format!(
+        "SELECT id, event_id, handler, coalesce(key, '') AS key, coalesce(sequence, 0) AS seq, \
+             attempts, coalesce(lease_owner, '') AS owner, \
+             coalesce(lease_expires_at - $1, 0) AS expires_in \
+         FROM {deliveries} WHERE status = 'pending' AND NOT parked ORDER BY id LIMIT 20"
+    ))
+    .bind(now)
+    .fetch_all(pool)
+    .await?;
+    for row in leased {
+        println!(
+            "    delivery {} {}/{} key {:?} seq {} attempts {} owner {:?} lease expires in {} ms",
+            row.try_get::<i64, _>("id")?,
+            row.try_get::<String, _>("event_id")?,
+            row.try_get::<String, _>("handler")?,
+            row.try_get::<String, _>("key")?,
+            row.try_get::<i64, _>("seq")?,
+            row.try_get::<i32, _>("attempts")?,
+            row.try_get::<String, _>("owner")?,
+            row.try_get::<i64, _>("expires_in")?,
+        );
+    }
+    let sessions = sqlx::query(
+        "SELECT coalesce(application_name, '') AS app, coalesce(state, '') AS state, \
+             coalesce(wait_event_type, '') AS wait, left(coalesce(query, ''), 100) AS query \
+         FROM pg_stat_activity \
+         WHERE datname = current_database() AND state <> 'idle' AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(pool)
+    .await?;
+    for row in sessions {
+        println!(
+            "    session {} {} waits {:?}: {}",
+            row.try_get::<String, _>("app")?,
+            row.try_get::<String, _>("state")?,
+            row.try_get::<String, _>("wait")?,
+            row.try_get::<String, _>("query")?,
+        );
+    }
+    Ok(())
+}
+
+/// Compares what the PostgreSQL database holds with what must hold.
+async fn check_postgres(
+    pool: &PgPool,
+    schema: &str,
+    acknowledged: &Mutex<HashSet<String>>,
+    figures: &mut Figures,
+) -> Result<(), BoxError> {
+    let orders = sqlx::query_as::<_, (String, bool)>(&format!(
+        "SELECT id, poison FROM {}",
+        pg::table(schema, fault::ORDERS)
+    ))
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .collect();
+    let events = sqlx::query_as::<_, (String, Vec<String>)>(&format!(
+        "SELECT id, handlers FROM {}",
+        pg::table(schema, "events")
+    ))
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .collect();
+    let deliveries = sqlx::query_as::<_, (String, String, String, String)>(&format!(
+        "SELECT event_id, handler, status, coalesce(last_error, '') FROM {}",
+        pg::table(schema, "deliveries")
+    ))
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|(event, handler, status, error)| (event, handler, Some(status), error))
+    .collect();
+    let effects = sqlx::query_scalar::<_, String>(&format!(
+        "SELECT event FROM {}",
+        pg::table(schema, fault::EFFECTS)
+    ))
+    .fetch_all(pool)
+    .await?;
+    let runs = sqlx::query_scalar::<_, String>(&format!(
+        "SELECT event FROM {}",
+        pg::table(schema, fault::RUNS)
+    ))
+    .fetch_all(pool)
+    .await?;
+    let mut logs: Vec<(String, Vec<i64>)> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let rows = sqlx::query_as::<_, (String, String, i64)>(&format!(
+        "SELECT handler, key, seq FROM {} ORDER BY id",
+        pg::table(schema, fault::ORDER_LOG)
+    ))
+    .fetch_all(pool)
+    .await?;
+    for (handler, key, seq) in rows {
+        let id = format!("{handler}|{key}");
+        let n = *index.entry(id.clone()).or_insert_with(|| {
+            logs.push((id, Vec::new()));
+            logs.len() - 1
+        });
+        logs[n].1.push(seq);
+    }
+    let snapshot = Snapshot {
+        orders,
+        events,
+        deliveries,
+        effects,
+        runs,
+        logs,
+    };
+    check(&snapshot, acknowledged, figures);
     Ok(())
 }

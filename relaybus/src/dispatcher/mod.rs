@@ -1,5 +1,6 @@
 //! The dispatcher: claims batches of deliveries, runs their handlers, and settles them.
 
+mod idle;
 mod run;
 mod wake;
 
@@ -18,6 +19,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::{
+    clock::Clock,
     error::Result,
     handler::{RetryPolicy, Subscription},
     state::StateMap,
@@ -26,6 +28,8 @@ use crate::{
     time::Timestamp,
 };
 
+pub(crate) use idle::IdleOptions;
+pub use idle::{DEFAULT_MAX_RUNS, DeliveryRun, IdleReport, RunOutcome};
 pub(crate) use run::{Outcome, run_delivery};
 
 /// How often a started bus samples the delivery gauges by default.
@@ -75,6 +79,8 @@ pub(crate) struct Settings {
     pub(crate) gauge_interval: Option<Duration>,
     /// The application state handlers take.
     pub(crate) state: StateMap,
+    /// Where every time handed to the store comes from.
+    pub(crate) clock: Clock,
 }
 
 /// A delivery a task of this bus is running.
@@ -149,6 +155,11 @@ impl<S: Store> Shared<S> {
         }
     }
 
+    /// The current time of the bus's clock.
+    pub(crate) fn now(&self) -> Timestamp {
+        self.settings.clock.now()
+    }
+
     fn running(&self) -> std::sync::MutexGuard<'_, RunningSet<S>> {
         // A panic while holding this lock cannot leave the map inconsistent: recover it.
         self.running.lock().unwrap_or_else(|e| e.into_inner())
@@ -183,7 +194,7 @@ impl<S: Store> Shared<S> {
                     handlers: &self.handler_ids,
                     limit,
                     lease_duration: settings.lease_duration,
-                    now: Timestamp::now(),
+                    now: self.now(),
                     reported: if after_wait { &reported } else { &[] },
                 })
                 .await;
@@ -221,20 +232,20 @@ impl<S: Store> Shared<S> {
         if !leads {
             let mut reported = self.gauges.lock().unwrap_or_else(|e| e.into_inner());
             if !reported.is_empty() {
-                telemetry::record_gauges(&[], Timestamp::now(), &mut reported);
+                telemetry::record_gauges(&[], self.now(), &mut reported);
             }
             return Ok(false);
         }
         let statistics = self.store.handler_statistics().await?;
         let mut reported = self.gauges.lock().unwrap_or_else(|e| e.into_inner());
-        telemetry::record_gauges(&statistics, Timestamp::now(), &mut reported);
+        telemetry::record_gauges(&statistics, self.now(), &mut reported);
         Ok(true)
     }
 
     /// Completes a batch of successful deliveries, timed.
     async fn complete(&self, leases: &[S::Lease]) -> Result<Vec<bool>> {
         let started = Instant::now();
-        let completed = self.store.complete(leases, Timestamp::now()).await;
+        let completed = self.store.complete(leases, self.now()).await;
         self.metrics.operation(
             Operation::Settle,
             started.elapsed().as_secs_f64(),
@@ -245,35 +256,18 @@ impl<S: Store> Shared<S> {
 
     /// One claim, its handlers run concurrently, successes completed in one call.
     pub(crate) async fn run_once(&self) -> Result<RunReport> {
-        if self.handler_ids.is_empty() {
-            return Ok(RunReport::default());
-        }
-        let claimed = self.claim(self.settings.batch_size, false).await?;
-        let mut report = RunReport {
-            claimed: claimed.len(),
-            ..RunReport::default()
-        };
-        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
-        let mut leases: Vec<S::Lease> = Vec::new();
-        for outcome in outcomes {
-            match outcome {
-                Outcome::Succeeded(lease) => leases.push(lease),
-                Outcome::Completed => report.completed += 1,
-                Outcome::Settled => report.other += 1,
-            }
-        }
-        if !leases.is_empty() {
-            let completed = self.complete(&leases).await?;
-            let now_completed = completed.iter().filter(|c| **c).count();
-            report.completed += now_completed;
-            report.other += leases.len() - now_completed;
-        }
-        Ok(report)
+        let runs = self.run_batch().await?;
+        let completed = runs.iter().filter(|run| run.succeeded()).count();
+        Ok(RunReport {
+            claimed: runs.len(),
+            completed,
+            other: runs.len() - completed,
+        })
     }
 
     /// Deletes what the retention settings let go.
     pub(crate) async fn purge(&self, retention: Retention) -> Result<Purged> {
-        let now = Timestamp::now();
+        let now = self.now();
         let before = |keep: Duration| now.saturating_sub(keep);
         let options = PurgeOptions::new()
             .completed_before(before(retention.completed))
@@ -408,7 +402,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
                             task_shared.running().remove(&unsent.0.0.delivery_id());
                         }
                     }
-                    Outcome::Completed | Outcome::Settled => {
+                    Outcome::Completed | Outcome::Settled(_) => {
                         task_shared.running().remove(&task_id);
                         if keyed {
                             wake.notify_one();
@@ -561,7 +555,7 @@ async fn renew_leases<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToke
         }
         match shared
             .store
-            .renew(&leases, lease_duration, Timestamp::now())
+            .renew(&leases, lease_duration, shared.now())
             .await
         {
             Ok(covered) if covered < leases.len() => debug!(

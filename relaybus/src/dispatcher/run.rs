@@ -37,8 +37,23 @@ pub(crate) enum Outcome<L> {
     Succeeded(L),
     /// The handler succeeded and its delivery completed in the handler's transaction.
     Completed,
-    /// The delivery was settled otherwise: rescheduled, buried, or its lease was lost.
-    Settled,
+    /// The delivery was settled otherwise: rescheduled, buried, given back, or its lease was
+    /// lost.
+    Settled(Settled),
+}
+
+/// How a delivery that did not succeed was settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// Its attempt failed; it runs again at `due_at`.
+    Retried { error: String, due_at: Timestamp },
+    /// Its last attempt failed, or it failed for good: a dead letter.
+    Buried { error: String },
+    /// Given back without charging an attempt.
+    Released,
+    /// Its lease ended before it could be settled, or the store could not settle it: another
+    /// claim decides.
+    Lost,
 }
 
 /// Runs the delivery's handler and settles what the handler's result decides, except the
@@ -59,15 +74,14 @@ pub(crate) async fn run_delivery<S: Store>(
         if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
             metrics.attempts.increment(1);
             if delivery.attempt == 1 {
-                let waited = Timestamp::now().duration_since(delivery.event.created_at());
+                let waited = shared.now().duration_since(delivery.event.created_at());
                 metrics.latency.record(waited.as_secs_f64());
             }
         }
         let Some(subscription) = shared.subscriptions.get(&delivery.handler) else {
             // The claim asks only for our handlers, so this cannot happen; give it back.
             warn!("claimed a delivery of a handler this bus does not run; releasing it");
-            release(shared, &delivery.lease).await;
-            return Outcome::Settled;
+            return Outcome::Settled(release(shared, &delivery.lease).await);
         };
         if subscription.transactional {
             run_transactional(shared, subscription, &delivery).await
@@ -85,8 +99,7 @@ pub(crate) async fn run_delivery<S: Store>(
                     Outcome::Succeeded(delivery.lease.clone())
                 }
                 Err(failure) => {
-                    fail(shared, subscription, &delivery, &failure).await;
-                    Outcome::Settled
+                    Outcome::Settled(fail(shared, subscription, &delivery, &failure).await)
                 }
             }
         }
@@ -146,7 +159,7 @@ async fn call<S: Store>(
                 crate::activity::Outcome::Failed
             }
         };
-        metrics.activity.record(outcome, Timestamp::now());
+        metrics.activity.record(outcome, shared.now());
     }
     result
 }
@@ -209,6 +222,7 @@ async fn run_transactional<S: Store>(
 ) -> Outcome<S::Lease> {
     let mut attempts = Attempts::new(None).retry_until(retry_deadline(
         delivery.lease_expires_at,
+        shared.now(),
         shared.settings.lease_duration,
     ));
     // One session for every attempt, lent to the handler through its context.
@@ -216,8 +230,7 @@ async fn run_transactional<S: Store>(
         Ok(session) => Arc::new(Mutex::new(session)),
         Err(error) => {
             warn!(%error, "could not start the handler's transaction; releasing the delivery");
-            release(shared, &delivery.lease).await;
-            return Outcome::Settled;
+            return Outcome::Settled(release(shared, &delivery.lease).await);
         }
     };
     loop {
@@ -239,26 +252,27 @@ async fn run_transactional<S: Store>(
                     message = %failure.message,
                     "the handler's transaction kept failing with transient errors until its lease was nearly spent; releasing the delivery uncharged"
                 );
-                release(shared, &delivery.lease).await;
-                return Outcome::Settled;
+                return Outcome::Settled(release(shared, &delivery.lease).await);
             }
             AttemptFailure::Failed(failure) => {
-                fail(shared, subscription, delivery, &failure).await;
-                return Outcome::Settled;
+                return Outcome::Settled(fail(shared, subscription, delivery, &failure).await);
             }
             AttemptFailure::Store(error) => {
                 warn!(%error, "could not start the handler's transaction; releasing the delivery");
-                release(shared, &delivery.lease).await;
-                return Outcome::Settled;
+                return Outcome::Settled(release(shared, &delivery.lease).await);
             }
         }
     }
 }
 
 /// When a transactional handler stops retrying: a margin before its lease ends.
-fn retry_deadline(lease_expires_at: Timestamp, lease_duration: Duration) -> Instant {
+fn retry_deadline(
+    lease_expires_at: Timestamp,
+    now: Timestamp,
+    lease_duration: Duration,
+) -> Instant {
     let margin = LEASE_MARGIN.min(lease_duration / 4);
-    let left = lease_expires_at.duration_since(Timestamp::now());
+    let left = lease_expires_at.duration_since(now);
     Instant::now() + left.saturating_sub(margin)
 }
 
@@ -328,7 +342,7 @@ async fn transactional_attempt<S: Store>(
         return Err(AttemptFailure::of(failure));
     }
     match store
-        .complete_in_transaction(session, &delivery.lease, Timestamp::now())
+        .complete_in_transaction(session, &delivery.lease, shared.now())
         .await
     {
         Ok(true) => {}
@@ -337,7 +351,7 @@ async fn transactional_attempt<S: Store>(
             warn!(
                 "the lease ended before the handler's transaction could complete the delivery; its writes were rolled back"
             );
-            return Ok(Outcome::Settled);
+            return Ok(Outcome::Settled(Settled::Lost));
         }
         Err(error) => {
             store.abort(session).await;
@@ -407,14 +421,14 @@ async fn fail<S: Store>(
     subscription: &Subscription,
     delivery: &Claimed<S::Lease>,
     failure: &Failure,
-) {
+) -> Settled {
     let policy = subscription.retry.unwrap_or(shared.settings.retry);
-    let now = Timestamp::now();
+    let now = shared.now();
     let lease = &delivery.lease;
     let attempt = delivery.attempt;
     let message = failure.message.as_str();
     if failure.permanent || attempt >= policy.max_attempts() {
-        match shared.store.bury(lease, message, now).await {
+        return match shared.store.bury(lease, message, now).await {
             Ok(true) => {
                 if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
                     metrics.dead_letters.increment(1);
@@ -422,14 +436,20 @@ async fn fail<S: Store>(
                         .activity
                         .record(crate::activity::Outcome::DeadLettered, now);
                 }
-                warn!(error = %message, attempt, "handler failed for the last time; the delivery is dead")
+                warn!(error = %message, attempt, "handler failed for the last time; the delivery is dead");
+                Settled::Buried {
+                    error: message.to_owned(),
+                }
             }
-            Ok(false) => debug!("the lease ended before the delivery could be buried"),
+            Ok(false) => {
+                debug!("the lease ended before the delivery could be buried");
+                Settled::Lost
+            }
             Err(error) => {
-                warn!(%error, "could not bury the delivery; it runs again once its lease ends")
+                warn!(%error, "could not bury the delivery; it runs again once its lease ends");
+                Settled::Lost
             }
-        }
-        return;
+        };
     }
     let wait = jittered(policy.backoff(attempt));
     let due_at = now.saturating_add(wait);
@@ -438,11 +458,19 @@ async fn fail<S: Store>(
             if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
                 metrics.retries.increment(1);
             }
-            warn!(error = %message, attempt, retry_in_ms = wait.as_millis() as u64, "handler failed; retrying later")
+            warn!(error = %message, attempt, retry_in_ms = wait.as_millis() as u64, "handler failed; retrying later");
+            Settled::Retried {
+                error: message.to_owned(),
+                due_at,
+            }
         }
-        Ok(false) => debug!("the lease ended before the delivery could be rescheduled"),
+        Ok(false) => {
+            debug!("the lease ended before the delivery could be rescheduled");
+            Settled::Lost
+        }
         Err(error) => {
-            warn!(%error, "could not reschedule the delivery; it runs again once its lease ends")
+            warn!(%error, "could not reschedule the delivery; it runs again once its lease ends");
+            Settled::Lost
         }
     }
 }
@@ -455,9 +483,14 @@ fn jittered(wait: Duration) -> Duration {
 }
 
 /// Gives a delivery back without charging an attempt.
-pub(crate) async fn release<S: Store>(shared: &Shared<S>, lease: &S::Lease) {
-    if let Err(error) = shared.store.release(lease, Timestamp::now()).await {
-        warn!(%error, "could not release a delivery; it runs again once its lease ends");
+pub(crate) async fn release<S: Store>(shared: &Shared<S>, lease: &S::Lease) -> Settled {
+    match shared.store.release(lease, shared.now()).await {
+        Ok(true) => Settled::Released,
+        Ok(false) => Settled::Lost,
+        Err(error) => {
+            warn!(%error, "could not release a delivery; it runs again once its lease ends");
+            Settled::Lost
+        }
     }
 }
 

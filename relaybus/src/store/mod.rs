@@ -3,9 +3,10 @@
 //!
 //! A store keeps events and their deliveries in a database, next to the business data, and
 //! implements [`Store`]. The MongoDB store ([`mongo`], feature `mongodb`, on by default) is one
-//! implementation; every layer above it (bus, dispatcher, handler context, request layer,
-//! extractors, dispatcher service) is generic over `S: Store` with the MongoDB store as the
-//! default type, so code written for MongoDB names no store type at all.
+//! implementation, and the in-memory store ([`memory`], feature `memory`) a second one, for
+//! tests and development; every layer above them (bus, dispatcher, handler context, request
+//! layer, extractors, dispatcher service) is generic over `S: Store` with the MongoDB store as
+//! the default type, so code written for MongoDB names no store type at all.
 //!
 //! # Generics, not a trait object
 //!
@@ -41,10 +42,16 @@
 //! result is unknown, the time budget) is written once, in [`transaction`], and used by the
 //! bus, the dispatcher's transactional handlers and `relaybus-axum`'s request layer.
 
+#[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
+pub mod memory;
 pub(crate) mod model;
 #[cfg(feature = "mongodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub mod mongo;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 pub mod transaction;
 
 use std::{fmt, future::Future, hash::Hash, time::Duration};

@@ -2,17 +2,27 @@
 //! own so that the suite can kill it, pause it and restart it.
 //!
 //! ```text
-//! relaybus-fault-worker URI DATABASE OWNER LEASE_MS POLL_MS
+//! relaybus-fault-worker [--store mongodb|postgres] URL DATABASE OWNER LEASE_MS POLL_MS
 //! ```
+//!
+//! On MongoDB (the default) `URL` is a MongoDB URI and `DATABASE` the database; on PostgreSQL
+//! `URL` is a `postgres://` URL and `DATABASE` the store's schema (the worker names its
+//! connections `OWNER` as their `application_name`).
 //!
 //! It prints `ready` once its bus runs, and shuts the bus down gracefully on SIGTERM or SIGINT
 //! (its lanes are handed back), exiting 0.
 
-use std::{process::ExitCode, time::Duration};
+use std::{process::ExitCode, str::FromStr, time::Duration};
 
-use relaybus::{MongoEventStore, RelayBus, mongodb::Client};
+use relaybus::{
+    MongoEventStore, PostgresEventStore, RelayBus, Store, Subscription, mongodb::Client,
+};
 use relaybus_tests::fault;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
+
+const USAGE: &str =
+    "usage: relaybus-fault-worker [--store mongodb|postgres] URL DATABASE OWNER LEASE_MS POLL_MS";
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -21,16 +31,38 @@ async fn main() -> ExitCode {
         .with_ansi(false)
         .with_writer(std::io::stderr)
         .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let [uri, database, owner, lease_ms, poll_ms] = args.as_slice() else {
-        eprintln!("usage: relaybus-fault-worker URI DATABASE OWNER LEASE_MS POLL_MS");
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut store = "mongodb".to_owned();
+    if args.first().is_some_and(|a| a == "--store") {
+        if args.len() < 2 {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+        store = args.remove(1);
+        args.remove(0);
+    }
+    let [url, database, owner, lease_ms, poll_ms] = args.as_slice() else {
+        eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
     let (Ok(lease_ms), Ok(poll_ms)) = (lease_ms.parse::<u64>(), poll_ms.parse::<u64>()) else {
         eprintln!("relaybus-fault-worker: LEASE_MS and POLL_MS must be whole numbers");
         return ExitCode::from(2);
     };
-    match run(uri, database, owner, lease_ms, poll_ms).await {
+    let timing = Timing {
+        owner,
+        lease: Duration::from_millis(lease_ms),
+        poll: Duration::from_millis(poll_ms),
+    };
+    let outcome = match store.as_str() {
+        "mongodb" => run_mongodb(url, database, &timing).await,
+        "postgres" => run_postgres(url, database, &timing).await,
+        other => {
+            eprintln!("relaybus-fault-worker: unknown store {other:?}; {USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("relaybus-fault-worker {owner}: {error}");
@@ -39,28 +71,60 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(
+struct Timing<'a> {
+    owner: &'a str,
+    lease: Duration,
+    poll: Duration,
+}
+
+async fn run_mongodb(
     uri: &str,
     database: &str,
-    owner: &str,
-    lease_ms: u64,
-    poll_ms: u64,
+    timing: &Timing<'_>,
 ) -> Result<(), relaybus::BoxError> {
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
     let client = Client::with_uri_str(uri).await?;
     let store = MongoEventStore::builder(client.clone())
         .database(database)
         .build()?;
+    let subscriptions = fault::subscriptions(&client.database(database), timing.owner);
+    run(store, subscriptions, timing).await
+}
+
+async fn run_postgres(
+    url: &str,
+    schema: &str,
+    timing: &Timing<'_>,
+) -> Result<(), relaybus::BoxError> {
+    let options = PgConnectOptions::from_str(url)?.application_name(timing.owner);
+    // Lazy: a worker restarted while the server is down connects once it is back.
+    let pool = PgPoolOptions::new()
+        .max_connections(24)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options);
+    let store = PostgresEventStore::builder(pool.clone())
+        .schema(schema)
+        .build()?;
+    let subscriptions = fault::postgres::subscriptions(&pool, schema, timing.owner);
+    run(store, subscriptions, timing).await
+}
+
+async fn run<S: Store>(
+    store: S,
+    subscriptions: Vec<Subscription>,
+    timing: &Timing<'_>,
+) -> Result<(), relaybus::BoxError> {
+    let owner = timing.owner;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     let mut bus = RelayBus::builder(store)
         .without_registered_handlers()
         .owner(owner)
-        .lease_duration(Duration::from_millis(lease_ms))
-        .poll_interval(Duration::from_millis(poll_ms))
+        .lease_duration(timing.lease)
+        .poll_interval(timing.poll)
         .batch_size(16)
         .concurrency(16)
         .shutdown_timeout(Duration::from_secs(5));
-    for subscription in fault::subscriptions(&client.database(database), owner) {
+    for subscription in subscriptions {
         bus = bus.subscribe(subscription);
     }
     let bus = bus.build()?;

@@ -35,7 +35,10 @@
 //! - [`relinquish_hands_back_across_instances`]
 //! - [`one_instance_leads_a_role_at_a_time_across_instances`]
 //!
-//! Every other test runs for every store. Skipped today: none for MongoDB.
+//! Every other test runs for every store. Skipped today: none for MongoDB; all five for the
+//! in-memory store (`relaybus::store::memory`), which lives in one process and has no second
+//! instance to open. Takeover, fencing and hand-back between owners of one store instance are
+//! checked for it by the other tests.
 //!
 //! # What the suite leaves to each store
 //!

@@ -1,0 +1,137 @@
+//! Creating the schema, its tables and indexes, idempotently.
+
+use futures::FutureExt;
+use sqlx::Executor;
+
+use super::{PostgresEventStore, db_error};
+use crate::error::Result;
+
+/// The first key of the advisory lock setups take (the second is the schema's hash): "rbus".
+const SETUP_LOCK_CLASS: i32 = 0x7262_7573;
+
+/// The tables and indexes, `{s}` standing for the schema.
+const DDL: &str = r#"
+CREATE SCHEMA IF NOT EXISTS {s};
+
+CREATE TABLE IF NOT EXISTS {s}.events (
+    id text PRIMARY KEY,
+    event_type text NOT NULL,
+    key text,
+    sequence bigint,
+    payload json NOT NULL,
+    headers json NOT NULL,
+    correlation_id text,
+    causation_id text,
+    created_at bigint NOT NULL,
+    appended_at bigint NOT NULL,
+    handlers text[] NOT NULL,
+    completed_at bigint
+);
+
+CREATE TABLE IF NOT EXISTS {s}.key_sequences (
+    key text PRIMARY KEY,
+    sequence bigint NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS {s}.deliveries (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id text NOT NULL REFERENCES {s}.events (id),
+    handler text NOT NULL,
+    event_type text NOT NULL,
+    key text,
+    sequence bigint,
+    unordered boolean NOT NULL DEFAULT false,
+    status text NOT NULL CHECK (status IN ('pending', 'dead')),
+    parked boolean NOT NULL DEFAULT false,
+    attempts integer NOT NULL DEFAULT 0,
+    due_at bigint NOT NULL,
+    created_at bigint NOT NULL,
+    updated_at bigint,
+    last_error text,
+    errors jsonb NOT NULL DEFAULT '[]',
+    requeued integer NOT NULL DEFAULT 0,
+    claims bigint NOT NULL DEFAULT 0,
+    lease_owner text,
+    lease_instance text,
+    lease_expires_at bigint,
+    lane integer NOT NULL,
+    UNIQUE (event_id, handler)
+);
+
+-- What a claim reads: unparked pending deliveries in due order.
+CREATE INDEX IF NOT EXISTS deliveries_claim ON {s}.deliveries (due_at, id)
+    WHERE status = 'pending' AND NOT parked;
+-- The pending deliveries of a handler and key held to the key's order, in sequence order.
+CREATE INDEX IF NOT EXISTS deliveries_ordering ON {s}.deliveries (handler, key, sequence)
+    WHERE status = 'pending' AND key IS NOT NULL AND NOT unordered;
+-- The heads: unparked ones of the above (one per handler and key, unless a requeue raced).
+CREATE INDEX IF NOT EXISTS deliveries_heads ON {s}.deliveries (handler, key)
+    WHERE status = 'pending' AND key IS NOT NULL AND NOT unordered AND NOT parked;
+CREATE INDEX IF NOT EXISTS deliveries_running ON {s}.deliveries (lease_owner, lease_instance)
+    WHERE lease_owner IS NOT NULL;
+CREATE INDEX IF NOT EXISTS deliveries_dead ON {s}.deliveries (updated_at)
+    WHERE status = 'dead';
+CREATE INDEX IF NOT EXISTS deliveries_handler ON {s}.deliveries (handler, status);
+
+CREATE INDEX IF NOT EXISTS events_finished ON {s}.events (coalesce(completed_at, created_at));
+
+CREATE TABLE IF NOT EXISTS {s}.completed_deliveries (
+    id bigint PRIMARY KEY,
+    event_id text NOT NULL,
+    handler text NOT NULL,
+    event_type text NOT NULL,
+    key text,
+    sequence bigint,
+    unordered boolean NOT NULL,
+    attempts integer NOT NULL,
+    due_at bigint NOT NULL,
+    created_at bigint NOT NULL,
+    updated_at bigint,
+    completed_at bigint NOT NULL,
+    last_error text,
+    errors jsonb NOT NULL,
+    requeued integer NOT NULL
+);
+CREATE INDEX IF NOT EXISTS completed_deliveries_completed_at
+    ON {s}.completed_deliveries (completed_at);
+CREATE INDEX IF NOT EXISTS completed_deliveries_event ON {s}.completed_deliveries (event_id);
+
+CREATE TABLE IF NOT EXISTS {s}.leads (
+    role text PRIMARY KEY,
+    holder text NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+"#;
+
+impl PostgresEventStore {
+    /// Creates the schema, its tables and indexes, idempotently: run it at every start. Setups
+    /// running at the same time (processes starting together) take a transaction-level
+    /// advisory lock on the schema and run one after the other.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database) when the server refuses (the user may not
+    /// create schemas, for example: create the schema once as its owner).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it is one transaction, and running it again finishes the job.
+    pub async fn setup(&self) -> Result<()> {
+        let ddl = self.sql(DDL);
+        let context = (ddl, self.inner.schema.clone());
+        self.own_transaction(&context, |connection, (ddl, schema)| {
+            async move {
+                sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+                    .bind(SETUP_LOCK_CLASS)
+                    .bind(schema)
+                    .execute(&mut *connection)
+                    .await
+                    .map_err(db_error)?;
+                connection.execute(ddl.as_str()).await.map_err(db_error)?;
+                Ok(())
+            }
+            .boxed()
+        })
+        .await
+    }
+}

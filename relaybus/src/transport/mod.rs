@@ -1,0 +1,34 @@
+//! Transports: relays that forward events to a message broker, and consumers that take a
+//! broker's events into the local store, exactly as they were published.
+//!
+//! An outbox exists to tell other services, reliably. A transport has two halves:
+//!
+//! - **The relay** is a [`Subscription`](crate::Subscription) of the publishing bus, so each
+//!   event of the chosen types gets a delivery of its own, with the bus's retries, backoff,
+//!   dead letters and requeue. The delivery completes only once the broker confirmed the
+//!   message, so an event committed in the outbox reaches the broker at least once.
+//! - **The consumer** takes the broker's messages and appends their events to the local
+//!   store under their original ids, in one transaction per batch, and acknowledges them to
+//!   the broker only after the commit. Appending an event id the store holds adds nothing, so
+//!   a redelivered message, or an event the relay sent twice, has one local effect. Local
+//!   handlers then run through the normal dispatcher.
+//!
+//! Brokers so far:
+//!
+//! - `nats`: NATS JetStream, with [async-nats](https://docs.rs/async-nats) (feature `nats`).
+//! - `rabbitmq`: RabbitMQ, with [lapin](https://docs.rs/lapin) (feature `rabbitmq`).
+//!
+//! Every transport writes the same message body, a JSON envelope with the event's id, type,
+//! key, sequence, correlation and causation ids, headers, creation time and payload (see
+//! *The message* in each transport's documentation), so a consumer of one broker reads what a
+//! relay of another wrote, once bridged.
+
+mod forward;
+mod inbound;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats;
+#[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
+pub mod rabbitmq;
+mod wire;

@@ -1,0 +1,771 @@
+//! The PostgreSQL store beyond the conformance suite: business rows and events in one
+//! transaction (the bus's, or one the caller started with sqlx), sessions outside a
+//! transaction, concurrent setups, wake-ups at commit, and per-key order under concurrent
+//! appends.
+//!
+//! The server is `RELAYBUS_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`);
+//! a test fails, never skips, when it does not answer.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use relaybus::{
+    AppendRequest, ConfigurationError, Error, EventEnvelope, PostgresEventStore, PostgresSession,
+    RelayBus, Store, Timestamp, store::transaction,
+};
+use serde_json::json;
+use sqlx::{Connection, PgConnection, PgPool, Row, postgres::PgListener, postgres::PgPoolOptions};
+
+/// The server's URL.
+fn url() -> String {
+    std::env::var("RELAYBUS_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// A pool on the test server, or a failure that says how to get one.
+async fn pool() -> PgPool {
+    let url = url();
+    PgPoolOptions::new()
+        .max_connections(24)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "PostgreSQL at {url} does not answer ({e}); start PostgreSQL 15 or newer there, \
+                 or set RELAYBUS_TEST_POSTGRES_URL to the URL of a server and database where the \
+                 user may create schemas"
+            )
+        })
+}
+
+/// A schema of the test's own, dropped when the test ends.
+struct Schema {
+    name: String,
+}
+
+impl Schema {
+    fn new(test: &str) -> Schema {
+        Schema {
+            name: format!("pg{}_{test}", std::process::id()),
+        }
+    }
+
+    /// `table` of this schema, quoted for SQL.
+    fn table(&self, table: &str) -> String {
+        format!("\"{}\".{table}", self.name)
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let (url, name) = (url(), self.name.clone());
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let mut connection = PgConnection::connect(&url).await.ok()?;
+                sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .execute(&mut connection)
+                    .await
+                    .ok()
+            })
+        });
+        let _ = dropped.join();
+    }
+}
+
+/// A set-up store on the test's schema, with an `orders` table for business rows.
+async fn store(test: &str) -> (PostgresEventStore, Schema) {
+    let schema = Schema::new(test);
+    let pool = pool().await;
+    sqlx::query(&format!(
+        "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+        schema.name
+    ))
+    .execute(&pool)
+    .await
+    .expect("a leftover schema dropped");
+    let store = PostgresEventStore::builder(pool.clone())
+        .schema(&schema.name)
+        .build()
+        .expect("valid options");
+    store.setup().await.expect("setup");
+    sqlx::query(&format!(
+        "CREATE TABLE {} (id text PRIMARY KEY)",
+        schema.table("orders")
+    ))
+    .execute(&pool)
+    .await
+    .expect("the orders table");
+    (store, schema)
+}
+
+/// An `order.placed.v1` event with this id and, if given, this ordering key.
+fn event(id: &str, key: Option<&str>) -> EventEnvelope {
+    let event = EventEnvelope::from_json("order.placed.v1", json!({ "order": id }))
+        .expect("valid event")
+        .with_id(id)
+        .expect("valid id");
+    match key {
+        Some(key) => event.with_key(key).expect("valid key"),
+        None => event,
+    }
+}
+
+/// Whether the store holds the event.
+async fn holds(store: &PostgresEventStore, id: &str) -> bool {
+    store
+        .event_detail(id)
+        .await
+        .expect("event_detail")
+        .is_some()
+}
+
+/// The ids in the orders table.
+async fn orders(store: &PostgresEventStore, schema: &Schema) -> Vec<String> {
+    sqlx::query_scalar(&format!(
+        "SELECT id FROM {} ORDER BY id",
+        schema.table("orders")
+    ))
+    .fetch_all(store.pool())
+    .await
+    .expect("orders")
+}
+
+fn handlers(names: &[&str]) -> Vec<String> {
+    names.iter().map(|h| (*h).to_owned()).collect()
+}
+
+/// A user transaction that fails after writing its row and appending its event leaves
+/// neither; the same body that succeeds leaves both.
+#[tokio::test]
+async fn a_rolled_back_user_transaction_leaves_neither_row_nor_event() {
+    let (store, schema) = store("rolled_back").await;
+    let insert = format!("INSERT INTO {} (id) VALUES ($1)", schema.table("orders"));
+    let projector = handlers(&["projector"]);
+
+    let failed: Result<(), Error> = transaction::run(&store, None, async |session| {
+        sqlx::query(&insert)
+            .bind("o-1")
+            .execute(&mut **session)
+            .await?;
+        let placed = event("e-1", Some("o-1"));
+        store
+            .append(
+                session,
+                &[AppendRequest::new(&placed, &projector)],
+                Timestamp::now(),
+            )
+            .await?;
+        Err(Error::custom("the request failed after writing"))
+    })
+    .await;
+    assert!(matches!(failed, Err(Error::Custom(_))), "{failed:?}");
+    assert!(orders(&store, &schema).await.is_empty(), "the row was kept");
+    assert!(!holds(&store, "e-1").await, "the event was kept");
+    assert_eq!(store.statistics().await.unwrap().pending, 0);
+
+    transaction::run(&store, None, async |session| {
+        sqlx::query(&insert)
+            .bind("o-1")
+            .execute(&mut **session)
+            .await?;
+        let placed = event("e-1", Some("o-1"));
+        store
+            .append(
+                session,
+                &[AppendRequest::new(&placed, &projector)],
+                Timestamp::now(),
+            )
+            .await
+    })
+    .await
+    .expect("the transaction commits");
+    assert_eq!(orders(&store, &schema).await, ["o-1"]);
+    let detail = store.event_detail("e-1").await.unwrap().expect("the event");
+    assert_eq!(detail.sequence, Some(1), "the rollback took no number");
+}
+
+/// A bus publishes inside a transaction the caller started with sqlx: nothing is visible
+/// before the caller commits, row and event are after; a rolled-back one leaves nothing.
+#[tokio::test]
+async fn publishing_inside_a_user_started_sqlx_transaction() {
+    let (store, schema) = store("user_transaction").await;
+    let bus = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .build()
+        .expect("a bus");
+    let insert = format!("INSERT INTO {} (id) VALUES ($1)", schema.table("orders"));
+
+    let mut session = PostgresSession::from(store.pool().begin().await.unwrap());
+    assert!(session.in_transaction());
+    sqlx::query(&insert)
+        .bind("o-1")
+        .execute(&mut *session)
+        .await
+        .unwrap();
+    bus.publish_envelope(event("e-1", Some("o-1")))
+        .session(&mut session)
+        .await
+        .expect("a publish in the caller's transaction");
+    // `Store::commit` leaves the caller's transaction alone.
+    assert!(store.commit(&mut session).await.is_err());
+    assert!(!holds(&store, "e-1").await, "visible before the commit");
+    assert!(orders(&store, &schema).await.is_empty());
+    let transaction = session
+        .into_transaction()
+        .expect("the caller's transaction back");
+    transaction.commit().await.unwrap();
+    assert!(holds(&store, "e-1").await, "the event did not commit");
+    assert_eq!(orders(&store, &schema).await, ["o-1"]);
+
+    let mut session = PostgresSession::from(store.pool().begin().await.unwrap());
+    sqlx::query(&insert)
+        .bind("o-2")
+        .execute(session.connection())
+        .await
+        .unwrap();
+    bus.publish_envelope(event("e-2", Some("o-2")))
+        .session(&mut session)
+        .await
+        .unwrap();
+    session
+        .into_transaction()
+        .unwrap()
+        .rollback()
+        .await
+        .unwrap();
+    assert!(!holds(&store, "e-2").await, "a rolled-back event was kept");
+    assert_eq!(orders(&store, &schema).await, ["o-1"]);
+}
+
+/// A session outside a transaction is refused with `NoTransaction` by the store and the bus,
+/// and nothing is written; once a transaction begins on it, it is taken.
+#[tokio::test]
+async fn a_connection_not_in_a_transaction_is_refused() {
+    let (store, _schema) = store("no_transaction").await;
+    let bus = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .build()
+        .unwrap();
+    let mut session = store.session().await.unwrap();
+    assert!(!session.in_transaction());
+
+    let placed = event("e-1", None);
+    let projector = handlers(&["projector"]);
+    let refused = store
+        .append(
+            &mut session,
+            &[AppendRequest::new(&placed, &projector)],
+            Timestamp::now(),
+        )
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Configuration(
+                ConfigurationError::NoTransaction { .. }
+            ))
+        ),
+        "{refused:?}"
+    );
+    let refused = bus
+        .publish_envelope(event("e-2", None))
+        .session(&mut session)
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Configuration(
+                ConfigurationError::NoTransaction { .. }
+            ))
+        ),
+        "{refused:?}"
+    );
+    let message = refused.map(|_| ()).unwrap_err().to_string();
+    assert!(
+        message.contains(
+            "PostgresEventStore.append needs a PostgresSession inside a started transaction"
+        ),
+        "{message}"
+    );
+    assert!(!holds(&store, "e-1").await);
+    assert!(!holds(&store, "e-2").await);
+
+    store.begin(&mut session, None).await.unwrap();
+    store
+        .append(
+            &mut session,
+            &[AppendRequest::new(&placed, &projector)],
+            Timestamp::now(),
+        )
+        .await
+        .expect("taken in a transaction");
+    store.commit(&mut session).await.unwrap();
+    assert!(holds(&store, "e-1").await);
+}
+
+/// Setups of one schema running at the same time, from stores of their own pools, all
+/// succeed, and leave one working schema.
+#[tokio::test]
+async fn concurrent_setups_succeed() {
+    let schema = Schema::new("concurrent_setups");
+    let first = pool().await;
+    sqlx::query(&format!(
+        "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+        schema.name
+    ))
+    .execute(&first)
+    .await
+    .unwrap();
+    let mut stores = Vec::new();
+    for _ in 0..8 {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&url())
+            .await
+            .unwrap();
+        stores.push(
+            PostgresEventStore::builder(pool)
+                .schema(&schema.name)
+                .build()
+                .unwrap(),
+        );
+    }
+    let outcomes = futures::future::join_all(stores.iter().map(|s| s.setup())).await;
+    for outcome in &outcomes {
+        assert!(outcome.is_ok(), "a concurrent setup failed: {outcome:?}");
+    }
+    let store = &stores[0];
+    let projector = handlers(&["projector"]);
+    let placed = event("e-1", Some("k"));
+    let appended = transaction::run(store, None, async |session| {
+        store
+            .append(
+                session,
+                &[AppendRequest::new(&placed, &projector)],
+                Timestamp::now(),
+            )
+            .await
+    })
+    .await
+    .unwrap();
+    assert_eq!(appended[0].sequence, Some(1));
+    let tables: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables WHERE table_schema = $1",
+    )
+    .bind(&schema.name)
+    .fetch_one(&first)
+    .await
+    .unwrap();
+    assert_eq!(
+        tables, 5,
+        "events, deliveries, key_sequences, completed_deliveries, leads"
+    );
+}
+
+/// An append notifies at its commit, never before and never after a rollback: a listener on
+/// the store's channel gets the notifications in commit order, each naming the handlers, and
+/// `watch` wakes for its handlers.
+#[tokio::test]
+async fn notify_wakes_a_watcher_at_commit_and_not_on_rollback() {
+    let (store, _schema) = store("notify").await;
+    let mut listener = PgListener::connect_with(store.pool()).await.unwrap();
+    listener.listen(&store.channel()).await.unwrap();
+    let mut watch = store.watch(&handlers(&["projector"])).await.unwrap();
+    let projector = handlers(&["projector"]);
+    let mailer = handlers(&["mailer"]);
+    let next = async |listener: &mut PgListener| {
+        tokio::time::timeout(Duration::from_secs(10), listener.recv())
+            .await
+            .expect("a notification")
+            .expect("the listener")
+            .payload()
+            .to_owned()
+    };
+
+    // Appended first, committed last.
+    let held = event("e-1", None);
+    let mut session = store.session().await.unwrap();
+    store.begin(&mut session, None).await.unwrap();
+    store
+        .append(
+            &mut session,
+            &[AppendRequest::new(&held, &projector)],
+            Timestamp::now(),
+        )
+        .await
+        .unwrap();
+    let other = event("e-2", None);
+    transaction::run(&store, None, async |s| {
+        store
+            .append(s, &[AppendRequest::new(&other, &mailer)], Timestamp::now())
+            .await
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        next(&mut listener).await,
+        "mailer",
+        "the uncommitted append notified"
+    );
+    store.commit(&mut session).await.unwrap();
+    assert_eq!(next(&mut listener).await, "projector");
+    let woken = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("the watcher woke");
+    assert!(matches!(woken, Some(Ok(_))), "{woken:?}");
+
+    // A rolled-back append never notifies: the next notification is the committed one after.
+    let dropped = event("e-3", None);
+    store.begin(&mut session, None).await.unwrap();
+    store
+        .append(
+            &mut session,
+            &[AppendRequest::new(&dropped, &projector)],
+            Timestamp::now(),
+        )
+        .await
+        .unwrap();
+    store.abort(&mut session).await;
+    let last = event("e-4", None);
+    transaction::run(&store, None, async |s| {
+        store
+            .append(
+                s,
+                &[AppendRequest::new(&last, &handlers(&["mailer", "audit"]))],
+                Timestamp::now(),
+            )
+            .await
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        next(&mut listener).await,
+        "audit,mailer",
+        "the rolled-back append notified"
+    );
+}
+
+/// Many transactions appending on one key at once: each takes its numbers only once every
+/// lower number committed (it sees them all), and together they are 1 to N without a gap.
+#[tokio::test]
+async fn concurrent_appends_on_one_key_are_gapless_in_commit_order() {
+    let (store, schema) = store("concurrent_appends").await;
+    let events = schema.table("events");
+    let tasks = (0..16).map(|task| {
+        let (store, events) = (&store, &events);
+        async move {
+            let batch = [
+                event(&format!("t{task}-a"), Some("K")),
+                event(&format!("t{task}-b"), Some("K")),
+            ];
+            let projector = handlers(&["projector"]);
+            let requests: Vec<AppendRequest<'_>> = batch
+                .iter()
+                .map(|e| AppendRequest::new(e, &projector))
+                .collect();
+            transaction::run(store, None, async |session| {
+                let appended = store.append(session, &requests, Timestamp::now()).await?;
+                // Committed events of the key, and this transaction's own.
+                let row = sqlx::query(&format!(
+                    "SELECT count(*) AS n, max(sequence) AS last FROM {events} WHERE key = 'K'"
+                ))
+                .fetch_one(&mut **session)
+                .await?;
+                let seen: i64 = row.get("n");
+                let last: Option<i64> = row.get("last");
+                Ok((appended, seen, last))
+            })
+            .await
+        }
+    });
+    let mut sequences = Vec::new();
+    for outcome in futures::future::join_all(tasks).await {
+        let (appended, seen, last) = outcome.expect("the append");
+        let mine: Vec<i64> = appended.iter().filter_map(|a| a.sequence).collect();
+        assert_eq!(mine.len(), 2);
+        assert_eq!(
+            mine[1],
+            mine[0] + 1,
+            "one transaction's numbers are contiguous"
+        );
+        assert_eq!(
+            (seen, last),
+            (mine[1], Some(mine[1])),
+            "numbers were taken before every lower number committed"
+        );
+        sequences.extend(mine);
+    }
+    sequences.sort_unstable();
+    assert_eq!(sequences, (1..=32).collect::<Vec<i64>>(), "gapless");
+}
+
+/// A schema name PostgreSQL would fold or refuse is refused at `build`, saying what to use.
+#[tokio::test]
+async fn a_bad_schema_name_is_refused() {
+    let pool = PgPoolOptions::new().connect_lazy(&url()).unwrap();
+    for bad in ["Relaybus", "a-b", "", "pg_catalog", "1abc"] {
+        match PostgresEventStore::builder(pool.clone())
+            .schema(bad)
+            .build()
+        {
+            Err(ConfigurationError::InvalidOption { option, reason }) => {
+                assert_eq!(option, "schema");
+                assert!(reason.contains("lowercase ASCII letters"), "{reason}");
+            }
+            other => panic!("{bad:?} was not refused: {other:?}"),
+        }
+    }
+}
+
+/// A deadlock between two transactions is a transient error, through the store's predicate
+/// and through `relaybus::Error`, so the transaction helpers run the loser again.
+#[tokio::test]
+async fn a_deadlock_is_a_transient_error() {
+    let (store, schema) = store("deadlock").await;
+    let orders = schema.table("orders");
+    sqlx::query(&format!("INSERT INTO {orders} (id) VALUES ('a'), ('b')"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let lock = format!("SELECT id FROM {orders} WHERE id = $1 FOR UPDATE");
+    let (mut first, mut second) = (
+        store.session().await.unwrap(),
+        store.session().await.unwrap(),
+    );
+    store.begin(&mut first, None).await.unwrap();
+    store.begin(&mut second, None).await.unwrap();
+    sqlx::query(&lock)
+        .bind("a")
+        .execute(&mut *first)
+        .await
+        .unwrap();
+    sqlx::query(&lock)
+        .bind("b")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    // Each now waits for the other; PostgreSQL aborts one, which then rolls back.
+    let cross = async |session: &mut PostgresSession, id: &str| {
+        let outcome = sqlx::query(&lock).bind(id).execute(&mut **session).await;
+        if outcome.is_err() {
+            store.abort(session).await;
+        }
+        outcome
+    };
+    let (one, two) = tokio::join!(cross(&mut first, "b"), cross(&mut second, "a"));
+    let error = match (one, two) {
+        (Err(error), Ok(_)) | (Ok(_), Err(error)) => error,
+        other => panic!("expected one deadlock victim: {other:?}"),
+    };
+    assert!(PostgresEventStore::is_transient(&error), "{error}");
+    assert!(Error::from(error).is_transient_transaction_error());
+    store.abort(&mut first).await;
+    store.abort(&mut second).await;
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+}
+
+impl relaybus::Event for OrderPlaced {
+    const TYPE: &'static str = "order.placed.v1";
+}
+
+/// A bus on the store end to end: an order and its event commit together, a transactional
+/// handler's row commits with its completion, the completion is recorded with completion
+/// history, and purge lets both go.
+#[tokio::test]
+async fn a_transactional_handler_writes_with_its_completion() {
+    use relaybus::{
+        BoxError, DeliveryQuery, DeliveryStatus, HandlerContext, PurgeOptions, Subscription,
+    };
+
+    let (plain, schema) = store("end_to_end").await;
+    let store = PostgresEventStore::builder(plain.pool().clone())
+        .schema(&schema.name)
+        .completion_history(true)
+        .build()
+        .unwrap();
+    let projections = schema.table("projections");
+    sqlx::query(&format!("CREATE TABLE {projections} (id text PRIMARY KEY)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let project = format!("INSERT INTO {projections} (id) VALUES ($1)");
+    let bus: RelayBus<PostgresEventStore> = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .subscribe(
+            Subscription::new(
+                "project-orders",
+                move |event: OrderPlaced, ctx: HandlerContext<PostgresEventStore>| {
+                    let project = project.clone();
+                    async move {
+                        let mut session = ctx.session().await?;
+                        sqlx::query(&project)
+                            .bind(&event.order_id)
+                            .execute(&mut **session)
+                            .await?;
+                        Ok::<(), BoxError>(())
+                    }
+                },
+            )
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+
+    let insert = format!("INSERT INTO {} (id) VALUES ($1)", schema.table("orders"));
+    bus.transaction(async |session| {
+        sqlx::query(&insert)
+            .bind("o-1")
+            .execute(&mut **session)
+            .await?;
+        bus.publish(&OrderPlaced {
+            order_id: "o-1".into(),
+        })
+        .id("e-1")
+        .key("o-1")
+        .session(session)
+        .await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+    bus.run_until_idle().await.expect("the handler ran");
+
+    let rows: Vec<String> = sqlx::query_scalar(&format!("SELECT id FROM {projections}"))
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, ["o-1"]);
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.pending, stats.completed), (0, 1), "{stats:?}");
+    let records = store
+        .list_deliveries(&DeliveryQuery::new().status(DeliveryStatus::Completed))
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(
+        (records[0].event_id.as_str(), records[0].attempts),
+        ("e-1", 1)
+    );
+    let detail = store.event_detail("e-1").await.unwrap().expect("the event");
+    assert!(detail.completed_at.is_some(), "{detail:?}");
+    assert_eq!(detail.deliveries.len(), 1);
+
+    let later = Timestamp::now().saturating_add(Duration::from_secs(3600));
+    let purged = store
+        .purge(&PurgeOptions::new().completed_before(later))
+        .await
+        .unwrap();
+    assert_eq!(
+        (purged.completion_records, purged.events),
+        (1, 1),
+        "{purged:?}"
+    );
+    assert!(!holds(&store, "e-1").await);
+}
+
+/// Bad input is refused with a typed error saying what is wrong, before anything is written.
+#[tokio::test]
+async fn bad_input_is_refused_and_writes_nothing() {
+    use relaybus::{DeliveryQuery, EventValidationError, store::ClaimRequest};
+
+    let (store, _schema) = store("bad_input").await;
+    let projector = handlers(&["projector"]);
+    let claim = |owner: &'static str, limit: u32, lease: Duration| ClaimRequest {
+        owner,
+        handlers: &projector,
+        limit,
+        lease_duration: lease,
+        now: Timestamp::now(),
+        reported: &[],
+    };
+    for (request, argument) in [
+        (claim("", 1, Duration::from_secs(30)), "owner"),
+        (claim("w", 0, Duration::from_secs(30)), "limit"),
+        (claim("w", 1, Duration::ZERO), "lease_duration"),
+    ] {
+        match store.claim(request).await {
+            Err(Error::InvalidArgument(error)) => assert_eq!(error.argument(), argument),
+            other => panic!("{argument}: {other:?}"),
+        }
+    }
+    for query in [
+        DeliveryQuery::new().limit(0),
+        DeliveryQuery::new().after("not-an-id"),
+    ] {
+        let refused = store.list_deliveries(&query).await;
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{refused:?}"
+        );
+    }
+    let junk = ["junk".to_owned(), "-1".to_owned()];
+    assert_eq!(
+        store
+            .requeue(&junk, Timestamp::now())
+            .await
+            .unwrap()
+            .not_found,
+        junk
+    );
+    assert!(
+        store
+            .bury_by_id(&junk, "  ", Timestamp::now())
+            .await
+            .is_err()
+    );
+
+    let bad_key = event("e-1", Some("a\0b"));
+    let refused = transaction::run(&store, None, async |session| {
+        store
+            .append(
+                session,
+                &[AppendRequest::new(&bad_key, &projector)],
+                Timestamp::now(),
+            )
+            .await
+    })
+    .await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::EventValidation(
+                EventValidationError::InvalidKey { .. }
+            ))
+        ),
+        "{refused:?}"
+    );
+    let bad_handler = handlers(&["no spaces"]);
+    let good = event("e-2", None);
+    let refused = transaction::run(&store, None, async |session| {
+        store
+            .append(
+                session,
+                &[AppendRequest::new(&good, &bad_handler)],
+                Timestamp::now(),
+            )
+            .await
+    })
+    .await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Configuration(
+                ConfigurationError::InvalidHandlerId { .. }
+            ))
+        ),
+        "{refused:?}"
+    );
+    assert!(!holds(&store, "e-1").await && !holds(&store, "e-2").await);
+    assert!(store.event_detail("a\0b").await.unwrap().is_none());
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.pending, stats.dead), (0, 0));
+}
