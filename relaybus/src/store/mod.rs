@@ -42,6 +42,8 @@
 //! result is unknown, the time budget) is written once, in [`transaction`], and used by the
 //! bus, the dispatcher's transactional handlers and `relaybus-axum`'s request layer.
 
+#[cfg(any(feature = "memory", feature = "postgres"))]
+mod checks;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub mod memory;

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use super::{
-    checks::{MAX_LIST_LIMIT, clip_error, parse_after, parse_ids},
+    checks::{check_list_limit, clip_error, parse_after, parse_ids},
     state::{Delivery, State, Target},
 };
 use crate::{
@@ -67,16 +67,7 @@ pub(super) fn handler_statistics(state: &State) -> Vec<HandlerStatistics> {
 
 /// Lists deliveries and completion records, oldest first, filtered by `query`.
 pub(super) fn list_deliveries(state: &State, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
-    if !(1..=MAX_LIST_LIMIT).contains(&query.limit) {
-        return Err(InvalidArgumentError::new(
-            "limit",
-            format!(
-                "{} is out of range; list 1 to 1000 records at a time",
-                query.limit
-            ),
-        )
-        .into());
-    }
+    check_list_limit(query.limit)?;
     let after = query.after.as_deref().map(parse_after).transpose()?;
     let start = after.map_or(0, |after| after.0.saturating_add(1));
     let heads = state.heads();

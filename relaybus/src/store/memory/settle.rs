@@ -2,16 +2,12 @@
 //! rescheduling and burying. Each changes something only while the lease holds.
 
 use super::{
-    checks::MAX_COMPLETE_BATCH,
+    checks::check_batch,
     claim::MemoryLease,
     session::Transaction,
     state::{State, Target},
 };
-use crate::{
-    error::{InvalidArgumentError, Result},
-    store::DeliveryStatus,
-    time::Timestamp,
-};
+use crate::{error::Result, store::DeliveryStatus, time::Timestamp};
 
 /// How a claim ends, other than by completion.
 #[derive(Debug, Clone, Copy)]
@@ -31,16 +27,7 @@ pub(super) fn complete(
     now: Timestamp,
     history: bool,
 ) -> Result<Vec<bool>> {
-    if leases.len() > MAX_COMPLETE_BATCH {
-        return Err(InvalidArgumentError::new(
-            "leases",
-            format!(
-                "{} leases given; complete at most 10000 at a time",
-                leases.len()
-            ),
-        )
-        .into());
-    }
+    check_batch(leases.len(), "complete")?;
     Ok(leases
         .iter()
         .map(|lease| {
