@@ -23,13 +23,19 @@
 //!
 //! `SHOP_DATABASE` names the database (`shop` by default), `SHOP_ADDR` the address.
 //!
-//! `--store postgres` runs the shop on PostgreSQL instead: events in the schema `relaybus`,
+//! `--store postgres` runs the shop on PostgreSQL instead: events in the schema `relaybus`
+//! (`SHOP_EVENTS_SCHEMA`),
 //! orders in the schema `shop` (`SHOP_SCHEMA`), of the database at `DATABASE_URL` (with
 //! `--demo`, in the schemas `relaybus_shop_demo` and `shop_demo`, dropped first):
 //!
 //! ```sh
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo run -p example-shop -- --store postgres
 //! ```
+//!
+//! `--relay nats://127.0.0.1:4222` (or `SHOP_RELAY`) also relays `order.placed.v1` to the NATS
+//! JetStream stream `SHOP_ORDERS` (subjects `shop.orders.<partition>`), where the shipping
+//! service (`examples/shipping`) takes it; `scripts/services` runs the two together. Without
+//! it, nothing leaves the shop.
 //!
 //! `--store memory` runs it on relaybus's in-memory store, with no database at all (everything
 //! is gone when it stops): `cargo run -p example-shop -- --store memory --demo`.
@@ -42,17 +48,23 @@ mod app;
 mod demo;
 mod handlers;
 mod orders;
+mod relay;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_services;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use mongodb::Client;
-use relaybus::{BoxError, MemoryEventStore, MongoEventStore, PostgresEventStore, RelayBus};
+use relaybus::{
+    BoxError, MemoryEventStore, MongoEventStore, PostgresEventStore, RelayBus,
+    transport::nats::NatsRelay,
+};
 use relaybus_axum::DispatcherService;
 
 use crate::{
     app::basic_credentials,
-    handlers::Mailer,
+    handlers::{Mailer, OrderPlaced},
     orders::{MemoryOrders, MongoOrders, Orders, PostgresOrders},
 };
 
@@ -64,16 +76,21 @@ enum StoreKind {
     Memory,
 }
 
-/// The command line: `[--demo] [--store mongodb|postgres|memory]`.
+/// The command line: `[--demo] [--store mongodb|postgres|memory] [--relay NATS_URL]`.
 struct Options {
     demo: bool,
     store: StoreKind,
+    /// The NATS server to relay `order.placed.v1` to, if any.
+    relay: Option<String>,
 }
 
 fn options() -> Result<Options, BoxError> {
     let mut options = Options {
         demo: false,
         store: StoreKind::Mongodb,
+        relay: std::env::var("SHOP_RELAY")
+            .ok()
+            .filter(|url| !url.is_empty()),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -92,9 +109,19 @@ fn options() -> Result<Options, BoxError> {
                     }
                 }
             }
+            "--relay" => match args.next() {
+                Some(url) if !url.starts_with("--") => options.relay = Some(url),
+                _ => {
+                    return Err(
+                        "--relay takes the URL of a NATS server, such as nats://127.0.0.1:4222"
+                            .into(),
+                    );
+                }
+            },
             other => {
                 return Err(format!(
-                    "unknown argument {other:?}; use [--demo] [--store mongodb|postgres|memory]"
+                    "unknown argument {other:?}; use [--demo] [--store mongodb|postgres|memory] \
+                     [--relay NATS_URL]"
                 )
                 .into());
             }
@@ -124,6 +151,18 @@ async fn main() -> Result<(), BoxError> {
     let options = options()?;
     // The metrics recorder goes in before the bus is built: the bus registers its metrics then.
     let metrics = PrometheusBuilder::new().install_recorder()?;
+    let relay = match &options.relay {
+        Some(url) => {
+            let relay = relay::connect(url).await?;
+            println!(
+                "relaying order.placed.v1 to {url}, stream {}, subjects {}",
+                relay::STREAM,
+                relay.subjects()
+            );
+            Some(relay)
+        }
+        None => None,
+    };
 
     if options.store == StoreKind::Postgres {
         let url = std::env::var("DATABASE_URL").map_err(|_| {
@@ -137,7 +176,9 @@ async fn main() -> Result<(), BoxError> {
             ("relaybus_shop_demo".to_owned(), "shop_demo".to_owned())
         } else {
             let schema = std::env::var("SHOP_SCHEMA").unwrap_or_else(|_| "shop".to_owned());
-            ("relaybus".to_owned(), schema)
+            let events =
+                std::env::var("SHOP_EVENTS_SCHEMA").unwrap_or_else(|_| "relaybus".to_owned());
+            (events, schema)
         };
         if options.demo {
             for dropped in [&events, &schema] {
@@ -154,7 +195,7 @@ async fn main() -> Result<(), BoxError> {
         println!(
             "relaybus shop on PostgreSQL, events in schema {events}, orders in schema {schema}"
         );
-        return serve(store, orders, metrics, options.demo).await;
+        return serve(store, orders, metrics, relay, options.demo).await;
     }
     if options.store == StoreKind::Memory {
         let store = MemoryEventStore::new();
@@ -162,7 +203,7 @@ async fn main() -> Result<(), BoxError> {
             store: store.clone(),
         };
         println!("relaybus shop on the in-memory store: nothing is kept after it stops");
-        return serve(store, orders, metrics, options.demo).await;
+        return serve(store, orders, metrics, relay, options.demo).await;
     }
 
     let uri = std::env::var("MONGODB_URI").map_err(|_| {
@@ -185,7 +226,7 @@ async fn main() -> Result<(), BoxError> {
         db: client.database(&database),
     };
     println!("relaybus shop on {uri}, database {database}");
-    serve(store, orders, metrics, options.demo).await
+    serve(store, orders, metrics, relay, options.demo).await
 }
 
 /// Builds the bus with the shop's handlers on `store`, and serves until Ctrl-C (or, with
@@ -194,6 +235,7 @@ async fn serve<O: Orders>(
     store: O::Store,
     orders: O,
     metrics: PrometheusHandle,
+    relay: Option<NatsRelay>,
     demo: bool,
 ) -> Result<(), BoxError> {
     // send-confirmation takes the mailer from the bus's state, projector the orders.
@@ -202,6 +244,10 @@ async fn serve<O: Orders>(
         .state(Mailer::default());
     for subscription in handlers::subscriptions::<O>() {
         builder = builder.subscribe(subscription);
+    }
+    if let Some(relay) = &relay {
+        // The relay is one more subscription: a delivery completes on JetStream's ack.
+        builder = builder.subscribe(relay.subscription::<OrderPlaced, O::Store>()?);
     }
     let bus = builder.build()?;
     let password = ops_password();
