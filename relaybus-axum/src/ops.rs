@@ -51,7 +51,7 @@
 //! history (`errors`, the last 10 failed attempts) and how often it was requeued.
 //!
 //! The two writes take a JSON body naming dead letters in one of three ways:
-//! `{"ids": ["<24 hex digits>", ..]}` (1 to 1,000 ids), `{"filter": {"handler", "event_type",
+//! `{"ids": ["<delivery id>", ..]}` (1 to 1,000 of the `id`s `GET /deliveries` lists), `{"filter": {"handler", "event_type",
 //! "key", "event_id", "error", "last_error", "created_from", "created_before"}}` (at least one
 //! field), or `{"all": true}`; an empty filter is refused, so that "everything" is always said
 //! explicitly. A filter or `all` takes at most 10,000 dead letters per call, and `more` says
@@ -589,6 +589,9 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"))
 }
 
+/// The longest delivery id the routes take, in bytes.
+const MAX_ID_BYTES: usize = 64;
+
 /// Refuses a list of ids that is empty, too long, or holds anything but delivery ids.
 fn check_ids(ids: &[String]) -> Result<(), OpsError> {
     if ids.is_empty() || ids.len() > MAX_REQUEUE_IDS {
@@ -597,14 +600,16 @@ fn check_ids(ids: &[String]) -> Result<(), OpsError> {
             ids.len()
         )));
     }
-    if let Some(id) = ids
-        .iter()
-        .find(|id| id.len() != 24 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
-    {
+    // Each store has its own id form (MongoDB: 24 hexadecimal digits, PostgreSQL: a decimal
+    // number); all are letters and digits. The store reports an id of another form as not
+    // found.
+    if let Some(id) = ids.iter().find(|id| {
+        !(1..=MAX_ID_BYTES).contains(&id.len()) || !id.bytes().all(|b| b.is_ascii_alphanumeric())
+    }) {
         let shown: String = id.chars().take(64).collect();
         return Err(bad(format!(
-            "{shown:?} is not a delivery id; ids are the 24 hexadecimal digits listed by \
-             GET /deliveries"
+            "{shown:?} is not a delivery id; ids are the `id`s listed by GET /deliveries \
+             (letters and digits)"
         )));
     }
     Ok(())
