@@ -114,8 +114,11 @@ pub mod store;
 pub mod telemetry;
 mod time;
 mod trace;
-#[cfg(any(feature = "nats", feature = "rabbitmq"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "nats", feature = "rabbitmq"))))]
+#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "kafka"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "nats", feature = "rabbitmq", feature = "kafka")))
+)]
 pub mod transport;
 
 pub use bus::{

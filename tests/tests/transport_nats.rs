@@ -25,7 +25,7 @@ use relaybus::{
     LaneReport, MemoryEventStore, MemorySession, PurgeOptions, Purged, RelayBus, Requeued,
     Statistics, Store, Subscription, Timestamp,
     clock::TestClock,
-    store::{ClaimRequest, Claimed, WakeUp, memory::MemoryLease},
+    store::{ClaimRequest, Claimed, PositionKey, WakeUp, memory::MemoryLease},
     transport::nats::{
         BatchReport, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SUBJECT_HEADER, NatsConsumer,
         NatsError, NatsRelay,
@@ -1011,6 +1011,26 @@ impl Store for HookedStore {
         self.hooks.on_append()?;
         self.inner
             .append_in_transaction(session, requests, now)
+            .await
+    }
+
+    async fn consumer_position(
+        &self,
+        session: &mut MemorySession,
+        key: &PositionKey<'_>,
+    ) -> Result<Option<i64>, Error> {
+        self.inner.consumer_position(session, key).await
+    }
+
+    async fn advance_consumer_position(
+        &self,
+        session: &mut MemorySession,
+        key: &PositionKey<'_>,
+        next: i64,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.inner
+            .advance_consumer_position(session, key, next, now)
             .await
     }
 

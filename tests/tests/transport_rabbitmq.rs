@@ -25,7 +25,7 @@ use relaybus::{
     LaneReport, MemoryEventStore, MemorySession, PurgeOptions, Purged, RelayBus, Requeued,
     Statistics, Store, Subscription, Timestamp,
     clock::TestClock,
-    store::{ClaimRequest, Claimed, WakeUp, memory::MemoryLease},
+    store::{ClaimRequest, Claimed, PositionKey, WakeUp, memory::MemoryLease},
     transport::rabbitmq::{
         BatchReport, DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, RabbitConsumer,
         RabbitError, RabbitRelay,
@@ -1159,6 +1159,26 @@ impl Store for HookedStore {
         self.hooks.on_append()?;
         self.inner
             .append_in_transaction(session, requests, now)
+            .await
+    }
+
+    async fn consumer_position(
+        &self,
+        session: &mut MemorySession,
+        key: &PositionKey<'_>,
+    ) -> Result<Option<i64>, Error> {
+        self.inner.consumer_position(session, key).await
+    }
+
+    async fn advance_consumer_position(
+        &self,
+        session: &mut MemorySession,
+        key: &PositionKey<'_>,
+        next: i64,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.inner
+            .advance_consumer_position(session, key, next, now)
             .await
     }
 

@@ -51,6 +51,7 @@ pub(crate) mod model;
 #[cfg(feature = "mongodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub mod mongo;
+mod position;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -66,6 +67,8 @@ pub use model::{
     LaneStatus, MAX_BLOCKED_KEYS, MAX_DEAD_LETTER_GROUPS, MAX_ERROR_HISTORY, PendingState,
     PurgeOptions, Purged, Requeued, Statistics,
 };
+
+pub use position::{MAX_POSITION_NAME_BYTES, PositionKey};
 
 use crate::{error::Result, event::EventEnvelope, time::Timestamp};
 
@@ -206,6 +209,43 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         requests: &[AppendRequest<'_>],
         now: Timestamp,
     ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
+
+    /// The position of a consumer of a partitioned log, as the transaction of `session` sees
+    /// it: the offset of the next record to take, or `None` when the consumer has none there
+    /// yet. A consumer reads it inside the transaction that appends what it reads, and moves it
+    /// with [`advance_consumer_position`](Self::advance_consumer_position) in that same
+    /// transaction, so the appended records and the position commit together: a consumer
+    /// that crashes before the commit reads the records again, one that crashes after it
+    /// goes on behind them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an empty consumer or
+    /// source name, one over 255 bytes or with a control character;
+    /// [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction) for a
+    /// session without a started transaction; database errors.
+    fn consumer_position(
+        &self,
+        session: &mut Self::Session,
+        key: &PositionKey<'_>,
+    ) -> impl Future<Output = Result<Option<i64>>> + Send;
+
+    /// Moves a consumer's position forward to `next` (the offset of the next record to take)
+    /// in the transaction of `session`. A position never moves back: a `next` below the stored
+    /// one leaves it as it is.
+    ///
+    /// # Errors
+    ///
+    /// As [`consumer_position`](Self::consumer_position), and
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a negative `next`. Nothing
+    /// is written then.
+    fn advance_consumer_position(
+        &self,
+        session: &mut Self::Session,
+        key: &PositionKey<'_>,
+        next: i64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<()>> + Send;
 
     /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per
     /// key and handler, in sequence order; deliveries appended for a handler named
@@ -411,6 +451,20 @@ impl Store for NoStore {
         _: &[AppendRequest<'_>],
         _: Timestamp,
     ) -> Result<Vec<Appended>> {
+        match *self {}
+    }
+
+    async fn consumer_position(&self, _: &mut NoStore, _: &PositionKey<'_>) -> Result<Option<i64>> {
+        match *self {}
+    }
+
+    async fn advance_consumer_position(
+        &self,
+        _: &mut NoStore,
+        _: &PositionKey<'_>,
+        _: i64,
+        _: Timestamp,
+    ) -> Result<()> {
         match *self {}
     }
 

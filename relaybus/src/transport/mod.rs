@@ -17,6 +17,8 @@
 //!
 //! - `nats`: NATS JetStream, with [async-nats](https://docs.rs/async-nats) (feature `nats`).
 //! - `rabbitmq`: RabbitMQ, with [lapin](https://docs.rs/lapin) (feature `rabbitmq`).
+//! - `kafka`: Kafka, with [rskafka](https://docs.rs/rskafka) (feature `kafka`); the consumer
+//!   keeps its offsets in the local store, written in the transaction of each batch.
 //!
 //! Every transport writes the same message body, a JSON envelope with the event's id, type,
 //! key, sequence, correlation and causation ids, headers, creation time and payload (see
@@ -24,7 +26,11 @@
 //! relay of another wrote, once bridged.
 
 mod forward;
+#[cfg(any(feature = "nats", feature = "rabbitmq"))]
 mod inbound;
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub mod nats;

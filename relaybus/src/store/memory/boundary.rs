@@ -16,9 +16,14 @@ use crate::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
         DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
         Purged, Requeued, Statistics, Store, WakeUp,
+        position::{PositionKey, check_offset},
     },
     time::Timestamp,
 };
+
+/// The document collection that holds consumer positions, one document per consumer, source
+/// and partition, with the id `[consumer, source, partition]` in JSON.
+pub const CONSUMER_POSITIONS: &str = "relaybus.consumer_positions";
 
 impl MemoryEventStore {
     /// Appends validated events in the session's transaction.
@@ -90,6 +95,43 @@ impl Store for MemoryEventStore {
         now: Timestamp,
     ) -> Result<Vec<Appended>> {
         self.append_checked(session, requests, now, "MemoryEventStore.append")
+    }
+
+    async fn consumer_position(
+        &self,
+        session: &mut MemorySession,
+        key: &PositionKey<'_>,
+    ) -> Result<Option<i64>> {
+        key.check()?;
+        let document = session.get(CONSUMER_POSITIONS, &key.joined())?;
+        Ok(document.and_then(|document| document["next_offset"].as_i64()))
+    }
+
+    async fn advance_consumer_position(
+        &self,
+        session: &mut MemorySession,
+        key: &PositionKey<'_>,
+        next: i64,
+        now: Timestamp,
+    ) -> Result<()> {
+        key.check()?;
+        check_offset(next)?;
+        let id = key.joined();
+        let stored = session
+            .get(CONSUMER_POSITIONS, &id)?
+            .and_then(|document| document["next_offset"].as_i64());
+        let next = stored.map_or(next, |stored| stored.max(next));
+        session.put(
+            CONSUMER_POSITIONS,
+            &id,
+            serde_json::json!({
+                "consumer": key.consumer,
+                "source": key.source,
+                "partition": key.partition,
+                "next_offset": next,
+                "updated_at": now.timestamp_millis(),
+            }),
+        )
     }
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<MemoryLease>>> {

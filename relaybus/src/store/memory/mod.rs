@@ -163,6 +163,7 @@ use std::{
 
 use tokio::sync::broadcast;
 
+pub use boundary::CONSUMER_POSITIONS;
 pub use claim::{MemoryDeliveryId, MemoryLease};
 pub use error::MemoryStoreError;
 pub use session::MemorySession;

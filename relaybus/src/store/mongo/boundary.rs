@@ -13,6 +13,7 @@ use crate::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
         DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
         Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
+        position::{PositionKey, check_offset},
     },
     time::Timestamp,
 };
@@ -76,6 +77,49 @@ impl Store for MongoEventStore {
         now: Timestamp,
     ) -> Result<Vec<Appended>> {
         MongoEventStore::append_in_transaction(self, session, requests, bson_date(now)).await
+    }
+
+    async fn consumer_position(
+        &self,
+        session: &mut ClientSession,
+        key: &PositionKey<'_>,
+    ) -> Result<Option<i64>> {
+        key.check()?;
+        self.ensure_in_transaction(session, "MongoEventStore.consumer_position")
+            .await?;
+        let found = self
+            .inner
+            .consumer_positions
+            .find_one(doc! { "_id": position_id(key) })
+            .session(&mut *session)
+            .await?;
+        Ok(found.and_then(|document| document.get_i64("next_offset").ok()))
+    }
+
+    async fn advance_consumer_position(
+        &self,
+        session: &mut ClientSession,
+        key: &PositionKey<'_>,
+        next: i64,
+        now: Timestamp,
+    ) -> Result<()> {
+        key.check()?;
+        check_offset(next)?;
+        self.ensure_in_transaction(session, "MongoEventStore.advance_consumer_position")
+            .await?;
+        self.inner
+            .consumer_positions
+            .update_one(
+                doc! { "_id": position_id(key) },
+                doc! {
+                    "$max": { "next_offset": next },
+                    "$set": { "updated_at": bson_date(now) },
+                },
+            )
+            .upsert(true)
+            .session(&mut *session)
+            .await?;
+        Ok(())
     }
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
@@ -257,5 +301,14 @@ impl Store for MongoEventStore {
             })
             .map_err(crate::Error::from)
             .boxed())
+    }
+}
+
+/// The `_id` of a consumer position: `{consumer, source, partition}`.
+fn position_id(key: &PositionKey<'_>) -> mongodb::bson::Document {
+    doc! {
+        "consumer": key.consumer,
+        "source": key.source,
+        "partition": i64::from(key.partition),
     }
 }

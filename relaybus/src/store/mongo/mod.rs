@@ -89,6 +89,8 @@ pub(crate) struct StoreInner {
     pub(crate) events: Collection<Document>,
     pub(crate) deliveries: Collection<Document>,
     pub(crate) key_sequences: Collection<Document>,
+    /// Consumer positions (`<prefix>consumer_positions`), one per consumer, source and partition.
+    pub(crate) consumer_positions: Collection<Document>,
     pub(crate) lanes: Collection<Document>,
     pub(crate) completed: Collection<Document>,
     /// Set once the server was seen to support transactions.
@@ -297,6 +299,7 @@ impl MongoEventStoreBuilder {
             events: collection("events"),
             deliveries: collection("deliveries"),
             key_sequences: collection("key_sequences"),
+            consumer_positions: collection("consumer_positions"),
             lanes: collection("lanes"),
             completed: collection("completed_deliveries"),
             processes: collection("processes"),

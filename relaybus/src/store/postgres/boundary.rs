@@ -15,6 +15,7 @@ use crate::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
         DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
         Purged, Requeued, Statistics, Store, WakeUp,
+        position::{PositionKey, check_offset},
     },
     time::Timestamp,
 };
@@ -71,6 +72,55 @@ impl Store for PostgresEventStore {
         now: Timestamp,
     ) -> Result<Vec<Appended>> {
         self.append_on(session, requests, now).await
+    }
+
+    async fn consumer_position(
+        &self,
+        session: &mut PostgresSession,
+        key: &PositionKey<'_>,
+    ) -> Result<Option<i64>> {
+        key.check()?;
+        session.ensure_in_transaction("PostgresEventStore.consumer_position")?;
+        let row: Option<(i64,)> = sqlx::query_as(&self.sql(
+            "SELECT next_offset FROM {s}.consumer_positions \
+             WHERE consumer = $1 AND source = $2 AND partition = $3",
+        ))
+        .bind(key.consumer)
+        .bind(key.source)
+        .bind(i64::from(key.partition))
+        .fetch_optional(session.connection())
+        .await
+        .map_err(db_error)?;
+        Ok(row.map(|(next,)| next))
+    }
+
+    async fn advance_consumer_position(
+        &self,
+        session: &mut PostgresSession,
+        key: &PositionKey<'_>,
+        next: i64,
+        now: Timestamp,
+    ) -> Result<()> {
+        key.check()?;
+        check_offset(next)?;
+        session.ensure_in_transaction("PostgresEventStore.advance_consumer_position")?;
+        sqlx::query(&self.sql(
+            "INSERT INTO {s}.consumer_positions \
+                 (consumer, source, partition, next_offset, updated_at) \
+             VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (consumer, source, partition) DO UPDATE SET \
+                 next_offset = greatest({s}.consumer_positions.next_offset, excluded.next_offset), \
+                 updated_at = excluded.updated_at",
+        ))
+        .bind(key.consumer)
+        .bind(key.source)
+        .bind(i64::from(key.partition))
+        .bind(next)
+        .bind(now.timestamp_millis())
+        .execute(session.connection())
+        .await
+        .map_err(db_error)?;
+        Ok(())
     }
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<PostgresLease>>> {

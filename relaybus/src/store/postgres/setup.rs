@@ -33,6 +33,17 @@ CREATE TABLE IF NOT EXISTS {s}.key_sequences (
     sequence bigint NOT NULL
 );
 
+-- How far each consumer of a partitioned log (a Kafka topic) took records into the store:
+-- written in the transaction that appended them.
+CREATE TABLE IF NOT EXISTS {s}.consumer_positions (
+    consumer text NOT NULL,
+    source text NOT NULL,
+    partition integer NOT NULL,
+    next_offset bigint NOT NULL,
+    updated_at bigint NOT NULL,
+    PRIMARY KEY (consumer, source, partition)
+);
+
 CREATE TABLE IF NOT EXISTS {s}.deliveries (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     event_id text NOT NULL REFERENCES {s}.events (id),

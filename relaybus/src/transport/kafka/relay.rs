@@ -1,0 +1,429 @@
+//! The outbound relay: a subscription that produces events to a Kafka topic.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use rskafka::client::{
+    Client,
+    error::{Error as ClientError, ProtocolError},
+    partition::{Compression, PartitionClient, UnknownTopicHandling},
+};
+
+use super::{KafkaError, error::check_topic, wire};
+use crate::{
+    error::BoxError,
+    event::{Event, EventEnvelope},
+    handler::{HandlerContext, Subscription, validate_handler_id},
+    store::Store,
+    transport::forward::Forwarded,
+};
+
+/// The handler id prefix a relay uses unless told otherwise.
+pub const DEFAULT_RELAY_HANDLER_ID: &str = "kafka-relay";
+
+/// The most partitions a relay spreads keys over.
+pub const MAX_PARTITIONS: u32 = 1_024;
+
+/// Forwards events to a Kafka topic: each [`subscription`](Self::subscription) is a
+/// subscription of the bus, so every event of its type gets a delivery of its own, with the
+/// bus's retries, backoff, dead letters and requeue, and the delivery completes only once the
+/// partition leader acknowledged the produce (rskafka produces with `acks = -1`: all in-sync
+/// replicas).
+///
+/// Cheap to clone; clones share the client, the partition connections and the
+/// [statistics](Self::statistics).
+///
+/// See the [module documentation](super) for the record format, the partitioning and the
+/// guarantees.
+///
+/// # Example
+///
+/// ```no_run
+/// # use relaybus::{Event, RelayBus, Store};
+/// # #[derive(serde::Serialize, serde::Deserialize)]
+/// # struct OrderPlaced { order_id: String }
+/// # impl Event for OrderPlaced { const TYPE: &'static str = "order.placed.v1"; }
+/// use std::sync::Arc;
+/// use relaybus::transport::kafka::{KafkaRelay, rskafka};
+///
+/// # async fn example<S: Store>(store: S) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let client = rskafka::client::ClientBuilder::new(vec!["127.0.0.1:9092".to_owned()])
+///     .build()
+///     .await?;
+/// let relay = KafkaRelay::builder(Arc::new(client), "orders.events")
+///     .handler_id("relay-kafka")
+///     .partitions(16)
+///     .build()?;
+/// relay.create_topic(1).await?; // 16 partitions, replication factor 1
+///
+/// let bus = RelayBus::builder(store)
+///     .subscribe(relay.subscription::<OrderPlaced, S>()?)
+///     .build()?;
+/// bus.start().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct KafkaRelay {
+    inner: Arc<RelayInner>,
+}
+
+struct RelayInner {
+    client: Arc<Client>,
+    topic: String,
+    partitions: u32,
+    handler_id: String,
+    produce_timeout: Duration,
+    connections: Mutex<HashMap<u32, Arc<PartitionClient>>>,
+    produced: AtomicU64,
+}
+
+impl fmt::Debug for KafkaRelay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaRelay")
+            .field("topic", &self.inner.topic)
+            .field("partitions", &self.inner.partitions)
+            .field("handler_id", &self.inner.handler_id)
+            .field("produce_timeout", &self.inner.produce_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a relay sent so far, in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RelayStatistics {
+    /// Records the partition leaders acknowledged. Kafka keeps every one: an event produced
+    /// again (its relay crashed between the acknowledgement and the completion, or an
+    /// acknowledgement timed out) counts, and is held twice in the topic.
+    pub produced: u64,
+}
+
+impl KafkaRelay {
+    /// Starts building a relay that produces through `client` to `topic`.
+    pub fn builder(client: Arc<Client>, topic: impl Into<String>) -> KafkaRelayBuilder {
+        KafkaRelayBuilder {
+            client,
+            topic: topic.into(),
+            partitions: 1,
+            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
+            produce_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The subscription that forwards every event of type `E` on a bus of store `S`, under the
+    /// handler id `<handler_id>:<E::TYPE>` (one subscription per type, since a handler id
+    /// names one subscription). Configure it further as any subscription (`.retry(..)`,
+    /// `.timeout(..)`); leave it ordered to keep each key's order.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::InvalidConfiguration`] when the handler id and the type name together
+    /// make an invalid handler id (over 128 bytes): choose a shorter
+    /// [`handler_id`](KafkaRelayBuilder::handler_id).
+    pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, KafkaError> {
+        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
+        validate_handler_id(&id).map_err(|error| {
+            KafkaError::invalid(
+                "handler_id",
+                format!("{error}; choose a shorter handler id for the relay"),
+            )
+        })?;
+        let relay = self.clone();
+        Ok(Subscription::new(
+            id,
+            move |event: Forwarded<E>, context: HandlerContext<S>| {
+                let relay = relay.clone();
+                async move {
+                    let envelope = event.envelope(&context);
+                    relay
+                        .send(&envelope, context.sequence())
+                        .await
+                        .map(|_| ())
+                        .map_err(BoxError::from)
+                }
+            },
+        ))
+    }
+
+    /// Produces one event to its partition and waits for the partition leader's
+    /// acknowledgement (`acks = -1`): what the relay's subscriptions do for each delivery.
+    /// Returns the record's offset. `sequence` is the event's sequence within its key in the
+    /// publishing store, carried in the record for information.
+    ///
+    /// Sending an event twice writes two records (rskafka has no idempotent producer);
+    /// consumers append the event once.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Produce`] when the produce was refused or the connection failed (no such
+    /// topic or partition, the broker is down); [`KafkaError::ProduceTimeout`] when no
+    /// acknowledgement came within the [`produce_timeout`](KafkaRelayBuilder::produce_timeout).
+    ///
+    /// # Cancel safety
+    ///
+    /// A cancelled call may have written the record: producing it again writes a second copy,
+    /// which consumers append once.
+    pub async fn send(
+        &self,
+        envelope: &EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<i64, KafkaError> {
+        let inner = &self.inner;
+        let partition = self.partition_of(envelope);
+        let failed = |source: BoxError| KafkaError::Produce {
+            event_id: envelope.id().to_owned(),
+            topic: inner.topic.clone(),
+            partition,
+            source,
+        };
+        let record = wire::record(envelope, sequence);
+        let produce = async {
+            let connection = self.connection(partition).await.map_err(failed)?;
+            let result = connection
+                .produce(vec![record], Compression::NoCompression)
+                .await;
+            if result.is_err() {
+                self.forget(partition);
+            }
+            result.map_err(|error| failed(error.into()))
+        };
+        let offsets = match tokio::time::timeout(inner.produce_timeout, produce).await {
+            Ok(result) => result?,
+            Err(_) => {
+                self.forget(partition);
+                return Err(KafkaError::ProduceTimeout {
+                    event_id: envelope.id().to_owned(),
+                    topic: inner.topic.clone(),
+                    partition,
+                    after: inner.produce_timeout,
+                });
+            }
+        };
+        inner.produced.fetch_add(1, Ordering::Relaxed);
+        offsets
+            .first()
+            .copied()
+            .ok_or_else(|| failed("the broker acknowledged no record".into()))
+    }
+
+    /// The connection to a partition's leader, made on first use and kept.
+    async fn connection(&self, partition: u32) -> Result<Arc<PartitionClient>, BoxError> {
+        let cached = self
+            .inner
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&partition)
+            .cloned();
+        if let Some(connection) = cached {
+            return Ok(connection);
+        }
+        let connection = Arc::new(
+            partition_client(&self.inner.client, &self.inner.topic, partition)
+                .await
+                .map_err(BoxError::from)?,
+        );
+        self.inner
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(partition, Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// Drops a partition's connection after a failure, so the next produce looks the leader
+    /// up again.
+    fn forget(&self, partition: u32) {
+        self.inner
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&partition);
+    }
+
+    /// The partition an event goes to: the 32-bit FNV-1a hash of the event's key (of its id
+    /// when it has none) modulo the number of [`partitions`](KafkaRelayBuilder::partitions).
+    pub fn partition_of(&self, envelope: &EventEnvelope) -> u32 {
+        wire::partition(self.inner.partitions, envelope)
+    }
+
+    /// Creates the relay's topic with its number of partitions and `replication_factor`; a
+    /// topic that exists already is left as it is (Kafka cannot change a topic's partitions
+    /// here: give a new topic a new name).
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Topic`] when the broker refused or could not be reached.
+    pub async fn create_topic(&self, replication_factor: i16) -> Result<(), KafkaError> {
+        create_topic(
+            &self.inner.client,
+            &self.inner.topic,
+            self.inner.partitions,
+            replication_factor,
+        )
+        .await
+    }
+
+    /// What this relay sent so far.
+    pub fn statistics(&self) -> RelayStatistics {
+        RelayStatistics {
+            produced: self.inner.produced.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.inner.topic
+    }
+
+    /// The number of partitions keys are spread over.
+    pub fn partitions(&self) -> u32 {
+        self.inner.partitions
+    }
+
+    /// The prefix of the relay's handler ids.
+    pub fn handler_id(&self) -> &str {
+        &self.inner.handler_id
+    }
+}
+
+/// A client of one partition of `topic`, refusing a topic that does not exist rather than
+/// waiting for it.
+pub(crate) async fn partition_client(
+    client: &Client,
+    topic: &str,
+    partition: u32,
+) -> Result<PartitionClient, ClientError> {
+    let partition = i32::try_from(partition).unwrap_or(i32::MAX);
+    client
+        .partition_client(topic, partition, UnknownTopicHandling::Error)
+        .await
+}
+
+/// Creates `topic` with `partitions` partitions; one that exists already is fine.
+pub(crate) async fn create_topic(
+    client: &Client,
+    topic: &str,
+    partitions: u32,
+    replication_factor: i16,
+) -> Result<(), KafkaError> {
+    let failed = |source: BoxError| KafkaError::Topic {
+        topic: topic.to_owned(),
+        what: "creating it",
+        source,
+    };
+    let controller = client
+        .controller_client()
+        .map_err(|error| failed(error.into()))?;
+    let partitions = i32::try_from(partitions).unwrap_or(i32::MAX);
+    match controller
+        .create_topic(topic, partitions, replication_factor, 10_000)
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(ClientError::ServerError {
+            protocol_error: ProtocolError::TopicAlreadyExists,
+            ..
+        }) => Ok(()),
+        Err(error) => Err(failed(error.into())),
+    }
+}
+
+/// Builds a [`KafkaRelay`]; made by [`KafkaRelay::builder`].
+#[must_use]
+pub struct KafkaRelayBuilder {
+    client: Arc<Client>,
+    topic: String,
+    partitions: u32,
+    handler_id: String,
+    produce_timeout: Duration,
+}
+
+impl fmt::Debug for KafkaRelayBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaRelayBuilder")
+            .field("topic", &self.topic)
+            .field("partitions", &self.partitions)
+            .field("handler_id", &self.handler_id)
+            .field("produce_timeout", &self.produce_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaRelayBuilder {
+    /// The prefix of the relay's handler ids, [`DEFAULT_RELAY_HANDLER_ID`] by default: the
+    /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
+    /// deliveries, so keep it stable, and give each relay of one bus its own.
+    pub fn handler_id(mut self, id: impl Into<String>) -> Self {
+        self.handler_id = id.into();
+        self
+    }
+
+    /// How many partitions of the topic keys are spread over, 1 by default (1 to 1,024): give
+    /// the topic's number of partitions. One key always goes to the same partition. Changing
+    /// it moves keys to other partitions, so events of a key produced before and after the
+    /// change may be read out of order.
+    pub fn partitions(mut self, partitions: u32) -> Self {
+        self.partitions = partitions;
+        self
+    }
+
+    /// How long a produce may wait for the partition leader's acknowledgement before its
+    /// attempt fails, 10 seconds by default (1 ms to 10 minutes). rskafka retries a failed
+    /// request by itself; this bounds the whole. Keep the bus's lease duration above it.
+    pub fn produce_timeout(mut self, timeout: Duration) -> Self {
+        self.produce_timeout = timeout;
+        self
+    }
+
+    /// Validates the settings and builds the relay. Makes no broker call.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::InvalidConfiguration`] for an invalid topic name, a number of partitions
+    /// or a produce timeout out of range, or an invalid handler id.
+    pub fn build(self) -> Result<KafkaRelay, KafkaError> {
+        check_topic("topic", &self.topic)?;
+        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
+            return Err(KafkaError::invalid(
+                "partitions",
+                format!(
+                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
+                    self.partitions
+                ),
+            ));
+        }
+        if self.produce_timeout < Duration::from_millis(1)
+            || self.produce_timeout > Duration::from_secs(600)
+        {
+            return Err(KafkaError::invalid(
+                "produce_timeout",
+                format!(
+                    "{:?} is out of range; use 1 ms to 10 minutes",
+                    self.produce_timeout
+                ),
+            ));
+        }
+        validate_handler_id(&self.handler_id)
+            .map_err(|error| KafkaError::invalid("handler_id", error.to_string()))?;
+        Ok(KafkaRelay {
+            inner: Arc::new(RelayInner {
+                client: self.client,
+                topic: self.topic,
+                partitions: self.partitions,
+                handler_id: self.handler_id,
+                produce_timeout: self.produce_timeout,
+                connections: Mutex::new(HashMap::new()),
+                produced: AtomicU64::new(0),
+            }),
+        })
+    }
+}
