@@ -106,6 +106,11 @@ impl PostgresEventStore {
     /// lease or an expired one of another owner or store instance, in due order, skipping rows
     /// other claimers lock. An owner never takes over what it runs itself through this store
     /// instance: those deliveries still run in its process, and it settles them.
+    ///
+    /// The statement is prepared once per connection, and after a few runs PostgreSQL plans it
+    /// for any limit; such a plan joined the picked rows and their events by scanning both
+    /// tables. So the update takes its rows by primary key from an array of the picked ids,
+    /// and each event is looked up by its own (`LATERAL … LIMIT 1`).
     pub(super) async fn claim_deliveries(
         &self,
         request: ClaimRequest<'_>,
@@ -134,14 +139,15 @@ impl PostgresEventStore {
                      errors = CASE WHEN d.lease_owner IS NOT NULL THEN {push} ELSE d.errors END, \
                      updated_at = CASE WHEN d.lease_owner IS NOT NULL THEN $4 ELSE d.updated_at END, \
                      lease_owner = $3, lease_instance = $5, lease_expires_at = $6 \
-                 FROM picked WHERE d.id = picked.id \
+                 WHERE d.id = ANY (ARRAY(SELECT id FROM picked)) \
                    AND (d.lease_owner IS NULL OR (d.lease_expires_at <= $4 \
                         AND (d.lease_owner <> $3 OR d.lease_instance <> $5))) \
                  RETURNING d.id, d.claims, d.attempts, d.handler, d.sequence, d.event_id, \
                      d.due_at \
              ) \
              SELECT c.id, c.claims, c.attempts, c.handler, c.sequence, {events} \
-             FROM claimed AS c JOIN {{s}}.events AS e ON e.id = c.event_id \
+             FROM claimed AS c CROSS JOIN LATERAL ( \
+                 SELECT * FROM {{s}}.events AS e WHERE e.id = c.event_id LIMIT 1) AS e \
              ORDER BY c.due_at, c.id",
             push = push_error("d.errors", lost_entry),
             events = EVENT_COLUMNS,
@@ -327,7 +333,7 @@ impl PostgresEventStore {
 /// The condition on `d` (deliveries) of a delivery that a lease of the batch holds: `$1` the
 /// delivery ids, `$2` their claim generations. The primary key finds the rows; the generation
 /// is a filter on each, so it is checked again on the row a concurrent write left.
-const HELD: &str = "d.id = ANY($1::bigint[]) \
+pub(super) const HELD: &str = "d.id = ANY($1::bigint[]) \
      AND d.claims = ANY (SELECT l.claims FROM unnest($1::bigint[], $2::bigint[]) \
                          AS l(id, claims) WHERE l.id = d.id) \
      AND d.status = 'pending' AND d.lease_owner IS NOT NULL";
