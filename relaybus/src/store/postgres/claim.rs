@@ -9,7 +9,10 @@ use super::{PostgresEventStore, checks, db_error};
 use crate::{
     error::{EventValidationError, Result},
     event::EventEnvelope,
-    store::{ClaimRequest, Claimed},
+    store::{
+        ClaimRequest, Claimed,
+        transaction::{Attempts, RETRY_LIMIT},
+    },
     time::Timestamp,
 };
 
@@ -103,6 +106,11 @@ impl PostgresEventStore {
     /// lease or an expired one of another owner or store instance, in due order, skipping rows
     /// other claimers lock. An owner never takes over what it runs itself through this store
     /// instance: those deliveries still run in its process, and it settles them.
+    ///
+    /// The statement is prepared once per connection, and after a few runs PostgreSQL plans it
+    /// for any limit; such a plan joined the picked rows and their events by scanning both
+    /// tables. So the update takes its rows by primary key from an array of the picked ids,
+    /// and each event is looked up by its own (`LATERAL … LIMIT 1`).
     pub(super) async fn claim_deliveries(
         &self,
         request: ClaimRequest<'_>,
@@ -131,14 +139,15 @@ impl PostgresEventStore {
                      errors = CASE WHEN d.lease_owner IS NOT NULL THEN {push} ELSE d.errors END, \
                      updated_at = CASE WHEN d.lease_owner IS NOT NULL THEN $4 ELSE d.updated_at END, \
                      lease_owner = $3, lease_instance = $5, lease_expires_at = $6 \
-                 FROM picked WHERE d.id = picked.id \
+                 WHERE d.id = ANY (ARRAY(SELECT id FROM picked)) \
                    AND (d.lease_owner IS NULL OR (d.lease_expires_at <= $4 \
                         AND (d.lease_owner <> $3 OR d.lease_instance <> $5))) \
                  RETURNING d.id, d.claims, d.attempts, d.handler, d.sequence, d.event_id, \
                      d.due_at \
              ) \
              SELECT c.id, c.claims, c.attempts, c.handler, c.sequence, {events} \
-             FROM claimed AS c JOIN {{s}}.events AS e ON e.id = c.event_id \
+             FROM claimed AS c CROSS JOIN LATERAL ( \
+                 SELECT * FROM {{s}}.events AS e WHERE e.id = c.event_id LIMIT 1) AS e \
              ORDER BY c.due_at, c.id",
             push = push_error("d.errors", lost_entry),
             events = EVENT_COLUMNS,
@@ -172,7 +181,9 @@ impl PostgresEventStore {
             .collect()
     }
 
-    /// Completes deliveries in a transaction of the store's own.
+    /// Completes deliveries. Those that no key order holds (the common case) complete in one
+    /// statement outside a transaction; a batch with a delivery held to its key's order
+    /// completes in a transaction of the store's own, which locks the keys first.
     pub(super) async fn complete_leases(
         &self,
         leases: &[PostgresLease],
@@ -182,63 +193,129 @@ impl PostgresEventStore {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        self.own_transaction(&(self, leases, now), |connection, (store, leases, now)| {
-            store.complete_on(connection, leases, *now).boxed()
-        })
-        .await
+        let batch = Batch::of(leases);
+        let mut attempts = Attempts::new(None).retry_for(RETRY_LIMIT);
+        let outcome = loop {
+            attempts.start();
+            let mut connection = self.inner.pool.acquire().await.map_err(db_error)?;
+            match self.complete_unordered(&mut connection, &batch, now).await {
+                Ok(outcome) => break outcome,
+                Err(error) => {
+                    if attempts.retry_after(&error).await {
+                        continue;
+                    }
+                    return Err(error);
+                }
+            }
+        };
+        let done = match outcome {
+            Outcome::Done(done) => done,
+            Outcome::Ordered(pairs) => {
+                self.own_transaction(
+                    &(self, &batch, &pairs, now),
+                    |connection, (store, batch, pairs, now)| {
+                        store
+                            .complete_ordered(connection, batch, pairs, *now)
+                            .boxed()
+                    },
+                )
+                .await?
+            }
+        };
+        Ok(batch.flags(&done))
     }
 
-    /// Completes deliveries on a connection in a transaction: deletes them (fenced by their
-    /// claim generation), records them with completion history, stamps their events and moves
-    /// the heads of their keys. One flag per lease.
+    /// Completes deliveries on a connection in a transaction (the handler's): as
+    /// [`complete_leases`](Self::complete_leases), on that connection. One flag per lease.
     pub(super) async fn complete_on(
         &self,
         connection: &mut PgConnection,
         leases: &[PostgresLease],
         now: Timestamp,
     ) -> Result<Vec<bool>> {
-        let ids: Vec<i64> = leases.iter().map(|l| l.delivery_id).collect();
-        let claims: Vec<i64> = leases.iter().map(|l| l.claim).collect();
-        // The keys whose head may move, locked before the deliveries are touched.
-        let ordered = sqlx::query(&self.sql(
-            "SELECT d.handler, d.key FROM {s}.deliveries AS d \
-             JOIN unnest($1::bigint[], $2::bigint[]) AS l(id, claims) \
-               ON d.id = l.id AND d.claims = l.claims \
-             WHERE d.status = 'pending' AND d.lease_owner IS NOT NULL \
-               AND d.key IS NOT NULL AND NOT d.unordered",
-        ))
-        .bind(&ids)
-        .bind(&claims)
+        let batch = Batch::of(leases);
+        let done = match self.complete_unordered(connection, &batch, now).await? {
+            Outcome::Done(done) => done,
+            Outcome::Ordered(pairs) => {
+                self.complete_ordered(connection, &batch, &pairs, now)
+                    .await?
+            }
+        };
+        Ok(batch.flags(&done))
+    }
+
+    /// One statement: when no lease of the batch holds a delivery held to its key's order, it
+    /// deletes the deliveries the leases hold (fenced by their claim generation), records them
+    /// with completion history and stamps their events. Otherwise it writes nothing and returns
+    /// the `(handler, key)` pairs of the ordered ones, for [`complete_ordered`](Self::complete_ordered),
+    /// which must lock the keys before it touches a delivery or an event.
+    async fn complete_unordered(
+        &self,
+        connection: &mut PgConnection,
+        batch: &Batch,
+        now: Timestamp,
+    ) -> Result<Outcome> {
+        let rows = sqlx::query(&self.sql(&format!(
+            "WITH held AS ( \
+                 SELECT d.handler, d.key, d.key IS NOT NULL AND NOT d.unordered AS ordered \
+                 FROM {{s}}.deliveries AS d WHERE {held} \
+             ), done AS ( \
+                 DELETE FROM {{s}}.deliveries AS d \
+                 WHERE {held} AND (d.key IS NULL OR d.unordered) \
+                   AND NOT EXISTS (SELECT FROM held WHERE ordered) \
+                 RETURNING d.* \
+             ), {record} \
+             SELECT false AS ordered, id, NULL AS handler, NULL AS key FROM done \
+             UNION ALL SELECT true, NULL, handler, key FROM held WHERE ordered",
+            held = HELD,
+            record = RECORD,
+        )))
+        .bind(&batch.ids)
+        .bind(&batch.claims)
+        .bind(now.timestamp_millis())
+        .bind(self.inner.completion_history)
         .fetch_all(&mut *connection)
         .await
         .map_err(db_error)?;
-        let pairs = pairs_of(&ordered)?;
+        let mut done = Vec::with_capacity(rows.len());
+        let mut ordered = Vec::new();
+        for row in rows {
+            if row.try_get::<bool, _>("ordered").map_err(db_error)? {
+                ordered.push(row);
+            } else {
+                done.push(row.try_get::<i64, _>("id").map_err(db_error)?);
+            }
+        }
+        Ok(if ordered.is_empty() {
+            Outcome::Done(done)
+        } else {
+            Outcome::Ordered(pairs_of(&ordered)?)
+        })
+    }
+
+    /// Completes a batch holding deliveries held to their keys' order, in a transaction: locks
+    /// the keys (`pairs`, read by [`complete_unordered`](Self::complete_unordered); a
+    /// delivery's handler and key never change), deletes what the leases still hold, records
+    /// it, stamps the events and moves the heads of the keys. The ids it completed.
+    async fn complete_ordered(
+        &self,
+        connection: &mut PgConnection,
+        batch: &Batch,
+        pairs: &[(String, String)],
+        now: Timestamp,
+    ) -> Result<Vec<i64>> {
         let keys: Vec<String> = pairs.iter().map(|(_, k)| k.clone()).collect();
         self.lock_keys(connection, &keys).await?;
-
-        let rows = sqlx::query(&self.sql(
+        let rows = sqlx::query(&self.sql(&format!(
             "WITH done AS ( \
-                 DELETE FROM {s}.deliveries AS d \
-                 USING unnest($1::bigint[], $2::bigint[]) AS l(id, claims) \
-                 WHERE d.id = l.id AND d.claims = l.claims \
-                   AND d.status = 'pending' AND d.lease_owner IS NOT NULL \
-                 RETURNING d.* \
-             ), history AS ( \
-                 INSERT INTO {s}.completed_deliveries (id, event_id, handler, event_type, key, \
-                     sequence, unordered, attempts, due_at, created_at, updated_at, \
-                     completed_at, last_error, errors, requeued) \
-                 SELECT id, event_id, handler, event_type, key, sequence, unordered, \
-                     attempts + 1, due_at, created_at, $3, $3, last_error, errors, requeued \
-                 FROM done WHERE $4 \
-             ), stamped AS ( \
-                 UPDATE {s}.events AS e \
-                 SET completed_at = greatest(coalesce(e.completed_at, $3), $3) \
-                 WHERE e.id IN (SELECT event_id FROM done) \
-             ) \
+                 DELETE FROM {{s}}.deliveries AS d WHERE {held} RETURNING d.* \
+             ), {record} \
              SELECT id FROM done",
-        ))
-        .bind(&ids)
-        .bind(&claims)
+            held = HELD,
+            record = RECORD,
+        )))
+        .bind(&batch.ids)
+        .bind(&batch.claims)
         .bind(now.timestamp_millis())
         .bind(self.inner.completion_history)
         .fetch_all(&mut *connection)
@@ -248,14 +325,65 @@ impl PostgresEventStore {
         for row in &rows {
             done.push(row.try_get("id").map_err(db_error)?);
         }
-        self.move_heads(connection, &pairs).await?;
-        // A lease named twice completes once: its first mention.
-        let mut seen = std::collections::HashSet::new();
-        Ok(leases
-            .iter()
-            .map(|lease| done.contains(&lease.delivery_id) && seen.insert(lease.delivery_id))
-            .collect())
+        self.move_heads(connection, pairs).await?;
+        Ok(done)
     }
+}
+
+/// The condition on `d` (deliveries) of a delivery that a lease of the batch holds: `$1` the
+/// delivery ids, `$2` their claim generations. The primary key finds the rows; the generation
+/// is a filter on each, so it is checked again on the row a concurrent write left.
+pub(super) const HELD: &str = "d.id = ANY($1::bigint[]) \
+     AND d.claims = ANY (SELECT l.claims FROM unnest($1::bigint[], $2::bigint[]) \
+                         AS l(id, claims) WHERE l.id = d.id) \
+     AND d.status = 'pending' AND d.lease_owner IS NOT NULL";
+
+/// The CTEs recording the deliveries of `done` (completion history when `$4`) and stamping
+/// their events' `completed_at` with `$3`.
+const RECORD: &str = "history AS ( \
+         INSERT INTO {s}.completed_deliveries (id, event_id, handler, event_type, key, \
+             sequence, unordered, attempts, due_at, created_at, updated_at, completed_at, \
+             last_error, errors, requeued) \
+         SELECT id, event_id, handler, event_type, key, sequence, unordered, attempts + 1, \
+             due_at, created_at, $3, $3, last_error, errors, requeued \
+         FROM done WHERE $4 \
+     ), stamped AS ( \
+         UPDATE {s}.events AS e SET completed_at = greatest(coalesce(e.completed_at, $3), $3) \
+         WHERE e.id IN (SELECT event_id FROM done) \
+     )";
+
+/// The leases of a completion, as the statements' arrays.
+struct Batch {
+    ids: Vec<i64>,
+    claims: Vec<i64>,
+}
+
+impl Batch {
+    fn of(leases: &[PostgresLease]) -> Self {
+        Batch {
+            ids: leases.iter().map(|l| l.delivery_id).collect(),
+            claims: leases.iter().map(|l| l.claim).collect(),
+        }
+    }
+
+    /// One flag per lease: whether it completed. A lease named twice completes once: its first
+    /// mention.
+    fn flags(&self, done: &[i64]) -> Vec<bool> {
+        let mut seen = std::collections::HashSet::new();
+        self.ids
+            .iter()
+            .map(|id| done.contains(id) && seen.insert(*id))
+            .collect()
+    }
+}
+
+/// What the one-statement completion did.
+enum Outcome {
+    /// It completed these deliveries.
+    Done(Vec<i64>),
+    /// It wrote nothing: the batch holds deliveries of these `(handler, key)` pairs held to
+    /// their keys' order.
+    Ordered(Vec<(String, String)>),
 }
 
 /// The distinct `(handler, key)` pairs of rows with those columns.

@@ -70,7 +70,10 @@
 //!   `bigint` identity id (the delivery id of leases and listings), the event's key and
 //!   sequence, `unordered`, `parked`, the attempt count and error history, the claim generation
 //!   `claims`, and the lease: `lease_owner`, `lease_instance`, `lease_expires_at`. A foreign key
-//!   holds every delivery to its event.
+//!   holds every delivery to its event. The table keeps half of each page free (fill factor
+//!   50) and no index reads the lease or the claim generation, so that a claim, which writes
+//!   only those, updates its rows in place (heap-only tuples) without writing index entries;
+//!   `relinquish` and the lane report, which look for running deliveries, scan the table.
 //! - `key_sequences`: one counter row per ordering key.
 //! - `completed_deliveries`: completion records, with
 //!   [`completion_history`](PostgresEventStoreBuilder::completion_history).
@@ -99,7 +102,8 @@
 //!   claim nothing. Unordered deliveries are never parked and park nothing.
 //! - **Claims** are one statement: `FOR UPDATE SKIP LOCKED` over a partial index of the
 //!   unparked pending deliveries, due order, taking those with no lease or an expired one.
-//!   Concurrent claimers skip each other's rows instead of waiting. Each claim bumps the
+//!   Concurrent claimers skip each other's rows instead of waiting; the claimed rows are
+//!   updated through their primary key and returned with their events. Each claim bumps the
 //!   delivery's claim generation, which the lease carries; taking over an expired lease charges
 //!   the lost attempt (and records it, without an attempt number, in the error history). An
 //!   owner never takes over what it runs itself through the same store instance (its process
@@ -110,10 +114,14 @@
 //!   generation on, so a stale worker's lease matches nothing once another claim took the
 //!   delivery, whatever the clocks say. A lease that expired but was not taken over is still
 //!   honoured.
-//! - **Completion** deletes the deliveries (fenced), writes their completion records when
-//!   history is on, stamps `completed_at` on their events and moves their keys' heads, in one
-//!   transaction; `complete_in_transaction` does the same in the handler's transaction, so the
-//!   handler's writes commit with it or not at all.
+//! - **Completion** deletes the deliveries (found by primary key, fenced by their claim
+//!   generation), writes their completion records when history is on and stamps
+//!   `completed_at` on their events, in one statement and one round trip when no delivery of
+//!   the batch is held to its key's order. When one is, that statement writes nothing and
+//!   returns the batch's keys, and a transaction locks them, deletes, records and stamps as
+//!   above and moves the keys' heads (the lock order below). `complete_in_transaction` does
+//!   the same in the handler's transaction, so the handler's writes commit with it or not at
+//!   all.
 //! - **Wake-ups.** An append sends one `pg_notify` per call on the channel `relaybus:<schema>`
 //!   with the handlers it added deliveries for; PostgreSQL delivers it at commit and drops it
 //!   on rollback. [`watch`](crate::Store::watch) listens with sqlx's `PgListener`. Polling

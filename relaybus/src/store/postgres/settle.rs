@@ -7,7 +7,11 @@ use std::time::Duration;
 use futures::FutureExt;
 use sqlx::{PgConnection, Row};
 
-use super::{PostgresEventStore, PostgresLease, checks, claim::push_error, db_error};
+use super::{
+    PostgresEventStore, PostgresLease, checks,
+    claim::{HELD, push_error},
+    db_error,
+};
 use crate::{error::Result, time::Timestamp};
 
 /// How a claim ends.
@@ -129,13 +133,11 @@ impl PostgresEventStore {
         }
         let ids: Vec<i64> = leases.iter().map(|l| l.delivery_id()).collect();
         let claims: Vec<i64> = leases.iter().map(|l| l.claim()).collect();
-        let rows = sqlx::query(&self.sql(
-            "UPDATE {s}.deliveries AS d SET lease_expires_at = greatest(d.lease_expires_at, $3) \
-             FROM unnest($1::bigint[], $2::bigint[]) AS l(id, claims) \
-             WHERE d.id = l.id AND d.claims = l.claims AND d.status = 'pending' \
-               AND d.lease_owner IS NOT NULL \
-             RETURNING d.id",
-        ))
+        let rows = sqlx::query(&self.sql(&format!(
+            "UPDATE {{s}}.deliveries AS d SET lease_expires_at = greatest(d.lease_expires_at, $3) \
+             WHERE {held} RETURNING d.id",
+            held = HELD,
+        )))
         .bind(&ids)
         .bind(&claims)
         .bind(expires.timestamp_millis())
