@@ -9,7 +9,11 @@
 //! topic of four partitions; the raw baseline produces the same envelopes as the relay's
 //! records (key, JSON value, headers, timestamp), one record per produce, each to the partition
 //! the relay picks for it, in the same topic, keeping the same number of produces outstanding.
-//! The two take turns going first, round by round.
+//! The two take turns going first, round by round. The consumer of the latency run fetches
+//! with a wait of 50 ms (its default is 500 ms): a broker that answers a waiting fetch only
+//! when its wait runs out, not when a record arrives, puts up to that wait into the latency
+//! (with Tansu the latency follows the wait), and 1,000 samples of up to 500 ms each would not
+//! fit three rounds into five minutes.
 //!
 //! Run with `cargo bench -p relaybus --bench kafka --features kafka,memory`. It uses the broker
 //! at `RELAYBUS_BENCH_KAFKA_URL` (else `RELAYBUS_TEST_KAFKA_URL`; `host:port`), else starts a
@@ -49,6 +53,8 @@ use tokio_util::sync::CancellationToken;
 const CONCURRENCY: usize = 32;
 /// Partitions of the throughput topic, for the relay and the raw baseline alike.
 const PARTITIONS: u32 = 4;
+/// How long the latency run's consumer lets the broker hold a fetch when there are no records.
+const FETCH_WAIT: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Tick {
@@ -82,11 +88,7 @@ struct PrivateBroker {
 impl PrivateBroker {
     /// Starts one and returns it with its URL.
     fn start() -> Result<(PrivateBroker, String), BoxError> {
-        let name = format!(
-            "bench-{}-{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        );
+        let name = format!("bench-{}-{:08x}", std::process::id(), rand::random::<u32>());
         let output = std::process::Command::new(script())
             .args(["start", "--name", &name, "--port", "0"])
             .output()
@@ -194,7 +196,11 @@ impl Topics {
     async fn partition(&self, topic: &str, partition: u32) -> Result<PartitionClient, BoxError> {
         Ok(self
             .client
-            .partition_client(topic, i32::try_from(partition)?, UnknownTopicHandling::Error)
+            .partition_client(
+                topic,
+                i32::try_from(partition)?,
+                UnknownTopicHandling::Error,
+            )
             .await?)
     }
 
@@ -280,7 +286,11 @@ async fn raw(
 
     let stored = topics.records(relay.topic(), relay.partitions()).await? - before;
     if stored != envelopes.len() as i64 {
-        return Err(format!("raw: the topic took {stored} of {} records", envelopes.len()).into());
+        return Err(format!(
+            "raw: the topic took {stored} of {} records",
+            envelopes.len()
+        )
+        .into());
     }
     Ok(rate)
 }
@@ -351,7 +361,7 @@ async fn latency(
     shop.start().await?;
     shipping.start().await?;
     let consumer = KafkaConsumer::builder(Arc::clone(client), relay.topic(), "shipping")
-        .fetch_wait(Duration::from_millis(500))
+        .fetch_wait(FETCH_WAIT)
         .build()?;
     let stop = CancellationToken::new();
     let consuming = {
@@ -442,7 +452,8 @@ async fn main() -> Result<(), BoxError> {
 
     println!(
         "Kafka relay benchmark at {url}: {events} events per run over {PARTITIONS} partitions, \
-         {CONCURRENCY} in flight, {samples} latency samples, {rounds} rounds"
+         {CONCURRENCY} in flight, {samples} latency samples (fetch wait {FETCH_WAIT:?}), \
+         {rounds} rounds"
     );
     println!(
         "{:>6} {:>14} {:>14} {:>7} {:>10} {:>10}",
@@ -495,6 +506,7 @@ async fn main() -> Result<(), BoxError> {
         "partitions": PARTITIONS,
         "concurrency": CONCURRENCY,
         "samples": samples,
+        "fetch_wait_ms": FETCH_WAIT.as_millis(),
         "rounds": rounds,
         "raw_per_sec": figure(&raws, 0),
         "relay_per_sec": figure(&relays, 0),
