@@ -1813,11 +1813,11 @@ async fn ops_routes_refuse_malformed_input_with_a_json_4xx_and_write_nothing() {
         (r#"{"ids": {"$gt": ""}}"#.to_owned(), "invalid type"),
         (r#"{"ids": ["not-an-id"]}"#.to_owned(), "not a delivery id"),
         (
-            r#"{"ids": ["65f0c0ffee0000000000beeg"]}"#.to_owned(),
+            r#"{"ids": ["65f0c0ffee-0000000000beef"]}"#.to_owned(),
             "not a delivery id",
         ),
         (
-            r#"{"ids": ["65f0c0ffee0000000000beef0"]}"#.to_owned(),
+            format!(r#"{{"ids": ["{}"]}}"#, "a".repeat(65)),
             "not a delivery id",
         ),
         (r#"{"ids": []}"#.to_owned(), "1 to 1000 ids"),
