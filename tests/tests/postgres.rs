@@ -362,8 +362,8 @@ async fn concurrent_setups_succeed() {
     .await
     .unwrap();
     assert_eq!(
-        tables, 5,
-        "events, deliveries, key_sequences, completed_deliveries, leads"
+        tables, 6,
+        "events, deliveries, key_sequences, completed_deliveries, leads, consumer_positions"
     );
 }
 
