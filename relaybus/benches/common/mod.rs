@@ -1,5 +1,5 @@
 //! What the benchmarks share: a store on a fresh database, the raw-driver baseline and the
-//! floor of the document model.
+//! floor of the document model; latency summaries and the process's memory.
 
 use std::time::Instant;
 
@@ -152,4 +152,91 @@ fn ids_of(found: &[Document]) -> Vec<ObjectId> {
         .iter()
         .filter_map(|d| d.get_object_id("_id").ok())
         .collect()
+}
+
+/// Percentiles of a set of latencies in milliseconds.
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module measures latency"
+)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Summary {
+    pub(crate) p50: f64,
+    pub(crate) p99: f64,
+    pub(crate) max: f64,
+    pub(crate) samples: usize,
+}
+
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module measures latency"
+)]
+impl Summary {
+    /// The nearest-rank percentiles of `ms`; NaN for an empty set.
+    pub(crate) fn of(mut ms: Vec<f64>) -> Summary {
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            let last = ms.len().saturating_sub(1);
+            ms.get((last as f64 * q).round() as usize)
+                .copied()
+                .unwrap_or(f64::NAN)
+        };
+        Summary {
+            p50: at(0.5),
+            p99: at(0.99),
+            max: at(1.0),
+            samples: ms.len(),
+        }
+    }
+
+    /// `p50_ms`, `p99_ms`, `max_ms` (to 0.1 ms; null when there were no samples) and `samples`.
+    pub(crate) fn json(&self) -> serde_json::Value {
+        let ms = |v: f64| (v * 10.0).round() / 10.0;
+        serde_json::json!({
+            "p50_ms": ms(self.p50),
+            "p99_ms": ms(self.p99),
+            "max_ms": ms(self.max),
+            "samples": self.samples,
+        })
+    }
+}
+
+/// The process's resident set and its high-water mark, in kB.
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module measures memory"
+)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Memory {
+    pub(crate) rss_kb: u64,
+    pub(crate) hwm_kb: u64,
+}
+
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module measures memory"
+)]
+impl Memory {
+    /// `VmRSS` and `VmHWM` from `/proc/self/status`; `None` where there is no such file.
+    pub(crate) fn now() -> Option<Memory> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        };
+        Some(Memory {
+            rss_kb: field("VmRSS:")?,
+            hwm_kb: field("VmHWM:")?,
+        })
+    }
+
+    /// The larger of each figure.
+    pub(crate) fn max(self, other: Memory) -> Memory {
+        Memory {
+            rss_kb: self.rss_kb.max(other.rss_kb),
+            hwm_kb: self.hwm_kb.max(other.hwm_kb),
+        }
+    }
 }
