@@ -2,12 +2,16 @@
 //! handler, batched completion) with 1, 2 and 4 buses, next to the raw driver reading and
 //! deleting plain documents in batches of the same size; and the time from a publish's commit to
 //! its handler starting, on idle buses with and without the change stream. The floor of the
-//! document model (see `common::floor`) runs next to them with the same batch size.
+//! document model (see `common::floor`) runs next to them with the same batch size; each
+//! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
 //!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
-//! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
-//! deliveries per throughput run (default 4000), `RELAYBUS_BENCH_SAMPLES` the latency samples
-//! (default 150). Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
+//! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
+//! - `RELAYBUS_BENCH_DELIVERIES`: deliveries per throughput run (default 4000);
+//! - `RELAYBUS_BENCH_SAMPLES`: latency samples with the change stream (default 1000);
+//! - `RELAYBUS_BENCH_POLL_SAMPLES`: latency samples when polling (default 150).
+//!
+//! Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
 
 use std::{
     sync::{
@@ -30,7 +34,7 @@ use tokio::sync::{Notify, mpsc};
 
 mod common;
 
-use common::{baseline, floor, store};
+use common::{Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
 
@@ -53,16 +57,16 @@ fn env_number(name: &str, default: usize) -> usize {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let smoke = !std::env::args().any(|arg| arg == "--bench");
-    let deliveries = if smoke {
-        64
-    } else {
-        env_number("RELAYBUS_BENCH_DELIVERIES", 4000)
+    let sized = |name: &str, default: usize, tiny: usize| {
+        if smoke {
+            tiny
+        } else {
+            env_number(name, default)
+        }
     };
-    let samples = if smoke {
-        3
-    } else {
-        env_number("RELAYBUS_BENCH_SAMPLES", 150)
-    };
+    let deliveries = sized("RELAYBUS_BENCH_DELIVERIES", 4000, 64);
+    let samples = sized("RELAYBUS_BENCH_SAMPLES", 1000, 5);
+    let poll_samples = sized("RELAYBUS_BENCH_POLL_SAMPLES", 150, 5);
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let mut run = 0_u32;
@@ -73,8 +77,8 @@ async fn main() -> Result<(), BoxError> {
 
     println!("dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}");
     println!(
-        "{:<10} {:<8} {:>6} {:>16}",
-        "subject", "keys", "buses", "deliveries/s"
+        "{:<10} {:<8} {:>6} {:>16} {:>8} {:>10}",
+        "subject", "keys", "buses", "deliveries/s", "/ floor", "/ unkeyed"
     );
     let mut throughput = Vec::new();
     for buses in [1_usize, 2, 4] {
@@ -87,50 +91,69 @@ async fn main() -> Result<(), BoxError> {
         );
         let db = fresh_db();
         let floor_store = store(&client, &db).await?;
-        publish(&floor_store, deliveries, false).await?;
+        publish(&floor_store, deliveries, None).await?;
         let floor = floor(&floor_store, deliveries, BATCH, buses).await?;
         db.drop().await?;
         println!("{:<10} {:<8} {:>6} {:>16.0}", "floor", "none", buses, floor);
+        let mut unkeyed = f64::NAN;
         for keyed in [false, true] {
             let db = fresh_db();
             let ours = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
             db.drop().await?;
-            let keys = if keyed { "100 keys" } else { "none" };
-            println!("{:<10} {:<8} {:>6} {:>16.0}", "relaybus", keys, buses, ours);
-            throughput.push(serde_json::json!({
+            let mut row = serde_json::json!({
                 "buses": buses,
                 "keyed": keyed,
                 "relaybus_per_sec": ours.round(),
                 "baseline_per_sec": baseline.round(),
                 "floor_per_sec": floor.round(),
-                "ratio": ((ours / baseline) * 1000.0).round() / 1000.0,
-                "floor_ratio": ((floor / baseline) * 1000.0).round() / 1000.0,
-            }));
+                "ratio": thousandths(ours / baseline),
+                "floor_ratio": thousandths(floor / baseline),
+            });
+            if keyed {
+                let keyed_to_unkeyed = ours / unkeyed;
+                row["keyed_to_unkeyed"] = thousandths(keyed_to_unkeyed).into();
+                println!(
+                    "{:<10} {:<8} {:>6} {:>16.0} {:>8} {:>10.3}",
+                    "relaybus", "100 keys", buses, ours, "", keyed_to_unkeyed
+                );
+            } else {
+                unkeyed = ours;
+                let relaybus_floor_ratio = ours / floor;
+                row["relaybus_floor_ratio"] = thousandths(relaybus_floor_ratio).into();
+                println!(
+                    "{:<10} {:<8} {:>6} {:>16.0} {:>8.3}",
+                    "relaybus", "none", buses, ours, relaybus_floor_ratio
+                );
+            }
+            throughput.push(row);
         }
     }
 
-    println!("\ncommit-to-handler latency on idle buses, {samples} samples each");
-    println!("{:<22} {:>10} {:>10}", "wake-up", "p50 ms", "p99 ms");
+    println!("\ncommit-to-handler latency on idle buses");
+    println!(
+        "{:<22} {:>8} {:>10} {:>10} {:>10}",
+        "wake-up", "samples", "p50 ms", "p99 ms", "max ms"
+    );
     let mut latency = Vec::new();
-    for (change_stream, poll) in [
-        (true, Duration::from_secs(1)),
-        (false, Duration::from_millis(250)),
+    for (change_stream, poll, samples) in [
+        (true, Duration::from_secs(1), samples),
+        (false, Duration::from_millis(250), poll_samples),
     ] {
         let db = fresh_db();
-        let (p50, p99) = latency_run(&client, &db, samples, change_stream, poll).await?;
+        let summary = latency_run(&client, &db, samples, change_stream, poll).await?;
         db.drop().await?;
         let label = if change_stream {
             "change stream".to_owned()
         } else {
             format!("polling every {} ms", poll.as_millis())
         };
-        println!("{label:<22} {p50:>10.1} {p99:>10.1}");
-        latency.push(serde_json::json!({
+        print_summary(&label, &summary);
+        let mut row = serde_json::json!({
             "change_stream": change_stream,
             "poll_interval_ms": poll.as_millis() as u64,
-            "p50_ms": (p50 * 10.0).round() / 10.0,
-            "p99_ms": (p99 * 10.0).round() / 10.0,
-        }));
+        });
+        merge(&mut row, summary.json());
+        latency.push(row);
     }
 
     let headline = throughput
@@ -139,7 +162,7 @@ async fn main() -> Result<(), BoxError> {
     let figure = |name: &str| headline.and_then(|r| r[name].as_f64()).unwrap_or(f64::NAN);
     let (ratio, floor_ratio) = (figure("ratio"), figure("floor_ratio"));
     println!(
-        "ratio (relaybus unkeyed / baseline, 4 buses): {ratio:.3}; the floor of the document \
+        "\nratio (relaybus unkeyed / baseline, 4 buses): {ratio:.3}; the floor of the document \
          model: {floor_ratio:.3}"
     );
     println!(
@@ -157,8 +180,34 @@ async fn main() -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Publishes `count` events for the handler `tick`, keyed over 100 keys or not.
-async fn publish(store: &MongoEventStore, count: usize, keyed: bool) -> Result<(), BoxError> {
+/// `value` rounded to three decimals.
+fn thousandths(value: f64) -> f64 {
+    (value * 1000.0).round() / 1000.0
+}
+
+/// Adds the fields of the object `extra` to the object `row`.
+fn merge(row: &mut serde_json::Value, extra: serde_json::Value) {
+    if let (Some(row), serde_json::Value::Object(extra)) = (row.as_object_mut(), extra) {
+        row.extend(extra);
+    }
+}
+
+/// One row of the latency table.
+fn print_summary(label: &str, summary: &Summary) {
+    println!(
+        "{label:<22} {:>8} {:>10.1} {:>10.1} {:>10.1}",
+        summary.samples, summary.p50, summary.p99, summary.max
+    );
+}
+
+/// The pause after the latency sample `n`: 3 to 27 ms, varied so that the samples do not fall
+/// into step with the bus.
+fn spacing(n: u64) -> Duration {
+    Duration::from_millis(3 + (n % 7) * 4)
+}
+
+/// Publishes `count` events for the handler `tick`, keyed over `keys` keys or not.
+async fn publish(store: &MongoEventStore, count: usize, keys: Option<u64>) -> Result<(), BoxError> {
     let publisher = RelayBus::builder(store.clone())
         .subscribe(Subscription::new(
             "tick",
@@ -171,8 +220,8 @@ async fn publish(store: &MongoEventStore, count: usize, keyed: bool) -> Result<(
         let mut envelopes = Vec::with_capacity(chunk);
         for _ in 0..chunk {
             let mut envelope = EventEnvelope::new(&Tick { n })?;
-            if keyed {
-                envelope = envelope.with_key(format!("key-{}", n % 100))?;
+            if let Some(keys) = keys {
+                envelope = envelope.with_key(format!("key-{}", n % keys))?;
             }
             envelopes.push(envelope);
             n += 1;
@@ -191,31 +240,25 @@ async fn relaybus_run(
     keyed: bool,
 ) -> Result<f64, BoxError> {
     let store = store(client, db).await?;
-    publish(&store, count, keyed).await?;
+    publish(&store, count, keyed.then_some(100)).await?;
     let handled = Arc::new(AtomicUsize::new(0));
     let all_done = Arc::new(Notify::new());
     let mut running = Vec::new();
     for i in 0..buses {
         let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
-        let bus = RelayBus::builder(store.clone())
-            .owner(format!("bench-{i}"))
-            .batch_size(BATCH)
-            .concurrency(BATCH as usize * 2)
-            .retention(None)
-            .setup_on_start(false)
-            .subscribe(Subscription::new(
-                "tick",
-                move |_: Tick, _: HandlerContext| {
-                    let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
-                    async move {
-                        if handled.fetch_add(1, Ordering::Relaxed) + 1 == count {
-                            all_done.notify_one();
-                        }
-                        Ok::<(), BoxError>(())
+        let bus = draining_bus(
+            &store,
+            &format!("bench-{i}"),
+            Subscription::new("tick", move |_: Tick, _: HandlerContext| {
+                let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
+                async move {
+                    if handled.fetch_add(1, Ordering::Relaxed) + 1 == count {
+                        all_done.notify_one();
                     }
-                },
-            ))
-            .build()?;
+                    Ok::<(), BoxError>(())
+                }
+            }),
+        )?;
         running.push(bus);
     }
     let started = Instant::now();
@@ -226,22 +269,19 @@ async fn relaybus_run(
     // The last completions are flushed by the shutdown; count them in.
     try_join_all(running.iter().map(|bus| bus.shutdown())).await?;
     let elapsed = started.elapsed();
-    let left = db
-        .collection::<Document>("relaybus_deliveries")
-        .count_documents(doc! {})
-        .await?;
-    assert_eq!(left, 0, "every delivery completed");
+    assert_drained(db).await?;
     Ok(count as f64 / elapsed.as_secs_f64())
 }
 
-/// Commit-to-handler latency percentiles (ms) on one idle bus.
+/// Commit-to-handler latency (ms) on one idle bus: from the return of `publish`, which returns
+/// once the publishing transaction committed, to the handler starting.
 async fn latency_run(
     client: &Client,
     db: &Database,
     samples: usize,
     change_stream: bool,
     poll_interval: Duration,
-) -> Result<(f64, f64), BoxError> {
+) -> Result<Summary, BoxError> {
     let store = store(client, db).await?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Instant>();
     let bus = RelayBus::builder(store.clone())
@@ -271,11 +311,41 @@ async fn latency_run(
             .await?
             .ok_or("handler channel closed")?;
         latencies.push(handled.saturating_duration_since(committed).as_secs_f64() * 1000.0);
-        // Spread the samples over the poll cycle.
-        tokio::time::sleep(Duration::from_millis(17 + (n % 7) * 11)).await;
+        // Polling: spread the samples over the poll cycle.
+        let pause = if change_stream {
+            spacing(n)
+        } else {
+            Duration::from_millis(17 + (n % 7) * 11)
+        };
+        tokio::time::sleep(pause).await;
     }
     bus.shutdown().await?;
-    latencies.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
-    Ok((at(0.5), at(0.99)))
+    assert_drained(db).await?;
+    Ok(Summary::of(latencies))
+}
+
+/// A bus set like those of the throughput runs (batch 32, 64 handlers at once).
+fn draining_bus(
+    store: &MongoEventStore,
+    owner: &str,
+    subscription: Subscription,
+) -> Result<RelayBus, BoxError> {
+    Ok(RelayBus::builder(store.clone())
+        .owner(owner)
+        .batch_size(BATCH)
+        .concurrency(BATCH as usize * 2)
+        .retention(None)
+        .setup_on_start(false)
+        .subscribe(subscription)
+        .build()?)
+}
+
+/// Asserts that no delivery is left in `db`.
+async fn assert_drained(db: &Database) -> Result<(), BoxError> {
+    let left = db
+        .collection::<Document>("relaybus_deliveries")
+        .count_documents(doc! {})
+        .await?;
+    assert_eq!(left, 0, "every delivery completed");
+    Ok(())
 }
