@@ -5,17 +5,23 @@
 //! document model (see `common::floor`) runs next to them with the same batch size; each
 //! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
 //!
+//! Then, with one bus set as in the throughput runs, a fresh key under a backlog: events with
+//! keys never seen before, published one at a time while the bus drains a backlog keyed over 100
+//! keys, and their commit-to-handler latency.
+//!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
 //! - `RELAYBUS_BENCH_DELIVERIES`: deliveries per throughput run (default 4000);
 //! - `RELAYBUS_BENCH_SAMPLES`: latency samples with the change stream (default 1000);
-//! - `RELAYBUS_BENCH_POLL_SAMPLES`: latency samples when polling (default 150).
+//! - `RELAYBUS_BENCH_POLL_SAMPLES`: latency samples when polling (default 150);
+//! - `RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES`: the keyed backlog of the fresh-key run (default
+//!   20000; at most 1000 samples).
 //!
-//! Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
+//! Run by `cargo test` (without `--bench`), it makes small runs of everything as a smoke test.
 
 use std::{
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
@@ -37,6 +43,10 @@ mod common;
 use common::{Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
+/// The most fresh-key samples taken while a keyed backlog drains.
+const FRESH_KEY_SAMPLES: usize = 1000;
+/// The prefix of the keys never seen before in the fresh-key run.
+const FRESH_PREFIX: &str = "fresh-";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Tick {
@@ -67,6 +77,8 @@ async fn main() -> Result<(), BoxError> {
     let deliveries = sized("RELAYBUS_BENCH_DELIVERIES", 4000, 64);
     let samples = sized("RELAYBUS_BENCH_SAMPLES", 1000, 5);
     let poll_samples = sized("RELAYBUS_BENCH_POLL_SAMPLES", 150, 5);
+    let keyed_backlog = sized("RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES", 20_000, 64);
+    let fresh_samples = if smoke { 5 } else { FRESH_KEY_SAMPLES };
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let mut run = 0_u32;
@@ -156,6 +168,21 @@ async fn main() -> Result<(), BoxError> {
         latency.push(row);
     }
 
+    let db = fresh_db();
+    let fresh = fresh_key_run(&client, &db, keyed_backlog, fresh_samples).await?;
+    db.drop().await?;
+    print_summary("fresh key, backlog", &fresh.latency);
+    println!(
+        "  behind {keyed_backlog} deliveries over 100 keys, drained at {:.0}/s",
+        fresh.drain_per_sec
+    );
+    let mut fresh_key_under_backlog = serde_json::json!({
+        "backlog_deliveries": keyed_backlog,
+        "backlog_keys": 100,
+        "drain_per_sec": fresh.drain_per_sec.round(),
+    });
+    merge(&mut fresh_key_under_backlog, fresh.latency.json());
+
     let headline = throughput
         .iter()
         .find(|r| r["buses"] == 4 && r["keyed"] == false);
@@ -173,6 +200,7 @@ async fn main() -> Result<(), BoxError> {
             "batch": BATCH,
             "throughput": throughput,
             "latency": latency,
+            "fresh_key_under_backlog": fresh_key_under_backlog,
             "floor_ratio": floor_ratio,
             "ratio": ratio,
         })
@@ -348,4 +376,85 @@ async fn assert_drained(db: &Database) -> Result<(), BoxError> {
         .await?;
     assert_eq!(left, 0, "every delivery completed");
     Ok(())
+}
+
+/// What [`fresh_key_run`] measured.
+struct FreshKey {
+    latency: Summary,
+    drain_per_sec: f64,
+}
+
+/// Commit-to-handler latency (ms) of events with a key never seen before, published one at a
+/// time while one bus drains `backlog` deliveries keyed over 100 keys; and the rate at which the
+/// backlog drained. Samples stop when the backlog is drained (after at least one) or after
+/// `samples`.
+async fn fresh_key_run(
+    client: &Client,
+    db: &Database,
+    backlog: usize,
+    samples: usize,
+) -> Result<FreshKey, BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, backlog, Some(100)).await?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Instant>();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let drained = Arc::new(Notify::new());
+    let drained_at = Arc::new(Mutex::new(None::<Instant>));
+    let subscription = Subscription::new("tick", {
+        let (handled, drained, drained_at) = (
+            Arc::clone(&handled),
+            Arc::clone(&drained),
+            Arc::clone(&drained_at),
+        );
+        move |_: Tick, ctx: HandlerContext| {
+            let started = Instant::now();
+            let (tx, handled, drained, drained_at) = (
+                tx.clone(),
+                Arc::clone(&handled),
+                Arc::clone(&drained),
+                Arc::clone(&drained_at),
+            );
+            async move {
+                if ctx.key().is_some_and(|key| key.starts_with(FRESH_PREFIX)) {
+                    let _ = tx.send(started);
+                } else if handled.fetch_add(1, Ordering::Relaxed) + 1 == backlog {
+                    *drained_at.lock().map_err(|_| "drain time poisoned")? = Some(started);
+                    drained.notify_one();
+                }
+                Ok::<(), BoxError>(())
+            }
+        }
+    });
+    let bus = draining_bus(&store, "bench-fresh-key", subscription)?;
+    let started = Instant::now();
+    bus.start().await?;
+    let mut latencies = Vec::with_capacity(samples);
+    for n in 0..samples as u64 {
+        if n > 0 && handled.load(Ordering::Relaxed) >= backlog {
+            break;
+        }
+        bus.publish(&Tick { n })
+            .key(format!("{FRESH_PREFIX}{n}"))
+            .await?;
+        let committed = Instant::now();
+        let handler_started = tokio::time::timeout(Duration::from_secs(600), rx.recv())
+            .await?
+            .ok_or("handler channel closed")?;
+        latencies.push(
+            handler_started
+                .saturating_duration_since(committed)
+                .as_secs_f64()
+                * 1000.0,
+        );
+        tokio::time::sleep(spacing(n)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(600), drained.notified()).await?;
+    bus.shutdown().await?;
+    assert_drained(db).await?;
+    let drained_at = (*drained_at.lock().map_err(|_| "drain time poisoned")?)
+        .ok_or("the backlog's last delivery left no time")?;
+    Ok(FreshKey {
+        latency: Summary::of(latencies),
+        drain_per_sec: backlog as f64 / drained_at.duration_since(started).as_secs_f64(),
+    })
 }
