@@ -5,9 +5,11 @@
 //! document model (see `common::floor`) runs next to them with the same batch size; each
 //! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
 //!
-//! Then, with one bus set as in the throughput runs, a fresh key under a backlog: events with
-//! keys never seen before, published one at a time while the bus drains a backlog keyed over 100
-//! keys, and their commit-to-handler latency.
+//! Then two profiles, each with one bus set as in the throughput runs:
+//! - a fresh key under a backlog: events with keys never seen before, published one at a time
+//!   while the bus drains a backlog keyed over 100 keys, and their commit-to-handler latency;
+//! - a backlog: the drain rate of the first and the last tenth of an unkeyed backlog, and the
+//!   process's resident memory (`VmRSS`, `VmHWM`) while it drains.
 //!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
@@ -15,7 +17,9 @@
 //! - `RELAYBUS_BENCH_SAMPLES`: latency samples with the change stream (default 1000);
 //! - `RELAYBUS_BENCH_POLL_SAMPLES`: latency samples when polling (default 150);
 //! - `RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES`: the keyed backlog of the fresh-key run (default
-//!   20000; at most 1000 samples).
+//!   20000; at most 1000 samples);
+//! - `RELAYBUS_BENCH_BACKLOG`: the backlog run (default 20000, 100000 with
+//!   `RELAYBUS_PROFILE=long`).
 //!
 //! Run by `cargo test` (without `--bench`), it makes small runs of everything as a smoke test.
 
@@ -36,11 +40,11 @@ use relaybus::{
     BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus, Subscription,
 };
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 mod common;
 
-use common::{Summary, baseline, floor, store};
+use common::{Memory, Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
 /// The most fresh-key samples taken while a keyed backlog drains.
@@ -67,6 +71,7 @@ fn env_number(name: &str, default: usize) -> usize {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let smoke = !std::env::args().any(|arg| arg == "--bench");
+    let long = std::env::var("RELAYBUS_PROFILE").is_ok_and(|profile| profile == "long");
     let sized = |name: &str, default: usize, tiny: usize| {
         if smoke {
             tiny
@@ -77,6 +82,11 @@ async fn main() -> Result<(), BoxError> {
     let deliveries = sized("RELAYBUS_BENCH_DELIVERIES", 4000, 64);
     let samples = sized("RELAYBUS_BENCH_SAMPLES", 1000, 5);
     let poll_samples = sized("RELAYBUS_BENCH_POLL_SAMPLES", 150, 5);
+    let backlog_size = sized(
+        "RELAYBUS_BENCH_BACKLOG",
+        if long { 100_000 } else { 20_000 },
+        64,
+    );
     let keyed_backlog = sized("RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES", 20_000, 64);
     let fresh_samples = if smoke { 5 } else { FRESH_KEY_SAMPLES };
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
@@ -183,6 +193,43 @@ async fn main() -> Result<(), BoxError> {
     });
     merge(&mut fresh_key_under_backlog, fresh.latency.json());
 
+    let db = fresh_db();
+    let backlog = backlog_run(&client, &db, backlog_size).await?;
+    db.drop().await?;
+    println!(
+        "\nbacklog of {backlog_size} unkeyed deliveries, 1 bus: first 10% {:.0}/s, last 10% \
+         {:.0}/s (last / first {:.3}), all {:.0}/s",
+        backlog.first_10,
+        backlog.last_10,
+        backlog.last_10 / backlog.first_10,
+        backlog.total
+    );
+    let kb = |memory: Option<Memory>, field: fn(&Memory) -> u64| memory.as_ref().map(field);
+    let shown = |figure: Option<u64>| figure.map_or("-".to_owned(), |kb| kb.to_string());
+    println!(
+        "  VmRSS kB: start {}, max {}, end {}; VmHWM kB at the end {}",
+        shown(kb(backlog.memory[0], |m| m.rss_kb)),
+        shown(kb(backlog.memory[1], |m| m.rss_kb)),
+        shown(kb(backlog.memory[2], |m| m.rss_kb)),
+        shown(kb(backlog.memory[2], |m| m.hwm_kb)),
+    );
+    let memory_json = |field: fn(&Memory) -> u64| {
+        serde_json::json!({
+            "start": kb(backlog.memory[0], field),
+            "max": kb(backlog.memory[1], field),
+            "end": kb(backlog.memory[2], field),
+        })
+    };
+    let backlog_json = serde_json::json!({
+        "deliveries": backlog_size,
+        "first_10_per_sec": backlog.first_10.round(),
+        "last_10_per_sec": backlog.last_10.round(),
+        "last_to_first": thousandths(backlog.last_10 / backlog.first_10),
+        "total_per_sec": backlog.total.round(),
+        "rss_kb": memory_json(|m| m.rss_kb),
+        "hwm_kb": memory_json(|m| m.hwm_kb),
+    });
+
     let headline = throughput
         .iter()
         .find(|r| r["buses"] == 4 && r["keyed"] == false);
@@ -196,11 +243,13 @@ async fn main() -> Result<(), BoxError> {
         "{}",
         serde_json::json!({
             "bench": "dispatch",
+            "profile": if smoke { "smoke" } else if long { "long" } else { "default" },
             "deliveries_per_run": deliveries,
             "batch": BATCH,
             "throughput": throughput,
             "latency": latency,
             "fresh_key_under_backlog": fresh_key_under_backlog,
+            "backlog": backlog_json,
             "floor_ratio": floor_ratio,
             "ratio": ratio,
         })
@@ -456,5 +505,98 @@ async fn fresh_key_run(
     Ok(FreshKey {
         latency: Summary::of(latencies),
         drain_per_sec: backlog as f64 / drained_at.duration_since(started).as_secs_f64(),
+    })
+}
+
+/// What [`backlog_run`] measured: deliveries/s over the first and the last tenth of the
+/// backlog and over all of it, and the process's memory at the start of the drain, the largest
+/// sampled during it and at the end.
+struct Backlog {
+    first_10: f64,
+    last_10: f64,
+    total: f64,
+    memory: [Option<Memory>; 3],
+}
+
+/// One bus drains `count` unkeyed deliveries published beforehand (not timed). The handler
+/// notes when each tenth of them has started; the total runs until the bus has shut down, with
+/// the last completions flushed, as in the throughput runs.
+async fn backlog_run(client: &Client, db: &Database, count: usize) -> Result<Backlog, BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, count, None).await?;
+    // The deliveries handled when each tenth is done: the ceiling of count * k / 10.
+    let tenths: Arc<Vec<usize>> = Arc::new((1..=10).map(|k| (count * k).div_ceil(10)).collect());
+    let reached = Arc::new(Mutex::new([None::<Instant>; 10]));
+    let handled = Arc::new(AtomicUsize::new(0));
+    let all_done = Arc::new(Notify::new());
+    let subscription = Subscription::new("tick", {
+        let (tenths, reached, all_done) = (
+            Arc::clone(&tenths),
+            Arc::clone(&reached),
+            Arc::clone(&all_done),
+        );
+        move |_: Tick, _: HandlerContext| {
+            let now = Instant::now();
+            let n = handled.fetch_add(1, Ordering::Relaxed) + 1;
+            let (tenths, reached, all_done) = (
+                Arc::clone(&tenths),
+                Arc::clone(&reached),
+                Arc::clone(&all_done),
+            );
+            async move {
+                if tenths.contains(&n) {
+                    let mut reached = reached.lock().map_err(|_| "tenths poisoned")?;
+                    // A backlog under ten deliveries has tenths that share a count.
+                    for (tenth, _) in tenths.iter().enumerate().filter(|(_, at)| **at == n) {
+                        reached[tenth] = Some(now);
+                    }
+                }
+                if n == count {
+                    all_done.notify_one();
+                }
+                Ok::<(), BoxError>(())
+            }
+        }
+    });
+    let bus = draining_bus(&store, "bench-backlog", subscription)?;
+    let at_start = Memory::now();
+    let (stop, mut stopped) = oneshot::channel::<()>();
+    let sampler = tokio::spawn(async move {
+        let mut most = at_start;
+        let mut every = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = &mut stopped => return most,
+                _ = every.tick() => {
+                    most = match (most, Memory::now()) {
+                        (Some(most), Some(now)) => Some(most.max(now)),
+                        (most, now) => most.or(now),
+                    };
+                }
+            }
+        }
+    });
+    let started = Instant::now();
+    bus.start().await?;
+    tokio::time::timeout(Duration::from_secs(1800), all_done.notified()).await?;
+    bus.shutdown().await?;
+    let elapsed = started.elapsed();
+    let _ = stop.send(());
+    let most = sampler.await?;
+    let at_end = Memory::now();
+    assert_drained(db).await?;
+    let reached = *reached.lock().map_err(|_| "tenths poisoned")?;
+    let mut times = [started; 10];
+    for (time, at) in times.iter_mut().zip(reached) {
+        *time = at.ok_or("a tenth of the backlog left no time")?;
+    }
+    let rate = |from: usize, to: usize, since: Instant, until: Instant| {
+        (to - from) as f64 / until.saturating_duration_since(since).as_secs_f64()
+    };
+    Ok(Backlog {
+        first_10: rate(0, tenths[0], started, times[0]),
+        last_10: rate(tenths[8], count, times[8], times[9]),
+        total: count as f64 / elapsed.as_secs_f64(),
+        memory: [at_start, most.map(|m| m.max(at_end.unwrap_or(m))), at_end],
     })
 }
