@@ -5,11 +5,13 @@
 //! document model (see `common::floor`) runs next to them with the same batch size; each
 //! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
 //!
-//! Then two profiles, each with one bus set as in the throughput runs:
+//! Then three profiles, each with one bus set as in the throughput runs:
 //! - a fresh key under a backlog: events with keys never seen before, published one at a time
 //!   while the bus drains a backlog keyed over 100 keys, and their commit-to-handler latency;
 //! - a backlog: the drain rate of the first and the last tenth of an unkeyed backlog, and the
-//!   process's resident memory (`VmRSS`, `VmHWM`) while it drains.
+//!   process's resident memory (`VmRSS`, `VmHWM`) while it drains;
+//! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,
+//!   and the gap between one delivery of a key and the next.
 //!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
@@ -19,11 +21,13 @@
 //! - `RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES`: the keyed backlog of the fresh-key run (default
 //!   20000; at most 1000 samples);
 //! - `RELAYBUS_BENCH_BACKLOG`: the backlog run (default 20000, 100000 with
-//!   `RELAYBUS_PROFILE=long`).
+//!   `RELAYBUS_PROFILE=long`);
+//! - `RELAYBUS_BENCH_HOT_KEYS_DELIVERIES`: the hot-keys run (default 2000).
 //!
 //! Run by `cargo test` (without `--bench`), it makes small runs of everything as a smoke test.
 
 use std::{
+    collections::HashMap,
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
@@ -47,6 +51,8 @@ mod common;
 use common::{Memory, Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
+/// The keys of the hot-keys run.
+const HOT_KEYS: u64 = 10;
 /// The most fresh-key samples taken while a keyed backlog drains.
 const FRESH_KEY_SAMPLES: usize = 1000;
 /// The prefix of the keys never seen before in the fresh-key run.
@@ -89,6 +95,7 @@ async fn main() -> Result<(), BoxError> {
     );
     let keyed_backlog = sized("RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES", 20_000, 64);
     let fresh_samples = if smoke { 5 } else { FRESH_KEY_SAMPLES };
+    let hot_deliveries = sized("RELAYBUS_BENCH_HOT_KEYS_DELIVERIES", 2000, 64);
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let mut run = 0_u32;
@@ -103,6 +110,7 @@ async fn main() -> Result<(), BoxError> {
         "subject", "keys", "buses", "deliveries/s", "/ floor", "/ unkeyed"
     );
     let mut throughput = Vec::new();
+    let mut unkeyed_one_bus = f64::NAN;
     for buses in [1_usize, 2, 4] {
         let db = fresh_db();
         let baseline = baseline(&db, deliveries, BATCH, buses).await?;
@@ -140,6 +148,9 @@ async fn main() -> Result<(), BoxError> {
                 );
             } else {
                 unkeyed = ours;
+                if buses == 1 {
+                    unkeyed_one_bus = ours;
+                }
                 let relaybus_floor_ratio = ours / floor;
                 row["relaybus_floor_ratio"] = thousandths(relaybus_floor_ratio).into();
                 println!(
@@ -230,6 +241,26 @@ async fn main() -> Result<(), BoxError> {
         "hwm_kb": memory_json(|m| m.hwm_kb),
     });
 
+    let db = fresh_db();
+    let hot = hot_keys_run(&client, &db, hot_deliveries).await?;
+    db.drop().await?;
+    let to_unkeyed = hot.per_sec / unkeyed_one_bus;
+    println!(
+        "\nhot keys: {hot_deliveries} deliveries over {HOT_KEYS} keys, transactional handler, \
+         1 bus: {:.0}/s ({to_unkeyed:.3} of unkeyed); gap from a handler's return to the next \
+         of its key p50 {:.1} ms, p99 {:.1} ms",
+        hot.per_sec, hot.gap.p50, hot.gap.p99
+    );
+    let hot_keys = serde_json::json!({
+        "deliveries": hot_deliveries,
+        "keys": HOT_KEYS,
+        "per_sec": hot.per_sec.round(),
+        "to_unkeyed_1_bus": thousandths(to_unkeyed),
+        "key_gap_p50_ms": (hot.gap.p50 * 10.0).round() / 10.0,
+        "key_gap_p99_ms": (hot.gap.p99 * 10.0).round() / 10.0,
+        "key_gaps": hot.gap.samples,
+    });
+
     let headline = throughput
         .iter()
         .find(|r| r["buses"] == 4 && r["keyed"] == false);
@@ -250,6 +281,7 @@ async fn main() -> Result<(), BoxError> {
             "latency": latency,
             "fresh_key_under_backlog": fresh_key_under_backlog,
             "backlog": backlog_json,
+            "hot_keys": hot_keys,
             "floor_ratio": floor_ratio,
             "ratio": ratio,
         })
@@ -598,5 +630,82 @@ async fn backlog_run(client: &Client, db: &Database, count: usize) -> Result<Bac
         last_10: rate(tenths[8], count, times[8], times[9]),
         total: count as f64 / elapsed.as_secs_f64(),
         memory: [at_start, most.map(|m| m.max(at_end.unwrap_or(m))), at_end],
+    })
+}
+
+/// When each run of a key's deliveries started and when its handler returned, per key.
+type RunLog = HashMap<String, Vec<(Instant, Instant)>>;
+
+/// What [`hot_keys_run`] measured.
+struct HotKeys {
+    per_sec: f64,
+    gap: Summary,
+}
+
+/// One bus runs `count` deliveries over [`HOT_KEYS`] keys through a transactional handler that
+/// writes one small document through its session. Returns deliveries/s (until the bus has shut
+/// down) and, per key, the gap from a delivery's handler returning to the next delivery of the
+/// same key starting. The gap is taken from the handler's return, so it includes the commit of
+/// the transaction that completes the delivery, besides claiming the next one.
+async fn hot_keys_run(client: &Client, db: &Database, count: usize) -> Result<HotKeys, BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, count, Some(HOT_KEYS)).await?;
+    let writes = db.collection::<Document>("bench_hot_key_writes");
+    // Made up front, so that the first transactions do not race to create it.
+    db.create_collection(writes.name()).await?;
+    let runs: Arc<Mutex<RunLog>> = Arc::default();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let all_done = Arc::new(Notify::new());
+    let subscription = Subscription::new("tick", {
+        let (runs, all_done) = (Arc::clone(&runs), Arc::clone(&all_done));
+        move |event: Tick, ctx: HandlerContext| {
+            let started = Instant::now();
+            let (writes, runs, handled, all_done) = (
+                writes.clone(),
+                Arc::clone(&runs),
+                Arc::clone(&handled),
+                Arc::clone(&all_done),
+            );
+            async move {
+                {
+                    let mut session = ctx.session().await?;
+                    writes
+                        .insert_one(doc! { "n": event.n as i64 })
+                        .session(&mut *session)
+                        .await?;
+                }
+                let key = ctx.key().unwrap_or_default().to_owned();
+                let returned = Instant::now();
+                runs.lock()
+                    .map_err(|_| "run log poisoned")?
+                    .entry(key)
+                    .or_default()
+                    .push((started, returned));
+                if handled.fetch_add(1, Ordering::Relaxed) + 1 == count {
+                    all_done.notify_one();
+                }
+                Ok::<(), BoxError>(())
+            }
+        }
+    })
+    .transactional();
+    let bus = draining_bus(&store, "bench-hot-keys", subscription)?;
+    let started = Instant::now();
+    bus.start().await?;
+    tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
+    bus.shutdown().await?;
+    let elapsed = started.elapsed();
+    assert_drained(db).await?;
+    let mut gaps = Vec::with_capacity(count);
+    for runs in runs.lock().map_err(|_| "run log poisoned")?.values_mut() {
+        runs.sort_by_key(|(started, _)| *started);
+        gaps.extend(
+            runs.windows(2)
+                .map(|pair| pair[1].0.saturating_duration_since(pair[0].1).as_secs_f64() * 1000.0),
+        );
+    }
+    Ok(HotKeys {
+        per_sec: count as f64 / elapsed.as_secs_f64(),
+        gap: Summary::of(gaps),
     })
 }
