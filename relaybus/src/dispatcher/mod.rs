@@ -178,10 +178,9 @@ impl<S: Store> Shared<S> {
         std::mem::take(&mut *self.reported.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Claims up to `limit` deliveries. `after_wait`: the loop waited idle before this claim,
-    /// so the lanes the change stream reported meanwhile hold the only new work and are looked
-    /// at first.
-    async fn claim(&self, limit: u32, after_wait: bool) -> Result<Vec<Claimed<S::Lease>>> {
+    /// Claims up to `limit` deliveries, looking first where the wake-ups reported new
+    /// deliveries since the last claim.
+    async fn claim(&self, limit: u32) -> Result<Vec<Claimed<S::Lease>>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
         let reported = self.take_reported();
@@ -195,7 +194,7 @@ impl<S: Store> Shared<S> {
                     limit,
                     lease_duration: settings.lease_duration,
                     now: self.now(),
-                    reported: if after_wait { &reported } else { &[] },
+                    reported: &reported,
                 })
                 .await;
             self.metrics.operation(
@@ -302,6 +301,30 @@ impl Handle {
     }
 }
 
+/// How long a busy dispatch loop waits for handlers to finish before it claims less than a
+/// whole batch.
+const FILL_UP: Duration = Duration::from_millis(2);
+
+/// The free slots for the next claim: `available` when a whole batch fits (`batch`, at most
+/// the concurrency), or the slots free after waiting up to [`FILL_UP`] for them to make up a
+/// batch (handlers that take longer). Claims of a busy loop are then mostly whole batches:
+/// each claim costs the store about the same whatever its size.
+async fn fill_up(semaphore: &Arc<Semaphore>, batch: usize, available: usize) -> usize {
+    if available >= batch {
+        return available;
+    }
+    let Ok(wanted) = u32::try_from(batch) else {
+        return available;
+    };
+    match tokio::time::timeout(FILL_UP, semaphore.acquire_many(wanted)).await {
+        Ok(Ok(permits)) => {
+            drop(permits);
+            semaphore.available_permits()
+        }
+        _ => semaphore.available_permits(),
+    }
+}
+
 /// The dispatch loop.
 async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     let settings = shared.settings.clone();
@@ -339,7 +362,6 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     });
     info!(handlers = ?shared.handler_ids, "dispatcher started");
 
-    let mut after_wait = false;
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
         let available = semaphore.available_permits();
         if available == 0 {
@@ -349,8 +371,10 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             }
             continue;
         }
+        let whole = (settings.batch_size as usize).min(settings.concurrency);
+        let available = fill_up(&semaphore, whole, available).await;
         let want = available.min(settings.batch_size as usize) as u32;
-        let batch = match shared.claim(want, std::mem::take(&mut after_wait)).await {
+        let batch = match shared.claim(want).await {
             Ok(batch) => batch,
             Err(error) => {
                 warn!(%error, "claim failed; trying again after the poll interval");
@@ -423,7 +447,6 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             _ = notify.notified() => {}
             _ = tokio::time::sleep(settings.poll_interval) => {}
         }
-        after_wait = true;
     }
 
     // Shutdown: no more claims; running handlers get the shutdown timeout to finish.
