@@ -207,6 +207,10 @@ pub(crate) struct OwnerState {
     /// Lanes where new deliveries were just reported, for the owner's next claim to look at
     /// before ranking free lanes.
     pub(crate) hints: Vec<i32>,
+    /// The owner's last claim found something: it is busy, and a claim with reported lanes
+    /// goes on to its other lanes when the reported ones do not fill it. After an empty claim
+    /// (an idle worker, nothing older was due) the reported lanes are read alone.
+    pub(crate) busy: bool,
 }
 
 /// The rest of a ranking of free lanes, kept for the owner's next claims.

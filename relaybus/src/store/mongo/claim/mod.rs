@@ -26,10 +26,12 @@
 //!   no longer holds keeps nothing of this claim. Deliveries found waiting are parked.
 //! - **Handing out** ([`hand_out`]) the deliveries with their events and leases.
 //!
-//! The dispatcher's first claim after an idle wait is told which lanes the change stream
-//! reported new deliveries in. It reads those lanes alone, held or free, their first page coming
-//! with the first read, instead of scanning the held lanes and ranking free ones: nothing older
-//! was due when the dispatcher went idle.
+//! A claim can be told which lanes the change stream reported new deliveries in. It reads those
+//! lanes first, held or free, their first page coming with the first read. After an idle wait
+//! (the owner's last claim found nothing) it reads them alone, instead of scanning the held lanes
+//! and ranking free ones: nothing older was due when the dispatcher went idle. A busy owner goes
+//! on to its held lanes and free ones when the reported lanes do not fill the claim, so that a
+//! new key's delivery does not wait behind the backlog of other keys.
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
 //! ([`reconcile`]).
@@ -320,6 +322,7 @@ impl MongoEventStore {
                     }
                 }
                 state.interrupted = false;
+                state.busy = !claimed.is_empty();
                 Ok(claimed)
             }
             Err(error) => {
@@ -408,10 +411,29 @@ impl MongoEventStore {
             )
             .await?;
         } else {
+            let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
             self.scan_reported_lanes(
                 &request, &reported, &free, prescanned, &mut lanes, &mut scan,
             )
             .await?;
+            if state.busy && !scan.picking.full() {
+                // A busy worker looks at the reported lanes first, so that new deliveries do
+                // not wait behind its backlog, then at its other lanes and free ones.
+                let rest: Vec<i32> = held_ids
+                    .into_iter()
+                    .filter(|lane| !reported.contains(lane))
+                    .collect();
+                self.scan_lanes(&rest, handlers, now, &mut scan).await?;
+                self.scan_free_lanes(
+                    &request,
+                    free,
+                    contenders,
+                    &mut state.ranked,
+                    &mut lanes,
+                    &mut scan,
+                )
+                .await?;
+            }
         }
 
         // Recording, with the events of the picks read first; then parking what waits.
