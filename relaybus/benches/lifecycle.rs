@@ -7,6 +7,13 @@
 //! floor is the cost of the store's own work; the floor against the baseline is the cost of the
 //! document model.
 //!
+//! At 4 claimers, the floor and relaybus unkeyed also run on a store set up without the three
+//! listing indexes (`MongoEventStoreBuilder::listing_indexes(false)`): seven secondary indexes
+//! on the deliveries instead of ten, which is what those indexes cost each delivery. With
+//! `RELAYBUS_BENCH_INDEX_COSTS=1` it also measures, for each secondary index of the deliveries,
+//! the floor at 4 claimers with that one index dropped, `RELAYBUS_BENCH_INDEX_ROUNDS` rounds
+//! (default 3) taking turns, and prints the medians as a table.
+//!
 //! Run with `cargo bench -p relaybus --bench lifecycle`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
 //! deliveries per run (default 10000), `RELAYBUS_BENCH_BATCH` the batch size (default 100). The
@@ -21,13 +28,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use mongodb::{Client, Database, bson::DateTime};
+use mongodb::{
+    Client, Database,
+    bson::{DateTime, Document},
+};
 use relaybus::{AppendRequest, BoxError, EventEnvelope, MongoEventStore};
 use tokio::sync::Notify;
 
 mod common;
 
-use common::{baseline, floor, store};
+use common::{baseline, floor, store, store_with};
 
 const HANDLER: &str = "projector";
 const LEASE: Duration = Duration::from_secs(60);
@@ -43,6 +53,13 @@ fn env_number(name: &str, default: u64) -> u64 {
 struct Run {
     keyed: bool,
     claimers: usize,
+    /// Whether the store keeps its three listing indexes.
+    listing_indexes: bool,
+}
+
+/// What the printed rows say of the indexes of a run.
+fn indexes_column(listing_indexes: bool) -> &'static str {
+    if listing_indexes { "all" } else { "no listing" }
 }
 
 #[tokio::main]
@@ -67,7 +84,7 @@ async fn main() -> Result<(), BoxError> {
         "lifecycle benchmark: {deliveries} deliveries per run, batches of {batch}, deliveries/s"
     );
     println!(
-        "{:<10} {:<8} {:>9} {:>14}",
+        "{:<10} {:<8} {:>9} {:>14}  indexes",
         "subject", "keys", "claimers", "deliveries/s"
     );
     let mut figures = serde_json::Map::new();
@@ -78,33 +95,93 @@ async fn main() -> Result<(), BoxError> {
         let rate = baseline(&db, deliveries, batch, claimers).await?;
         db.drop().await?;
         println!(
-            "{:<10} {:<8} {:>9} {:>14.0}",
+            "{:<10} {:<8} {:>9} {:>14.0}  -",
             "baseline", "-", claimers, rate
         );
         figures.insert(format!("baseline_{claimers}"), rate.round().into());
-        n += 1;
-        let db = client.database(&format!("{prefix}_{n}"));
-        let floor_store = store(&client, &db).await?;
-        publish(&floor_store, "e", deliveries, |_| None, DateTime::now()).await?;
-        let rate = floor(&floor_store, deliveries, batch, claimers).await?;
-        db.drop().await?;
-        println!(
-            "{:<10} {:<8} {:>9} {:>14.0}",
-            "floor", "unkeyed", claimers, rate
-        );
-        figures.insert(format!("floor_{claimers}"), rate.round().into());
-        for keyed in [false, true] {
+        // At 4 claimers, also without the listing indexes: what they cost each delivery.
+        let listings: &[bool] = if claimers == 4 {
+            &[true, false]
+        } else {
+            &[true]
+        };
+        for &listing_indexes in listings {
             n += 1;
             let db = client.database(&format!("{prefix}_{n}"));
-            let rate = relaybus(&client, &db, deliveries, batch, Run { keyed, claimers }).await?;
+            let floor_store = store_with(&client, &db, listing_indexes).await?;
+            let appended = timed_publish(&floor_store, deliveries).await?;
+            let rate = floor(&floor_store, deliveries, batch, claimers).await?;
             db.drop().await?;
-            let keys = if keyed { "100 keys" } else { "unkeyed" };
+            if claimers == 4 {
+                // The other half of what an index costs: its entry of each inserted delivery.
+                figures.insert(
+                    format!("append{}", name_suffix(listing_indexes)),
+                    appended.round().into(),
+                );
+            }
             println!(
-                "{:<10} {:<8} {:>9} {:>14.0}",
-                "relaybus", keys, claimers, rate
+                "{:<10} {:<8} {:>9} {:>14.0}  {}",
+                "floor",
+                "unkeyed",
+                claimers,
+                rate,
+                indexes_column(listing_indexes)
             );
-            let name = if keyed { "keyed" } else { "unkeyed" };
-            figures.insert(format!("{name}_{claimers}"), rate.round().into());
+            figures.insert(
+                format!("floor_{claimers}{}", name_suffix(listing_indexes)),
+                rate.round().into(),
+            );
+        }
+        let mut runs: Vec<Run> = listings
+            .iter()
+            .map(|&listing_indexes| Run {
+                keyed: false,
+                claimers,
+                listing_indexes,
+            })
+            .collect();
+        runs.push(Run {
+            keyed: true,
+            claimers,
+            listing_indexes: true,
+        });
+        for run in runs {
+            n += 1;
+            let db = client.database(&format!("{prefix}_{n}"));
+            let rate = relaybus(&client, &db, deliveries, batch, run).await?;
+            db.drop().await?;
+            let keys = if run.keyed { "100 keys" } else { "unkeyed" };
+            println!(
+                "{:<10} {:<8} {:>9} {:>14.0}  {}",
+                "relaybus",
+                keys,
+                claimers,
+                rate,
+                indexes_column(run.listing_indexes)
+            );
+            let name = if run.keyed { "keyed" } else { "unkeyed" };
+            figures.insert(
+                format!("{name}_{claimers}{}", name_suffix(run.listing_indexes)),
+                rate.round().into(),
+            );
+        }
+    }
+
+    if std::env::var("RELAYBUS_BENCH_INDEX_COSTS").is_ok_and(|v| v == "1") {
+        let rounds = if smoke {
+            1
+        } else {
+            env_number("RELAYBUS_BENCH_INDEX_ROUNDS", 3).max(1) as usize
+        };
+        let costs = index_costs(&client, &prefix, deliveries, batch, rounds).await?;
+        print_index_costs(&costs, rounds);
+        for cost in &costs {
+            let variant = match &cost.dropped {
+                Some(index) => format!("without_{index}"),
+                None => "all_indexes".to_owned(),
+            };
+            figures.insert(format!("floor_4_{variant}"), cost.floor.round().into());
+            figures.insert(format!("append_{variant}"), cost.append.round().into());
         }
     }
 
@@ -125,6 +202,9 @@ async fn main() -> Result<(), BoxError> {
     };
     let ratio = number("unkeyed_4") / number("baseline_4");
     let floor_ratio = number("floor_4") / number("baseline_4");
+    let floor_gain = number("floor_4_no_listing") / number("floor_4");
+    let append_gain = number("append_no_listing") / number("append");
+    let unkeyed_gain = number("unkeyed_4_no_listing") / number("unkeyed_4");
     let slowdown = with_backlog / plain;
     figures.insert("claim_ms".into(), round3(plain * 1e3).into());
     figures.insert(
@@ -137,15 +217,127 @@ async fn main() -> Result<(), BoxError> {
     figures.insert("batch".into(), batch.into());
     figures.insert("floor_ratio".into(), round3(floor_ratio).into());
     figures.insert("ratio".into(), round3(ratio).into());
+    figures.insert("no_listing_floor_gain".into(), round3(floor_gain).into());
+    figures.insert("no_listing_append_gain".into(), round3(append_gain).into());
+    figures.insert(
+        "no_listing_unkeyed_gain".into(),
+        round3(unkeyed_gain).into(),
+    );
     println!(
         "ratio (relaybus unkeyed / baseline, 4 claimers): {ratio:.3}; the floor of the document \
          model: {floor_ratio:.3}; backlog slowdown: {slowdown:.2}x"
+    );
+    println!(
+        "without the listing indexes: appends {append_gain:.3}x, floor (4 claimers) \
+         {floor_gain:.3}x, relaybus unkeyed (4 claimers) {unkeyed_gain:.3}x the rate with them"
     );
     let mut line = serde_json::Map::new();
     line.insert("bench".into(), "lifecycle".into());
     line.extend(figures);
     println!("{}", serde_json::Value::Object(line));
     Ok(())
+}
+
+/// The end of a figure's name: nothing with all indexes, `_no_listing` without the listing ones.
+fn name_suffix(listing_indexes: bool) -> &'static str {
+    if listing_indexes { "" } else { "_no_listing" }
+}
+
+/// The floor at 4 claimers with all indexes (`None`) and with each secondary index of the
+/// deliveries dropped in turn: the median deliveries/s of `rounds` rounds, each round running
+/// every variant once, in the order of the indexes.
+async fn index_costs(
+    client: &Client,
+    prefix: &str,
+    deliveries: usize,
+    batch: u32,
+    rounds: usize,
+) -> Result<Vec<IndexCost>, BoxError> {
+    let probe = client.database(&format!("{prefix}_indexes"));
+    let probe_store = store(client, &probe).await?;
+    let names: Vec<String> = probe
+        .collection::<Document>(&probe_store.collection_name("deliveries"))
+        .list_index_names()
+        .await?
+        .into_iter()
+        .filter(|name| name != "_id_")
+        .collect();
+    probe.drop().await?;
+    let variants: Vec<Option<String>> = std::iter::once(None)
+        .chain(names.into_iter().map(Some))
+        .collect();
+    let mut appends = vec![Vec::with_capacity(rounds); variants.len()];
+    let mut rates = vec![Vec::with_capacity(rounds); variants.len()];
+    for round in 0..rounds {
+        for (i, dropped) in variants.iter().enumerate() {
+            let db = client.database(&format!("{prefix}_cost_{round}_{i}"));
+            let floor_store = store(client, &db).await?;
+            if let Some(index) = dropped {
+                db.collection::<Document>(&floor_store.collection_name("deliveries"))
+                    .drop_index(index)
+                    .await?;
+            }
+            appends[i].push(timed_publish(&floor_store, deliveries).await?);
+            rates[i].push(floor(&floor_store, deliveries, batch, 4).await?);
+            db.drop().await?;
+        }
+    }
+    Ok(variants
+        .into_iter()
+        .zip(appends.into_iter().zip(rates))
+        .map(|(dropped, (appends, rates))| IndexCost {
+            dropped,
+            append: median(appends),
+            floor: median(rates),
+        })
+        .collect())
+}
+
+/// Appends `deliveries` unkeyed events for one handler, as the floor runs drain them;
+/// deliveries appended per second.
+async fn timed_publish(store: &MongoEventStore, deliveries: usize) -> Result<f64, BoxError> {
+    let started = Instant::now();
+    publish(store, "e", deliveries, |_| None, DateTime::now()).await?;
+    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The floor with one index dropped, or with all (`dropped` is `None`).
+struct IndexCost {
+    dropped: Option<String>,
+    /// Deliveries appended per second, before the floor drains them.
+    append: f64,
+    /// The floor's deliveries per second, 4 claimers.
+    floor: f64,
+}
+
+/// The per-index table: appends and the floor without each index, against both with all.
+fn print_index_costs(costs: &[IndexCost], rounds: usize) {
+    let all = costs.iter().find(|cost| cost.dropped.is_none());
+    let (append_all, floor_all) = all.map_or((f64::NAN, f64::NAN), |c| (c.append, c.floor));
+    println!(
+        "with one index of the deliveries dropped (medians of {rounds}): appends, and the floor \
+         at 4 claimers"
+    );
+    println!(
+        "{:<16} {:>10} {:>8} {:>12} {:>8}",
+        "dropped", "appends/s", "vs all", "floor/s", "vs all"
+    );
+    for cost in costs {
+        println!(
+            "{:<16} {:>10.0} {:>8.3} {:>12.0} {:>8.3}",
+            cost.dropped.as_deref().unwrap_or("(none)"),
+            cost.append,
+            cost.append / append_all,
+            cost.floor,
+            cost.floor / floor_all
+        );
+    }
+}
+
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 fn round3(value: f64) -> f64 {
@@ -194,7 +386,7 @@ async fn relaybus(
     batch: u32,
     run: Run,
 ) -> Result<f64, BoxError> {
-    let first = store(client, db).await?;
+    let first = store_with(client, db, run.listing_indexes).await?;
     let keys = 100;
     publish(
         &first,
@@ -211,6 +403,7 @@ async fn relaybus(
     for n in 0..run.claimers {
         let store = MongoEventStore::builder(client.clone())
             .database(db.name())
+            .listing_indexes(run.listing_indexes)
             .build()?;
         let done = Arc::clone(&done);
         let progress = Arc::clone(&progress);
@@ -287,9 +480,5 @@ async fn claim_latency(
         backlog_times.push(claim(&blocked).await?);
     }
     backlog_db.drop().await?;
-    let median = |mut times: Vec<f64>| {
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2]
-    };
     Ok((median(plain_times), median(backlog_times)))
 }

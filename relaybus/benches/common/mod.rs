@@ -12,8 +12,18 @@ use relaybus::{BoxError, MongoEventStore};
 
 /// A store on `db`, set up.
 pub(crate) async fn store(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
+    store_with(client, db, true).await
+}
+
+/// A store on `db`, set up with or without the listing indexes.
+pub(crate) async fn store_with(
+    client: &Client,
+    db: &Database,
+    listing_indexes: bool,
+) -> Result<MongoEventStore, BoxError> {
     let store = MongoEventStore::builder(client.clone())
         .database(db.name())
+        .listing_indexes(listing_indexes)
         .build()?;
     store.setup().await?;
     Ok(store)

@@ -84,6 +84,8 @@ pub(crate) struct StoreInner {
     pub(crate) db: Database,
     pub(crate) prefix: String,
     pub(crate) completion_history: bool,
+    /// Whether `setup()` keeps the three listing indexes, and queries may hint them.
+    pub(crate) listing_indexes: bool,
     pub(crate) transaction_options: TransactionOptions,
     pub(crate) purge_batch_size: u32,
     pub(crate) events: Collection<Document>,
@@ -109,6 +111,7 @@ impl std::fmt::Debug for MongoEventStore {
             .field("database", &self.inner.db.name())
             .field("collection_prefix", &self.inner.prefix)
             .field("completion_history", &self.inner.completion_history)
+            .field("listing_indexes", &self.inner.listing_indexes)
             .field("purge_batch_size", &self.inner.purge_batch_size)
             .finish_non_exhaustive()
     }
@@ -122,6 +125,7 @@ impl MongoEventStore {
             database: None,
             collection_prefix: DEFAULT_COLLECTION_PREFIX.to_owned(),
             completion_history: false,
+            listing_indexes: true,
             transaction_options: None,
             purge_batch_size: DEFAULT_PURGE_BATCH_SIZE,
             heartbeat_expiry: Some(DEFAULT_HEARTBEAT_EXPIRY),
@@ -148,6 +152,12 @@ impl MongoEventStore {
         self.inner.completion_history
     }
 
+    /// Whether `setup()` keeps the listing indexes; see
+    /// [`MongoEventStoreBuilder::listing_indexes`].
+    pub fn listing_indexes(&self) -> bool {
+        self.inner.listing_indexes
+    }
+
     /// The number of documents deleted per purge step.
     pub fn purge_batch_size(&self) -> u32 {
         self.inner.purge_batch_size
@@ -162,6 +172,7 @@ pub struct MongoEventStoreBuilder {
     database: Option<String>,
     collection_prefix: String,
     completion_history: bool,
+    listing_indexes: bool,
     transaction_options: Option<TransactionOptions>,
     purge_batch_size: u32,
     heartbeat_expiry: Option<Duration>,
@@ -186,6 +197,45 @@ impl MongoEventStoreBuilder {
     /// Off by default. Every process sharing the store must use the same value.
     pub fn completion_history(mut self, enabled: bool) -> Self {
         self.completion_history = enabled;
+        self
+    }
+
+    /// Keep the three indexes of the deliveries collection that serve only operator listings
+    /// and the purge of dead letters: `status_updated` (`status`, `updatedAt`),
+    /// `handler_created` (`handler`, `createdAt`) and `type_created` (`eventType`,
+    /// `createdAt`). On by default.
+    ///
+    /// Every delivery is inserted once and deleted once, and each write updates every index of
+    /// the collection: turned off, a delivery is an entry in seven secondary indexes instead of
+    /// ten, which makes publishing and delivering cheaper. What it costs: a listing filtered by
+    /// handler or event type finds its deliveries through the status index (or in id order) and
+    /// skips the others, instead of reading only that handler's or type's; a purge of dead
+    /// letters reads every dead delivery through `status_created` and keeps the old ones,
+    /// instead of reading only the old ones. Results are the same either way; only these
+    /// operator queries get slower on a large backlog. Status counts, claims and the other
+    /// indexes are unaffected.
+    ///
+    /// Off, [`setup()`](MongoEventStore::setup) does not create these indexes and drops them
+    /// when they exist, so turning it off on an existing database takes effect at the next
+    /// setup; turning it back on creates them again (an index build over the collection). Every
+    /// process that runs `setup()` on the store must use the same value, or each setup undoes
+    /// the other's.
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), relaybus::Error> {
+    /// use relaybus::MongoEventStore;
+    ///
+    /// let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:27017/?replicaSet=rs0").await?;
+    /// let store = MongoEventStore::builder(client)
+    ///     .database("shop")
+    ///     .listing_indexes(false)
+    ///     .build()?;
+    /// store.setup().await?; // drops `status_updated`, `handler_created` and `type_created`
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn listing_indexes(mut self, enabled: bool) -> Self {
+        self.listing_indexes = enabled;
         self
     }
 
@@ -308,6 +358,7 @@ impl MongoEventStoreBuilder {
             db,
             prefix,
             completion_history: self.completion_history,
+            listing_indexes: self.listing_indexes,
             transaction_options,
             purge_batch_size: self.purge_batch_size,
             topology_checked: OnceCell::new(),

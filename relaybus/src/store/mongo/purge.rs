@@ -17,6 +17,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore, bson_date,
+    operator::is_missing_index,
     schema::{field, index, status},
 };
 use crate::error::Result;
@@ -74,28 +75,60 @@ impl MongoEventStore {
         Ok(purged)
     }
 
+    /// The collection, filter and index (if one is hinted) of the documents of one kind before
+    /// `cutoff`. Without the listing indexes, dead deliveries are found by the planner (through
+    /// `status_created`).
     fn purge_source(
         &self,
         kind: Kind,
         cutoff: DateTime,
-    ) -> (&Collection<Document>, Document, &'static str) {
+    ) -> (&Collection<Document>, Document, Option<&'static str>) {
         match kind {
             Kind::Dead => (
                 &self.inner.deliveries,
                 doc! { field::STATUS: status::DEAD, field::UPDATED_AT: { "$lt": cutoff } },
-                index::STATUS_UPDATED,
+                self.inner.listing_indexes.then_some(index::STATUS_UPDATED),
             ),
             Kind::History => (
                 &self.inner.completed,
                 doc! { field::COMPLETED_AT: { "$lt": cutoff } },
-                index::COMPLETED,
+                Some(index::COMPLETED),
             ),
             Kind::LegacyCompleted => (
                 &self.inner.deliveries,
                 doc! { field::STATUS: status::COMPLETED, field::COMPLETED_AT: { "$lt": cutoff } },
-                index::COMPLETED,
+                Some(index::COMPLETED),
             ),
         }
+    }
+
+    /// The ids and event ids of at most `batch` documents `filter` matches, through `index`
+    /// when given and it exists (the specification lets a deployment drop the listing indexes
+    /// by hand).
+    async fn purge_candidates(
+        collection: &Collection<Document>,
+        filter: Document,
+        index: Option<&str>,
+        batch: i64,
+    ) -> Result<Vec<Document>> {
+        let projection = doc! { field::ID: 1, field::EVENT_ID: 1 };
+        let find = |filter: Document| {
+            collection
+                .find(filter)
+                .projection(projection.clone())
+                .limit(batch)
+        };
+        let cursor = match index {
+            Some(index) => match find(filter.clone())
+                .hint(Hint::Name(index.to_owned()))
+                .await
+            {
+                Err(error) if is_missing_index(&error) => find(filter).await?,
+                cursor => cursor?,
+            },
+            None => find(filter).await?,
+        };
+        Ok(cursor.try_collect().await?)
     }
 
     /// Deletes the documents of one kind before `cutoff`, batch by batch; returns how many
@@ -110,14 +143,7 @@ impl MongoEventStore {
         let mut deleted = (0, 0);
         loop {
             let (collection, filter, index) = self.purge_source(kind, cutoff);
-            let found: Vec<Document> = collection
-                .find(filter)
-                .projection(doc! { field::ID: 1, field::EVENT_ID: 1 })
-                .hint(Hint::Name(index.to_owned()))
-                .limit(batch)
-                .await?
-                .try_collect()
-                .await?;
+            let found = Self::purge_candidates(collection, filter, index, batch).await?;
             if found.is_empty() {
                 return Ok(deleted);
             }

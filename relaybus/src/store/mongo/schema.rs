@@ -237,9 +237,22 @@ pub(crate) mod index {
     /// Completion records: by event.
     pub(crate) const EVENT: &str = "event";
 
+    /// Deliveries: the indexes that serve only operator listings and the purge of dead letters,
+    /// which `MongoEventStoreBuilder::listing_indexes(false)` leaves out.
+    pub(crate) const LISTING: [&str; 3] = [STATUS_UPDATED, HANDLER_CREATED, TYPE_CREATED];
+
     /// Tells a query to use the index `name`.
     pub(crate) fn hint(name: &str) -> Hint {
         Hint::Name(name.to_owned())
+    }
+
+    /// The indexes of the deliveries collection `setup()` creates: all of them, or without the
+    /// [`LISTING`] ones.
+    pub(crate) fn of_deliveries_with(listing: bool) -> Vec<Index> {
+        of_deliveries()
+            .into_iter()
+            .filter(|index| listing || !LISTING.contains(&index.name))
+            .collect()
     }
 
     /// The indexes of the deliveries collection, in the order `setup()` creates them.
@@ -355,6 +368,39 @@ mod tests {
             names.dedup();
             assert_eq!(names.len(), indexes.len());
         }
+    }
+
+    #[test]
+    fn the_listing_indexes_can_be_left_out() {
+        let all: Vec<&str> = index::of_deliveries().iter().map(|i| i.name).collect();
+        assert_eq!(all.len(), 10);
+        for name in index::LISTING {
+            assert!(
+                all.contains(&name),
+                "{name} is one of the deliveries' indexes"
+            );
+        }
+        let with: Vec<&str> = index::of_deliveries_with(true)
+            .iter()
+            .map(|i| i.name)
+            .collect();
+        assert_eq!(with, all);
+        let without: Vec<&str> = index::of_deliveries_with(false)
+            .iter()
+            .map(|i| i.name)
+            .collect();
+        assert_eq!(
+            without,
+            [
+                "event_handler",
+                "claim",
+                "ordering",
+                "parked",
+                "due",
+                "completed",
+                "status_created"
+            ]
+        );
     }
 
     #[test]

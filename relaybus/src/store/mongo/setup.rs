@@ -34,6 +34,10 @@ impl MongoEventStore {
     /// is missing and leaves the rest alone, so it is safe to run at every start, and from
     /// several processes at once.
     ///
+    /// With [`listing_indexes(false)`](crate::MongoEventStoreBuilder::listing_indexes) it
+    /// creates seven indexes on the deliveries instead of ten, and drops the three listing
+    /// indexes when an earlier setup created them.
+    ///
     /// Collections are created explicitly because collections created implicitly inside
     /// concurrent transactions conflict with each other. If you manage the schema yourself, run
     /// `setup()` once from a deployment script.
@@ -85,13 +89,18 @@ impl MongoEventStore {
             self.upgrade_from_0_1().await?;
         }
 
-        match inner.deliveries.create_indexes(delivery_indexes()).await {
+        let listing = inner.listing_indexes;
+        match inner
+            .deliveries
+            .create_indexes(delivery_indexes(listing))
+            .await
+        {
             Ok(_) => {}
             Err(e) if error_code(&e) == Some(INDEX_KEY_SPECS_CONFLICT) => {
                 // A database set up before `parked` led with `lane` and `ordering` with `status`:
                 // replace the indexes whose keys changed. A concurrent setup may have dropped
                 // one first.
-                let wanted = delivery_indexes();
+                let wanted = delivery_indexes(listing);
                 let existing: Vec<IndexModel> =
                     inner.deliveries.list_indexes().await?.try_collect().await?;
                 for model in &existing {
@@ -114,6 +123,9 @@ impl MongoEventStore {
             }
             Err(e) => return Err(e.into()),
         }
+        if !listing {
+            self.drop_listing_indexes().await?;
+        }
         inner
             .events
             .create_indexes(index::of_events().into_iter().map(model))
@@ -125,6 +137,23 @@ impl MongoEventStore {
                 .await?;
         }
         self.seed_lanes().await
+    }
+
+    /// Drops the listing indexes of the deliveries that exist: the store was set up with them
+    /// before. A concurrent setup may have dropped one first.
+    async fn drop_listing_indexes(&self) -> Result<()> {
+        let deliveries = &self.inner.deliveries;
+        let existing: Vec<String> = deliveries.list_index_names().await?;
+        for name in index::LISTING {
+            if !existing.iter().any(|e| e == name) {
+                continue;
+            }
+            match deliveries.drop_index(name).await {
+                Err(e) if error_code(&e) != Some(INDEX_NOT_FOUND) => return Err(e.into()),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Creates the lane documents that do not exist yet, in one command.
@@ -178,7 +207,11 @@ fn model(spec: Index) -> IndexModel {
         .build()
 }
 
-/// The indexes of the deliveries collection, as the store's queries need them.
-fn delivery_indexes() -> Vec<IndexModel> {
-    index::of_deliveries().into_iter().map(model).collect()
+/// The indexes of the deliveries collection, as the store's queries need them: with or without
+/// the listing indexes.
+fn delivery_indexes(listing: bool) -> Vec<IndexModel> {
+    index::of_deliveries_with(listing)
+        .into_iter()
+        .map(model)
+        .collect()
 }
