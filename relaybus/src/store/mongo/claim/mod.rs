@@ -393,14 +393,30 @@ impl MongoEventStore {
             return Ok(None);
         }
 
-        // Scanning and picking: the held lanes, then free lanes, ranked; after an idle wait,
-        // the reported lanes alone.
+        // Scanning and picking: the reported lanes first, if any; then the held lanes and free
+        // lanes, ranked, unless the owner was idle (the reported lanes alone then).
         let mut lanes: Vec<(Lane, Hold)> =
             held.into_iter().map(|lane| (lane, Hold::Held)).collect();
         let mut scan = Scan::new(Picking::new(limit, running, running_keys));
-        if reported.is_empty() {
-            let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
-            self.scan_lanes(&held_ids, handlers, now, &mut scan).await?;
+        let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
+        let rest = if reported.is_empty() {
+            Some(held_ids)
+        } else {
+            self.scan_reported_lanes(
+                &request, &reported, &free, prescanned, &mut lanes, &mut scan,
+            )
+            .await?;
+            // A busy worker looks at the reported lanes first, so that new deliveries do not
+            // wait behind its backlog, then at its other lanes and free ones.
+            (state.busy && !scan.picking.full()).then(|| {
+                held_ids
+                    .into_iter()
+                    .filter(|lane| !reported.contains(lane))
+                    .collect::<Vec<i32>>()
+            })
+        };
+        if let Some(rest) = rest {
+            self.scan_lanes(&rest, handlers, now, &mut scan).await?;
             self.scan_free_lanes(
                 &request,
                 free,
@@ -410,30 +426,6 @@ impl MongoEventStore {
                 &mut scan,
             )
             .await?;
-        } else {
-            let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
-            self.scan_reported_lanes(
-                &request, &reported, &free, prescanned, &mut lanes, &mut scan,
-            )
-            .await?;
-            if state.busy && !scan.picking.full() {
-                // A busy worker looks at the reported lanes first, so that new deliveries do
-                // not wait behind its backlog, then at its other lanes and free ones.
-                let rest: Vec<i32> = held_ids
-                    .into_iter()
-                    .filter(|lane| !reported.contains(lane))
-                    .collect();
-                self.scan_lanes(&rest, handlers, now, &mut scan).await?;
-                self.scan_free_lanes(
-                    &request,
-                    free,
-                    contenders,
-                    &mut state.ranked,
-                    &mut lanes,
-                    &mut scan,
-                )
-                .await?;
-            }
         }
 
         // Recording, with the events of the picks read first; then parking what waits.
