@@ -119,6 +119,15 @@ pub async fn all(db: &TestDb, collection: &str) -> Vec<Document> {
         .unwrap()
 }
 
+/// The ids of every event document, in `_id` order.
+pub async fn event_ids(db: &TestDb) -> Vec<String> {
+    all(db, "relaybus_events")
+        .await
+        .iter()
+        .map(|e| e.get_str("_id").unwrap().to_owned())
+        .collect()
+}
+
 /// Every delivery document, in `_id` order.
 pub async fn deliveries(db: &TestDb) -> Vec<Document> {
     all(db, "relaybus_deliveries").await

@@ -1761,21 +1761,7 @@ async fn purge_never_leaves_a_delivery_without_its_event() {
             _ => assert!(store.bury(d.lease(), "x", at(2)).await.unwrap()),
         }
     }
-    let events = db.db().collection::<Document>("relaybus_events");
-    let event_ids = async || -> Vec<String> {
-        let mut ids: Vec<String> = events
-            .find(doc! {})
-            .await
-            .unwrap()
-            .try_collect::<Vec<Document>>()
-            .await
-            .unwrap()
-            .iter()
-            .map(|e| e.get_str("_id").unwrap().to_owned())
-            .collect();
-        ids.sort();
-        ids
-    };
+    let event_ids = async || relaybus_tests::support::event_ids(&db).await;
     let every_delivery_has_its_event = async || {
         let ids = event_ids().await;
         for d in deliveries(&db).await {

@@ -2,7 +2,6 @@
 //! deliveries, dropping them from a database set up with them, and the listings and the purge
 //! giving the same results without them as with them.
 
-use futures::TryStreamExt;
 use mongodb::bson::{DateTime, Document};
 use relaybus::{
     AppendRequest, DeliveryQuery, DeliveryRecord, DeliveryStatus, EventEnvelope, MongoEventStore,
@@ -313,27 +312,10 @@ async fn listings_and_purge_answer_the_same_without_the_listing_indexes() {
     let sizes: Vec<usize> = after.iter().map(Vec::len).collect();
     assert_eq!(sizes, [19, 16, 3, 9, 10, 2, 9, 3, 3, 10, 0, 5]);
     assert_eq!(listings(&on).await, after);
-    let events = |db: &TestDb| {
-        let collection = db.db().collection::<Document>("relaybus_events");
-        async move {
-            let mut ids: Vec<String> = collection
-                .find(mongodb::bson::doc! {})
-                .await
-                .unwrap()
-                .try_collect::<Vec<Document>>()
-                .await
-                .unwrap()
-                .iter()
-                .map(|e| e.get_str("_id").unwrap().to_owned())
-                .collect();
-            ids.sort();
-            ids
-        }
-    };
-    let left = events(&off_db).await;
+    let left = relaybus_tests::support::event_ids(&off_db).await;
     assert_eq!(left.len(), 10);
     assert!(!left.contains(&"e-0".to_owned()) && !left.contains(&"e-1".to_owned()));
-    assert_eq!(events(&on_db).await, left);
+    assert_eq!(relaybus_tests::support::event_ids(&on_db).await, left);
 }
 
 #[tokio::test]
