@@ -1,6 +1,7 @@
 //! Consumer positions: how far a consumer of a partitioned log (a Kafka topic's partition)
 //! has taken records into the store, written in the transaction that appended them.
 
+#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
 use crate::error::{InvalidArgumentError, Result};
 
 /// The longest consumer or source name a position takes, in bytes.
@@ -34,6 +35,7 @@ impl<'a> PositionKey<'a> {
 
     /// Refuses an empty name, one over [`MAX_POSITION_NAME_BYTES`], or one with a control
     /// character, with [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+    #[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
     pub(crate) fn check(&self) -> Result<()> {
         for (argument, name) in [("consumer", self.consumer), ("source", self.source)] {
             let reason = if name.is_empty() {
@@ -67,6 +69,7 @@ impl<'a> PositionKey<'a> {
 }
 
 /// Refuses a negative offset.
+#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
 pub(crate) fn check_offset(next: i64) -> Result<()> {
     if next < 0 {
         return Err(InvalidArgumentError::new(
