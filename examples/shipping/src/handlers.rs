@@ -24,7 +24,7 @@ impl Event for OrderPlaced {
     const TYPE: &'static str = "order.placed.v1";
 }
 
-/// The handler id of [`create_shipment`]'s subscription: the key of its deliveries in the
+/// The handler id of `create_shipment`'s subscription: the key of its deliveries in the
 /// store, so renaming it means migrating its pending deliveries.
 pub const CREATE_SHIPMENT: &str = "create-shipment";
 

@@ -33,7 +33,7 @@
 //! times (25; 1 turns retries off). **The route may run more than once**: keep side effects
 //! that do not go through the request's session out of it, or publish an event for them.
 //!
-//! A commit that still fails replaces the response with a [`CommitError`](error::CommitError):
+//! A commit that still fails replaces the response with a [`CommitError`]:
 //! a 503 with `Retry-After` for a transient error (nothing was committed) or for a timeout, a
 //! 500 otherwise.
 //!
@@ -393,7 +393,7 @@ impl<St: Store> Slot<St> {
 
 /// Marks a response whose request failed with a transient error in its transaction (a write
 /// conflict in the route's own writes, say), so that the
-/// [`RequestTxLayer`](crate::RequestTxLayer) aborts the transaction and runs the request again
+/// [`RequestTxLayer`] aborts the transaction and runs the request again
 /// on a fresh one, as it does after a transient error at commit.
 ///
 /// [`PublishError`](crate::PublishError) marks its 503s with it. A route that maps store
