@@ -301,30 +301,6 @@ impl Handle {
     }
 }
 
-/// How long a busy dispatch loop waits for handlers to finish before it claims less than a
-/// whole batch.
-const FILL_UP: Duration = Duration::from_millis(2);
-
-/// The free slots for the next claim: `available` when a whole batch fits (`batch`, at most
-/// the concurrency), or the slots free after waiting up to [`FILL_UP`] for them to make up a
-/// batch (handlers that take longer). Claims of a busy loop are then mostly whole batches:
-/// each claim costs the store about the same whatever its size.
-async fn fill_up(semaphore: &Arc<Semaphore>, batch: usize, available: usize) -> usize {
-    if available >= batch {
-        return available;
-    }
-    let Ok(wanted) = u32::try_from(batch) else {
-        return available;
-    };
-    match tokio::time::timeout(FILL_UP, semaphore.acquire_many(wanted)).await {
-        Ok(Ok(permits)) => {
-            drop(permits);
-            semaphore.available_permits()
-        }
-        _ => semaphore.available_permits(),
-    }
-}
-
 /// The dispatch loop.
 async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     let settings = shared.settings.clone();
@@ -371,8 +347,6 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             }
             continue;
         }
-        let whole = (settings.batch_size as usize).min(settings.concurrency);
-        let available = fill_up(&semaphore, whole, available).await;
         let want = available.min(settings.batch_size as usize) as u32;
         let batch = match shared.claim(want).await {
             Ok(batch) => batch,

@@ -127,7 +127,7 @@ pub struct ClaimRequest<'a> {
     pub lease_duration: Duration,
     /// The current time.
     pub now: Timestamp,
-    /// Where a wake-up reported new deliveries since the worker went idle (MongoDB: lanes),
+    /// Where wake-ups reported new deliveries since the worker's last claim (MongoDB: lanes),
     /// looked at first; empty otherwise.
     pub reported: &'a [u32],
 }

@@ -341,8 +341,8 @@ impl MongoEventStore {
     }
 
     /// Tells the next claim of `owner` on this instance which lanes just received new
-    /// deliveries (a change stream reported them), for it to look at before ranking free lanes.
-    /// Meant for a claim after an idle wait, when nothing older was due.
+    /// deliveries (a change stream reported them), for it to look at first: alone after an idle
+    /// wait (nothing older was due), before its other lanes when the owner is busy.
     pub(crate) async fn hint_lanes(&self, owner: &str, lanes: Vec<i32>) {
         let lock = self.inner.claims.owner(owner);
         lock.lock().await.hints = lanes;
