@@ -6,9 +6,12 @@ use std::time::Duration;
 use futures::TryStreamExt;
 use mongodb::{
     Client,
-    bson::{Document, doc},
+    bson::{DateTime, Document, doc},
 };
-use relaybus::{BoxError, Event, HandlerContext, MongoEventStore, RelayBus, Subscription};
+use relaybus::{
+    AppendRequest, BoxError, Event, EventEnvelope, HandlerContext, MongoEventStore, RelayBus,
+    Subscription,
+};
 use relaybus_harness::{FailPoint, TestDb};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -117,6 +120,27 @@ pub async fn all(db: &TestDb, collection: &str) -> Vec<Document> {
         .try_collect()
         .await
         .unwrap()
+}
+
+/// Appends `events` for `handlers` with the store's own `append`, due at `now`, in
+/// transactions of at most 500 events.
+pub async fn append_events(
+    store: &MongoEventStore,
+    events: &[EventEnvelope],
+    handlers: &[&str],
+    now: DateTime,
+) {
+    let handlers: Vec<String> = handlers.iter().map(|h| (*h).to_owned()).collect();
+    for chunk in events.chunks(500) {
+        let requests: Vec<AppendRequest<'_>> = chunk
+            .iter()
+            .map(|e| AppendRequest::new(e, &handlers))
+            .collect();
+        store
+            .transaction(async |session| store.append(session, &requests, now).await)
+            .await
+            .expect("append");
+    }
 }
 
 /// The ids of every event document, in `_id` order.

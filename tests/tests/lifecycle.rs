@@ -95,17 +95,7 @@ async fn publish(
     handlers: &[&str],
     now: DateTime,
 ) {
-    let handlers: Vec<String> = handlers.iter().map(|h| (*h).to_owned()).collect();
-    for chunk in events.chunks(500) {
-        let requests: Vec<AppendRequest<'_>> = chunk
-            .iter()
-            .map(|e| AppendRequest::new(e, &handlers))
-            .collect();
-        store
-            .transaction(async |session| store.append(session, &requests, now).await)
-            .await
-            .expect("append");
-    }
+    relaybus_tests::support::append_events(store, events, handlers, now).await;
 }
 
 async fn publish_unkeyed(store: &MongoEventStore, prefix: &str, n: usize, now: DateTime) {

@@ -4,8 +4,7 @@
 
 use mongodb::bson::{DateTime, Document};
 use relaybus::{
-    AppendRequest, DeliveryQuery, DeliveryRecord, DeliveryStatus, EventEnvelope, MongoEventStore,
-    PurgeOptions,
+    DeliveryQuery, DeliveryRecord, DeliveryStatus, EventEnvelope, MongoEventStore, PurgeOptions,
 };
 use relaybus_harness::{TestDb, test_db};
 use serde_json::json;
@@ -112,7 +111,6 @@ async fn a_setup_with_the_listing_indexes_off_drops_them_and_on_makes_them_again
 /// Publishes `events` events, alternately placed and paid, each for both handlers, due at
 /// `now`: event `e-<i>`.
 async fn publish(store: &MongoEventStore, events: usize, now: DateTime) {
-    let handlers: Vec<String> = HANDLERS.iter().map(|h| (*h).to_owned()).collect();
     let events: Vec<EventEnvelope> = (0..events)
         .map(|i| {
             let event_type = if i % 2 == 0 { PLACED } else { PAID };
@@ -122,14 +120,7 @@ async fn publish(store: &MongoEventStore, events: usize, now: DateTime) {
                 .unwrap()
         })
         .collect();
-    let requests: Vec<AppendRequest<'_>> = events
-        .iter()
-        .map(|e| AppendRequest::new(e, &handlers))
-        .collect();
-    store
-        .transaction(async |session| store.append(session, &requests, now).await)
-        .await
-        .expect("append");
+    relaybus_tests::support::append_events(store, &events, &HANDLERS, now).await;
 }
 
 /// What a listing says of a record, without what differs between two databases (ids and the
