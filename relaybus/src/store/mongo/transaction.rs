@@ -79,8 +79,9 @@ impl MongoEventStore {
     /// budget for each attempt.
     ///
     /// An attempt whose `work` ran past `budget` is aborted before its commit, with all its
-    /// writes, and the call fails with [`TransactionTimeoutError`](crate::TransactionTimeoutError). The commit itself is bounded
-    /// on the server with `maxCommitTimeMS` set to the budget.
+    /// writes, and the call fails with
+    /// [`TransactionTimeoutError`](crate::TransactionTimeoutError). The commit itself is
+    /// bounded on the server with `maxCommitTimeMS` set to the budget.
     ///
     /// # Errors
     ///

@@ -192,11 +192,15 @@ impl MongoEventStore {
     ///
     /// # Errors
     ///
-    /// - [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an empty or over-long `owner`, a `limit` outside 1 to
+    /// - [`Error::InvalidArgument`] for an empty or over-long `owner`, a `limit` outside 1 to
     ///   10,000, a `lease_duration` outside 1 ms to 7 days, or no handlers;
-    ///   [`Error::Configuration`](crate::Error::Configuration) for a malformed handler id. Nothing is sent to the database.
-    /// - [`Error::Database`](crate::Error::Database). The owner's lanes on this instance are then reconciled: nothing
+    ///   [`Error::Configuration`] for a malformed handler id. Nothing is sent to the database.
+    /// - [`Error::Database`]. The owner's lanes on this instance are then reconciled: nothing
     ///   this failed claim recorded stays listed as running, and no lease of it can match.
+    ///
+    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
+    /// [`Error::Configuration`]: crate::Error::Configuration
+    /// [`Error::Database`]: crate::Error::Database
     ///
     /// # Cancel safety
     ///
