@@ -1535,6 +1535,97 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     assert_eq!(completes, vec![5, 5, 5]);
 }
 
+/// A claim through the store boundary, as the dispatcher makes it, saying whether the reports
+/// (none here) are complete. How many commands it sent, and how many deliveries it got.
+async fn boundary_claim(
+    store: &MongoEventStore,
+    count: &AtomicUsize,
+    now: DateTime,
+    reported: &[u32],
+    reports_complete: bool,
+) -> (usize, usize) {
+    use relaybus::{Store, store::ClaimRequest};
+    let handlers = [HANDLER.to_owned()];
+    let before = count.load(Ordering::SeqCst);
+    let claimed = Store::claim(
+        store,
+        ClaimRequest {
+            owner: "w",
+            handlers: &handlers,
+            limit: 32,
+            lease_duration: LEASE,
+            now: std::time::SystemTime::from(now).into(),
+            reported,
+            reports_complete,
+        },
+    )
+    .await
+    .expect("claim");
+    (count.load(Ordering::SeqCst) - before, claimed.len())
+}
+
+#[tokio::test]
+async fn a_complete_ranking_spares_busy_claims_reading_free_lanes_while_reports_are_complete() {
+    let db = test_db("complete_ranking").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    // One hot key: a claim takes its first delivery and finds nothing else to run.
+    let hot: Vec<EventEnvelope> = (0..3)
+        .map(|n| event(&format!("hot-{n}"), Some("hot")))
+        .collect();
+    publish(&store, &hot, &[HANDLER], at(0)).await;
+    let hot_lane = lane_of(Some("hot"), "hot-0");
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 1);
+
+    // Still busy with the key. With complete reports, the ranking that found every free lane
+    // empty stands; without, the free lanes are ranked again (two more reads, 128 lanes each).
+    let (trusted, got) = boundary_claim(&store, &count, ms(10), &[], true).await;
+    assert_eq!(got, 0);
+    let (unsure, got) = boundary_claim(&store, &count, ms(20), &[], false).await;
+    assert_eq!(got, 0);
+    assert!(
+        unsure >= trusted + 2,
+        "{trusted} commands with complete reports, {unsure} without"
+    );
+
+    // A new delivery in a free lane: found at once when reported, or when the reports are not
+    // complete; unreported, by the first claim a quarter of a second after the ranking.
+    let fresh_id = (0..)
+        .map(|n| format!("fresh-{n}"))
+        .find(|id| lane_of(None, id) != hot_lane)
+        .unwrap();
+    let fresh_lane = lane_of(None, &fresh_id);
+    publish(&store, &[event(&fresh_id, None)], &[HANDLER], at(0)).await;
+    let (_, got) = boundary_claim(&store, &count, ms(30), &[fresh_lane], true).await;
+    assert_eq!(got, 1, "reported");
+    let second = (0..)
+        .map(|n| format!("second-{n}"))
+        .find(|id| ![hot_lane, fresh_lane].contains(&lane_of(None, id)))
+        .unwrap();
+    publish(&store, &[event(&second, None)], &[HANDLER], at(0)).await;
+    let (_, got) = boundary_claim(&store, &count, ms(40), &[], false).await;
+    assert_eq!(
+        got, 1,
+        "reports not complete: the free lanes are ranked again"
+    );
+    let taken = [hot_lane, fresh_lane, lane_of(None, &second)];
+    let third = (0..)
+        .map(|n| format!("third-{n}"))
+        .find(|id| !taken.contains(&lane_of(None, id)))
+        .unwrap();
+    publish(&store, &[event(&third, None)], &[HANDLER], at(0)).await;
+    // The claim at 40 ms ranked anew and found nothing else: unreported, the delivery waits.
+    let (_, got) = boundary_claim(&store, &count, ms(50), &[], true).await;
+    assert_eq!(got, 0, "the ranking 10 ms ago found every free lane empty");
+    let (_, got) = boundary_claim(&store, &count, ms(300), &[], true).await;
+    assert_eq!(
+        got, 1,
+        "a quarter of a second after the ranking, it is read again"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Operator API
 

@@ -75,6 +75,7 @@ async fn claim(
             lease_duration: Duration::from_secs(30),
             now,
             reported: &[],
+            reports_complete: false,
         })
         .await
         .expect("claim")

@@ -686,6 +686,7 @@ async fn bad_input_is_refused_and_writes_nothing() {
         lease_duration: lease,
         now: Timestamp::now(),
         reported: &[],
+        reports_complete: false,
     };
     for (request, argument) in [
         (claim("", 1, Duration::from_secs(30)), "owner"),

@@ -66,6 +66,7 @@ async fn claim_as(
             lease_duration: Duration::from_secs(30),
             now,
             reported: &[],
+            reports_complete: false,
         },
     )
     .await
@@ -1283,6 +1284,7 @@ async fn record_fails_during_a_takeover(
                     lease_duration: Duration::from_secs(30),
                     now,
                     reported: &[],
+                    reports_complete: false,
                 },
             )
             .await

@@ -163,6 +163,7 @@ async fn a_dead_workers_lease_ends_on_the_clock<S: Store>(store: S) {
             lease_duration: Duration::from_secs(30),
             now: clock.now(),
             reported: &[],
+            reports_complete: false,
         })
         .await
         .expect("claim");

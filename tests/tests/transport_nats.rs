@@ -413,6 +413,7 @@ async fn a_relay_that_crashed_after_the_ack_sends_again_and_the_stream_keeps_one
             lease_duration: Duration::from_secs(5),
             now: clock.now(),
             reported: &[],
+            reports_complete: false,
         })
         .await
         .unwrap();

@@ -565,6 +565,7 @@ async fn a_relay_that_crashed_after_the_confirm_sends_again_and_the_consumer_kee
             lease_duration: Duration::from_secs(5),
             now: clock.now(),
             reported: &[],
+            reports_complete: false,
         })
         .await
         .unwrap();

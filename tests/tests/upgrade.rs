@@ -162,6 +162,7 @@ async fn claim(
             lease_duration: std::time::Duration::from_secs(30),
             now: Timestamp::now(),
             reported: &[],
+            reports_complete: false,
         },
     )
     .await

@@ -103,7 +103,47 @@ pub(crate) struct Shared<S: Store> {
     gauges: StdMutex<HashSet<String>>,
     running: StdMutex<RunningSet<S>>,
     /// Where the wake-ups reported new deliveries since the last claim (MongoDB: lanes).
-    reported: StdMutex<Vec<u32>>,
+    reported: StdMutex<Reports>,
+}
+
+/// What the wake-ups reported since the last claim.
+#[derive(Debug, Default)]
+struct Reports {
+    /// Where new deliveries are.
+    lanes: Vec<u32>,
+    /// The wake-up stream is open.
+    open: bool,
+    /// Some new deliveries may not be in `lanes`: the stream (re)opened after deliveries it
+    /// cannot report, or more lanes were reported than are remembered.
+    gap: bool,
+}
+
+impl Reports {
+    /// A new delivery in `lane`.
+    fn lane(&mut self, lane: u32) {
+        if self.lanes.contains(&lane) {
+            return;
+        }
+        if self.lanes.len() < MAX_REPORTED_LANES {
+            self.lanes.push(lane);
+        } else {
+            self.gap = true;
+        }
+    }
+
+    /// The stream opened (`true`) or closed: what it reports is complete only from its opening
+    /// on, and not at all while it is closed.
+    fn opened(&mut self, open: bool) {
+        self.open = open;
+        self.gap = true;
+    }
+
+    /// The lanes reported since the last call, and whether they are all the new deliveries'.
+    fn take(&mut self) -> (Vec<u32>, bool) {
+        let complete = self.open && !self.gap;
+        self.gap = false;
+        (std::mem::take(&mut self.lanes), complete)
+    }
 }
 
 /// The deliveries a task of this bus runs, by delivery id.
@@ -151,7 +191,7 @@ impl<S: Store> Shared<S> {
             metrics,
             gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
-            reported: StdMutex::new(Vec::new()),
+            reported: StdMutex::new(Reports::default()),
         }
     }
 
@@ -165,17 +205,23 @@ impl<S: Store> Shared<S> {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Remembers where a wake-up reported a new delivery.
-    pub(super) fn report_lane(&self, lane: u32) {
-        let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
-        if reported.len() < MAX_REPORTED_LANES && !reported.contains(&lane) {
-            reported.push(lane);
-        }
+    fn reports(&self) -> std::sync::MutexGuard<'_, Reports> {
+        self.reported.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The lanes reported since the last call.
-    fn take_reported(&self) -> Vec<u32> {
-        std::mem::take(&mut *self.reported.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Remembers where a wake-up reported a new delivery.
+    pub(super) fn report_lane(&self, lane: u32) {
+        self.reports().lane(lane);
+    }
+
+    /// The wake-up stream opened (`true`) or closed.
+    pub(super) fn reports_open(&self, open: bool) {
+        self.reports().opened(open);
+    }
+
+    /// The lanes reported since the last call, and whether they are all the new deliveries'.
+    fn take_reported(&self) -> (Vec<u32>, bool) {
+        self.reports().take()
     }
 
     /// Claims up to `limit` deliveries, looking first where the wake-ups reported new
@@ -183,7 +229,7 @@ impl<S: Store> Shared<S> {
     async fn claim(&self, limit: u32) -> Result<Vec<Claimed<S::Lease>>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
-        let reported = self.take_reported();
+        let (reported, reports_complete) = self.take_reported();
         async {
             let started = Instant::now();
             let batch = self
@@ -195,6 +241,7 @@ impl<S: Store> Shared<S> {
                     lease_duration: settings.lease_duration,
                     now: self.now(),
                     reported: &reported,
+                    reports_complete,
                 })
                 .await;
             self.metrics.operation(
@@ -597,5 +644,45 @@ async fn purge_periodically<S: Store>(
             Ok(purged) => debug!(?purged, "purged expired deliveries and events"),
             Err(error) => warn!(%error, "purge failed; trying again at the next interval"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{MAX_REPORTED_LANES, Reports};
+
+    #[test]
+    fn reports_are_complete_only_while_the_stream_is_open_and_drops_nothing() {
+        let mut reports = Reports::default();
+        reports.lane(3);
+        assert_eq!(reports.take(), (vec![3], false), "no stream open");
+        reports.opened(true);
+        reports.lane(5);
+        assert_eq!(
+            reports.take(),
+            (vec![5], false),
+            "what was inserted before the stream opened was not reported"
+        );
+        reports.lane(7);
+        reports.lane(7);
+        assert_eq!(reports.take(), (vec![7], true));
+        assert_eq!(
+            reports.take(),
+            (vec![], true),
+            "nothing new, and that is known"
+        );
+        for lane in 0..=MAX_REPORTED_LANES as u32 {
+            reports.lane(lane);
+        }
+        let (lanes, complete) = reports.take();
+        assert_eq!(
+            (lanes.len(), complete),
+            (MAX_REPORTED_LANES, false),
+            "one dropped"
+        );
+        assert!(reports.take().1);
+        reports.opened(false);
+        reports.lane(9);
+        assert_eq!(reports.take(), (vec![9], false), "the stream closed");
     }
 }

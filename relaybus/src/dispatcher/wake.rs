@@ -29,6 +29,7 @@ pub(super) async fn watch<S: Store>(
         match opened {
             Ok(mut stream) => {
                 debug!("wake-up stream open");
+                shared.reports_open(true);
                 // Whatever was inserted while the stream was closed is found by this claim.
                 notify.notify_one();
                 pause = Duration::from_millis(100);
@@ -51,6 +52,7 @@ pub(super) async fn watch<S: Store>(
                         None => break,
                     }
                 }
+                shared.reports_open(false);
             }
             Err(error) => {
                 warn!(%error, "cannot open the wake-up stream; polling until it opens");

@@ -130,6 +130,11 @@ pub struct ClaimRequest<'a> {
     /// Where wake-ups reported new deliveries since the worker's last claim (MongoDB: lanes),
     /// looked at first; empty otherwise.
     pub reported: &'a [u32],
+    /// `reported` lists every place where deliveries were inserted since the worker's last
+    /// claim: the wake-up stream was open all along and dropped nothing. A store may then trust
+    /// that places it found empty a moment ago received nothing new but what is reported. Pass
+    /// `false` when unsure; the claim is then as thorough as without reports.
+    pub reports_complete: bool,
 }
 
 /// A wake-up: deliveries of the watched handlers committed.

@@ -250,6 +250,7 @@ pub(crate) async fn claim<S: Store>(
             lease_duration: LEASE,
             now,
             reported: &[],
+            reports_complete: false,
         })
         .await
         .unwrap_or_else(|e| panic!("{}: claim failed: {e}", S::NAME))

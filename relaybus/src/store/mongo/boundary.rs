@@ -123,13 +123,14 @@ impl Store for MongoEventStore {
     }
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
-        if !request.reported.is_empty() {
+        if !request.reported.is_empty() || request.reports_complete {
             let lanes = request
                 .reported
                 .iter()
                 .filter_map(|lane| i32::try_from(*lane).ok())
                 .collect();
-            self.hint_lanes(request.owner, lanes).await;
+            self.hint_lanes(request.owner, lanes, request.reports_complete)
+                .await;
         }
         let claimed = MongoEventStore::claim(
             self,

@@ -207,6 +207,9 @@ pub(crate) struct OwnerState {
     /// Lanes where new deliveries were just reported, for the owner's next claim to look at
     /// before ranking free lanes.
     pub(crate) hints: Vec<i32>,
+    /// `hints` lists every lane that received deliveries since the owner's last claim, so a
+    /// recent ranking that found free lanes empty still holds for them.
+    pub(crate) reports_complete: bool,
     /// The owner's last claim found something: it is busy, and a claim with reported lanes
     /// goes on to its other lanes when the reported ones do not fill it. After an empty claim
     /// (an idle worker, nothing older was due) the reported lanes are read alone.
@@ -222,6 +225,10 @@ pub(crate) struct RankedLanes {
     pub(crate) at: mongodb::bson::DateTime,
     /// Lane ids, oldest due delivery first.
     pub(crate) lanes: Vec<i32>,
+    /// The free lanes the ranking read in full, when it saw every due delivery in them (it read
+    /// fewer index entries than it could): those not in `lanes` had nothing due then. Empty
+    /// when the ranking was cut short.
+    pub(crate) covered: Vec<i32>,
 }
 
 /// What one store instance (one `build()`, shared by clones) knows about its claims.

@@ -346,10 +346,13 @@ impl MongoEventStore {
 
     /// Tells the next claim of `owner` on this instance which lanes just received new
     /// deliveries (a change stream reported them), for it to look at first: alone after an idle
-    /// wait (nothing older was due), before its other lanes when the owner is busy.
-    pub(crate) async fn hint_lanes(&self, owner: &str, lanes: Vec<i32>) {
+    /// wait (nothing older was due), before its other lanes when the owner is busy. `complete`:
+    /// no lane received a delivery since the owner's last claim that is not among `lanes`.
+    pub(crate) async fn hint_lanes(&self, owner: &str, lanes: Vec<i32>, complete: bool) {
         let lock = self.inner.claims.owner(owner);
-        lock.lock().await.hints = lanes;
+        let mut state = lock.lock().await;
+        state.hints = lanes;
+        state.reports_complete = complete;
     }
 
     /// One claim, with the owner's lock held. `None` when the owner's lanes list a delivery
@@ -370,6 +373,12 @@ impl MongoEventStore {
             now,
         };
         let reported = std::mem::take(&mut state.hints);
+        if !std::mem::take(&mut state.reports_complete)
+            && let Some(ranking) = state.ranked.as_mut()
+        {
+            // Deliveries may have come into the lanes the last ranking found empty, unseen.
+            ranking.covered.clear();
+        }
 
         // Reading the lanes. After an idle wait, the first page of the reported lanes comes
         // along. The claims outstanding are taken before: the held lanes are judged by them.
