@@ -1162,6 +1162,39 @@ async fn a_parked_backlog_of_5000_unparks_level_triggered_after_its_head_complet
 }
 
 #[tokio::test]
+async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
+    let db = test_db("unpark_once").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let backlog: Vec<EventEnvelope> = ["a", "b"]
+        .iter()
+        .flat_map(|key| (0..40).map(move |i| event(&format!("{key}-{i}"), Some(key))))
+        .collect();
+    publish(&store, &backlog, &[HANDLER], at(0)).await;
+    let heads = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(heads.len(), 2);
+    assert_eq!(store.statistics().await.unwrap().parked, 78);
+    let done = store.complete_many(&leases(&heads), at(2)).await.unwrap();
+    assert!(done.iter().all(|d| *d));
+
+    names.lock().unwrap().clear();
+    let before = count.load(Ordering::SeqCst);
+    let next = claim(&store, "w", 10, at(3)).await;
+    let used = count.load(Ordering::SeqCst) - before;
+    let sent = names.lock().unwrap().clone();
+    assert_eq!(
+        next.iter().map(|d| d.sequence()).collect::<Vec<_>>(),
+        vec![Some(2), Some(2)],
+        "each key's next delivery came back and was claimed"
+    );
+    // The lane read, and the lookup of the parked keys' lowest pending deliveries that decides
+    // what to unpark; the per-key rules reuse that lookup instead of sending their own.
+    let aggregations = sent.iter().filter(|name| *name == "aggregate").count();
+    assert_eq!(aggregations, 2, "{sent:?}");
+    assert!(used <= 8, "{used} commands: {sent:?}");
+}
+
+#[tokio::test]
 async fn a_lane_handed_back_parks_the_few_deliveries_waiting_there() {
     let db = test_db("handback_park").await;
     let store = store(&db).await;

@@ -60,6 +60,17 @@ impl ParkedHead {
     }
 }
 
+/// What unparking looked up of one key.
+#[derive(Debug, Clone)]
+pub(crate) struct SeenKey {
+    /// The handler and the key.
+    pub(crate) key: (String, String),
+    /// The lane of the key's parked head.
+    pub(crate) lane: Option<i32>,
+    /// The key's lowest pending delivery; `None` when nothing of it was pending.
+    pub(crate) lowest: Option<ObjectId>,
+}
+
 /// An aggregation of the deliveries collection that yields the lowest parked delivery of each
 /// key of `handler`: a distinct scan of the small `parked` index. Each document has
 /// `parkedHandler`, `parkedKey`, `id`, `sequence` and `laneId`.
@@ -120,13 +131,25 @@ impl MongoEventStore {
         skip_lanes: &HashSet<i32>,
         running: &HashSet<(String, String)>,
     ) -> Result<u64> {
+        Ok(self.unpark_heads_seen(heads, skip_lanes, running).await?.0)
+    }
+
+    /// [`unpark_heads`](Self::unpark_heads), also returning what it looked up: for each key it
+    /// probed, the lane of its parked head and its lowest pending delivery (`None`: nothing
+    /// pending), as read before the update. Unparking leaves that delivery the key's lowest.
+    pub(crate) async fn unpark_heads_seen(
+        &self,
+        heads: Vec<ParkedHead>,
+        skip_lanes: &HashSet<i32>,
+        running: &HashSet<(String, String)>,
+    ) -> Result<(u64, Vec<SeenKey>)> {
         let heads: Vec<ParkedHead> = heads
             .into_iter()
             .filter(|head| !head.lane.is_some_and(|lane| skip_lanes.contains(&lane)))
             .filter(|head| !running.contains(&(head.handler.clone(), head.key.clone())))
             .collect();
         if heads.is_empty() {
-            return Ok(0);
+            return Ok((0, Vec::new()));
         }
         let keys: Vec<(String, String)> = heads
             .iter()
@@ -143,13 +166,25 @@ impl MongoEventStore {
             })
             .map(|head| (head.handler.clone(), head.key.clone()))
             .collect();
+        let seen: Vec<SeenKey> = heads
+            .iter()
+            .map(|head| {
+                let key = (head.handler.clone(), head.key.clone());
+                let lowest = lowest.get(&key).map(|(id, _)| *id);
+                SeenKey {
+                    key,
+                    lane: head.lane,
+                    lowest,
+                }
+            })
+            .collect();
         let ids: Vec<ObjectId> = heads
             .into_iter()
             .filter(|head| !blocked.contains(&(head.handler.clone(), head.key.clone())))
             .map(|head| head.id)
             .collect();
         if ids.is_empty() {
-            return Ok(0);
+            return Ok((0, seen));
         }
         let moved = self
             .inner
@@ -163,7 +198,7 @@ impl MongoEventStore {
                 doc! { "$set": { field::LANE: lane::READY } },
             )
             .await?;
-        Ok(moved.modified_count)
+        Ok((moved.modified_count, seen))
     }
 
     /// The lowest pending delivery of each of `keys` (handler and key): its id and sequence.

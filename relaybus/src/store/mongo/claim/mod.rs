@@ -45,7 +45,7 @@ mod record;
 mod scan;
 mod take;
 
-use std::time::Duration;
+use std::{collections::HashSet, time::Duration};
 
 use mongodb::bson::{DateTime, oid::ObjectId};
 
@@ -214,7 +214,7 @@ impl MongoEventStore {
     ///
     /// ```no_run
     /// # async fn example(store: relaybus::MongoEventStore) -> Result<(), relaybus::Error> {
-    /// use std::time::Duration;
+    /// use std::{collections::HashSet, time::Duration};
     /// use relaybus::mongodb::bson::DateTime;
     ///
     /// let batch = store
@@ -393,10 +393,14 @@ impl MongoEventStore {
             parked,
             prescanned,
         } = self.read_lanes(owner, handlers, now, prescan).await?;
-        let ((), running) = futures::join!(
-            self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs),
+        let held_ids: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
+        let (seen_heads, running) = futures::join!(
+            self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs, &held_ids),
             self.running_in_held_lanes(&held, &running_docs, now),
         );
+        // What unparking looked up of the keys of held lanes still holds unless claims lost in
+        // them were charged since.
+        let nothing_lost = held.iter().all(|lane| lane.lost.is_empty());
         let Running {
             ids: running,
             keys: running_keys,
@@ -410,7 +414,11 @@ impl MongoEventStore {
         // lanes, ranked, unless the owner was idle (the reported lanes alone then).
         let mut lanes: Vec<(Lane, Hold)> =
             held.into_iter().map(|lane| (lane, Hold::Held)).collect();
-        let mut scan = Scan::new(Picking::new(limit, running, running_keys));
+        let mut picking = Picking::new(limit, running, running_keys);
+        if nothing_lost {
+            picking.know_heads(seen_heads);
+        }
+        let mut scan = Scan::new(picking);
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
         let rest = if reported.is_empty() {
             Some(held_ids)

@@ -89,6 +89,16 @@ impl Picking {
         }
     }
 
+    /// Remembers the lowest pending delivery of keys looked up before the claim scanned (`None`:
+    /// nothing pending), unless a key runs or was picked already.
+    pub(super) fn know_heads(&mut self, heads: HashMap<KeyOf, Option<ObjectId>>) {
+        for (key_of, head) in heads {
+            if !self.running_keys.contains(&key_of) && !self.picked_keys.contains(&key_of) {
+                self.heads.entry(key_of).or_insert(head);
+            }
+        }
+    }
+
     /// Applies the per-key rules to a page of candidates, in order, until the claim is full. No
     /// database access: the lowest pending delivery of each key was looked up before.
     pub(super) fn pick(&mut self, page: Vec<Candidate>) {

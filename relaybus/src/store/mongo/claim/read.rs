@@ -306,13 +306,19 @@ impl MongoEventStore {
     /// aggregation per handler when it did not look them up. Keys with a pending delivery
     /// running in the held lanes stay parked: nothing else of them can be claimed before it
     /// ends. Never fails the claim.
+    ///
+    /// Returns the lowest pending delivery of each key it looked up whose head is in one of the
+    /// `held` lanes (`None`: nothing pending), for the per-key rules: the claim need not look
+    /// them up again. The held lanes' records are conditioned on the requeue count the first
+    /// read found, so a requeue that would make an older delivery pending meanwhile voids them.
     pub(super) async fn unpark_for_claim(
         &self,
         handlers: &[&str],
         parked: Option<Vec<ParkedHead>>,
         taken_by_others: &HashSet<i32>,
         running_docs: &[Document],
-    ) {
+        held: &HashSet<i32>,
+    ) -> HashMap<KeyOf, Option<ObjectId>> {
         let running_pending: HashSet<KeyOf> = running_docs
             .iter()
             .filter(|doc| doc.get_str(field::STATUS) == Ok(status::PENDING))
@@ -320,11 +326,16 @@ impl MongoEventStore {
             .collect();
         let result = match parked {
             Some(heads) => self
-                .unpark_heads(heads, taken_by_others, &running_pending)
+                .unpark_heads_seen(heads, taken_by_others, &running_pending)
                 .await
-                .map(|_| ()),
+                .map(|(_, seen)| {
+                    seen.into_iter()
+                        .filter(|seen| seen.lane.is_some_and(|lane| held.contains(&lane)))
+                        .map(|seen| (seen.key, seen.lowest))
+                        .collect()
+                }),
             None => {
-                let mut result = Ok(());
+                let mut result = Ok(HashMap::new());
                 for handler in handlers {
                     if let Err(error) = self.unpark(handler, taken_by_others).await {
                         result = Err(error);
@@ -333,9 +344,10 @@ impl MongoEventStore {
                 result
             }
         };
-        if let Err(error) = result {
+        result.unwrap_or_else(|error| {
             tracing::warn!(%error, "relaybus: unparking deliveries failed");
-        }
+            HashMap::new()
+        })
     }
 
     /// What runs in the `held` lanes: what the first read found (`running_docs`), unless
