@@ -187,8 +187,9 @@ impl MongoEventStore {
     /// `limit` is (lanes, deliveries, their events, the record), and writes no delivery
     /// document. Each round over free lanes adds two reads (one per 128 lanes ranked, in
     /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
-    /// is read. A keyed claim adds one lookup per key, in
-    /// parallel, and parked keys one lookup per key whose lane runs nothing of it.
+    /// is read. A keyed claim adds one lookup per key, in parallel, and parked keys one lookup
+    /// per key whose lane runs nothing of it (which serves both: a key unparked in a lane the
+    /// owner holds is not looked up again).
     ///
     /// # Errors
     ///
