@@ -1568,8 +1568,9 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     assert_eq!(completes, vec![5, 5, 5]);
 }
 
-/// A claim through the store boundary, as the dispatcher makes it, saying whether the reports
-/// (none here) are complete. How many commands it sent, and how many deliveries it got.
+/// A claim through the store boundary, as the dispatcher makes it: with the lanes reported since
+/// the last claim and whether they are all. How many commands it sent, and how many deliveries
+/// it got.
 async fn boundary_claim(
     store: &MongoEventStore,
     count: &AtomicUsize,

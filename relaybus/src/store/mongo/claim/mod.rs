@@ -215,7 +215,7 @@ impl MongoEventStore {
     ///
     /// ```no_run
     /// # async fn example(store: relaybus::MongoEventStore) -> Result<(), relaybus::Error> {
-    /// use std::{collections::HashSet, time::Duration};
+    /// use std::time::Duration;
     /// use relaybus::mongodb::bson::DateTime;
     ///
     /// let batch = store
@@ -394,9 +394,9 @@ impl MongoEventStore {
             parked,
             prescanned,
         } = self.read_lanes(owner, handlers, now, prescan).await?;
-        let held_ids: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
+        let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
         let (seen_heads, running) = futures::join!(
-            self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs, &held_ids),
+            self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs, &held_set),
             self.running_in_held_lanes(&held, &running_docs, now),
         );
         // What unparking looked up of the keys of held lanes still holds unless claims lost in
