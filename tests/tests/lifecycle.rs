@@ -1660,6 +1660,62 @@ async fn a_complete_ranking_spares_busy_claims_reading_free_lanes_while_reports_
     );
 }
 
+#[tokio::test]
+async fn an_idle_claim_that_took_every_reported_delivery_spares_the_claim_right_after_it() {
+    let db = test_db("idle_claim_exhausted").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    // Nothing to do: the owner goes idle.
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0);
+
+    // Two deliveries arrive, reported: the idle claim takes both, and the claim that follows at
+    // once, with nothing new reported, sends nothing.
+    let arrived = [event("arrived-0", None), event("arrived-1", None)];
+    publish(&store, &arrived, &[HANDLER], at(0)).await;
+    let lanes: Vec<u32> = ["arrived-0", "arrived-1"]
+        .iter()
+        .map(|id| lane_of(None, id))
+        .collect();
+    let (_, got) = boundary_claim(&store, &count, ms(10), &lanes, true).await;
+    assert_eq!(got, 2);
+    let (spared, got) = boundary_claim(&store, &count, ms(15), &[], true).await;
+    assert_eq!((spared, got), (0, 0), "the follow-up claim read nothing");
+    // Only that one: the next claim, at a wake-up or the poll, reads again.
+    let (next, got) = boundary_claim(&store, &count, ms(20), &[], true).await;
+    assert_eq!(got, 0);
+    assert!(next > 0, "the claim after it read the lanes");
+
+    // Not when a reported delivery was left behind: two of one key, the second waits.
+    let keyed = [event("keyed-0", Some("k")), event("keyed-1", Some("k"))];
+    publish(&store, &keyed, &[HANDLER], at(0)).await;
+    let (_, got) = boundary_claim(
+        &store,
+        &count,
+        ms(30),
+        &[lane_of(Some("k"), "keyed-0")],
+        true,
+    )
+    .await;
+    assert_eq!(got, 1);
+    let (follow_up, _) = boundary_claim(&store, &count, ms(35), &[], true).await;
+    assert!(follow_up > 0, "a delivery waits: the follow-up claim reads");
+
+    // Nor when the reports may have missed a lane.
+    let (_, got) = boundary_claim(&store, &count, ms(40), &[], true).await;
+    assert_eq!(got, 0, "idle again");
+    publish(&store, &[event("unsure-0", None)], &[HANDLER], at(0)).await;
+    let (_, got) =
+        boundary_claim(&store, &count, ms(50), &[lane_of(None, "unsure-0")], false).await;
+    assert_eq!(got, 1);
+    let (follow_up, _) = boundary_claim(&store, &count, ms(55), &[], true).await;
+    assert!(
+        follow_up > 0,
+        "the reports were not complete: the follow-up claim reads"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Operator API
 

@@ -214,6 +214,38 @@ pub(crate) struct OwnerState {
     /// goes on to its other lanes when the reported ones do not fill it. After an empty claim
     /// (an idle worker, nothing older was due) the reported lanes are read alone.
     pub(crate) busy: bool,
+    /// The owner's last claim came after an idle wait, with complete reports, and picked every
+    /// due delivery of the reported lanes: until new deliveries are reported, its next claim has
+    /// nothing to find (see [`Exhausted`]).
+    pub(crate) exhausted: Option<Exhausted>,
+}
+
+/// An idle claim that picked everything due where new deliveries were reported.
+///
+/// Nothing older was due when the owner went idle (its last claim found nothing), and the
+/// reports listed every lane that received deliveries since; so the claim that follows at once,
+/// with nothing new reported, would find nothing either, save a delivery that became due without
+/// being inserted in the meantime (a retry, a release). That claim reads nothing and returns
+/// empty; the one after it, at the next wake-up or poll, looks everywhere again.
+#[derive(Debug)]
+pub(crate) struct Exhausted {
+    /// The `now` of the claim.
+    pub(crate) at: mongodb::bson::DateTime,
+    /// The handlers it claimed for.
+    pub(crate) handlers: Vec<String>,
+}
+
+impl Exhausted {
+    /// How long after the claim its follow-up may skip reading.
+    const FOR: std::time::Duration = std::time::Duration::from_millis(250);
+
+    /// Whether a claim for `handlers` at `now` may take it that nothing is claimable.
+    pub(crate) fn holds(&self, handlers: &[&str], now: mongodb::bson::DateTime) -> bool {
+        let age = now.timestamp_millis() - self.at.timestamp_millis();
+        (0..=Self::FOR.as_millis() as i64).contains(&age)
+            && self.handlers.len() == handlers.len()
+            && self.handlers.iter().zip(handlers).all(|(a, b)| a == b)
+    }
 }
 
 /// The rest of a ranking of free lanes, kept for the owner's next claims.

@@ -31,7 +31,9 @@
 //! (the owner's last claim found nothing) it reads them alone, instead of scanning the held lanes
 //! and ranking free ones: nothing older was due when the dispatcher went idle. A busy owner goes
 //! on to its held lanes and free ones when the reported lanes do not fill the claim, so that a
-//! new key's delivery does not wait behind the backlog of other keys.
+//! new key's delivery does not wait behind the backlog of other keys. An idle claim that took
+//! every due delivery of the reported lanes, while the reports were complete, spares the claim
+//! right after it ([`Exhausted`]).
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
 //! ([`reconcile`]).
@@ -58,7 +60,7 @@ use self::{
 use super::{
     MongoEventStore,
     lane::{Lane, MAX_CLAIM_LIMIT, add, check_lease_duration, check_owner},
-    lease::{Lease, OwnerState},
+    lease::{Exhausted, Lease, OwnerState},
 };
 use crate::{
     error::{InvalidArgumentError, Result},
@@ -374,11 +376,17 @@ impl MongoEventStore {
             now,
         };
         let reported = std::mem::take(&mut state.hints);
-        if !std::mem::take(&mut state.reports_complete)
-            && let Some(ranking) = state.ranked.as_mut()
-        {
-            // Deliveries may have come into the lanes the last ranking found empty, unseen.
-            ranking.covered.clear();
+        let reports_complete = std::mem::take(&mut state.reports_complete);
+        let exhausted = state.exhausted.take();
+        if !reports_complete {
+            if let Some(ranking) = state.ranked.as_mut() {
+                // Deliveries may have come into the lanes the last ranking found empty, unseen.
+                ranking.covered.clear();
+            }
+        } else if reported.is_empty() && exhausted.is_some_and(|last| last.holds(handlers, now)) {
+            // Right after an idle claim that took everything due where deliveries were
+            // reported, and nothing reported since: nothing to find.
+            return Ok(Some(Batch::default()));
         }
 
         // Reading the lanes. After an idle wait, the first page of the reported lanes comes
@@ -421,13 +429,17 @@ impl MongoEventStore {
         }
         let mut scan = Scan::new(picking);
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
+        // After an idle wait, the reported lanes alone.
+        let idle = !state.busy && !reported.is_empty();
+        let mut picked_all_reported = false;
         let rest = if reported.is_empty() {
             Some(held_ids)
         } else {
-            self.scan_reported_lanes(
-                &request, &reported, &free, prescanned, &mut lanes, &mut scan,
-            )
-            .await?;
+            picked_all_reported = self
+                .scan_reported_lanes(
+                    &request, &reported, &free, prescanned, &mut lanes, &mut scan,
+                )
+                .await?;
             // A busy worker looks at the reported lanes first, so that new deliveries do not
             // wait behind its backlog, then at its other lanes and free ones.
             (state.busy && !scan.picking.full()).then(|| {
@@ -460,10 +472,23 @@ impl MongoEventStore {
             waiting,
             ..
         } = picking;
+        let picked = picks.len();
         let (picks, events) = self.events_of_picks(picks, events).await?;
         let recorded = self.record(&request, lanes, picks, &running).await?;
         self.park_waiting(owner, &waiting, &recorded.handed_back)
             .await;
+        if idle
+            && reports_complete
+            && picked_all_reported
+            && waiting.is_empty()
+            && !recorded.raced
+            && recorded.picks.len() == picked
+        {
+            state.exhausted = Some(Exhausted {
+                at: now,
+                handlers: handlers.iter().map(|h| (*h).to_owned()).collect(),
+            });
+        }
 
         // Handing out.
         let claimed = self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);

@@ -261,6 +261,10 @@ impl MongoEventStore {
     /// or free, as they hold the only new work; nothing is ranked. The page of them the first
     /// read brought along (`prescanned`, with events) is picked from first, unless it is full:
     /// then the lanes are scanned as usual.
+    ///
+    /// Returns whether the claim picked every due delivery of the reported lanes: the first
+    /// read saw them all (less than a page), each in a lane the claim could pick from, and none
+    /// was left waiting or running.
     pub(super) async fn scan_reported_lanes(
         &self,
         request: &Request<'_>,
@@ -269,7 +273,7 @@ impl MongoEventStore {
         prescanned: Vec<Document>,
         lanes: &mut Vec<(Lane, Hold)>,
         scan: &mut Scan,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let Request { handlers, now, .. } = *request;
         let mut ready: Vec<i32> = lanes
             .iter()
@@ -290,13 +294,17 @@ impl MongoEventStore {
         );
         let joined = self.join_lanes(&chosen, free, lanes, request).await?;
         scan.with_events = true;
+        let mut picked_all = false;
         if prescanned.len() < page_window(scan.picking.limit) {
             let mut page = Vec::with_capacity(prescanned.len());
+            let mut passed_over = false;
             for doc in &prescanned {
                 let Some(candidate) = Candidate::from_document(doc) else {
+                    passed_over = true;
                     continue;
                 };
                 if !ready.contains(&candidate.lane) {
+                    passed_over = true;
                     continue;
                 }
                 if let Ok(events) = doc.get_array("event")
@@ -307,11 +315,15 @@ impl MongoEventStore {
                 }
                 page.push(candidate);
             }
+            let seen = page.len();
+            let before = scan.picking.picks.len();
             self.look_up_and_pick(page, scan).await?;
             let again: Vec<i32> = joined
                 .into_iter()
                 .filter(|lane| !ready.contains(lane))
                 .collect();
+            picked_all =
+                !passed_over && again.is_empty() && scan.picking.picks.len() - before == seen;
             self.scan_lanes(&again, handlers, now, scan).await?;
         } else {
             // More than one page: scan them as usual.
@@ -321,7 +333,7 @@ impl MongoEventStore {
             self.scan_lanes(&ready, handlers, now, scan).await?;
         }
         scan.with_events = false;
-        Ok(())
+        Ok(picked_all)
     }
 
     /// Looks up, in parallel, the lowest pending delivery of the keys of `page` that the per-key
