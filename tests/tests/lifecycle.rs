@@ -1578,6 +1578,18 @@ async fn boundary_claim(
     reported: &[u32],
     reports_complete: bool,
 ) -> (usize, usize) {
+    let (used, claimed) = boundary_claimed(store, count, now, reported, reports_complete).await;
+    (used, claimed.len())
+}
+
+/// [`boundary_claim`], with the deliveries claimed.
+async fn boundary_claimed(
+    store: &MongoEventStore,
+    count: &AtomicUsize,
+    now: DateTime,
+    reported: &[u32],
+    reports_complete: bool,
+) -> (usize, Vec<relaybus::store::Claimed<Lease>>) {
     use relaybus::{Store, store::ClaimRequest};
     let handlers = [HANDLER.to_owned()];
     let before = count.load(Ordering::SeqCst);
@@ -1595,7 +1607,7 @@ async fn boundary_claim(
     )
     .await
     .expect("claim");
-    (count.load(Ordering::SeqCst) - before, claimed.len())
+    (count.load(Ordering::SeqCst) - before, claimed)
 }
 
 #[tokio::test]
@@ -1658,6 +1670,104 @@ async fn a_complete_ranking_spares_busy_claims_reading_free_lanes_while_reports_
         got, 1,
         "a quarter of a second after the ranking, it is read again"
     );
+}
+
+#[tokio::test]
+async fn lanes_a_busy_claim_read_in_full_and_handed_back_keep_the_ranking_complete() {
+    let db = test_db("handed_back_covered").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    // A hot key keeps the owner busy; a key of one delivery holds a second lane for a while.
+    let hot: Vec<EventEnvelope> = (0..3)
+        .map(|n| event(&format!("hot-{n}"), Some("hot")))
+        .collect();
+    publish(&store, &hot, &[HANDLER], at(0)).await;
+    let hot_lane = lane_of(Some("hot"), "hot-0");
+    let solo_key = (0..)
+        .map(|n| format!("solo-{n}"))
+        .find(|key| lane_of(Some(key), "solo") != hot_lane)
+        .unwrap();
+    publish(&store, &[event("solo", Some(&solo_key))], &[HANDLER], at(0)).await;
+    // The first claim takes both; the next, unsure of the reports, ranks the other lanes and
+    // finds them empty.
+    let (_, claimed) = boundary_claimed(&store, &count, ms(0), &[], true).await;
+    assert_eq!(claimed.len(), 2);
+    let (_, got) = boundary_claim(&store, &count, ms(2), &[], false).await;
+    assert_eq!(got, 0);
+    let solo = claimed
+        .iter()
+        .find(|delivery| delivery.event.id() == "solo")
+        .unwrap();
+    assert!(store.complete(&solo.lease, ms(5)).await.unwrap());
+    // The next claim hands the solo lane back, having read it: nothing there.
+    let (_, got) = boundary_claim(&store, &count, ms(10), &[], true).await;
+    assert_eq!(got, 0);
+    // That lane is free now; the ranking still holds for it, so the next claim ranks nothing.
+    // Without complete reports it ranks every free lane again.
+    let (trusted, got) = boundary_claim(&store, &count, ms(20), &[], true).await;
+    assert_eq!(got, 0);
+    let (unsure, got) = boundary_claim(&store, &count, ms(30), &[], false).await;
+    assert_eq!(got, 0);
+    assert!(
+        unsure >= trusted + 2,
+        "{trusted} commands with the handed-back lane covered, {unsure} ranking again"
+    );
+    // A delivery that comes to that lane is reported and found at once.
+    publish(
+        &store,
+        &[event("solo-again", Some(&solo_key))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let solo_lane = lane_of(Some(&solo_key), "solo");
+    let (_, got) = boundary_claim(&store, &count, ms(40), &[solo_lane], true).await;
+    assert_eq!(got, 1);
+}
+
+#[tokio::test]
+async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found_at_once() {
+    let db = test_db("unparked_uncovered").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    let slow: Vec<EventEnvelope> = (0..3)
+        .map(|n| event(&format!("slow-{n}"), Some("slow")))
+        .collect();
+    publish(&store, &slow, &[HANDLER], at(0)).await;
+    // The head fails and waits for a retry much later; its lane goes back with the followers
+    // parked.
+    let (_, claimed) = boundary_claimed(&store, &count, ms(0), &[], true).await;
+    assert_eq!(claimed.len(), 1);
+    let head = &claimed[0];
+    assert!(
+        store
+            .reschedule(&head.lease, ms(60_000), "later", ms(5))
+            .await
+            .unwrap()
+    );
+    let (_, got) = boundary_claim(&store, &count, ms(10), &[], true).await;
+    assert_eq!(got, 0);
+    let parked = deliveries(&db)
+        .await
+        .into_iter()
+        .filter(|d| d.get_str("lane") == Ok("parked"))
+        .count();
+    assert_eq!(parked, 2);
+    // A ranking finds every free lane empty, that one included.
+    let (_, got) = boundary_claim(&store, &count, ms(20), &[], false).await;
+    assert_eq!(got, 0);
+    // An operator buries the head: the next claim unparks the follower into that free lane,
+    // and does not trust the ranking for it.
+    let buried = store
+        .bury_by_id(&[head.lease.delivery_id().to_hex()], "given up", ms(25))
+        .await
+        .unwrap();
+    assert_eq!(buried.buried.len(), 1, "{buried:?}");
+    let (_, claimed) = boundary_claimed(&store, &count, ms(30), &[], true).await;
+    assert_eq!(claimed.len(), 1, "the unparked follower is claimed at once");
+    assert_eq!(claimed[0].event.id(), "slow-1");
 }
 
 #[tokio::test]

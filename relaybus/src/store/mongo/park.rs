@@ -69,6 +69,8 @@ pub(crate) struct SeenKey {
     pub(crate) lane: Option<i32>,
     /// The key's lowest pending delivery; `None` when nothing of it was pending.
     pub(crate) lowest: Option<ObjectId>,
+    /// Its parked head was sent back to its lane (no lower pending delivery held it back).
+    pub(crate) unparked: bool,
 }
 
 /// An aggregation of the deliveries collection that yields the lowest parked delivery of each
@@ -171,10 +173,12 @@ impl MongoEventStore {
             .map(|head| {
                 let key = (head.handler.clone(), head.key.clone());
                 let lowest = lowest.get(&key).map(|(id, _)| *id);
+                let unparked = !blocked.contains(&key);
                 SeenKey {
                     key,
                     lane: head.lane,
                     lowest,
+                    unparked,
                 }
             })
             .collect();

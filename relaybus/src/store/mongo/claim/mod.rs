@@ -403,10 +403,17 @@ impl MongoEventStore {
             prescanned,
         } = self.read_lanes(owner, handlers, now, prescan).await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
-        let (seen_heads, running) = futures::join!(
+        let ((seen_heads, unparked), running) = futures::join!(
             self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs, &held_set),
             self.running_in_held_lanes(&held, &running_docs, now),
         );
+        if let Some(ranking) = state.ranked.as_mut() {
+            // Deliveries sent back to lanes the ranking found empty were not there then.
+            match &unparked {
+                Some(lanes) => ranking.covered.retain(|lane| !lanes.contains(lane)),
+                None => ranking.covered.clear(),
+            }
+        }
         // What unparking looked up of the keys of held lanes still holds unless claims lost in
         // them were charged since.
         let nothing_lost = held.iter().all(|lane| lane.lost.is_empty());
@@ -477,6 +484,21 @@ impl MongoEventStore {
         let recorded = self.record(&request, lanes, picks, &running).await?;
         self.park_waiting(owner, &waiting, &recorded.handed_back)
             .await;
+        // A busy claim that did not fill up read its held lanes, and the free lanes it took,
+        // in full: those it handed back have nothing it could run (what is due there waits
+        // for its key), as a ranking that found them empty would say.
+        if !idle
+            && reports_complete
+            && picked < limit
+            && let Some(ranking) = state.ranked.as_mut()
+            && !ranking.covered.is_empty()
+        {
+            for lane in &recorded.handed_back {
+                if !ranking.covered.contains(lane) {
+                    ranking.covered.push(*lane);
+                }
+            }
+        }
         if idle
             && reports_complete
             && picked_all_reported

@@ -311,6 +311,7 @@ impl MongoEventStore {
     /// `held` lanes (`None`: nothing pending), for the per-key rules: the claim need not look
     /// them up again. The held lanes' records are conditioned on the requeue count the first
     /// read found, so a requeue that would make an older delivery pending meanwhile voids them.
+    /// Also returns the lanes it sent parked deliveries back to, `None` when it cannot tell.
     pub(super) async fn unpark_for_claim(
         &self,
         handlers: &[&str],
@@ -318,7 +319,7 @@ impl MongoEventStore {
         taken_by_others: &HashSet<i32>,
         running_docs: &[Document],
         held: &HashSet<i32>,
-    ) -> HashMap<KeyOf, Option<ObjectId>> {
+    ) -> (HashMap<KeyOf, Option<ObjectId>>, Option<HashSet<i32>>) {
         let running_pending: HashSet<KeyOf> = running_docs
             .iter()
             .filter(|doc| doc.get_str(field::STATUS) == Ok(status::PENDING))
@@ -329,13 +330,20 @@ impl MongoEventStore {
                 .unpark_heads_seen(heads, taken_by_others, &running_pending)
                 .await
                 .map(|(_, seen)| {
-                    seen.into_iter()
+                    let unparked = seen
+                        .iter()
+                        .filter(|seen| seen.unparked)
+                        .map(|seen| seen.lane)
+                        .collect::<Option<HashSet<i32>>>();
+                    let heads = seen
+                        .into_iter()
                         .filter(|seen| seen.lane.is_some_and(|lane| held.contains(&lane)))
                         .map(|seen| (seen.key, seen.lowest))
-                        .collect()
+                        .collect();
+                    (heads, unparked)
                 }),
             None => {
-                let mut result = Ok(HashMap::new());
+                let mut result = Ok((HashMap::new(), None));
                 for handler in handlers {
                     if let Err(error) = self.unpark(handler, taken_by_others).await {
                         result = Err(error);
@@ -346,7 +354,7 @@ impl MongoEventStore {
         };
         result.unwrap_or_else(|error| {
             tracing::warn!(%error, "relaybus: unparking deliveries failed");
-            HashMap::new()
+            (HashMap::new(), None)
         })
     }
 
