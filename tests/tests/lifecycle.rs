@@ -1194,6 +1194,15 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
     assert!(used <= 8, "{used} commands: {sent:?}");
 }
 
+/// How many deliveries are parked.
+async fn parked_count(db: &TestDb) -> usize {
+    deliveries(db)
+        .await
+        .into_iter()
+        .filter(|d| d.get_str("lane") == Ok("parked"))
+        .count()
+}
+
 #[tokio::test]
 async fn a_lane_handed_back_parks_the_few_deliveries_waiting_there() {
     let db = test_db("handback_park").await;
@@ -1215,12 +1224,7 @@ async fn a_lane_handed_back_parks_the_few_deliveries_waiting_there() {
         lanes_of(&db, "w").await.is_empty(),
         "the lane was handed back"
     );
-    let parked = deliveries(&db)
-        .await
-        .into_iter()
-        .filter(|d| d.get_str("lane") == Ok("parked"))
-        .count();
-    assert_eq!(parked, 2);
+    assert_eq!(parked_count(&db).await, 2);
     // Nothing is stranded: the head comes back when due, then the followers one by one.
     let retried = claim(&store, "w", 5, at(500)).await;
     assert_eq!(retried.len(), 1);
@@ -1610,31 +1614,57 @@ async fn boundary_claimed(
     (count.load(Ordering::SeqCst) - before, claimed)
 }
 
-#[tokio::test]
-async fn a_complete_ranking_spares_busy_claims_reading_free_lanes_while_reports_are_complete() {
-    let db = test_db("complete_ranking").await;
-    let (client, count, _) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
-    // One hot key: a claim takes its first delivery and finds nothing else to run.
+/// A store over `db` whose client counts the commands it sends, and that count.
+async fn counted_store(db: &TestDb) -> (MongoEventStore, Arc<AtomicUsize>) {
+    let (client, count, _) = counting_client(db).await;
+    (store_with(&client, db, false).await, count)
+}
+
+/// `n` milliseconds into the second second after `T0`: the clock of the boundary claim tests.
+fn ms(n: i64) -> DateTime {
+    DateTime::from_millis(T0 + 1_000 + n)
+}
+
+/// Publishes three deliveries of the key `hot` (`hot-0` to `hot-2`); their lane.
+async fn publish_hot(store: &MongoEventStore) -> u32 {
     let hot: Vec<EventEnvelope> = (0..3)
         .map(|n| event(&format!("hot-{n}"), Some("hot")))
         .collect();
-    publish(&store, &hot, &[HANDLER], at(0)).await;
-    let hot_lane = lane_of(Some("hot"), "hot-0");
+    publish(store, &hot, &[HANDLER], at(0)).await;
+    lane_of(Some("hot"), "hot-0")
+}
+
+/// Two claims that find nothing, at `ms(trusted)` with complete reports and at `ms(unsure)`
+/// without: the first ranks no free lane, the second ranks them all again (two more reads of 128
+/// lanes each).
+async fn assert_ranking_kept(
+    store: &MongoEventStore,
+    count: &AtomicUsize,
+    trusted: i64,
+    unsure: i64,
+) {
+    let (kept, got) = boundary_claim(store, count, ms(trusted), &[], true).await;
+    assert_eq!(got, 0);
+    let (ranked, got) = boundary_claim(store, count, ms(unsure), &[], false).await;
+    assert_eq!(got, 0);
+    assert!(
+        ranked >= kept + 2,
+        "{kept} commands with complete reports, {ranked} without"
+    );
+}
+
+#[tokio::test]
+async fn a_complete_ranking_spares_busy_claims_reading_free_lanes_while_reports_are_complete() {
+    let db = test_db("complete_ranking").await;
+    let (store, count) = counted_store(&db).await;
+    // One hot key: a claim takes its first delivery and finds nothing else to run.
+    let hot_lane = publish_hot(&store).await;
     let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
     assert_eq!(got, 1);
 
     // Still busy with the key. With complete reports, the ranking that found every free lane
     // empty stands; without, the free lanes are ranked again (two more reads, 128 lanes each).
-    let (trusted, got) = boundary_claim(&store, &count, ms(10), &[], true).await;
-    assert_eq!(got, 0);
-    let (unsure, got) = boundary_claim(&store, &count, ms(20), &[], false).await;
-    assert_eq!(got, 0);
-    assert!(
-        unsure >= trusted + 2,
-        "{trusted} commands with complete reports, {unsure} without"
-    );
+    assert_ranking_kept(&store, &count, 10, 20).await;
 
     // A new delivery in a free lane: found at once when reported, or when the reports are not
     // complete; unreported, by the first claim a quarter of a second after the ranking.
@@ -1675,15 +1705,9 @@ async fn a_complete_ranking_spares_busy_claims_reading_free_lanes_while_reports_
 #[tokio::test]
 async fn lanes_a_busy_claim_read_in_full_and_handed_back_keep_the_ranking_complete() {
     let db = test_db("handed_back_covered").await;
-    let (client, count, _) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    let (store, count) = counted_store(&db).await;
     // A hot key keeps the owner busy; a key of one delivery holds a second lane for a while.
-    let hot: Vec<EventEnvelope> = (0..3)
-        .map(|n| event(&format!("hot-{n}"), Some("hot")))
-        .collect();
-    publish(&store, &hot, &[HANDLER], at(0)).await;
-    let hot_lane = lane_of(Some("hot"), "hot-0");
+    let hot_lane = publish_hot(&store).await;
     let solo_key = (0..)
         .map(|n| format!("solo-{n}"))
         .find(|key| lane_of(Some(key), "solo") != hot_lane)
@@ -1705,14 +1729,7 @@ async fn lanes_a_busy_claim_read_in_full_and_handed_back_keep_the_ranking_comple
     assert_eq!(got, 0);
     // That lane is free now; the ranking still holds for it, so the next claim ranks nothing.
     // Without complete reports it ranks every free lane again.
-    let (trusted, got) = boundary_claim(&store, &count, ms(20), &[], true).await;
-    assert_eq!(got, 0);
-    let (unsure, got) = boundary_claim(&store, &count, ms(30), &[], false).await;
-    assert_eq!(got, 0);
-    assert!(
-        unsure >= trusted + 2,
-        "{trusted} commands with the handed-back lane covered, {unsure} ranking again"
-    );
+    assert_ranking_kept(&store, &count, 20, 30).await;
     // A delivery that comes to that lane is reported and found at once.
     publish(
         &store,
@@ -1729,9 +1746,7 @@ async fn lanes_a_busy_claim_read_in_full_and_handed_back_keep_the_ranking_comple
 #[tokio::test]
 async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found_at_once() {
     let db = test_db("unparked_uncovered").await;
-    let (client, count, _) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    let (store, count) = counted_store(&db).await;
     let slow: Vec<EventEnvelope> = (0..3)
         .map(|n| event(&format!("slow-{n}"), Some("slow")))
         .collect();
@@ -1749,12 +1764,7 @@ async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found
     );
     let (_, got) = boundary_claim(&store, &count, ms(10), &[], true).await;
     assert_eq!(got, 0);
-    let parked = deliveries(&db)
-        .await
-        .into_iter()
-        .filter(|d| d.get_str("lane") == Ok("parked"))
-        .count();
-    assert_eq!(parked, 2);
+    assert_eq!(parked_count(&db).await, 2);
     // A ranking finds every free lane empty, that one included.
     let (_, got) = boundary_claim(&store, &count, ms(20), &[], false).await;
     assert_eq!(got, 0);
@@ -1773,9 +1783,7 @@ async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found
 #[tokio::test]
 async fn an_idle_claim_that_took_every_reported_delivery_spares_the_claim_right_after_it() {
     let db = test_db("idle_claim_exhausted").await;
-    let (client, count, _) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let ms = |n: i64| DateTime::from_millis(T0 + 1_000 + n);
+    let (store, count) = counted_store(&db).await;
     // Nothing to do: the owner goes idle.
     let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
     assert_eq!(got, 0);
