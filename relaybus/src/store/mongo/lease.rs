@@ -242,10 +242,14 @@ impl Exhausted {
     /// Whether a claim for `handlers` at `now` may take it that nothing is claimable.
     pub(crate) fn holds(&self, handlers: &[&str], now: mongodb::bson::DateTime) -> bool {
         let age = now.timestamp_millis() - self.at.timestamp_millis();
-        (0..=Self::FOR.as_millis() as i64).contains(&age)
-            && self.handlers.len() == handlers.len()
-            && self.handlers.iter().zip(handlers).all(|(a, b)| a == b)
+        (0..=Self::FOR.as_millis() as i64).contains(&age) && same_handlers(&self.handlers, handlers)
     }
+}
+
+/// Whether what an owner's earlier claim kept for `kept` handlers holds for a claim for
+/// `handlers`: the same ones, in the same order.
+pub(crate) fn same_handlers(kept: &[String], handlers: &[&str]) -> bool {
+    kept.len() == handlers.len() && kept.iter().zip(handlers).all(|(a, b)| a == b)
 }
 
 /// The rest of a ranking of free lanes, kept for the owner's next claims.

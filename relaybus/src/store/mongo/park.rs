@@ -183,9 +183,10 @@ impl MongoEventStore {
             })
             .collect();
         let ids: Vec<ObjectId> = heads
-            .into_iter()
-            .filter(|head| !blocked.contains(&(head.handler.clone(), head.key.clone())))
-            .map(|head| head.id)
+            .iter()
+            .zip(&seen)
+            .filter(|(_, seen)| seen.unparked)
+            .map(|(head, _)| head.id)
             .collect();
         if ids.is_empty() {
             return Ok((0, seen));

@@ -38,7 +38,7 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, int},
-        lease::RankedLanes,
+        lease::{RankedLanes, same_handlers},
         schema::{field, index},
     },
 };
@@ -117,8 +117,7 @@ fn reusable(
         .checked_sub(ranking.at.timestamp_millis())?;
     if age < 0
         || age > RANKING_REUSE.as_millis() as i64
-        || ranking.handlers.len() != handlers.len()
-        || ranking.handlers.iter().zip(handlers).any(|(a, b)| a != b)
+        || !same_handlers(&ranking.handlers, handlers)
     {
         return None;
     }
