@@ -1004,3 +1004,52 @@ async fn an_unordered_handler_runs_a_keys_events_at_once_while_an_ordered_one_ke
     assert_eq!(next(&mut ordered_rx, "the third").await, Some(3));
     worker.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task() {
+    let db = test_db("next_of_key_bus").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["projector"]);
+    for n in 0..20 {
+        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // One permit: the task that ran a delivery is the only one that can run the next at once,
+    // and no claim runs meanwhile (the loop waits for the permit).
+    let bus = builder(&store)
+        .concurrency(1)
+        .subscribe(
+            Subscription::new(
+                "projector",
+                move |event: OrderPlaced, ctx: HandlerContext| {
+                    let tx = tx.clone();
+                    async move {
+                        let task = tokio::task::try_id();
+                        tx.send((event.order_id, ctx.sequence(), task)).unwrap();
+                        Ok::<(), BoxError>(())
+                    }
+                },
+            )
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..20 {
+        runs.push(next(&mut rx, "the key's deliveries").await);
+    }
+    bus.shutdown().await.unwrap();
+    let orders: Vec<String> = runs.iter().map(|(order, _, _)| order.clone()).collect();
+    let expected: Vec<String> = (0..20).map(|n| format!("o-{n}")).collect();
+    assert_eq!(orders, expected, "in sequence, once each");
+    let sequences: Vec<Option<i64>> = runs.iter().map(|(_, sequence, _)| *sequence).collect();
+    assert_eq!(sequences, (1..=20).map(Some).collect::<Vec<_>>());
+    let tasks: std::collections::HashSet<_> = runs.iter().map(|(_, _, task)| *task).collect();
+    assert_eq!(
+        tasks.len(),
+        1,
+        "each delivery ran in the task of its predecessor: {tasks:?}"
+    );
+    assert!(deliveries(&db).await.is_empty());
+}

@@ -2167,3 +2167,150 @@ async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_comple
         "{lane}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The next delivery of a key, claimed by the worker that completed its predecessor
+
+/// `Store::claim_next_of_key` for worker `owner` after `completed` (of the key `key`) completed.
+async fn next_of_key(
+    store: &MongoEventStore,
+    owner: &str,
+    completed: &Lease,
+    key: &str,
+    now: DateTime,
+) -> Option<relaybus::store::Claimed<Lease>> {
+    use relaybus::{Store, store::NextOfKey};
+    Store::claim_next_of_key(
+        store,
+        NextOfKey {
+            owner,
+            completed,
+            handler: HANDLER,
+            key,
+            lease_duration: LEASE,
+            now: std::time::SystemTime::from(now).into(),
+        },
+    )
+    .await
+    .expect("claim of the next delivery")
+}
+
+/// Completes `lease` in a transaction of the store, as a transactional handler does.
+async fn complete_in_transaction(store: &MongoEventStore, lease: &Lease, now: DateTime) {
+    let done = store
+        .transaction(async |session| store.complete_in_transaction(session, lease, now).await)
+        .await
+        .expect("transactional completion");
+    assert!(done, "completed under its lease");
+}
+
+#[tokio::test]
+async fn a_worker_that_completed_a_keyed_delivery_takes_the_next_of_its_key_in_two_commands() {
+    let db = test_db("next_of_key").await;
+    let (store, count) = counted_store(&db).await;
+    let lane_id = publish_hot(&store).await;
+    let first = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(first.len(), 1, "one delivery of the key at a time");
+    assert_eq!(first[0].sequence(), Some(1));
+
+    let mut lease = *first[0].lease();
+    for sequence in 2..=3 {
+        complete_in_transaction(&store, &lease, at(2)).await;
+        let before = count.load(Ordering::SeqCst);
+        let next = next_of_key(&store, "w", &lease, "hot", at(2))
+            .await
+            .expect("the key's next delivery");
+        assert_eq!(
+            count.load(Ordering::SeqCst) - before,
+            2,
+            "one read, one write"
+        );
+        assert_eq!(next.sequence, Some(sequence));
+        assert_eq!(next.attempt, 1);
+        assert_eq!(next.event.id(), format!("hot-{}", sequence - 1));
+        assert_eq!(next.lease.lane(), lane_id);
+        assert_eq!(
+            next.lease.epoch(),
+            lease.epoch(),
+            "the lane stays in its epoch"
+        );
+        // The lane lists the new claim, and no longer the completed one.
+        assert_eq!(
+            in_flight(&lane(&db, lane_id).await),
+            vec![next.lease.delivery_id()]
+        );
+        // Nothing else of the key is claimable while it runs.
+        assert!(claim(&store, "w", 10, at(2)).await.is_empty());
+        lease = next.lease;
+    }
+    // Its lease settles it; after the last one there is nothing left to take.
+    complete_in_transaction(&store, &lease, at(3)).await;
+    assert!(
+        next_of_key(&store, "w", &lease, "hot", at(3))
+            .await
+            .is_none()
+    );
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_it_may_run() {
+    let db = test_db("next_of_key_rules").await;
+    let store = store(&db).await;
+    // 40 deliveries of one key: the first claim parks those waiting behind the head.
+    let events: Vec<EventEnvelope> = (0..40)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    let head = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(parked_count(&db).await, 39);
+    let lease = *head[0].lease();
+    complete_in_transaction(&store, &lease, at(2)).await;
+
+    // Not before the next delivery is due.
+    assert!(
+        next_of_key(&store, "w", &lease, "k", at(-1))
+            .await
+            .is_none()
+    );
+    // Not for another worker, nor with a lease of another epoch.
+    assert!(
+        next_of_key(&store, "other", &lease, "k", at(2))
+            .await
+            .is_none()
+    );
+    let stale = Lease::parse(
+        &lease.delivery_id().to_hex(),
+        &format!("{}:{}:0", lease.lane(), lease.epoch() + 1),
+    )
+    .unwrap();
+    assert!(next_of_key(&store, "w", &stale, "k", at(2)).await.is_none());
+    assert_eq!(parked_count(&db).await, 39, "nothing was unparked by those");
+
+    // The worker that completed the head takes the next one from the parked lane.
+    let next = next_of_key(&store, "w", &lease, "k", at(2))
+        .await
+        .expect("the parked head of the key");
+    assert_eq!(next.sequence, Some(2));
+    assert_eq!(parked_count(&db).await, 38);
+    let doc = delivery(&db, next.lease.delivery_id()).await.unwrap();
+    assert_eq!(doc.get_str("lane").unwrap(), "ready");
+    // While it runs, neither a claim nor another call hands out anything of the key.
+    assert!(claim(&store, "w", 10, at(3)).await.is_empty());
+    assert!(next_of_key(&store, "w", &lease, "k", at(3)).await.is_none());
+    assert!(store.complete(&next.lease, at(4)).await.unwrap());
+
+    // A lane taken over since: nothing, and the new holder's lane is left as it was.
+    let taken = another_instance(&db).await;
+    let later = claim(&taken, "w2", 10, at(100)).await;
+    assert_eq!(later.len(), 1);
+    assert_eq!(later[0].sequence(), Some(3));
+    let before = lane(&db, lease.lane()).await;
+    assert!(
+        next_of_key(&store, "w", &next.lease, "k", at(101))
+            .await
+            .is_none()
+    );
+    assert_eq!(lane(&db, lease.lane()).await, before);
+}

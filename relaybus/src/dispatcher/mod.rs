@@ -23,7 +23,7 @@ use crate::{
     error::Result,
     handler::{RetryPolicy, Subscription},
     state::StateMap,
-    store::{ClaimRequest, Claimed, PurgeOptions, Purged, Store, StoreLease},
+    store::{ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Store, StoreLease},
     telemetry::{self, BusMetrics, Operation},
     time::Timestamp,
 };
@@ -433,26 +433,59 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
                 },
             );
             let task_shared = Arc::clone(&shared);
-            let task_id = id.clone();
             let done = done.clone();
-            // The next delivery of a key can be claimed only once this one is settled: wake
-            // the loop then, rather than leaving the key to the poll interval.
-            let keyed = delivery.event.key().is_some();
             let wake = Arc::clone(&notify);
+            let stopping = cancel.clone();
             let handle = tracker.spawn(async move {
-                match run_delivery(&task_shared, delivery).await {
-                    // The completer removes it from the running set once completed.
-                    Outcome::Succeeded(lease) => {
-                        if let Err(unsent) = done.send((lease, keyed)) {
-                            task_shared.running().remove(&unsent.0.0.delivery_id());
+                let mut delivery = delivery;
+                loop {
+                    let task_id = delivery.lease.delivery_id();
+                    // The next delivery of a key can be claimed only once this one is
+                    // settled: wake the loop then, rather than leaving the key to the poll
+                    // interval.
+                    let keyed = delivery.event.key().is_some();
+                    let next_of = next_of_key(&task_shared, &delivery);
+                    match run_delivery(&task_shared, delivery).await {
+                        // The completer removes it from the running set once completed.
+                        Outcome::Succeeded(lease) => {
+                            if let Err(unsent) = done.send((lease, keyed)) {
+                                task_shared.running().remove(&unsent.0.0.delivery_id());
+                            }
+                        }
+                        Outcome::Completed => {
+                            if let Some((lease, handler, key)) = next_of
+                                && !stopping.is_cancelled()
+                                && let Some(next) =
+                                    claim_next(&task_shared, &lease, &handler, &key).await
+                            {
+                                // The key's next delivery runs in this task, on this permit.
+                                let mut running = task_shared.running();
+                                let abort = running.remove(&task_id).and_then(|r| r.abort);
+                                running.insert(
+                                    next.lease.delivery_id(),
+                                    Running {
+                                        lease: next.lease.clone(),
+                                        transactional: true,
+                                        abort,
+                                    },
+                                );
+                                drop(running);
+                                delivery = next;
+                                continue;
+                            }
+                            task_shared.running().remove(&task_id);
+                            if keyed {
+                                wake.notify_one();
+                            }
+                        }
+                        Outcome::Settled(_) => {
+                            task_shared.running().remove(&task_id);
+                            if keyed {
+                                wake.notify_one();
+                            }
                         }
                     }
-                    Outcome::Completed | Outcome::Settled(_) => {
-                        task_shared.running().remove(&task_id);
-                        if keyed {
-                            wake.notify_one();
-                        }
-                    }
+                    break;
                 }
                 drop(permit);
             });
@@ -512,6 +545,66 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         Ok(lanes) => info!(released, lanes, "dispatcher stopped; lanes handed back"),
         Err(error) => {
             warn!(%error, "could not hand the lanes back; they free up when their leases end")
+        }
+    }
+}
+
+/// What a claim of the key's next delivery needs once `delivery` completed in its handler's
+/// transaction: its lease, handler and key. `None` for a delivery whose order does not matter
+/// (unkeyed, or an unordered handler's) or whose handler does not complete in its transaction.
+fn next_of_key<S: Store>(
+    shared: &Shared<S>,
+    delivery: &Claimed<S::Lease>,
+) -> Option<(S::Lease, String, String)> {
+    let key = delivery.event.key()?;
+    let subscription = shared.subscriptions.get(&delivery.handler)?;
+    (subscription.transactional && !subscription.unordered).then(|| {
+        (
+            delivery.lease.clone(),
+            delivery.handler.clone(),
+            key.to_owned(),
+        )
+    })
+}
+
+/// Claims the next delivery of `key` right after its predecessor completed, if the store can
+/// hand it out at once. A failure is logged: the next claim finds the delivery.
+async fn claim_next<S: Store>(
+    shared: &Shared<S>,
+    completed: &S::Lease,
+    handler: &str,
+    key: &str,
+) -> Option<Claimed<S::Lease>> {
+    let settings = &shared.settings;
+    let started = Instant::now();
+    let next = shared
+        .store
+        .claim_next_of_key(NextOfKey {
+            owner: &settings.owner,
+            completed,
+            handler,
+            key,
+            lease_duration: settings.lease_duration,
+            now: shared.now(),
+        })
+        .await;
+    match next {
+        Ok(Some(next)) => {
+            shared
+                .metrics
+                .operation(Operation::Receive, started.elapsed().as_secs_f64(), false);
+            if let Some(metrics) = shared.metrics.handler(&next.handler) {
+                metrics.consumed.increment(1);
+            }
+            Some(next)
+        }
+        Ok(None) => None,
+        Err(error) => {
+            shared
+                .metrics
+                .operation(Operation::Receive, started.elapsed().as_secs_f64(), true);
+            debug!(%error, "claiming the key's next delivery failed; the next claim finds it");
+            None
         }
     }
 }

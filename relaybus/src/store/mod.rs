@@ -137,6 +137,24 @@ pub struct ClaimRequest<'a> {
     pub reports_complete: bool,
 }
 
+/// What [`Store::claim_next_of_key`] asks for: the next delivery of a key whose delivery the
+/// worker just completed.
+#[derive(Debug, Clone, Copy)]
+pub struct NextOfKey<'a, L> {
+    /// The worker's owner name.
+    pub owner: &'a str,
+    /// The lease of the delivery that completed (its completion is committed).
+    pub completed: &'a L,
+    /// Its handler.
+    pub handler: &'a str,
+    /// Its ordering key.
+    pub key: &'a str,
+    /// How long the claim holds what it takes without renewal.
+    pub lease_duration: Duration,
+    /// The current time.
+    pub now: Timestamp,
+}
+
 /// A wake-up: deliveries of the watched handlers committed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WakeUp {
@@ -260,6 +278,19 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         &self,
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Claimed<Self::Lease>>>> + Send;
+
+    /// Claims the next delivery of a key for the worker that just completed its predecessor,
+    /// when the store can hand it out at once, without a whole claim: the per-key rules hold as
+    /// for [`claim`](Self::claim) (it is the key's lowest pending delivery, due, and nothing of
+    /// the key runs). `None` when it cannot tell cheaply; the worker's next claim finds the
+    /// delivery then. The default claims nothing.
+    fn claim_next_of_key(
+        &self,
+        request: NextOfKey<'_, Self::Lease>,
+    ) -> impl Future<Output = Result<Option<Claimed<Self::Lease>>>> + Send {
+        let _ = request;
+        async { Ok(None) }
+    }
 
     /// Completes deliveries whose handlers succeeded; one flag per lease, `false` where the
     /// lease no longer held.

@@ -11,8 +11,8 @@ use crate::{
     error::Result,
     store::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
-        Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
+        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, NextOfKey,
+        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
@@ -141,17 +141,24 @@ impl Store for MongoEventStore {
             bson_date(request.now),
         )
         .await?;
-        Ok(claimed
-            .into_iter()
-            .map(|delivery| Claimed {
-                lease: *delivery.lease(),
-                lease_expires_at: timestamp(delivery.lease_expires_at()),
-                handler: delivery.handler().to_owned(),
-                attempt: delivery.attempt(),
-                sequence: delivery.sequence(),
-                event: delivery.into_event(),
-            })
-            .collect())
+        Ok(claimed.into_iter().map(claimed_of).collect())
+    }
+
+    async fn claim_next_of_key(
+        &self,
+        request: NextOfKey<'_, Lease>,
+    ) -> Result<Option<Claimed<Lease>>> {
+        let next = MongoEventStore::claim_next_of_key(
+            self,
+            request.owner,
+            request.completed,
+            request.handler,
+            request.key,
+            request.lease_duration,
+            bson_date(request.now),
+        )
+        .await?;
+        Ok(next.map(claimed_of))
     }
 
     async fn complete(&self, leases: &[Lease], now: Timestamp) -> Result<Vec<bool>> {
@@ -311,5 +318,17 @@ fn position_id(key: &PositionKey<'_>) -> mongodb::bson::Document {
         "consumer": key.consumer,
         "source": key.source,
         "partition": i64::from(key.partition),
+    }
+}
+
+/// A claimed delivery at the boundary.
+fn claimed_of(delivery: super::ClaimedDelivery) -> Claimed<Lease> {
+    Claimed {
+        lease: *delivery.lease(),
+        lease_expires_at: timestamp(delivery.lease_expires_at()),
+        handler: delivery.handler().to_owned(),
+        attempt: delivery.attempt(),
+        sequence: delivery.sequence(),
+        event: delivery.into_event(),
     }
 }

@@ -35,10 +35,14 @@
 //! every due delivery of the reported lanes, while the reports were complete, spares the claim
 //! right after it ([`Exhausted`]).
 //!
+//! A worker that just completed a keyed delivery can claim the key's next one alone, without a
+//! whole claim ([`next`]).
+//!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
 //! ([`reconcile`]).
 
 pub(crate) mod hand_out;
+mod next;
 mod pick;
 mod rank;
 mod read;

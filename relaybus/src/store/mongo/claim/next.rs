@@ -1,0 +1,193 @@
+//! The next delivery of a key, claimed right after its predecessor completed.
+//!
+//! A worker that completed a keyed delivery holds the lane the key's next delivery waits in,
+//! and knows nothing of the key runs any more. Instead of waiting for its next claim (a read of
+//! every lane, the scans, the record), it asks for that one delivery: one read of the lane and
+//! the key's lowest pending delivery (lane first, so that a requeue in between changes the
+//! lane's requeue count under the write), then one conditional write that lists the delivery on
+//! the lane, under the same epoch and requeue count, with the completed one taken off. A parked
+//! delivery is sent back to the ready lane first: its predecessor finished.
+//!
+//! It runs only while no claim of the owner runs on this store instance (it never waits for
+//! one), and it gives up, claiming nothing, whenever anything is not as the plain case has it:
+//! the lane changed hands or has lost claims to charge, the next delivery is not due, lies in
+//! another lane, is unordered or already runs. The worker's regular claims find it then.
+
+use std::collections::HashMap;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, DateTime, Document, RawDocumentBuf, doc};
+
+use super::{ClaimedDelivery, scan::Candidate};
+use crate::{
+    error::Result,
+    store::mongo::{
+        MongoEventStore,
+        append::check_write_reply,
+        lane::{Lane, add, check_lease_duration, check_owner, reply_count},
+        lease::Lease,
+        schema::{field, index, lane, path, status},
+    },
+};
+
+impl MongoEventStore {
+    /// Claims the next delivery of `handler` and `key` for `owner`, right after the delivery
+    /// of `completed` completed, when it can be handed out at once: see the module
+    /// documentation. `None` when it cannot, or when a claim of the owner runs.
+    pub(crate) async fn claim_next_of_key(
+        &self,
+        owner: &str,
+        completed: &Lease,
+        handler: &str,
+        key: &str,
+        lease_duration: std::time::Duration,
+        now: DateTime,
+    ) -> Result<Option<ClaimedDelivery>> {
+        check_owner(owner)?;
+        check_lease_duration(lease_duration)?;
+        let expires_at = add(now, lease_duration)?;
+        let lock = self.inner.claims.owner(owner);
+        let Ok(mut state) = lock.try_lock() else {
+            // A claim runs: it may take the delivery itself, and the two must not both.
+            return Ok(None);
+        };
+        if state.interrupted {
+            // The owner's last claim was dropped half-way: its next claim reconciles first.
+            return Ok(None);
+        }
+        self.inner.claims.settled(completed);
+        // Until the write is known to have landed or not: a failure leaves it set, and the
+        // owner's next claim reconciles its lanes.
+        state.interrupted = true;
+        let next = self
+            .next_of_key(owner, completed, handler, key, expires_at, now)
+            .await?;
+        state.interrupted = false;
+        Ok(next)
+    }
+
+    async fn next_of_key(
+        &self,
+        owner: &str,
+        completed: &Lease,
+        handler: &str,
+        key: &str,
+        expires_at: DateTime,
+        now: DateTime,
+    ) -> Result<Option<ClaimedDelivery>> {
+        let inner = &self.inner;
+        let instance = inner.claims.instance;
+        let lane_id = completed.lane_i32();
+        let docs: Vec<Document> = inner
+            .lanes
+            .aggregate([
+                doc! { "$match": { field::ID: lane_id } },
+                doc! { "$unionWith": {
+                    "coll": inner.deliveries.name(),
+                    "pipeline": [
+                        { "$match": {
+                            field::STATUS: status::PENDING,
+                            field::HANDLER: handler,
+                            field::KEY: key,
+                        } },
+                        { "$sort": index::ordering_keys() },
+                        { "$limit": 1 },
+                        { "$lookup": {
+                            "from": inner.events.name(),
+                            "localField": field::EVENT_ID,
+                            "foreignField": field::ID,
+                            "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
+                            "as": "event",
+                        } },
+                    ],
+                } },
+            ])
+            .await?
+            .try_collect()
+            .await?;
+        let mut lane_doc = None;
+        let mut next_doc = None;
+        for doc in docs {
+            if matches!(doc.get(field::ID), Some(Bson::ObjectId(_))) {
+                next_doc = Some(doc);
+            } else {
+                lane_doc = Some(doc);
+            }
+        }
+        let (Some(lane_doc), Some(next_doc)) = (lane_doc, next_doc) else {
+            return Ok(None);
+        };
+        let Some(lane) = Lane::from_document(&lane_doc) else {
+            return Ok(None);
+        };
+        let ours = lane_doc.get_str(field::OWNER) == Ok(owner)
+            && lane_doc.get_object_id(field::INSTANCE) == Ok(instance)
+            && lane.epoch == completed.epoch()
+            && lane.lost.is_empty();
+        let Some(next) = Candidate::from_document(&next_doc) else {
+            return Ok(None);
+        };
+        let handable = next.key.as_deref() == Some(key)
+            && next.lane == lane_id
+            && next.due_at <= now
+            && next.id != completed.delivery_id()
+            && !lane.in_flight.contains(&next.id)
+            && self.inner.claims.issued(&next.id).is_none();
+        let event = match next_doc.get_array("event").ok().and_then(|e| e.first()) {
+            Some(Bson::Document(event)) => RawDocumentBuf::from_document(event).ok(),
+            _ => None,
+        };
+        let (true, true, Some(event)) = (ours, handable, event) else {
+            return Ok(None);
+        };
+        if next_doc.get_str(field::LANE) == Ok(lane::PARKED) {
+            // Its predecessor finished: back to the ready lane, as unparking would.
+            let moved = inner
+                .deliveries
+                .update_one(
+                    doc! {
+                        field::ID: next.id,
+                        field::STATUS: status::PENDING,
+                        field::LANE: lane::PARKED,
+                        field::CLAIMS: crate::store::mongo::lease::generation_filter(next.claims),
+                    },
+                    doc! { "$set": { field::LANE: lane::READY } },
+                )
+                .await?;
+            if moved.matched_count == 0 {
+                return Ok(None);
+            }
+        }
+        let mut filter = lane.held_filter(owner, instance);
+        filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
+        let done = completed.delivery_id();
+        let reply = inner
+            .db
+            .run_command(doc! {
+                "update": inner.lanes.name(),
+                "updates": [{
+                    "q": filter,
+                    "u": [{ "$set": {
+                        field::IN_FLIGHT: { "$concatArrays": [
+                            { "$filter": {
+                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
+                                "cond": { "$ne": ["$$this", { "$literal": done }] },
+                            } },
+                            [next.id],
+                        ] },
+                        field::LEASE_EXPIRES_AT: { "$max": [path::LEASE_EXPIRES_AT, expires_at] },
+                    } }],
+                }],
+                "writeConcern": { "w": "majority" },
+            })
+            .await?;
+        check_write_reply(&reply)?;
+        if reply_count(&reply) != 1 {
+            return Ok(None);
+        }
+        let events = HashMap::from([(next.event_id.clone(), event)]);
+        Ok(self
+            .hand_out(vec![next], &[lane], &events, expires_at)
+            .pop())
+    }
+}
