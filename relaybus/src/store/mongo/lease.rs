@@ -11,7 +11,7 @@ use std::{
     collections::HashMap,
     fmt,
     str::FromStr,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, atomic::AtomicBool},
 };
 
 use mongodb::bson::{Bson, oid::ObjectId};
@@ -267,6 +267,19 @@ pub(crate) struct RankedLanes {
     pub(crate) covered: Vec<i32>,
 }
 
+/// What keeps an owner's claims of one key's next delivery apart from its claims.
+///
+/// A claim holds the gate closed while it runs; the claims of next deliveries pass while it is
+/// open, side by side (each writes only its own key's delivery into a lane, conditionally), and
+/// give up rather than wait when it is closed or a claim waits to close it.
+#[derive(Debug, Default)]
+pub(crate) struct OwnerGate {
+    pub(crate) gate: tokio::sync::RwLock<()>,
+    /// A claim of a next delivery failed half-way: it may have listed a delivery nobody
+    /// received, so the owner's next claim reconciles its lanes first.
+    pub(crate) interrupted: AtomicBool,
+}
+
 /// What one store instance (one `build()`, shared by clones) knows about its claims.
 #[derive(Debug)]
 pub(crate) struct ClaimRegistry {
@@ -274,6 +287,7 @@ pub(crate) struct ClaimRegistry {
     /// process with the same owner name does not adopt its predecessor's lanes.
     pub(crate) instance: ObjectId,
     owners: Mutex<HashMap<String, Arc<tokio::sync::Mutex<OwnerState>>>>,
+    gates: Mutex<HashMap<String, Arc<OwnerGate>>>,
     issued: Mutex<HashMap<ObjectId, Issued>>,
 }
 
@@ -282,6 +296,7 @@ impl Default for ClaimRegistry {
         ClaimRegistry {
             instance: ObjectId::new(),
             owners: Mutex::default(),
+            gates: Mutex::default(),
             issued: Mutex::default(),
         }
     }
@@ -299,6 +314,13 @@ impl ClaimRegistry {
     pub(crate) fn owner(&self, owner: &str) -> Arc<tokio::sync::Mutex<OwnerState>> {
         let mut owners = lock(&self.owners);
         Arc::clone(owners.entry(owner.to_owned()).or_default())
+    }
+
+    /// The gate between the claims of `owner` on this instance and its claims of keys' next
+    /// deliveries.
+    pub(crate) fn gate(&self, owner: &str) -> Arc<OwnerGate> {
+        let mut gates = lock(&self.gates);
+        Arc::clone(gates.entry(owner.to_owned()).or_default())
     }
 
     /// Remembers claims handed out to a caller.

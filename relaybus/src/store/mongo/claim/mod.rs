@@ -51,7 +51,7 @@ mod record;
 mod scan;
 mod take;
 
-use std::{collections::HashSet, time::Duration};
+use std::{collections::HashSet, sync::atomic::Ordering, time::Duration};
 
 use mongodb::bson::{DateTime, oid::ObjectId};
 
@@ -275,6 +275,12 @@ impl MongoEventStore {
 
         let lock = self.inner.claims.owner(owner);
         let mut state = lock.lock().await;
+        // No claim of a key's next delivery runs beside this claim.
+        let gate = self.inner.claims.gate(owner);
+        let _closed = gate.gate.write().await;
+        if gate.interrupted.swap(false, Ordering::SeqCst) {
+            state.interrupted = true;
+        }
         if state.interrupted {
             // The previous claim of this owner was dropped half-way.
             self.reconcile(owner, now).await?;

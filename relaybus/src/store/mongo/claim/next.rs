@@ -8,12 +8,13 @@
 //! the lane, under the same epoch and requeue count, with the completed one taken off. A parked
 //! delivery is sent back to the ready lane first: its predecessor finished.
 //!
-//! It runs only while no claim of the owner runs on this store instance (it never waits for
-//! one), and it gives up, claiming nothing, whenever anything is not as the plain case has it:
-//! the lane changed hands or has lost claims to charge, the next delivery is not due, lies in
+//! It never runs beside a claim of the owner on this store instance: it waits for a running
+//! claim to end, and runs beside the other claims of next deliveries. It gives up, claiming
+//! nothing, whenever anything is not as the plain case has it: the lane changed hands or has
+//! lost claims to charge, the next delivery is not due, lies in
 //! another lane, is unordered or already runs. The worker's regular claims find it then.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::atomic::Ordering};
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, RawDocumentBuf, doc};
@@ -25,7 +26,7 @@ use crate::{
         MongoEventStore,
         append::check_write_reply,
         lane::{Lane, add, check_lease_duration, check_owner, reply_count},
-        lease::Lease,
+        lease::{Lease, generation_filter},
         schema::{field, index, lane, path, status},
     },
 };
@@ -33,7 +34,7 @@ use crate::{
 impl MongoEventStore {
     /// Claims the next delivery of `handler` and `key` for `owner`, right after the delivery
     /// of `completed` completed, when it can be handed out at once: see the module
-    /// documentation. `None` when it cannot, or when a claim of the owner runs.
+    /// documentation. `None` when it cannot.
     pub(crate) async fn claim_next_of_key(
         &self,
         owner: &str,
@@ -46,24 +47,23 @@ impl MongoEventStore {
         check_owner(owner)?;
         check_lease_duration(lease_duration)?;
         let expires_at = add(now, lease_duration)?;
-        let lock = self.inner.claims.owner(owner);
-        let Ok(mut state) = lock.try_lock() else {
-            // A claim runs: it may take the delivery itself, and the two must not both.
-            return Ok(None);
-        };
-        if state.interrupted {
-            // The owner's last claim was dropped half-way: its next claim reconciles first.
+        let gate = self.inner.claims.gate(owner);
+        // A claim running now may take the delivery itself, and the two must not both: wait
+        // for it to end (it then finds the delivery listed or takes it first).
+        let _open = gate.gate.read().await;
+        if gate.interrupted.load(Ordering::SeqCst) {
+            // An earlier one failed half-way: the owner's next claim reconciles first.
             return Ok(None);
         }
         self.inner.claims.settled(completed);
-        // Until the write is known to have landed or not: a failure leaves it set, and the
-        // owner's next claim reconciles its lanes.
-        state.interrupted = true;
         let next = self
             .next_of_key(owner, completed, handler, key, expires_at, now)
-            .await?;
-        state.interrupted = false;
-        Ok(next)
+            .await;
+        if next.is_err() {
+            // It may have listed the delivery without handing it out.
+            gate.interrupted.store(true, Ordering::SeqCst);
+        }
+        next
     }
 
     async fn next_of_key(
@@ -140,8 +140,42 @@ impl MongoEventStore {
         let (true, true, Some(event)) = (ours, handable, event) else {
             return Ok(None);
         };
-        if next_doc.get_str(field::LANE) == Ok(lane::PARKED) {
-            // Its predecessor finished: back to the ready lane, as unparking would.
+        let parked = next_doc.get_str(field::LANE) == Ok(lane::PARKED);
+        let mut filter = lane.held_filter(owner, instance);
+        filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
+        let done = completed.delivery_id();
+        let listing = async {
+            let reply = inner
+                .db
+                .run_command(doc! {
+                    "update": inner.lanes.name(),
+                    "updates": [{
+                        "q": filter,
+                        "u": [{ "$set": {
+                            field::IN_FLIGHT: { "$concatArrays": [
+                                { "$filter": {
+                                    "input": { "$ifNull": [path::IN_FLIGHT, []] },
+                                    "cond": { "$ne": ["$$this", { "$literal": done }] },
+                                } },
+                                [next.id],
+                            ] },
+                            field::LEASE_EXPIRES_AT: {
+                                "$max": [path::LEASE_EXPIRES_AT, expires_at],
+                            },
+                        } }],
+                    }],
+                    "writeConcern": { "w": "majority" },
+                })
+                .await?;
+            check_write_reply(&reply)?;
+            Ok::<_, crate::Error>(reply_count(&reply) == 1)
+        };
+        // A parked delivery goes back to the ready lane (its predecessor finished, as unparking
+        // would have it) in the same round trip as the listing.
+        let unparking = async {
+            if !parked {
+                return Ok(true);
+            }
             let moved = inner
                 .deliveries
                 .update_one(
@@ -149,40 +183,32 @@ impl MongoEventStore {
                         field::ID: next.id,
                         field::STATUS: status::PENDING,
                         field::LANE: lane::PARKED,
-                        field::CLAIMS: crate::store::mongo::lease::generation_filter(next.claims),
+                        field::CLAIMS: generation_filter(next.claims),
                     },
                     doc! { "$set": { field::LANE: lane::READY } },
                 )
                 .await?;
-            if moved.matched_count == 0 {
-                return Ok(None);
-            }
+            Ok::<_, crate::Error>(moved.matched_count == 1)
+        };
+        let (listed, unparked) = futures::try_join!(listing, unparking)?;
+        if listed && !unparked {
+            // The delivery changed since it was read (an operator buried it, say): take it off
+            // the lane again; if that fails, the owner's next claim reconciles the lane.
+            inner
+                .lanes
+                .update_one(
+                    doc! {
+                        field::ID: lane_id,
+                        field::OWNER: owner,
+                        field::INSTANCE: instance,
+                        field::EPOCH: lane.epoch,
+                    },
+                    doc! { "$pull": { field::IN_FLIGHT: next.id } },
+                )
+                .await?;
+            return Ok(None);
         }
-        let mut filter = lane.held_filter(owner, instance);
-        filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
-        let done = completed.delivery_id();
-        let reply = inner
-            .db
-            .run_command(doc! {
-                "update": inner.lanes.name(),
-                "updates": [{
-                    "q": filter,
-                    "u": [{ "$set": {
-                        field::IN_FLIGHT: { "$concatArrays": [
-                            { "$filter": {
-                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                                "cond": { "$ne": ["$$this", { "$literal": done }] },
-                            } },
-                            [next.id],
-                        ] },
-                        field::LEASE_EXPIRES_AT: { "$max": [path::LEASE_EXPIRES_AT, expires_at] },
-                    } }],
-                }],
-                "writeConcern": { "w": "majority" },
-            })
-            .await?;
-        check_write_reply(&reply)?;
-        if reply_count(&reply) != 1 {
+        if !listed {
             return Ok(None);
         }
         let events = HashMap::from([(next.event_id.clone(), event)]);
