@@ -2215,7 +2215,13 @@ async fn a_worker_that_completed_a_keyed_delivery_takes_the_next_of_its_key_in_t
 
     let mut lease = *first[0].lease();
     for sequence in 2..=3 {
+        let before = count.load(Ordering::SeqCst);
         complete_in_transaction(&store, &lease, at(2)).await;
+        assert_eq!(
+            count.load(Ordering::SeqCst) - before,
+            4,
+            "the delivery with its lane, the delete, the event's mark, the commit"
+        );
         let before = count.load(Ordering::SeqCst);
         let next = next_of_key(&store, "w", &lease, "hot", at(2))
             .await

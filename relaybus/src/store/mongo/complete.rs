@@ -19,7 +19,7 @@ use super::{
     MongoEventStore,
     lane::{int, object_ids},
     lease::{Lease, generation_filter},
-    schema::{field, status},
+    schema::{field, path, status},
 };
 use crate::error::{InvalidArgumentError, Result};
 
@@ -224,16 +224,39 @@ impl MongoEventStore {
     ) -> Result<Vec<bool>> {
         let inner = &self.inner;
         let ids = unique_ids(leases);
-        let found = found(
-            inner
-                .deliveries
-                .find(doc! { field::ID: { "$in": &ids } })
-                .session(&mut *session)
-                .await?
-                .stream(&mut *session)
-                .try_collect()
-                .await?,
-        );
+        // The deliveries with their lanes, in one read: the lane of each comes along with only
+        // the leased ids of its in-flight list.
+        let docs: Vec<Document> = inner
+            .deliveries
+            .aggregate([
+                doc! { "$match": { field::ID: { "$in": &ids } } },
+                doc! { "$lookup": {
+                    "from": inner.lanes.name(),
+                    "localField": field::LANE_ID,
+                    "foreignField": field::ID,
+                    "pipeline": [{ "$project": listing_projection(&ids) }],
+                    "as": LANE_OF_DELIVERY,
+                } },
+            ])
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        let mut lane_docs = Vec::new();
+        let docs: Vec<Document> = docs
+            .into_iter()
+            .map(|mut doc| {
+                if let Some(Bson::Array(lanes)) = doc.remove(LANE_OF_DELIVERY) {
+                    lane_docs.extend(lanes.into_iter().filter_map(|lane| match lane {
+                        Bson::Document(lane) => Some(lane),
+                        _ => None,
+                    }));
+                }
+                doc
+            })
+            .collect();
+        let found = found(docs);
         let current: Vec<&Lease> = leases
             .iter()
             .filter(|lease| generation_holds(lease, &found))
@@ -241,7 +264,7 @@ impl MongoEventStore {
         if current.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
-        let lanes = self.lane_listings(&mut *session, &current).await?;
+        let lanes = listings_of(&lane_docs);
         let fenced = fence(&current, &lanes);
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
@@ -306,13 +329,7 @@ impl MongoEventStore {
                 .lanes
                 .find(doc! { field::ID: { "$in": &lane_ids } })
                 // Only the leased ids of each in-flight list come back, not the whole list.
-                .projection(doc! {
-                    field::EPOCH: 1,
-                    field::IN_FLIGHT: { "$filter": {
-                        "input": { "$ifNull": ["$inFlight", []] },
-                        "cond": { "$in": ["$$this", { "$literal": ids }] },
-                    } },
-                })
+                .projection(listing_projection(ids))
                 .limit(lane_ids.len() as i64)
                 .batch_size(u32::try_from(lane_ids.len()).unwrap_or(u32::MAX))
                 .await?
@@ -322,38 +339,19 @@ impl MongoEventStore {
         let (deliveries, lanes) = futures::try_join!(generations, listings)?;
         Ok((found(deliveries), listings_of(&lanes)))
     }
+}
 
-    /// The epoch of each lane of `leases`, and which of the leased deliveries it lists, read in
-    /// `session`'s transaction.
-    async fn lane_listings(
-        &self,
-        session: &mut ClientSession,
-        leases: &[&Lease],
-    ) -> Result<Listings> {
-        let mut lane_ids: Vec<i32> = leases.iter().map(|lease| lease.lane_i32()).collect();
-        lane_ids.sort_unstable();
-        lane_ids.dedup();
-        let ids: Vec<ObjectId> = leases.iter().map(|lease| lease.delivery_id()).collect();
-        let filter = doc! { field::ID: { "$in": &lane_ids } };
-        // Only the leased ids of each in-flight list come back, not the whole list.
-        let projection = doc! {
-            field::EPOCH: 1,
-            field::IN_FLIGHT: { "$filter": {
-                "input": { "$ifNull": ["$inFlight", []] },
-                "cond": { "$in": ["$$this", { "$literal": &ids }] },
-            } },
-        };
-        let docs: Vec<Document> = self
-            .inner
-            .lanes
-            .find(filter)
-            .projection(projection)
-            .session(&mut *session)
-            .await?
-            .stream(session)
-            .try_collect()
-            .await?;
-        Ok(listings_of(&docs))
+/// The field a transactional completion's read puts each delivery's lane in.
+const LANE_OF_DELIVERY: &str = "__relaybusLane";
+
+/// A lane's epoch and, of its in-flight list, only the ids among `ids`.
+fn listing_projection(ids: &[ObjectId]) -> Document {
+    doc! {
+        field::EPOCH: 1,
+        field::IN_FLIGHT: { "$filter": {
+            "input": { "$ifNull": [path::IN_FLIGHT, []] },
+            "cond": { "$in": ["$$this", { "$literal": ids }] },
+        } },
     }
 }
 
