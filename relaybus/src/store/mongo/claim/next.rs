@@ -6,13 +6,13 @@
 //! the key's lowest pending delivery (lane first, so that a requeue in between changes the
 //! lane's requeue count under the write), then one conditional write that lists the delivery on
 //! the lane, under the same epoch and requeue count, with the completed one taken off. A parked
-//! delivery is sent back to the ready lane first: its predecessor finished.
+//! delivery is sent back to the ready lane in the same round trip: its predecessor finished.
 //!
 //! It never runs beside a claim of the owner on this store instance: it waits for a running
 //! claim to end, and runs beside the other claims of next deliveries. It gives up, claiming
 //! nothing, whenever anything is not as the plain case has it: the lane changed hands or has
-//! lost claims to charge, the next delivery is not due, lies in
-//! another lane, is unordered or already runs. The worker's regular claims find it then.
+//! lost claims to charge, the next delivery is not due, lies in another lane, is unordered or
+//! already runs. The worker's regular claims find it then.
 
 use std::{collections::HashMap, sync::atomic::Ordering};
 
