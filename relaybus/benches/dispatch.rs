@@ -22,7 +22,8 @@
 //!   20000; at most 1000 samples);
 //! - `RELAYBUS_BENCH_BACKLOG`: the backlog run (default 20000, 100000 with
 //!   `RELAYBUS_PROFILE=long`);
-//! - `RELAYBUS_BENCH_HOT_KEYS_DELIVERIES`: the hot-keys run (default 2000).
+//! - `RELAYBUS_BENCH_HOT_KEYS_DELIVERIES`: the hot-keys run (default 2000), over
+//!   `RELAYBUS_BENCH_HOT_KEYS` keys (default 10).
 //!
 //! Run by `cargo test` (without `--bench`), it makes small runs of everything as a smoke test.
 
@@ -51,8 +52,8 @@ mod common;
 use common::{Memory, Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
-/// The keys of the hot-keys run.
-const HOT_KEYS: u64 = 10;
+/// The keys of the hot-keys run, unless `RELAYBUS_BENCH_HOT_KEYS` says otherwise.
+const HOT_KEYS: usize = 10;
 /// The most fresh-key samples taken while a keyed backlog drains.
 const FRESH_KEY_SAMPLES: usize = 1000;
 /// The prefix of the keys never seen before in the fresh-key run.
@@ -96,6 +97,7 @@ async fn main() -> Result<(), BoxError> {
     let keyed_backlog = sized("RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES", 20_000, 64);
     let fresh_samples = if smoke { 5 } else { FRESH_KEY_SAMPLES };
     let hot_deliveries = sized("RELAYBUS_BENCH_HOT_KEYS_DELIVERIES", 2000, 64);
+    let hot_keys_count = sized("RELAYBUS_BENCH_HOT_KEYS", HOT_KEYS, HOT_KEYS).max(1);
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let mut run = 0_u32;
@@ -242,18 +244,18 @@ async fn main() -> Result<(), BoxError> {
     });
 
     let db = fresh_db();
-    let hot = hot_keys_run(&client, &db, hot_deliveries).await?;
+    let hot = hot_keys_run(&client, &db, hot_deliveries, hot_keys_count).await?;
     db.drop().await?;
     let to_unkeyed = hot.per_sec / unkeyed_one_bus;
     println!(
-        "\nhot keys: {hot_deliveries} deliveries over {HOT_KEYS} keys, transactional handler, \
+        "\nhot keys: {hot_deliveries} deliveries over {hot_keys_count} keys, transactional handler, \
          1 bus: {:.0}/s ({to_unkeyed:.3} of unkeyed); gap from a handler's return to the next \
          of its key p50 {:.1} ms, p99 {:.1} ms",
         hot.per_sec, hot.gap.p50, hot.gap.p99
     );
     let hot_keys = serde_json::json!({
         "deliveries": hot_deliveries,
-        "keys": HOT_KEYS,
+        "keys": hot_keys_count,
         "per_sec": hot.per_sec.round(),
         "to_unkeyed_1_bus": thousandths(to_unkeyed),
         "key_gap_p50_ms": (hot.gap.p50 * 10.0).round() / 10.0,
@@ -642,14 +644,19 @@ struct HotKeys {
     gap: Summary,
 }
 
-/// One bus runs `count` deliveries over [`HOT_KEYS`] keys through a transactional handler that
+/// One bus runs `count` deliveries over `keys` keys through a transactional handler that
 /// writes one small document through its session. Returns deliveries/s (until the bus has shut
 /// down) and, per key, the gap from a delivery's handler returning to the next delivery of the
 /// same key starting. The gap is taken from the handler's return, so it includes the commit of
 /// the transaction that completes the delivery, besides claiming the next one.
-async fn hot_keys_run(client: &Client, db: &Database, count: usize) -> Result<HotKeys, BoxError> {
+async fn hot_keys_run(
+    client: &Client,
+    db: &Database,
+    count: usize,
+    keys: usize,
+) -> Result<HotKeys, BoxError> {
     let store = store(client, db).await?;
-    publish(&store, count, Some(HOT_KEYS)).await?;
+    publish(&store, count, Some(keys as u64)).await?;
     let writes = db.collection::<Document>("bench_hot_key_writes");
     // Made up front, so that the first transactions do not race to create it.
     db.create_collection(writes.name()).await?;
