@@ -101,6 +101,7 @@ macro_rules! conformance_tests {
             claim_hands_out_due_deliveries_of_the_asked_handlers,
             a_claim_hands_out_the_event_as_appended,
             a_key_runs_one_delivery_at_a_time_in_sequence,
+            the_next_of_a_key_comes_in_sequence_with_or_without_a_claim,
             a_failed_head_blocks_its_key_until_it_completes_or_is_buried,
             a_blocked_key_does_not_hide_other_work,
             an_expired_lease_taken_over_fences_the_first_owner,
