@@ -2320,3 +2320,64 @@ async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_
     );
     assert_eq!(lane(&db, lease.lane()).await, before);
 }
+
+#[tokio::test]
+async fn a_next_of_key_claim_whose_reply_is_lost_is_reconciled_by_the_next_claim() {
+    let db = test_db("next_of_key_lost").await;
+    let (client, _, _) = counting_client(&db).await;
+    let app = format!("{}-counted", db.name);
+    let store = store_with(&client, &db, false).await;
+    let lane_id = publish_hot(&store).await;
+    let head = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(head.len(), 1);
+    let lease = *head[0].lease();
+    complete_in_transaction(&store, &lease, at(2)).await;
+
+    // The lane write reaches the database, but the reply reports a failure.
+    let fail = FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "writeConcernError": { "code": 91, "errmsg": "injected after the write" },
+                "appName": &app,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    let failed = {
+        use relaybus::{Store, store::NextOfKey};
+        Store::claim_next_of_key(
+            &store,
+            NextOfKey {
+                owner: "w",
+                completed: &lease,
+                handler: HANDLER,
+                key: "hot",
+                lease_duration: LEASE,
+                now: std::time::SystemTime::from(at(2)).into(),
+            },
+        )
+        .await
+    };
+    fail.disable().await.unwrap();
+    assert!(matches!(failed, Err(Error::Database(_))), "{failed:?}");
+    let listed = in_flight(&lane(&db, lane_id).await);
+    assert_eq!(listed.len(), 1, "the write landed: {listed:?}");
+
+    // Nobody received it: the next claim puts it back and hands it out under a new generation.
+    let again = claim(&store, "w", 10, at(3)).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].delivery_id(), listed[0]);
+    assert_eq!(again[0].sequence(), Some(2));
+    assert_eq!(again[0].attempt(), 1, "no attempt charged");
+    assert_eq!(again[0].lease().claims(), 1, "the generation moved on");
+    assert_eq!(
+        in_flight(&lane(&db, lane_id).await),
+        vec![listed[0]],
+        "listed once"
+    );
+}
