@@ -650,6 +650,25 @@ async fn a_lost_claim_is_charged_once_even_when_its_charge_is_replayed() {
     );
 }
 
+/// Makes the next `update` command of the client named `app` apply its writes and then report
+/// a write concern error, as a reply lost after the write would.
+async fn lose_the_reply_of_the_next_update(db: &TestDb, app: &str) -> FailPoint {
+    FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["update"],
+                "writeConcernError": { "code": 91, "errmsg": "injected after the write" },
+                "appName": app,
+            },
+        },
+    )
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn a_failed_claim_reconciles_so_nothing_it_recorded_stays_running() {
     let db = test_db("reconcile").await;
@@ -659,20 +678,7 @@ async fn a_failed_claim_reconciles_so_nothing_it_recorded_stays_running() {
     publish_unkeyed(&store, "f", 3, at(0)).await;
 
     // The record reaches the database, but the reply reports a failure.
-    let fail = FailPoint::enable(
-        &db.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["update"],
-                "writeConcernError": { "code": 91, "errmsg": "injected after the write" },
-                "appName": &app,
-            },
-        },
-    )
-    .await
-    .unwrap();
+    let fail = lose_the_reply_of_the_next_update(&db, &app).await;
     let failed = store.claim("w", &[HANDLER], 10, LEASE, at(1)).await;
     fail.disable().await.unwrap();
     assert!(matches!(failed, Err(Error::Database(_))), "{failed:?}");
@@ -2334,20 +2340,7 @@ async fn a_next_of_key_claim_whose_reply_is_lost_is_reconciled_by_the_next_claim
     complete_in_transaction(&store, &lease, at(2)).await;
 
     // The lane write reaches the database, but the reply reports a failure.
-    let fail = FailPoint::enable(
-        &db.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["update"],
-                "writeConcernError": { "code": 91, "errmsg": "injected after the write" },
-                "appName": &app,
-            },
-        },
-    )
-    .await
-    .unwrap();
+    let fail = lose_the_reply_of_the_next_update(&db, &app).await;
     let failed = {
         use relaybus::{Store, store::NextOfKey};
         Store::claim_next_of_key(
