@@ -445,40 +445,35 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
                     // interval.
                     let keyed = delivery.event.key().is_some();
                     let next_of = next_of_key(&task_shared, &delivery);
-                    match run_delivery(&task_shared, delivery).await {
+                    let outcome = run_delivery(&task_shared, delivery).await;
+                    if matches!(outcome, Outcome::Completed)
+                        && let Some((lease, handler, key)) = next_of
+                        && !stopping.is_cancelled()
+                        && let Some(next) = claim_next(&task_shared, &lease, &handler, &key).await
+                    {
+                        // The key's next delivery runs in this task, on this permit.
+                        let mut running = task_shared.running();
+                        let abort = running.remove(&task_id).and_then(|r| r.abort);
+                        running.insert(
+                            next.lease.delivery_id(),
+                            Running {
+                                lease: next.lease.clone(),
+                                transactional: true,
+                                abort,
+                            },
+                        );
+                        drop(running);
+                        delivery = next;
+                        continue;
+                    }
+                    match outcome {
                         // The completer removes it from the running set once completed.
                         Outcome::Succeeded(lease) => {
                             if let Err(unsent) = done.send((lease, keyed)) {
                                 task_shared.running().remove(&unsent.0.0.delivery_id());
                             }
                         }
-                        Outcome::Completed => {
-                            if let Some((lease, handler, key)) = next_of
-                                && !stopping.is_cancelled()
-                                && let Some(next) =
-                                    claim_next(&task_shared, &lease, &handler, &key).await
-                            {
-                                // The key's next delivery runs in this task, on this permit.
-                                let mut running = task_shared.running();
-                                let abort = running.remove(&task_id).and_then(|r| r.abort);
-                                running.insert(
-                                    next.lease.delivery_id(),
-                                    Running {
-                                        lease: next.lease.clone(),
-                                        transactional: true,
-                                        abort,
-                                    },
-                                );
-                                drop(running);
-                                delivery = next;
-                                continue;
-                            }
-                            task_shared.running().remove(&task_id);
-                            if keyed {
-                                wake.notify_one();
-                            }
-                        }
-                        Outcome::Settled(_) => {
+                        Outcome::Completed | Outcome::Settled(_) => {
                             task_shared.running().remove(&task_id);
                             if keyed {
                                 wake.notify_one();

@@ -271,7 +271,7 @@ pub(crate) struct RankedLanes {
 ///
 /// A claim holds the gate closed while it runs; the claims of next deliveries pass while it is
 /// open, side by side (each writes only its own key's delivery into a lane, conditionally), and
-/// give up rather than wait when it is closed or a claim waits to close it.
+/// wait while it is closed or a claim waits to close it.
 #[derive(Debug, Default)]
 pub(crate) struct OwnerGate {
     pub(crate) gate: tokio::sync::RwLock<()>,

@@ -19,7 +19,10 @@ use std::{collections::HashMap, sync::atomic::Ordering};
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, DateTime, Document, RawDocumentBuf, doc};
 
-use super::{ClaimedDelivery, scan::Candidate};
+use super::{
+    ClaimedDelivery,
+    scan::{Candidate, event_lookup},
+};
 use crate::{
     error::Result,
     store::mongo::{
@@ -92,13 +95,7 @@ impl MongoEventStore {
                         } },
                         { "$sort": index::ordering_keys() },
                         { "$limit": 1 },
-                        { "$lookup": {
-                            "from": inner.events.name(),
-                            "localField": field::EVENT_ID,
-                            "foreignField": field::ID,
-                            "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
-                            "as": "event",
-                        } },
+                        event_lookup(inner.events.name()),
                     ],
                 } },
             ])

@@ -116,14 +116,20 @@ pub(super) fn page_with_events(filter: Document, window: usize, events: &str) ->
         doc! { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
         doc! { "$limit": window as i64 },
         doc! { "$project": candidate_fields() },
-        doc! { "$lookup": {
-            "from": events,
-            "localField": field::EVENT_ID,
-            "foreignField": field::ID,
-            "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
-            "as": "event",
-        } },
+        event_lookup(events),
     ]
+}
+
+/// The stage that brings each delivery's event along, as `event` (an array of at most one
+/// document, without the event's handler list), from the events collection `events`.
+pub(super) fn event_lookup(events: &str) -> Document {
+    doc! { "$lookup": {
+        "from": events,
+        "localField": field::EVENT_ID,
+        "foreignField": field::ID,
+        "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
+        "as": "event",
+    } }
 }
 
 /// The fields of a delivery a scan reads (see [`Candidate`]).
