@@ -26,7 +26,7 @@ use crate::{
         lane::{Lane, int, raw_int, string},
         lease::Issued,
         park::{ParkedHead, parked_heads_stages},
-        schema::{field, status},
+        schema::{field, path, status},
     },
 };
 
@@ -180,9 +180,20 @@ impl MongoEventStore {
             "coll": inner.lanes.name(),
             "pipeline": [
                 { "$match": { field::OWNER: owner, field::INSTANCE: instance } },
+                // One lookup for all held lanes: a `$lookup` runs its query once per input
+                // document, so the lanes' lists are joined first.
+                { "$group": {
+                    "_id": null,
+                    "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
+                } },
+                { "$project": { "listed": { "$reduce": {
+                    "input": "$listed",
+                    "initialValue": [],
+                    "in": { "$concatArrays": ["$$value", "$$this"] },
+                } } } },
                 { "$lookup": {
                     "from": inner.deliveries.name(),
-                    "localField": field::IN_FLIGHT,
+                    "localField": "listed",
                     "foreignField": field::ID,
                     "pipeline": [{ "$project": {
                         field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
