@@ -252,6 +252,54 @@ async fn a_claim_hands_out_due_deliveries_with_event_and_lease_and_writes_no_del
 }
 
 #[tokio::test]
+async fn a_delivery_whose_event_is_missing_is_given_back_uncharged_and_the_rest_handed_out() {
+    let db = test_db("orphan_delivery").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "u", 3, at(0)).await;
+    db.db()
+        .collection::<Document>("relaybus_events")
+        .delete_one(doc! { "_id": "u-1" })
+        .await
+        .unwrap();
+    let orphan = db
+        .db()
+        .collection::<Document>("relaybus_deliveries")
+        .find_one(doc! { "eventId": "u-1" })
+        .await
+        .unwrap()
+        .expect("the delivery of u-1")
+        .get_object_id("_id")
+        .unwrap();
+
+    for (owner, now) in [("w", at(1)), ("v", at(2))] {
+        let claimed = claim(&store, owner, 10, now).await;
+        let events: HashSet<String> = claimed.iter().map(|d| d.event_id().to_owned()).collect();
+        let expected: HashSet<String> = if owner == "w" {
+            ["u-0", "u-2"].map(String::from).into()
+        } else {
+            HashSet::new()
+        };
+        assert_eq!(
+            events, expected,
+            "{owner} gets the deliveries that have events"
+        );
+        let listing: Vec<Document> = db
+            .db()
+            .collection::<Document>("relaybus_lanes")
+            .find(doc! { "inFlight": orphan })
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        assert!(listing.is_empty(), "no lane lists the orphan: {listing:?}");
+        let doc = delivery(&db, orphan).await.expect("still there");
+        assert_eq!(doc.get_str("status"), Ok("pending"));
+        assert_eq!(attempts(&doc), 0, "giving it back charged no attempt");
+    }
+}
+
+#[tokio::test]
 async fn bad_input_is_refused_with_a_typed_error_and_no_database_call() {
     let db = test_db("claim_input").await;
     let (client, count, _) = counting_client(&db).await;

@@ -21,37 +21,26 @@ use crate::{
 };
 
 impl MongoEventStore {
-    /// The events of `picks`: those the scans brought along (`events`), the others read in one
-    /// query. A pick whose event is missing is left out, with a warning.
-    pub(super) async fn events_of_picks(
+    /// The events of `picks` the scans did not bring along (`events`), read in one query. It
+    /// runs beside the record: a pick whose event is missing is recorded all the same, and
+    /// [`hand_out`](Self::hand_out) gives it back.
+    pub(super) async fn events_missing(
         &self,
-        mut picks: Vec<Candidate>,
-        mut events: HashMap<String, RawDocumentBuf>,
-    ) -> Result<(Vec<Candidate>, HashMap<String, RawDocumentBuf>)> {
-        let missing: Vec<Candidate> = picks
+        picks: &[Candidate],
+        events: &HashMap<String, RawDocumentBuf>,
+    ) -> Result<HashMap<String, RawDocumentBuf>> {
+        let missing: Vec<&Candidate> = picks
             .iter()
             .filter(|pick| !events.contains_key(&pick.event_id))
-            .cloned()
             .collect();
-        if !missing.is_empty() {
-            events.extend(self.read_events(&missing).await?);
+        if missing.is_empty() {
+            return Ok(HashMap::new());
         }
-        picks.retain(|pick| {
-            let found = events.contains_key(&pick.event_id);
-            if !found {
-                tracing::warn!(
-                    delivery = %pick.id,
-                    event = %pick.event_id,
-                    "relaybus: a pending delivery has no event; it is left out of the claim"
-                );
-            }
-            found
-        });
-        Ok((picks, events))
+        self.read_events(&missing).await
     }
 
     /// The events of the picks, as raw documents (payloads are never decoded as extended JSON).
-    async fn read_events(&self, picks: &[Candidate]) -> Result<HashMap<String, RawDocumentBuf>> {
+    async fn read_events(&self, picks: &[&Candidate]) -> Result<HashMap<String, RawDocumentBuf>> {
         let mut ids: Vec<&str> = picks.iter().map(|p| p.event_id.as_str()).collect();
         ids.sort_unstable();
         ids.dedup();
@@ -75,14 +64,15 @@ impl MongoEventStore {
     }
 
     /// The claimed deliveries of the recorded `picks`, each with the lease of its lane's epoch,
-    /// remembered as claims this instance handed out.
+    /// remembered as claims this instance handed out; and the leases of the picks whose event
+    /// is missing, issued too, for the caller to give back.
     pub(super) fn hand_out(
         &self,
         picks: Vec<Candidate>,
         lanes: &[Lane],
         events: &HashMap<String, RawDocumentBuf>,
         expires_at: DateTime,
-    ) -> Vec<ClaimedDelivery> {
+    ) -> (Vec<ClaimedDelivery>, Vec<Lease>) {
         let lane_expiry: HashMap<i32, DateTime> = lanes
             .iter()
             .map(|lane| {
@@ -91,6 +81,7 @@ impl MongoEventStore {
             })
             .collect();
         let mut claimed = Vec::with_capacity(picks.len());
+        let mut orphaned = Vec::new();
         for pick in picks {
             let lane = lanes
                 .iter()
@@ -100,7 +91,15 @@ impl MongoEventStore {
             let lease = Lease::new(pick.id, pick.lane as u32, lane, pick.claims);
             let event = match events.get(&pick.event_id) {
                 Some(raw) => envelope(&pick.event_id, raw),
-                None => continue,
+                None => {
+                    tracing::warn!(
+                        delivery = %pick.id,
+                        event = %pick.event_id,
+                        "relaybus: a pending delivery has no event; it is given back"
+                    );
+                    orphaned.push(lease);
+                    continue;
+                }
             };
             claimed.push(ClaimedDelivery {
                 lease,
@@ -111,8 +110,13 @@ impl MongoEventStore {
                 event,
             });
         }
-        self.inner.claims.issue(claimed.iter().map(|c| c.lease));
-        claimed
+        self.inner.claims.issue(
+            claimed
+                .iter()
+                .map(|c| c.lease)
+                .chain(orphaned.iter().copied()),
+        );
+        (claimed, orphaned)
     }
 }
 

@@ -479,9 +479,12 @@ impl MongoEventStore {
             .await?;
         }
 
-        // Recording, with the events of the picks read first; then parking what waits.
+        // Recording, with the events of the picks the scans did not bring read at the same
+        // time; then parking what waits.
         let Scan {
-            picking, events, ..
+            picking,
+            mut events,
+            ..
         } = scan;
         let Picking {
             picks,
@@ -490,8 +493,12 @@ impl MongoEventStore {
             ..
         } = picking;
         let picked = picks.len();
-        let (picks, events) = self.events_of_picks(picks, events).await?;
-        let recorded = self.record(&request, lanes, picks, &running).await?;
+        let (read, recorded) = futures::join!(
+            self.events_missing(&picks, &events),
+            self.record(&request, lanes, picks.clone(), &running),
+        );
+        let recorded = recorded?;
+        events.extend(read?);
         self.park_waiting(owner, &waiting, &recorded.handed_back)
             .await;
         // A busy claim that did not fill up read its held lanes, and the free lanes it took,
@@ -523,7 +530,14 @@ impl MongoEventStore {
         }
 
         // Handing out.
-        let claimed = self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
+        let (claimed, orphaned) =
+            self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
+        for lease in orphaned {
+            // Not handed out: taken off its lane again, uncharged. The next claim finds it.
+            if let Err(error) = self.release(&lease, now).await {
+                tracing::warn!(%error, "relaybus: giving back a delivery without its event failed");
+            }
+        }
         Ok(Some(Batch {
             claimed,
             raced: recorded.raced,

@@ -211,6 +211,7 @@ impl MongoEventStore {
         let events = HashMap::from([(next.event_id.clone(), event)]);
         Ok(self
             .hand_out(vec![next], &[lane], &events, expires_at)
+            .0
             .pop())
     }
 }
