@@ -97,6 +97,82 @@ pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
     ]
 }
 
+/// The most parked keys whose lowest pending delivery the claim's first read looks up, per
+/// handler; unparking looks up the others itself.
+pub(crate) const LOWEST_IN_LANE_READ: i32 = 500;
+
+/// An aggregation of the deliveries collection that yields one document: the keys of `handler`
+/// with parked deliveries (up to [`LOWEST_IN_LANE_READ`] of them, `lowestKeys`) and the lowest
+/// pending delivery of each of those that has one (`lowest`: `_id` the key, `id`, `sequence`).
+/// The keys are gathered first so that the lookup runs once: a `$lookup` runs its query once
+/// per input document. Nothing when nothing is parked.
+pub(crate) fn lowest_of_parked_stages(handler: &str, deliveries: &str) -> Vec<Document> {
+    vec![
+        doc! { "$match": { field::LANE: lane::PARKED, field::HANDLER: handler } },
+        doc! { "$sort": index::parked_keys() },
+        doc! { "$group": { "_id": path::KEY } },
+        doc! { "$limit": LOWEST_IN_LANE_READ },
+        doc! { "$group": { "_id": null, "lowestKeys": { "$push": path::ID } } },
+        doc! { "$lookup": {
+            "from": deliveries,
+            "localField": "lowestKeys",
+            "foreignField": field::KEY,
+            "pipeline": [
+                { "$match": { field::STATUS: status::PENDING, field::HANDLER: handler } },
+                { "$sort": index::ordering_keys() },
+                { "$group": {
+                    "_id": path::KEY,
+                    "id": { "$first": path::ID },
+                    field::SEQUENCE: { "$first": path::SEQUENCE },
+                } },
+            ],
+            "as": "lowest",
+        } },
+        doc! { "$project": {
+            "_id": 0,
+            "lowestHandler": { "$literal": handler },
+            "lowestKeys": 1,
+            "lowest": 1,
+        } },
+    ]
+}
+
+/// The lowest pending delivery of each of a set of keys, as looked up; keys looked up with
+/// nothing pending are in `looked_up` and not in `lowest`.
+#[derive(Debug, Default)]
+pub(crate) struct LowestPending {
+    pub(crate) looked_up: HashSet<(String, String)>,
+    pub(crate) lowest: HashMap<(String, String), (ObjectId, i64)>,
+}
+
+impl LowestPending {
+    /// Adds one document of [`lowest_of_parked_stages`]; `false` if it is not one.
+    pub(crate) fn add(&mut self, doc: &Document) -> bool {
+        let Ok(handler) = doc.get_str("lowestHandler") else {
+            return false;
+        };
+        for key in doc.get_array("lowestKeys").into_iter().flatten() {
+            if let Some(key) = key.as_str() {
+                self.looked_up.insert((handler.to_owned(), key.to_owned()));
+            }
+        }
+        for found in doc.get_array("lowest").into_iter().flatten() {
+            let Some(found) = found.as_document() else {
+                continue;
+            };
+            if let (Ok(key), Ok(id), Some(sequence)) = (
+                found.get_str(field::ID),
+                found.get_object_id("id"),
+                int(found, field::SEQUENCE),
+            ) {
+                self.lowest
+                    .insert((handler.to_owned(), key.to_owned()), (id, sequence));
+            }
+        }
+        true
+    }
+}
+
 impl MongoEventStore {
     /// Moves the lowest parked delivery of each key of `handler` back to the ready lane when
     /// nothing pending precedes it. Returns how many it moved.
@@ -133,7 +209,10 @@ impl MongoEventStore {
         skip_lanes: &HashSet<i32>,
         running: &HashSet<(String, String)>,
     ) -> Result<u64> {
-        Ok(self.unpark_heads_seen(heads, skip_lanes, running).await?.0)
+        Ok(self
+            .unpark_heads_seen(heads, skip_lanes, running, None)
+            .await?
+            .0)
     }
 
     /// [`unpark_heads`](Self::unpark_heads), also returning what it looked up: for each key it
@@ -144,6 +223,7 @@ impl MongoEventStore {
         heads: Vec<ParkedHead>,
         skip_lanes: &HashSet<i32>,
         running: &HashSet<(String, String)>,
+        known: Option<LowestPending>,
     ) -> Result<(u64, Vec<SeenKey>)> {
         let heads: Vec<ParkedHead> = heads
             .into_iter()
@@ -153,11 +233,16 @@ impl MongoEventStore {
         if heads.is_empty() {
             return Ok((0, Vec::new()));
         }
+        let known = known.unwrap_or_default();
         let keys: Vec<(String, String)> = heads
             .iter()
             .map(|head| (head.handler.clone(), head.key.clone()))
+            .filter(|key| !known.looked_up.contains(key))
             .collect();
-        let lowest = self.lowest_pending(&keys).await?;
+        let mut lowest = known.lowest;
+        if !keys.is_empty() {
+            lowest.extend(self.lowest_pending(&keys).await?);
+        }
         // A head with a lower pending sequence of its key before it stays parked.
         let blocked: HashSet<(String, String)> = heads
             .iter()

@@ -410,11 +410,19 @@ impl MongoEventStore {
             taken_by_others,
             contenders,
             parked,
+            lowest,
             prescanned,
         } = self.read_lanes(owner, handlers, now, prescan).await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
         let ((seen_heads, unparked), running) = futures::join!(
-            self.unpark_for_claim(handlers, parked, &taken_by_others, &running_docs, &held_set),
+            self.unpark_for_claim(
+                handlers,
+                parked,
+                lowest,
+                &taken_by_others,
+                &running_docs,
+                &held_set,
+            ),
             self.running_in_held_lanes(&held, &running_docs, now),
         );
         if let Some(ranking) = state.ranked.as_mut() {

@@ -25,7 +25,7 @@ use crate::{
         MongoEventStore,
         lane::{Lane, int, raw_int, string},
         lease::Issued,
-        park::{ParkedHead, parked_heads_stages},
+        park::{LowestPending, ParkedHead, lowest_of_parked_stages, parked_heads_stages},
         schema::{field, path, status},
     },
 };
@@ -47,6 +47,8 @@ pub(super) struct LaneView {
     pub(super) contenders: usize,
     /// The lowest parked delivery of each key, when the read looked them up.
     pub(super) parked: Option<Vec<ParkedHead>>,
+    /// The lowest pending delivery of those keys, when the read looked them up.
+    pub(super) lowest: Option<LowestPending>,
     /// The first page of a scan of the lanes the read was asked to look into, with events.
     pub(super) prescanned: Vec<Document>,
 }
@@ -211,6 +213,10 @@ impl MongoEventStore {
                     "coll": inner.deliveries.name(),
                     "pipeline": parked_heads_stages(handler),
                 } });
+                pipeline.push(doc! { "$unionWith": {
+                    "coll": inner.deliveries.name(),
+                    "pipeline": lowest_of_parked_stages(handler, inner.deliveries.name()),
+                } });
             }
         }
         if let Some((lanes, window)) = prescan {
@@ -237,13 +243,14 @@ impl MongoEventStore {
 
         let mut view = LaneView {
             parked: fold_parked.then(Vec::new),
+            lowest: fold_parked.then(LowestPending::default),
             ..LaneView::default()
         };
         let mut listed_docs = Vec::new();
         let mut lanes = Vec::new();
         for raw in docs {
             let has = |name: &str| raw.get(name).ok().flatten().is_some();
-            if !(has("prescanned") || has("parkedKey") || has("running")) {
+            if !(has("prescanned") || has("parkedKey") || has("running") || has("lowestHandler")) {
                 lanes.push(raw);
                 continue;
             }
@@ -252,6 +259,10 @@ impl MongoEventStore {
             };
             if doc.contains_key("prescanned") {
                 view.prescanned.push(doc);
+            } else if doc.contains_key("lowestHandler") {
+                if let Some(lowest) = view.lowest.as_mut() {
+                    lowest.add(&doc);
+                }
             } else if doc.contains_key("parkedKey") {
                 if let (Some(parked), Some(head)) =
                     (view.parked.as_mut(), ParkedHead::from_document(&doc))
@@ -327,6 +338,7 @@ impl MongoEventStore {
         &self,
         handlers: &[&str],
         parked: Option<Vec<ParkedHead>>,
+        lowest: Option<LowestPending>,
         taken_by_others: &HashSet<i32>,
         running_docs: &[Document],
         held: &HashSet<i32>,
@@ -338,7 +350,7 @@ impl MongoEventStore {
             .collect();
         let result = match parked {
             Some(heads) => self
-                .unpark_heads_seen(heads, taken_by_others, &running_pending)
+                .unpark_heads_seen(heads, taken_by_others, &running_pending, lowest)
                 .await
                 .map(|(_, seen)| {
                     let unparked = seen
