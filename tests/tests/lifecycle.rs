@@ -1246,6 +1246,14 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
     let aggregations = sent.iter().filter(|name| *name == "aggregate").count();
     assert_eq!(aggregations, 1, "{sent:?}");
     assert!(used <= 7, "{used} commands: {sent:?}");
+    // The heads were picked from that read, and sent back to their lanes with the record: the
+    // claim's second command is its scan, not the unparking update.
+    assert_eq!(sent.get(1).map(String::as_str), Some("find"), "{sent:?}");
+    for head in &next {
+        let doc = delivery(&db, head.delivery_id()).await.expect("the head");
+        assert_eq!(doc.get_str("lane"), Ok("ready"), "{doc:?}");
+    }
+    assert_eq!(store.statistics().await.unwrap().parked, 76);
 }
 
 #[tokio::test]

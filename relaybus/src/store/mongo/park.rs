@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use mongodb::bson::{Document, doc, oid::ObjectId};
+use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
 
 use super::{
     MongoEventStore,
@@ -32,11 +32,17 @@ const IDS_PER_UPDATE: usize = 10_000;
 /// The lowest parked delivery of one key.
 #[derive(Debug, Clone)]
 pub(crate) struct ParkedHead {
-    handler: String,
-    key: String,
-    id: ObjectId,
-    sequence: i64,
-    lane: Option<i32>,
+    pub(crate) handler: String,
+    pub(crate) key: String,
+    pub(crate) id: ObjectId,
+    pub(crate) sequence: i64,
+    pub(crate) lane: Option<i32>,
+    /// What a claim needs to pick it without reading it again; absent when the document was
+    /// read without them.
+    pub(crate) event_id: Option<String>,
+    pub(crate) attempts: i64,
+    pub(crate) claims: i64,
+    pub(crate) due_at: Option<DateTime>,
 }
 
 impl ParkedHead {
@@ -56,6 +62,10 @@ impl ParkedHead {
             id,
             sequence,
             lane: int(doc, field::LANE_ID).and_then(|lane| i32::try_from(lane).ok()),
+            event_id: doc.get_str(field::EVENT_ID).ok().map(str::to_owned),
+            attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
+            claims: int(doc, field::CLAIMS).unwrap_or(0),
+            due_at: doc.get_datetime(field::DUE_AT).ok().copied(),
         })
     }
 }
@@ -85,6 +95,10 @@ pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
             "id": { "$first": path::ID },
             field::SEQUENCE: { "$first": path::SEQUENCE },
             field::LANE_ID: { "$first": path::LANE_ID },
+            field::EVENT_ID: { "$first": path::EVENT_ID },
+            field::ATTEMPTS: { "$first": path::ATTEMPTS },
+            field::CLAIMS: { "$first": path::CLAIMS },
+            field::DUE_AT: { "$first": path::DUE_AT },
         } },
         doc! { "$project": {
             "_id": 0,
@@ -93,6 +107,10 @@ pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
             "id": 1,
             field::SEQUENCE: 1,
             field::LANE_ID: 1,
+            field::EVENT_ID: 1,
+            field::ATTEMPTS: 1,
+            field::CLAIMS: 1,
+            field::DUE_AT: 1,
         } },
     ]
 }
@@ -225,13 +243,29 @@ impl MongoEventStore {
         running: &HashSet<(String, String)>,
         known: Option<LowestPending>,
     ) -> Result<(u64, Vec<SeenKey>)> {
+        let (free, seen) = self.plan_unpark(heads, skip_lanes, running, known).await?;
+        let moved = self
+            .unpark_ids(free.iter().map(|head| head.id).collect())
+            .await?;
+        Ok((moved, seen))
+    }
+
+    /// What [`unpark_heads_seen`](Self::unpark_heads_seen) decides, without the update: the
+    /// heads that may go back to their lanes, and what it looked up of each key.
+    pub(crate) async fn plan_unpark(
+        &self,
+        heads: Vec<ParkedHead>,
+        skip_lanes: &HashSet<i32>,
+        running: &HashSet<(String, String)>,
+        known: Option<LowestPending>,
+    ) -> Result<(Vec<ParkedHead>, Vec<SeenKey>)> {
         let heads: Vec<ParkedHead> = heads
             .into_iter()
             .filter(|head| !head.lane.is_some_and(|lane| skip_lanes.contains(&lane)))
             .filter(|head| !running.contains(&(head.handler.clone(), head.key.clone())))
             .collect();
         if heads.is_empty() {
-            return Ok((0, Vec::new()));
+            return Ok((Vec::new(), Vec::new()));
         }
         let known = known.unwrap_or_default();
         let keys: Vec<(String, String)> = heads
@@ -243,38 +277,31 @@ impl MongoEventStore {
         if !keys.is_empty() {
             lowest.extend(self.lowest_pending(&keys).await?);
         }
-        // A head with a lower pending sequence of its key before it stays parked.
-        let blocked: HashSet<(String, String)> = heads
-            .iter()
-            .filter(|head| {
-                lowest
-                    .get(&(head.handler.clone(), head.key.clone()))
-                    .is_some_and(|(_, sequence)| *sequence < head.sequence)
-            })
-            .map(|head| (head.handler.clone(), head.key.clone()))
-            .collect();
-        let seen: Vec<SeenKey> = heads
-            .iter()
-            .map(|head| {
-                let key = (head.handler.clone(), head.key.clone());
-                let lowest = lowest.get(&key).map(|(id, _)| *id);
-                let unparked = !blocked.contains(&key);
-                SeenKey {
-                    key,
-                    lane: head.lane,
-                    lowest,
-                    unparked,
-                }
-            })
-            .collect();
-        let ids: Vec<ObjectId> = heads
-            .iter()
-            .zip(&seen)
-            .filter(|(_, seen)| seen.unparked)
-            .map(|(head, _)| head.id)
-            .collect();
+        let mut free = Vec::new();
+        let mut seen = Vec::with_capacity(heads.len());
+        for head in heads {
+            let key = (head.handler.clone(), head.key.clone());
+            let found = lowest.get(&key).copied();
+            // A head with a lower pending sequence of its key before it stays parked.
+            let unparked = !found.is_some_and(|(_, sequence)| sequence < head.sequence);
+            seen.push(SeenKey {
+                key,
+                lane: head.lane,
+                lowest: found.map(|(id, _)| id),
+                unparked,
+            });
+            if unparked {
+                free.push(head);
+            }
+        }
+        Ok((free, seen))
+    }
+
+    /// Sends the parked deliveries `ids` back to their lanes, those still parked and pending.
+    /// Returns how many it moved.
+    pub(crate) async fn unpark_ids(&self, ids: Vec<ObjectId>) -> Result<u64> {
         if ids.is_empty() {
-            return Ok((0, seen));
+            return Ok(0);
         }
         let moved = self
             .inner
@@ -288,7 +315,7 @@ impl MongoEventStore {
                 doc! { "$set": { field::LANE: lane::READY } },
             )
             .await?;
-        Ok((moved.modified_count, seen))
+        Ok(moved.modified_count)
     }
 
     /// The lowest pending delivery of each of `keys` (handler and key): its id and sequence.

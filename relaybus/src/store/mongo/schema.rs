@@ -131,6 +131,10 @@ pub(crate) mod path {
     pub(crate) const SEQUENCE: &str = "$sequence";
     /// `$laneId`.
     pub(crate) const LANE_ID: &str = "$laneId";
+    /// `$eventId`.
+    pub(crate) const EVENT_ID: &str = "$eventId";
+    /// `$dueAt`.
+    pub(crate) const DUE_AT: &str = "$dueAt";
     /// `$leaseExpiresAt`.
     pub(crate) const LEASE_EXPIRES_AT: &str = "$leaseExpiresAt";
     /// `$epoch`.

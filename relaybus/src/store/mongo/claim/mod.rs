@@ -57,8 +57,8 @@ use mongodb::bson::{DateTime, oid::ObjectId};
 
 use self::{
     pick::Picking,
-    read::{LaneView, Running, lists_foreign_claims},
-    scan::{Scan, page_window},
+    read::{LaneView, Running, Unparking, lists_foreign_claims},
+    scan::{Candidate, Scan, page_window},
     take::Hold,
 };
 use super::{
@@ -414,7 +414,10 @@ impl MongoEventStore {
             prescanned,
         } = self.read_lanes(owner, handlers, now, prescan).await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
-        let ((seen_heads, unparked), running) = futures::join!(
+        // What unparking looked up of the keys of held lanes still holds unless claims lost in
+        // them were charged since; only then may the claim pick the heads it sends back itself.
+        let nothing_lost = held.iter().all(|lane| lane.lost.is_empty());
+        let (unparking, running) = futures::join!(
             self.unpark_for_claim(
                 handlers,
                 parked,
@@ -422,9 +425,15 @@ impl MongoEventStore {
                 &taken_by_others,
                 &running_docs,
                 &held_set,
+                nothing_lost,
             ),
             self.running_in_held_lanes(&held, &running_docs, now),
         );
+        let Unparking {
+            heads: seen_heads,
+            unparked,
+            deferred,
+        } = unparking;
         if let Some(ranking) = state.ranked.as_mut() {
             // Deliveries sent back to lanes the ranking found empty were not there then.
             match &unparked {
@@ -432,9 +441,6 @@ impl MongoEventStore {
                 None => ranking.covered.clear(),
             }
         }
-        // What unparking looked up of the keys of held lanes still holds unless claims lost in
-        // them were charged since.
-        let nothing_lost = held.iter().all(|lane| lane.lost.is_empty());
         let Running {
             ids: running,
             keys: running_keys,
@@ -452,6 +458,14 @@ impl MongoEventStore {
         if nothing_lost {
             picking.know_heads(seen_heads);
         }
+        // The heads unparking leaves to this claim come first: the oldest of their keys, found
+        // without a scan. They go back to their lanes with the record.
+        picking.offer(
+            deferred
+                .iter()
+                .filter_map(|head| Candidate::from_parked(head, now))
+                .collect(),
+        );
         let mut scan = Scan::new(picking);
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
         // After an idle wait, the reported lanes alone.
@@ -501,12 +515,22 @@ impl MongoEventStore {
             ..
         } = picking;
         let picked = picks.len();
-        let (read, recorded) = futures::join!(
+        let deferred_ids: Vec<ObjectId> = deferred.iter().map(|head| head.id).collect();
+        let (read, recorded, moved) = futures::join!(
             self.events_missing(&picks, &events),
             self.record(&request, lanes, picks.clone(), &running),
+            self.unpark_ids(deferred_ids.clone()),
         );
         let recorded = recorded?;
         events.extend(read?);
+        // A head that did not go back (changed meanwhile) is not handed out.
+        let unpark_failed = match moved {
+            Ok(moved) => moved != deferred_ids.len() as u64,
+            Err(error) => {
+                tracing::warn!(%error, "relaybus: unparking deliveries failed");
+                true
+            }
+        };
         self.park_waiting(owner, &waiting, &recorded.handed_back)
             .await;
         // A busy claim that did not fill up read its held lanes, and the free lanes it took,
@@ -538,8 +562,15 @@ impl MongoEventStore {
         }
 
         // Handing out.
-        let (claimed, orphaned) =
+        let (mut claimed, mut orphaned) =
             self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
+        if unpark_failed {
+            let (unsure, sure): (Vec<ClaimedDelivery>, Vec<ClaimedDelivery>) = claimed
+                .into_iter()
+                .partition(|delivery| deferred_ids.contains(&delivery.delivery_id()));
+            claimed = sure;
+            orphaned.extend(unsure.iter().map(|delivery| delivery.lease));
+        }
         for lease in orphaned {
             // Not handed out: taken off its lane again, uncharged. The next claim finds it.
             if let Err(error) = self.release(&lease, now).await {

@@ -35,6 +35,8 @@ pub(super) struct Picking {
     pub(super) picks: Vec<Candidate>,
     /// Deliveries found waiting behind an unfinished predecessor, per key, with their lanes.
     pub(super) waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
+    /// Deliveries offered before the scans: passed over when a scan finds them again.
+    offered: HashSet<ObjectId>,
 }
 
 impl Picking {
@@ -99,6 +101,14 @@ impl Picking {
         }
     }
 
+    /// Picks from candidates found without a scan, ahead of the scans, which then pass them
+    /// over.
+    pub(super) fn offer(&mut self, candidates: Vec<Candidate>) {
+        let ids: Vec<ObjectId> = candidates.iter().map(|candidate| candidate.id).collect();
+        self.pick(candidates);
+        self.offered.extend(ids);
+    }
+
     /// Applies the per-key rules to a page of candidates, in order, until the claim is full. No
     /// database access: the lowest pending delivery of each key was looked up before.
     pub(super) fn pick(&mut self, page: Vec<Candidate>) {
@@ -106,7 +116,7 @@ impl Picking {
             if self.full() {
                 break;
             }
-            if self.running.contains(&candidate.id) {
+            if self.running.contains(&candidate.id) || self.offered.contains(&candidate.id) {
                 continue;
             }
             let Some(key) = &candidate.key else {

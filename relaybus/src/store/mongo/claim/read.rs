@@ -105,6 +105,21 @@ pub(super) struct Running {
     pub(super) generations: HashMap<ObjectId, i64>,
 }
 
+/// What unparking did for a claim.
+#[derive(Debug, Default)]
+pub(super) struct Unparking {
+    /// The lowest pending delivery (`None`: nothing pending) of each key it looked up whose
+    /// head is in one of the held lanes, for the per-key rules: the claim need not look them
+    /// up again. The held lanes' records are conditioned on the requeue count the first read
+    /// found, so a requeue that would make an older delivery pending meanwhile voids them.
+    pub(super) heads: HashMap<KeyOf, Option<ObjectId>>,
+    /// The lanes it sends parked deliveries back to, `None` when it cannot tell.
+    pub(super) unparked: Option<HashSet<i32>>,
+    /// Heads free to go back to their held lanes whose update was left to the claim: none of
+    /// their keys has a lower pending delivery, and none runs.
+    pub(super) deferred: Vec<ParkedHead>,
+}
+
 /// What runs, from the documents of the deliveries the lanes list.
 fn running_of(docs: &[Document]) -> Running {
     let mut ids = HashSet::new();
@@ -329,11 +344,9 @@ impl MongoEventStore {
     /// running in the held lanes stay parked: nothing else of them can be claimed before it
     /// ends. Never fails the claim.
     ///
-    /// Returns the lowest pending delivery of each key it looked up whose head is in one of the
-    /// `held` lanes (`None`: nothing pending), for the per-key rules: the claim need not look
-    /// them up again. The held lanes' records are conditioned on the requeue count the first
-    /// read found, so a requeue that would make an older delivery pending meanwhile voids them.
-    /// Also returns the lanes it sent parked deliveries back to, `None` when it cannot tell.
+    /// With `defer`, when every head to send back is in one of the `held` lanes, the update is
+    /// left to the caller ([`Unparking::deferred`]), which picks those heads without scanning
+    /// for them and sends the update with its record.
     pub(super) async fn unpark_for_claim(
         &self,
         handlers: &[&str],
@@ -342,31 +355,27 @@ impl MongoEventStore {
         taken_by_others: &HashSet<i32>,
         running_docs: &[Document],
         held: &HashSet<i32>,
-    ) -> (HashMap<KeyOf, Option<ObjectId>>, Option<HashSet<i32>>) {
+        defer: bool,
+    ) -> Unparking {
         let running_pending: HashSet<KeyOf> = running_docs
             .iter()
             .filter(|doc| doc.get_str(field::STATUS) == Ok(status::PENDING))
             .filter_map(ordered_key_of)
             .collect();
         let result = match parked {
-            Some(heads) => self
-                .unpark_heads_seen(heads, taken_by_others, &running_pending, lowest)
+            Some(heads) => {
+                self.unpark_planned(
+                    heads,
+                    lowest,
+                    taken_by_others,
+                    &running_pending,
+                    held,
+                    defer,
+                )
                 .await
-                .map(|(_, seen)| {
-                    let unparked = seen
-                        .iter()
-                        .filter(|seen| seen.unparked)
-                        .map(|seen| seen.lane)
-                        .collect::<Option<HashSet<i32>>>();
-                    let heads = seen
-                        .into_iter()
-                        .filter(|seen| seen.lane.is_some_and(|lane| held.contains(&lane)))
-                        .map(|seen| (seen.key, seen.lowest))
-                        .collect();
-                    (heads, unparked)
-                }),
+            }
             None => {
-                let mut result = Ok((HashMap::new(), None));
+                let mut result = Ok(Unparking::default());
                 for handler in handlers {
                     if let Err(error) = self.unpark(handler, taken_by_others).await {
                         result = Err(error);
@@ -377,7 +386,45 @@ impl MongoEventStore {
         };
         result.unwrap_or_else(|error| {
             tracing::warn!(%error, "relaybus: unparking deliveries failed");
-            (HashMap::new(), None)
+            Unparking::default()
+        })
+    }
+
+    /// [`unpark_for_claim`](Self::unpark_for_claim) with the parked heads the first read found.
+    async fn unpark_planned(
+        &self,
+        heads: Vec<ParkedHead>,
+        lowest: Option<LowestPending>,
+        taken_by_others: &HashSet<i32>,
+        running_pending: &HashSet<KeyOf>,
+        held: &HashSet<i32>,
+        defer: bool,
+    ) -> Result<Unparking> {
+        let (free, seen) = self
+            .plan_unpark(heads, taken_by_others, running_pending, lowest)
+            .await?;
+        let deferred = defer
+            && free
+                .iter()
+                .all(|head| head.lane.is_some_and(|lane| held.contains(&lane)));
+        if !deferred {
+            self.unpark_ids(free.iter().map(|head| head.id).collect())
+                .await?;
+        }
+        let unparked = seen
+            .iter()
+            .filter(|seen| seen.unparked)
+            .map(|seen| seen.lane)
+            .collect::<Option<HashSet<i32>>>();
+        let heads = seen
+            .into_iter()
+            .filter(|seen| seen.lane.is_some_and(|lane| held.contains(&lane)))
+            .map(|seen| (seen.key, seen.lowest))
+            .collect();
+        Ok(Unparking {
+            heads,
+            unparked,
+            deferred: if deferred { free } else { Vec::new() },
         })
     }
 

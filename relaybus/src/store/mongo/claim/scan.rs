@@ -21,6 +21,7 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, MAX_CLAIM_LIMIT, int, raw_int, string},
+        park::ParkedHead,
         schema::{field, index, lane, status},
     },
 };
@@ -60,6 +61,23 @@ impl Candidate {
             attempts: int(field::ATTEMPTS).unwrap_or(0),
             claims: int(field::CLAIMS).unwrap_or(0),
             due_at: doc.get_datetime(field::DUE_AT).ok()?,
+        })
+    }
+
+    /// A parked head as a candidate, when it is due at `now` and was read with what a claim
+    /// needs.
+    pub(super) fn from_parked(head: &ParkedHead, now: DateTime) -> Option<Candidate> {
+        let due_at = head.due_at.filter(|due| *due <= now)?;
+        Some(Candidate {
+            id: head.id,
+            lane: head.lane?,
+            event_id: head.event_id.clone()?,
+            handler: head.handler.clone(),
+            key: Some(head.key.clone()),
+            sequence: Some(head.sequence),
+            attempts: head.attempts,
+            claims: head.claims,
+            due_at,
         })
     }
 
