@@ -283,7 +283,7 @@ impl MongoEventStore {
             let key = (head.handler.clone(), head.key.clone());
             let found = lowest.get(&key).copied();
             // A head with a lower pending sequence of its key before it stays parked.
-            let unparked = !found.is_some_and(|(_, sequence)| sequence < head.sequence);
+            let unparked = found.is_none_or(|(_, sequence)| sequence >= head.sequence);
             seen.push(SeenKey {
                 key,
                 lane: head.lane,

@@ -410,7 +410,6 @@ impl MongoEventStore {
             taken_by_others,
             contenders,
             parked,
-            lowest,
             prescanned,
         } = self.read_lanes(owner, handlers, now, prescan).await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
@@ -421,7 +420,6 @@ impl MongoEventStore {
             self.unpark_for_claim(
                 handlers,
                 parked,
-                lowest,
                 &taken_by_others,
                 &running_docs,
                 &held_set,

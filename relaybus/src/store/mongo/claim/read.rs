@@ -45,12 +45,20 @@ pub(super) struct LaneView {
     pub(super) taken_by_others: HashSet<i32>,
     /// This claimer plus the other live holders of lanes.
     pub(super) contenders: usize,
-    /// The lowest parked delivery of each key, when the read looked them up.
-    pub(super) parked: Option<Vec<ParkedHead>>,
-    /// The lowest pending delivery of those keys, when the read looked them up.
-    pub(super) lowest: Option<LowestPending>,
+    /// The lowest parked delivery of each key and the lowest pending delivery of those keys,
+    /// when the read looked them up.
+    pub(super) parked: Option<ParkedKeys>,
     /// The first page of a scan of the lanes the read was asked to look into, with events.
     pub(super) prescanned: Vec<Document>,
+}
+
+/// What the claim's first read found of the parked keys.
+#[derive(Debug, Default)]
+pub(super) struct ParkedKeys {
+    /// The lowest parked delivery of each key.
+    pub(super) heads: Vec<ParkedHead>,
+    /// The lowest pending delivery of those keys (of up to 500 per handler).
+    pub(super) lowest: LowestPending,
 }
 
 /// A lane no live holder has.
@@ -257,8 +265,7 @@ impl MongoEventStore {
             .await?;
 
         let mut view = LaneView {
-            parked: fold_parked.then(Vec::new),
-            lowest: fold_parked.then(LowestPending::default),
+            parked: fold_parked.then(ParkedKeys::default),
             ..LaneView::default()
         };
         let mut listed_docs = Vec::new();
@@ -275,14 +282,14 @@ impl MongoEventStore {
             if doc.contains_key("prescanned") {
                 view.prescanned.push(doc);
             } else if doc.contains_key("lowestHandler") {
-                if let Some(lowest) = view.lowest.as_mut() {
-                    lowest.add(&doc);
+                if let Some(parked) = view.parked.as_mut() {
+                    parked.lowest.add(&doc);
                 }
             } else if doc.contains_key("parkedKey") {
                 if let (Some(parked), Some(head)) =
                     (view.parked.as_mut(), ParkedHead::from_document(&doc))
                 {
-                    parked.push(head);
+                    parked.heads.push(head);
                 }
             } else if let Ok(running) = doc.get_array("running") {
                 listed_docs.extend(running.iter().filter_map(|d| d.as_document().cloned()));
@@ -350,8 +357,7 @@ impl MongoEventStore {
     pub(super) async fn unpark_for_claim(
         &self,
         handlers: &[&str],
-        parked: Option<Vec<ParkedHead>>,
-        lowest: Option<LowestPending>,
+        parked: Option<ParkedKeys>,
         taken_by_others: &HashSet<i32>,
         running_docs: &[Document],
         held: &HashSet<i32>,
@@ -363,16 +369,9 @@ impl MongoEventStore {
             .filter_map(ordered_key_of)
             .collect();
         let result = match parked {
-            Some(heads) => {
-                self.unpark_planned(
-                    heads,
-                    lowest,
-                    taken_by_others,
-                    &running_pending,
-                    held,
-                    defer,
-                )
-                .await
+            Some(parked) => {
+                self.unpark_planned(parked, taken_by_others, &running_pending, held, defer)
+                    .await
             }
             None => {
                 let mut result = Ok(Unparking::default());
@@ -393,15 +392,19 @@ impl MongoEventStore {
     /// [`unpark_for_claim`](Self::unpark_for_claim) with the parked heads the first read found.
     async fn unpark_planned(
         &self,
-        heads: Vec<ParkedHead>,
-        lowest: Option<LowestPending>,
+        parked: ParkedKeys,
         taken_by_others: &HashSet<i32>,
         running_pending: &HashSet<KeyOf>,
         held: &HashSet<i32>,
         defer: bool,
     ) -> Result<Unparking> {
         let (free, seen) = self
-            .plan_unpark(heads, taken_by_others, running_pending, lowest)
+            .plan_unpark(
+                parked.heads,
+                taken_by_others,
+                running_pending,
+                Some(parked.lowest),
+            )
             .await?;
         let deferred = defer
             && free
