@@ -4,6 +4,9 @@
 //! its handler starting, on idle buses with and without the change stream. The floor of the
 //! document model (see `common::floor`) runs next to them with the same batch size; each
 //! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
+//! Relaybus and floor rows also give the server's CPU time per 1,000 deliveries while they
+//! drained (from `serverStatus`, on Linux servers): the server's work, which on a small
+//! machine limits the rates and is moved less by scheduling noise than they are.
 //!
 //! Then three profiles, each with one bus set as in the throughput runs:
 //! - a fresh key under a backlog: events with keys never seen before, published one at a time
@@ -49,7 +52,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 mod common;
 
-use common::{Memory, Summary, baseline, floor, store};
+use common::{Memory, Summary, baseline, cpu_per_thousand, floor, server_cpu, store};
 
 const BATCH: u32 = 32;
 /// The keys of the hot-keys run, unless `RELAYBUS_BENCH_HOT_KEYS` says otherwise.
@@ -108,9 +111,10 @@ async fn main() -> Result<(), BoxError> {
 
     println!("dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}");
     println!(
-        "{:<10} {:<8} {:>6} {:>16} {:>8} {:>10}",
-        "subject", "keys", "buses", "deliveries/s", "/ floor", "/ unkeyed"
+        "{:<10} {:<8} {:>6} {:>16} {:>8} {:>10} {:>12}",
+        "subject", "keys", "buses", "deliveries/s", "/ floor", "/ unkeyed", "server CPU"
     );
+    println!("{:>76}", "ms / 1000");
     let mut throughput = Vec::new();
     let mut unkeyed_one_bus = f64::NAN;
     for buses in [1_usize, 2, 4] {
@@ -124,13 +128,24 @@ async fn main() -> Result<(), BoxError> {
         let db = fresh_db();
         let floor_store = store(&client, &db).await?;
         publish(&floor_store, deliveries, None).await?;
+        let cpu = server_cpu(&client).await;
         let floor = floor(&floor_store, deliveries, BATCH, buses).await?;
+        let floor_cpu = cpu_per_thousand(cpu, server_cpu(&client).await, deliveries);
         db.drop().await?;
-        println!("{:<10} {:<8} {:>6} {:>16.0}", "floor", "none", buses, floor);
+        println!(
+            "{:<10} {:<8} {:>6} {:>16.0} {:>8} {:>10} {:>12}",
+            "floor",
+            "none",
+            buses,
+            floor,
+            "",
+            "",
+            cpu_text(floor_cpu)
+        );
         let mut unkeyed = f64::NAN;
         for keyed in [false, true] {
             let db = fresh_db();
-            let ours = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
+            let (ours, ours_cpu) = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
             db.drop().await?;
             let mut row = serde_json::json!({
                 "buses": buses,
@@ -140,13 +155,21 @@ async fn main() -> Result<(), BoxError> {
                 "floor_per_sec": floor.round(),
                 "ratio": thousandths(ours / baseline),
                 "floor_ratio": thousandths(floor / baseline),
+                "relaybus_server_cpu_ms_per_1000": ours_cpu,
+                "floor_server_cpu_ms_per_1000": floor_cpu,
             });
             if keyed {
                 let keyed_to_unkeyed = ours / unkeyed;
                 row["keyed_to_unkeyed"] = thousandths(keyed_to_unkeyed).into();
                 println!(
-                    "{:<10} {:<8} {:>6} {:>16.0} {:>8} {:>10.3}",
-                    "relaybus", "100 keys", buses, ours, "", keyed_to_unkeyed
+                    "{:<10} {:<8} {:>6} {:>16.0} {:>8} {:>10.3} {:>12}",
+                    "relaybus",
+                    "100 keys",
+                    buses,
+                    ours,
+                    "",
+                    keyed_to_unkeyed,
+                    cpu_text(ours_cpu)
                 );
             } else {
                 unkeyed = ours;
@@ -156,8 +179,14 @@ async fn main() -> Result<(), BoxError> {
                 let relaybus_floor_ratio = ours / floor;
                 row["relaybus_floor_ratio"] = thousandths(relaybus_floor_ratio).into();
                 println!(
-                    "{:<10} {:<8} {:>6} {:>16.0} {:>8.3}",
-                    "relaybus", "none", buses, ours, relaybus_floor_ratio
+                    "{:<10} {:<8} {:>6} {:>16.0} {:>8.3} {:>10} {:>12}",
+                    "relaybus",
+                    "none",
+                    buses,
+                    ours,
+                    relaybus_floor_ratio,
+                    "",
+                    cpu_text(ours_cpu)
                 );
             }
             throughput.push(row);
@@ -343,13 +372,15 @@ async fn publish(store: &MongoEventStore, count: usize, keys: Option<u64>) -> Re
 }
 
 /// Deliveries per second through `buses` buses running a no-op handler.
+/// Deliveries per second through `buses` buses, and the server's CPU milliseconds per 1,000
+/// deliveries while they drained (when the server reports its CPU time).
 async fn relaybus_run(
     client: &Client,
     db: &Database,
     count: usize,
     buses: usize,
     keyed: bool,
-) -> Result<f64, BoxError> {
+) -> Result<(f64, Option<f64>), BoxError> {
     let store = store(client, db).await?;
     publish(&store, count, keyed.then_some(100)).await?;
     let handled = Arc::new(AtomicUsize::new(0));
@@ -372,6 +403,7 @@ async fn relaybus_run(
         )?;
         running.push(bus);
     }
+    let cpu = server_cpu(client).await;
     let started = Instant::now();
     for bus in &running {
         bus.start().await?;
@@ -380,8 +412,14 @@ async fn relaybus_run(
     // The last completions are flushed by the shutdown; count them in.
     try_join_all(running.iter().map(|bus| bus.shutdown())).await?;
     let elapsed = started.elapsed();
+    let cpu = cpu_per_thousand(cpu, server_cpu(client).await, count);
     assert_drained(db).await?;
-    Ok(count as f64 / elapsed.as_secs_f64())
+    Ok((count as f64 / elapsed.as_secs_f64(), cpu))
+}
+
+/// A server CPU figure for the table: `-` when the server did not report it.
+fn cpu_text(ms: Option<f64>) -> String {
+    ms.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1}"))
 }
 
 /// Commit-to-handler latency (ms) on one idle bus: from the return of `publish`, which returns

@@ -1,12 +1,12 @@
 //! What the benchmarks share: a store on a fresh database, the raw-driver baseline and the
 //! floor of the document model; latency summaries and the process's memory.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use mongodb::{
     Client, Collection, Database,
-    bson::{DateTime, Document, doc, oid::ObjectId},
+    bson::{Bson, DateTime, Document, doc, oid::ObjectId},
 };
 use relaybus::{BoxError, MongoEventStore};
 
@@ -249,4 +249,45 @@ impl Memory {
             hwm_kb: self.hwm_kb.max(other.hwm_kb),
         }
     }
+}
+
+/// The server's CPU time so far, user and system, as `serverStatus` reports it on Linux
+/// (`extra_info`); `None` where it does not. Read before and after a run, it gives the server's
+/// work for the run, a figure the scheduling noise of a shared machine moves less than rates.
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module measures the server's CPU"
+)]
+pub(crate) async fn server_cpu(client: &Client) -> Option<Duration> {
+    let status = client
+        .database("admin")
+        .run_command(doc! { "serverStatus": 1 })
+        .await
+        .ok()?;
+    let info = status.get_document("extra_info").ok()?;
+    let micros = |name: &str| match info.get(name)? {
+        Bson::Int64(n) => u64::try_from(*n).ok(),
+        Bson::Int32(n) => u64::try_from(*n).ok(),
+        Bson::Double(n) if *n >= 0.0 => Some(*n as u64),
+        _ => None,
+    };
+    Some(Duration::from_micros(
+        micros("user_time_us")? + micros("system_time_us")?,
+    ))
+}
+
+/// The server's CPU milliseconds per 1,000 deliveries between two readings of [`server_cpu`],
+/// to 0.1 ms; `None` without both.
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module measures the server's CPU"
+)]
+pub(crate) fn cpu_per_thousand(
+    before: Option<Duration>,
+    after: Option<Duration>,
+    deliveries: usize,
+) -> Option<f64> {
+    let spent = after?.checked_sub(before?)?;
+    let ms = spent.as_secs_f64() * 1000.0 * 1000.0 / deliveries.max(1) as f64;
+    Some((ms * 10.0).round() / 10.0)
 }
