@@ -1257,6 +1257,50 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
 }
 
 #[tokio::test]
+async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees() {
+    const KEYS: usize = 40;
+    let db = test_db("reported_before_heads").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let events: Vec<EventEnvelope> = (0..KEYS)
+        .flat_map(|i| {
+            let key = format!("k{i}");
+            [1, 2].map(|n| event(&format!("{key}-{n}"), Some(&key)))
+        })
+        .collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .update_many(
+            doc! { "eventId": { "$regex": "-2$" } },
+            doc! { "$set": { "lane": "parked" } },
+        )
+        .await
+        .unwrap();
+    let first = claim(&store, "w", 1000, at(1)).await;
+    assert_eq!(first.len(), KEYS);
+    assert!(
+        store
+            .complete_many(&leases(&first), at(2))
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+
+    // More heads free to come back than one claim takes, and a new key's delivery reported.
+    let fresh = event("fresh-1", Some("fresh"));
+    publish(&store, std::slice::from_ref(&fresh), &[HANDLER], at(3)).await;
+    let reported = [lane_of(Some("fresh"), "fresh-1")];
+    let (_, claimed) = boundary_claimed(&store, &count, at(4), &reported, true).await;
+    assert_eq!(claimed.len(), 32);
+    assert!(
+        claimed.iter().any(|c| c.event.id() == "fresh-1"),
+        "the reported delivery does not wait behind the keys' backlog"
+    );
+}
+
+#[tokio::test]
 async fn a_claim_over_more_parked_keys_than_its_first_read_looks_up_unparks_only_free_heads() {
     const KEYS: usize = 600;
     let db = test_db("many_parked_keys").await;

@@ -456,14 +456,6 @@ impl MongoEventStore {
         if nothing_lost {
             picking.know_heads(seen_heads);
         }
-        // The heads unparking leaves to this claim come first: the oldest of their keys, found
-        // without a scan. They go back to their lanes with the record.
-        picking.offer(
-            deferred
-                .iter()
-                .filter_map(|head| Candidate::from_parked(head, now))
-                .collect(),
-        );
         let mut scan = Scan::new(picking);
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
         // After an idle wait, the reported lanes alone.
@@ -487,6 +479,15 @@ impl MongoEventStore {
             })
         };
         if let Some(rest) = rest {
+            // The heads unparking left to this claim come before the held lanes' scan, after
+            // the reported lanes: the oldest of their keys, found without a scan. They go back
+            // to their lanes with the record.
+            scan.picking.offer(
+                deferred
+                    .iter()
+                    .filter_map(|head| Candidate::from_parked(head, now))
+                    .collect(),
+            );
             self.scan_lanes(&rest, handlers, now, &mut scan).await?;
             self.scan_free_lanes(
                 &request,
