@@ -1256,20 +1256,18 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
     assert_eq!(store.statistics().await.unwrap().parked, 76);
 }
 
-#[tokio::test]
-async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees() {
-    const KEYS: usize = 40;
-    let db = test_db("reported_before_heads").await;
-    let (client, count, _) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let events: Vec<EventEnvelope> = (0..KEYS)
+/// Publishes two events for each of `keys` keys (`k<i>-1`, `k<i>-2`) and parks every second
+/// one behind its first, as claims leave them.
+async fn publish_parked_pairs(store: &MongoEventStore, db: &TestDb, keys: usize) {
+    let events: Vec<EventEnvelope> = (0..keys)
         .flat_map(|i| {
             let key = format!("k{i}");
             [1, 2].map(|n| event(&format!("{key}-{n}"), Some(&key)))
         })
         .collect();
-    publish(&store, &events, &[HANDLER], at(0)).await;
-    db.db()
+    publish(store, &events, &[HANDLER], at(0)).await;
+    let parked = db
+        .db()
         .collection::<Document>("relaybus_deliveries")
         .update_many(
             doc! { "eventId": { "$regex": "-2$" } },
@@ -1277,6 +1275,16 @@ async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees
         )
         .await
         .unwrap();
+    assert_eq!(parked.modified_count, keys as u64);
+}
+
+#[tokio::test]
+async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees() {
+    const KEYS: usize = 40;
+    let db = test_db("reported_before_heads").await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    publish_parked_pairs(&store, &db, KEYS).await;
     let first = claim(&store, "w", 1000, at(1)).await;
     assert_eq!(first.len(), KEYS);
     assert!(
@@ -1305,23 +1313,7 @@ async fn a_claim_over_more_parked_keys_than_its_first_read_looks_up_unparks_only
     const KEYS: usize = 600;
     let db = test_db("many_parked_keys").await;
     let store = store(&db).await;
-    let events: Vec<EventEnvelope> = (0..KEYS)
-        .flat_map(|i| {
-            let key = format!("k{i}");
-            [1, 2].map(|n| event(&format!("{key}-{n}"), Some(&key)))
-        })
-        .collect();
-    publish(&store, &events, &[HANDLER], at(0)).await;
-    // Every key's second delivery parked behind its first, as claims leave them.
-    let collection = db.db().collection::<Document>("relaybus_deliveries");
-    let parked = collection
-        .update_many(
-            doc! { "eventId": { "$regex": "-2$" } },
-            doc! { "$set": { "lane": "parked" } },
-        )
-        .await
-        .unwrap();
-    assert_eq!(parked.modified_count, KEYS as u64);
+    publish_parked_pairs(&store, &db, KEYS).await;
 
     // More keys than the first read looks up: none of their heads may come back while their
     // first deliveries are pending.
