@@ -5,11 +5,14 @@
 //!
 //! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes
 //!   are free, which this owner holds on this store instance), the deliveries its held lanes
-//!   list, and the lowest parked delivery of each key of its handlers. Then, at the same time,
-//!   parked deliveries whose predecessors finished go back to the ready lane (for the keys of
-//!   every lane no other live owner holds and in which nothing of the key runs), and the claims
-//!   an earlier holder lost in the held lanes are charged. Held lanes that list a claim this
-//!   instance did not hand out are reconciled before the claim starts again.
+//!   list, the lowest parked delivery of each key of its handlers, and the lowest pending
+//!   delivery of those keys. Then, at the same time, parked deliveries whose predecessors
+//!   finished go back to the ready lane (for the keys of every lane no other live owner holds
+//!   and in which nothing of the key runs), and the claims an earlier holder lost in the held
+//!   lanes are charged. When every such head is in a lane the owner holds, the claim picks the
+//!   heads itself (after the reported lanes, before the held lanes' scan) and sends their
+//!   update with its record. Held lanes that list a claim this instance did not hand out are
+//!   reconciled before the claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
 //!   leaving out the ones the owner already runs, a page at a time.
 //! - **Ranking free lanes** ([`rank`]) and **taking** them ([`take`]), if the claim needs more:
@@ -20,11 +23,13 @@
 //!   before it is read.
 //! - **Picking** ([`pick`]) from every page the scans read, under the per-key rules, until the
 //!   claim has `limit` deliveries.
-//! - **Recording** ([`record`]) the batch: after the events of the picks are read, one
+//! - **Recording** ([`record`]) the batch, while the events of the picks are read: one
 //!   conditional write per lane, all in one `update` command, that takes the free lanes picked
 //!   from and hands back the lanes that yielded nothing and run nothing. A lane whose condition
 //!   no longer holds keeps nothing of this claim. Deliveries found waiting are parked.
-//! - **Handing out** ([`hand_out`]) the deliveries with their events and leases.
+//! - **Handing out** ([`hand_out`]) the deliveries with their events and leases. A recorded
+//!   pick whose event is missing, or a head whose update did not move it, is given back at
+//!   once, uncharged.
 //!
 //! A claim can be told which lanes the change stream reported new deliveries in. It reads those
 //! lanes first, held or free, their first page coming with the first read. After an idle wait
@@ -190,12 +195,12 @@ impl MongoEventStore {
     /// # Cost
     ///
     /// With its lanes already held, an unkeyed claim costs the same four commands whatever
-    /// `limit` is (lanes, deliveries, their events, the record), and writes no delivery
-    /// document. Each round over free lanes adds two reads (one per 128 lanes ranked, in
+    /// `limit` is (lanes, deliveries, then their events and the record together), and writes no
+    /// delivery document. Each round over free lanes adds two reads (one per 128 lanes ranked, in
     /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
-    /// is read. A keyed claim adds one lookup per key, in parallel, and parked keys one lookup
-    /// per key whose lane runs nothing of it (which serves both: a key unparked in a lane the
-    /// owner holds is not looked up again).
+    /// is read. A keyed claim adds one lookup per key, in parallel; the lanes' read looks up the
+    /// parked keys (up to 500 per handler, one lookup per 500 beyond), which serves both: a key
+    /// unparked in a lane the owner holds is not looked up again. Unparking adds one write.
     ///
     /// # Errors
     ///
@@ -573,7 +578,7 @@ impl MongoEventStore {
         for lease in orphaned {
             // Not handed out: taken off its lane again, uncharged. The next claim finds it.
             if let Err(error) = self.release(&lease, now).await {
-                tracing::warn!(%error, "relaybus: giving back a delivery without its event failed");
+                tracing::warn!(%error, "relaybus: giving back a delivery the claim did not hand out failed");
             }
         }
         Ok(Some(Batch {
