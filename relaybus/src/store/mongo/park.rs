@@ -227,31 +227,16 @@ impl MongoEventStore {
         skip_lanes: &HashSet<i32>,
         running: &HashSet<(String, String)>,
     ) -> Result<u64> {
-        Ok(self
-            .unpark_heads_seen(heads, skip_lanes, running, None)
-            .await?
-            .0)
+        let (free, _) = self.plan_unpark(heads, skip_lanes, running, None).await?;
+        self.unpark_ids(free.iter().map(|head| head.id).collect())
+            .await
     }
 
-    /// [`unpark_heads`](Self::unpark_heads), also returning what it looked up: for each key it
-    /// probed, the lane of its parked head and its lowest pending delivery (`None`: nothing
-    /// pending), as read before the update. Unparking leaves that delivery the key's lowest.
-    pub(crate) async fn unpark_heads_seen(
-        &self,
-        heads: Vec<ParkedHead>,
-        skip_lanes: &HashSet<i32>,
-        running: &HashSet<(String, String)>,
-        known: Option<LowestPending>,
-    ) -> Result<(u64, Vec<SeenKey>)> {
-        let (free, seen) = self.plan_unpark(heads, skip_lanes, running, known).await?;
-        let moved = self
-            .unpark_ids(free.iter().map(|head| head.id).collect())
-            .await?;
-        Ok((moved, seen))
-    }
-
-    /// What [`unpark_heads_seen`](Self::unpark_heads_seen) decides, without the update: the
-    /// heads that may go back to their lanes, and what it looked up of each key.
+    /// What [`unpark_heads`](Self::unpark_heads) decides, without the update: the heads that
+    /// may go back to their lanes, and what it looked up of each key (the lane of its parked
+    /// head and its lowest pending delivery, `None`: nothing pending, as read before the
+    /// update; unparking leaves that delivery the key's lowest). `known` holds lookups made
+    /// already; the other keys are looked up here.
     pub(crate) async fn plan_unpark(
         &self,
         heads: Vec<ParkedHead>,
