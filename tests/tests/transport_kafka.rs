@@ -749,7 +749,7 @@ async fn a_paused_broker_delays_but_loses_nothing() {
     })
     .await;
 
-    broker.signal("STOP");
+    broker.pause().await;
     for i in 0..10 {
         shop_bus
             .publish(&placed("o-late", i))
@@ -761,7 +761,7 @@ async fn a_paused_broker_delays_but_loses_nothing() {
     let run = shop_bus.run_once().await.expect("run");
     assert!(run.other >= 1 && run.completed == 0, "{run:?}");
     let paused = positions(&consumer, &shipping_bus).await;
-    broker.signal("CONT");
+    broker.resume();
 
     let relayed = shop_bus
         .run_until_idle()
@@ -839,12 +839,21 @@ impl PrivateBroker {
         PrivateBroker { name, url, pid }
     }
 
-    fn signal(&self, signal: &str) {
+    /// Stops the broker with SIGSTOP and returns once all its threads have stopped: until
+    /// then a worker of it may still answer a request sent after the signal.
+    async fn pause(&self) {
+        let pid = self.pid.parse().expect("a pid");
+        relaybus_harness::pause_process(pid, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("pausing broker {}: {e}", self.name));
+    }
+
+    fn resume(&self) {
         let status = std::process::Command::new("kill")
-            .args([format!("-{signal}"), self.pid.clone()])
+            .args(["-CONT", &self.pid])
             .status()
             .expect("kill");
-        assert!(status.success(), "kill -{signal} {}", self.pid);
+        assert!(status.success(), "kill -CONT {}", self.pid);
     }
 }
 

@@ -78,6 +78,17 @@ pub fn forget_tied(child: &std::process::Child) {
     process::untrack_child(child.id());
 }
 
+/// Pauses the process `pid` with SIGSTOP and returns once every thread of it has stopped, so
+/// that nothing it was about to serve is served after this returns. Resume it with SIGCONT.
+///
+/// # Errors
+///
+/// The error of `kill` (no such process, not permitted), of reading `/proc`, or a timeout when
+/// some thread has not stopped `within`.
+pub async fn pause_process(pid: u32, within: std::time::Duration) -> std::io::Result<()> {
+    process::pause(pid, within).await
+}
+
 /// The environment variable that [`test_db`] reads: set it to the URI of a
 /// running replica set to make tests use it instead of starting their own.
 pub const TEST_URI_ENV: &str = "RELAYBUS_TEST_MONGODB_URI";

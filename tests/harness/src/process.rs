@@ -160,3 +160,51 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
         Err(_) => false,
     }
 }
+
+/// Sends SIGSTOP to `pid` and returns once every thread of it is stopped.
+///
+/// `kill` returns when the signal is queued, not when the process has stopped: the kernel
+/// wakes one thread to take the stop, and until that thread runs, the others may go on
+/// serving (a broker's worker woken by a request, on a loaded machine). A test that pauses a
+/// server to make requests fail must wait for the stop itself.
+pub(crate) async fn pause(pid: u32, within: std::time::Duration) -> io::Result<()> {
+    // SAFETY: a plain system call; a pid that is gone gives ESRCH, which is returned.
+    if unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if all_threads_stopped(pid)? {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "process {pid} took SIGSTOP but not every thread stopped within {within:?}"
+                ),
+            ));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// Whether every thread of `pid` is in the stopped state (`T` in `/proc/PID/task/TID/stat`).
+fn all_threads_stopped(pid: u32) -> io::Result<bool> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let stat = match std::fs::read_to_string(task?.path().join("stat")) {
+            Ok(stat) => stat,
+            // A thread that ended between the listing and the read.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        // The state follows the command name, which is in parentheses and may hold spaces.
+        let state = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
