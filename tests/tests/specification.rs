@@ -792,15 +792,14 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
     let two_hours_ago = now.saturating_sub(Duration::from_secs(7_200));
     let lease = published_and_claimed(&completer, &envelope("old-order"), two_hours_ago).await;
 
-    // The completion's writes after its delete wait on the server: the event has no delivery
-    // left and no completion time yet.
+    // The completion's delete waits on the server: the event is stamped, its delivery is
+    // still there.
     let held = fail_command(
         &db,
-        Bson::from(doc! { "skip": 1 }),
+        Bson::from(doc! { "times": 1 }),
         doc! {
-            "failCommands": ["update"],
+            "failCommands": ["delete"],
             "appName": app,
-            "namespace": format!("{}.relaybus_events", db.name),
             "blockConnection": true,
             "blockTimeMS": 2_000,
         },
@@ -812,49 +811,39 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
         async move { Store::complete(&completer, &[lease], Timestamp::now()).await }
     });
     let seen = started(&mut commands, "delete", "the completion's delete").await;
-    started(&mut commands, "update", "the completion's stamp").await;
     let events = db.db().collection::<Document>("relaybus_events");
-    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
-    assert_eq!(
-        deliveries.count_documents(doc! {}).await.unwrap(),
-        0,
-        "{seen:?}"
-    );
-    let event = events
+    let stamped = events
         .find_one(doc! { "_id": "old-order" })
         .await
         .unwrap()
         .unwrap();
-    assert!(event.get_datetime("completingAt").is_ok(), "{event}");
-    assert!(event.get_datetime("completedAt").is_err(), "{event}");
+    let stamp = *stamped
+        .get_datetime("completedAt")
+        .unwrap_or_else(|_| panic!("stamped before the delete: {stamped}, commands {seen:?}"));
 
     // A purge that would delete events created before its earliest cutoff that never
-    // completed keeps this one: it completed just now.
-    let purged = Store::purge(
-        &purger,
-        &relaybus::PurgeOptions::new()
-            .dead_before(now)
-            .completed_before(now.saturating_sub(Duration::from_secs(3_600))),
-    )
-    .await
-    .unwrap();
+    // completed keeps this one, during the completion and after it: it completed just now.
+    let options = relaybus::PurgeOptions::new()
+        .dead_before(now)
+        .completed_before(now.saturating_sub(Duration::from_secs(3_600)));
+    let purged = Store::purge(&purger, &options).await.unwrap();
     assert_eq!(purged.events, 0, "{purged:?}");
-    assert!(
-        events
-            .find_one(doc! { "_id": "old-order" })
-            .await
-            .unwrap()
-            .is_some()
-    );
-
     held.disable().await.unwrap();
     assert_eq!(completion.await.unwrap().unwrap(), [true]);
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 0);
+    let purged = Store::purge(&purger, &options).await.unwrap();
+    assert_eq!(purged.events, 0, "{purged:?}");
     let event = events
         .find_one(doc! { "_id": "old-order" })
         .await
         .unwrap()
         .unwrap();
-    assert!(event.get_datetime("completedAt").is_ok(), "{event}");
+    assert_eq!(
+        event.get_datetime("completedAt").ok(),
+        Some(&stamp),
+        "{event}"
+    );
 
     // Once its completion is older than the cutoff, the event goes.
     let later = Timestamp::now().saturating_add(Duration::from_secs(60));
@@ -867,8 +856,52 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
     assert_eq!(purged.events, 1, "{purged:?}");
 }
 
+/// An event completed by an earlier release, which marked `completingAt` before the delete and
+/// stamped `completedAt` after it, and lost the stamp: purge still counts the mark as its
+/// completion.
 #[tokio::test]
-async fn a_completion_marks_with_majority_before_it_deletes_and_stamps_only_what_it_proved() {
+async fn an_event_with_only_the_completion_mark_of_an_earlier_release_is_kept_as_completed() {
+    let db = test_db("spec_legacy_mark").await;
+    let store = store(&db).await;
+    let now = Timestamp::now();
+    let two_hours_ago = now.saturating_sub(Duration::from_secs(7_200));
+    let lease = published_and_claimed(&store, &envelope("old-order"), two_hours_ago).await;
+    assert_eq!(
+        Store::complete(&store, &[lease], now).await.unwrap(),
+        [true]
+    );
+    let events = db.db().collection::<Document>("relaybus_events");
+    let marked = events
+        .update_one(
+            doc! { "_id": "old-order" },
+            doc! {
+                "$unset": { "completedAt": "" },
+                "$set": { "completingAt": mongodb::bson::DateTime::from_millis(now.timestamp_millis()) },
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(marked.modified_count, 1);
+    let options = relaybus::PurgeOptions::new()
+        .dead_before(now)
+        .completed_before(now.saturating_sub(Duration::from_secs(3_600)));
+    let purged = Store::purge(&store, &options).await.unwrap();
+    assert_eq!(
+        purged.events, 0,
+        "the mark counts as its completion: {purged:?}"
+    );
+    let later = now.saturating_add(Duration::from_secs(60));
+    let purged = Store::purge(
+        &store,
+        &relaybus::PurgeOptions::new().completed_before(later),
+    )
+    .await
+    .unwrap();
+    assert_eq!(purged.events, 1, "{purged:?}");
+}
+
+#[tokio::test]
+async fn a_completion_stamps_with_majority_before_it_deletes() {
     let db = test_db("spec_completion_order").await;
     let (options, seen) = recording_client(&db.uri).await;
     let store = MongoEventStore::builder(Client::with_options(options).unwrap())
@@ -920,18 +953,13 @@ async fn a_completion_marks_with_majority_before_it_deletes_and_stamps_only_what
         [
             (
                 "update relaybus_events".to_owned(),
-                "completingAt".to_owned(),
+                "completedAt".to_owned(),
                 Some("\"majority\"".to_owned())
             ),
             (
                 "delete relaybus_deliveries".to_owned(),
                 String::new(),
                 Some("\"majority\"".to_owned())
-            ),
-            (
-                "update relaybus_events".to_owned(),
-                "completedAt".to_owned(),
-                Some("1".to_owned())
             ),
         ],
         "{writes:?}"

@@ -12,7 +12,6 @@ use futures::TryStreamExt;
 use mongodb::{
     ClientSession,
     bson::{Bson, DateTime, Document, doc, oid::ObjectId},
-    options::WriteConcern,
 };
 
 use super::{
@@ -63,14 +62,14 @@ impl MongoEventStore {
     ///
     /// A lease counts only while its lane still has the lease's epoch and lists the delivery,
     /// and the delivery still has the lease's claim generation; a worker that lost its lane
-    /// changes nothing. Without completion history this needs no transaction and costs five
+    /// changes nothing. Without completion history this needs no transaction and costs four
     /// commands for any batch: read the deliveries' claim generations and the lanes (the two
-    /// reads at the same time), mark the events as completing (majority), delete the deliveries
-    /// that still have their lease's generation, and stamp the events' completion time. When
-    /// fewer deliveries were deleted than passed the checks (a claim ended or changed hands
-    /// meanwhile), no lease is reported completed and no event is stamped: a missing document
-    /// cannot be told from one completed by the newer claim, so success is reported only when
-    /// proven.
+    /// reads at the same time), stamp the events' completion time (majority), and delete the
+    /// deliveries that still have their lease's generation. When fewer deliveries were deleted
+    /// than passed the checks (a claim ended or changed hands meanwhile), no lease is reported
+    /// completed: a missing document cannot be told from one completed by the newer claim, so
+    /// success is reported only when proven. The events keep their stamp: their handlers did
+    /// finish then, and the deliveries not deleted run again.
     ///
     /// With [`completion_history`](crate::MongoEventStoreBuilder::completion_history) the
     /// batch runs in one transaction that also inserts the completion records.
@@ -157,7 +156,7 @@ impl MongoEventStore {
         Ok(outcome.first().copied().unwrap_or(false))
     }
 
-    /// The completion without a transaction: two reads at the same time, then three writes.
+    /// The completion without a transaction: two reads at the same time, then two writes.
     async fn complete_without_transaction(
         &self,
         leases: &[Lease],
@@ -177,17 +176,18 @@ impl MongoEventStore {
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
-        // 1. The events are marked as completing before the deliveries go, with the store's
-        //    write concern (majority): a purge that then finds one of them without deliveries
-        //    keeps it as a recently completed event, and no failover can roll the mark back
-        //    under an acknowledged delete. The mark says a completion began, not that one
-        //    happened, so a completion that turns out not to happen marks no event completed.
+        // 1. The events are stamped before the deliveries go, with the store's write concern
+        //    (majority): a purge never finds one of them without deliveries and without its
+        //    completion time, and no failover can roll the stamp back under an acknowledged
+        //    delete. The handler has finished its work by now; if the delete then finds the
+        //    claim ended (the lease changed hands meanwhile), the stamp still says when a handler
+        //    last completed the event, and the delivery runs again.
         let event_ids = event_ids(&fenced, &found);
         inner
             .events
             .update_many(
                 doc! { field::ID: { "$in": &event_ids } },
-                doc! { "$max": { field::COMPLETING_AT: now } },
+                doc! { "$max": { field::COMPLETED_AT: now } },
             )
             .await?;
         // 2. The deliveries that still have their lease's claim generation.
@@ -196,21 +196,6 @@ impl MongoEventStore {
             .delete_many(delete_filter(&fenced))
             .await?
             .deleted_count;
-        // 3. Only a proven completion stamps its events completed. This write waits for the
-        //    primary alone: should it be lost, the mark of step 1 stands for it (readers take
-        //    it as the completion time of an event left without deliveries).
-        if deleted == fenced.len() as u64
-            && let Err(error) = inner
-                .events
-                .update_many(
-                    doc! { field::ID: { "$in": &event_ids } },
-                    doc! { "$max": { field::COMPLETED_AT: now } },
-                )
-                .write_concern(WriteConcern::nodes(1))
-                .await
-        {
-            tracing::warn!(%error, "relaybus: the events' completion time could not be written; their completion mark stands for it");
-        }
         Ok(outcome(leases, &fenced, deleted))
     }
 

@@ -20,8 +20,8 @@ use crate::store::{
 };
 
 /// When an event completed: its `completedAt`, or, once no pending or dead delivery of it is
-/// left, the `completingAt` mark its last completion wrote before its deliveries went (which
-/// stands for a completion time lost in a failover).
+/// left, the `completingAt` mark that completions of earlier releases wrote before the
+/// deliveries went (it stands for a stamp they wrote after the delete and lost in a failover).
 fn completed_at(event: &Document, deliveries: &[DeliveryRecord]) -> Option<crate::Timestamp> {
     let unfinished = deliveries
         .iter()

@@ -244,8 +244,9 @@ impl MongoEventStore {
                 if referenced.contains(id) {
                     return None;
                 }
-                // A completion marks its event as completing before its deliveries go, and
-                // stamps it completed after: the later of the two is when it last completed.
+                // Earlier releases marked an event as completing before its deliveries went,
+                // and stamped it completed after: the later of the two is when it last
+                // completed. A completion now stamps it before, and writes no mark.
                 let completed = [field::COMPLETED_AT, field::COMPLETING_AT]
                     .iter()
                     .filter_map(|name| event.get_datetime(name).ok().copied())

@@ -50,9 +50,10 @@ pub(crate) mod field {
     pub(crate) const UPDATED_AT: &str = "updatedAt";
     /// When the delivery, or every delivery of an event, completed.
     pub(crate) const COMPLETED_AT: &str = "completedAt";
-    /// On events: when a completion of one of its deliveries last began. Written with
-    /// majority before the deliveries go, so that a purge racing the completion, or a failover
-    /// in the middle of it, never takes a completed event for one that never completed.
+    /// On events written by relaybus 0.1 releases before this one: when a completion of one of
+    /// its deliveries last began (a mark written before the deliveries went, with `completedAt`
+    /// stamped after them). Completions now stamp `completedAt` before the delete and write
+    /// this no more; purge and the event detail still read it, for such events.
     pub(crate) const COMPLETING_AT: &str = "completingAt";
     /// The error of the last failed attempt.
     pub(crate) const LAST_ERROR: &str = "lastError";
