@@ -1,7 +1,9 @@
 //! Dispatch throughput and latency: deliveries per second through the whole bus (claim, no-op
 //! handler, batched completion) with 1, 2 and 4 buses, next to the raw driver reading and
 //! deleting plain documents in batches of the same size; and the time from a publish's commit to
-//! its handler starting, on idle buses with and without the change stream. The floor of the
+//! its handler starting, on idle buses with and without the change stream, next to the round
+//! trip of one majority write (a claim's record is one, so no latency is below it) and the time
+//! from a majority insert's return to its change event (the wake-up's own). The floor of the
 //! document model (see `common::floor`) runs next to them with the same batch size; each
 //! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
 //! Relaybus and floor rows also give the server's CPU time per 1,000 deliveries while they
@@ -219,6 +221,23 @@ async fn main() -> Result<(), BoxError> {
         merge(&mut row, summary.json());
         latency.push(row);
     }
+    // The floor of the idle path: a claim records its batch with one majority write before the
+    // handler starts, so no commit-to-handler latency is below that write's own.
+    let db = fresh_db();
+    let majority = majority_write_run(&db, samples).await?;
+    db.drop().await?;
+    print_summary("floor: majority write", &majority);
+    let mut row = serde_json::json!({ "floor": "one majority write" });
+    merge(&mut row, majority.json());
+    latency.push(row);
+    // And the change stream's own wake-up: from a majority insert's return to its change event.
+    let db = fresh_db();
+    let woken = change_stream_run(&db, samples).await?;
+    db.drop().await?;
+    print_summary("floor: change event", &woken);
+    let mut row = serde_json::json!({ "floor": "insert to change event" });
+    merge(&mut row, woken.json());
+    latency.push(row);
 
     let db = fresh_db();
     let fresh = fresh_key_run(&client, &db, keyed_backlog, fresh_samples).await?;
@@ -369,6 +388,57 @@ async fn publish(store: &MongoEventStore, count: usize, keys: Option<u64>) -> Re
         publisher.publish_all(envelopes).await?;
     }
     Ok(())
+}
+
+/// The round trip of one majority write (an update of one small document), `samples` times, in
+/// milliseconds.
+async fn majority_write_run(db: &Database, samples: usize) -> Result<Summary, BoxError> {
+    let collection = db.collection_with_options::<Document>(
+        "majority_writes",
+        mongodb::options::CollectionOptions::builder()
+            .write_concern(mongodb::options::WriteConcern::majority())
+            .build(),
+    );
+    let mut ms = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let started = Instant::now();
+        collection
+            .update_one(doc! { "_id": 1 }, doc! { "$inc": { "n": 1 } })
+            .upsert(true)
+            .await?;
+        ms.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(Summary::of(ms))
+}
+
+/// The time from a majority insert's return to its change event reaching a change stream on the
+/// collection, `samples` times, in milliseconds.
+async fn change_stream_run(db: &Database, samples: usize) -> Result<Summary, BoxError> {
+    use futures::StreamExt;
+
+    let collection = db.collection_with_options::<Document>(
+        "change_events",
+        mongodb::options::CollectionOptions::builder()
+            .write_concern(mongodb::options::WriteConcern::majority())
+            .build(),
+    );
+    let mut stream = collection
+        .watch()
+        .pipeline([doc! { "$match": { "operationType": "insert" } }])
+        .await?;
+    let mut ms = Vec::with_capacity(samples);
+    for n in 0..samples {
+        collection.insert_one(doc! { "n": n as i64 }).await?;
+        let inserted = Instant::now();
+        match stream.next().await {
+            Some(event) => {
+                event?;
+            }
+            None => return Err("the change stream ended".into()),
+        }
+        ms.push(inserted.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(Summary::of(ms))
 }
 
 /// Deliveries per second through `buses` buses running a no-op handler.
