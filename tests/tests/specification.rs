@@ -847,13 +847,7 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
 
     // Once its completion is older than the cutoff, the event goes.
     let later = Timestamp::now().saturating_add(Duration::from_secs(60));
-    let purged = Store::purge(
-        &purger,
-        &relaybus::PurgeOptions::new().completed_before(later),
-    )
-    .await
-    .unwrap();
-    assert_eq!(purged.events, 1, "{purged:?}");
+    assert_eq!(events_purged_completed_before(&purger, later).await, 1);
 }
 
 /// An event completed by an earlier release, which marked `completingAt` before the delete and
@@ -891,13 +885,18 @@ async fn an_event_with_only_the_completion_mark_of_an_earlier_release_is_kept_as
         "the mark counts as its completion: {purged:?}"
     );
     let later = now.saturating_add(Duration::from_secs(60));
-    let purged = Store::purge(
-        &store,
-        &relaybus::PurgeOptions::new().completed_before(later),
+    assert_eq!(events_purged_completed_before(&store, later).await, 1);
+}
+
+/// The events a purge of what completed before `cutoff` deletes.
+async fn events_purged_completed_before(store: &MongoEventStore, cutoff: Timestamp) -> u64 {
+    Store::purge(
+        store,
+        &relaybus::PurgeOptions::new().completed_before(cutoff),
     )
     .await
-    .unwrap();
-    assert_eq!(purged.events, 1, "{purged:?}");
+    .unwrap()
+    .events
 }
 
 #[tokio::test]
