@@ -1973,6 +1973,82 @@ async fn an_idle_claim_that_took_every_reported_delivery_spares_the_claim_right_
     );
 }
 
+/// A claim after an idle wait reads the documents of its held and reported lanes only, and the
+/// lanes other live owners hold as a summary: it still leaves their parked keys to them.
+#[tokio::test]
+async fn an_idle_claim_unparks_only_the_keys_of_lanes_no_other_live_owner_holds() {
+    let db = test_db("idle_claim_others").await;
+    let (store, count) = counted_store(&db).await;
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0, "idle");
+
+    // Two keys in lanes of their own, each with one parked delivery and nothing before it,
+    // and a new unkeyed delivery in a third lane.
+    let lane_a = lane_of(Some("mine"), "mine-1");
+    let lane_b = lane_of(Some("theirs"), "theirs-1");
+    let fresh = (0..)
+        .map(|n| format!("fresh-{n}"))
+        .find(|id| ![lane_a, lane_b].contains(&lane_of(None, id)))
+        .unwrap();
+    assert_ne!(lane_a, lane_b);
+    publish(
+        &store,
+        &[
+            event("mine-1", Some("mine")),
+            event("theirs-1", Some("theirs")),
+            event(&fresh, None),
+        ],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    let parked = deliveries
+        .update_many(
+            doc! { "eventId": { "$in": ["mine-1", "theirs-1"] } },
+            doc! { "$set": { "lane": "parked" } },
+        )
+        .await
+        .unwrap();
+    assert_eq!(parked.modified_count, 2);
+    // Another live owner holds the second key's lane.
+    let held = db
+        .db()
+        .collection::<Document>("relaybus_lanes")
+        .update_one(
+            doc! { "_id": lane_b as i32 },
+            doc! { "$set": {
+                "owner": "other",
+                "instance": ObjectId::new(),
+                "leaseExpiresAt": DateTime::from_millis(T0 + 3_600_000),
+            } },
+        )
+        .await
+        .unwrap();
+    assert_eq!(held.matched_count, 1);
+
+    let (_, claimed) =
+        boundary_claimed(&store, &count, ms(10), &[lane_of(None, &fresh)], true).await;
+    let ids: Vec<&str> = claimed.iter().map(|c| c.event.id()).collect();
+    assert_eq!(ids, [fresh.as_str()], "the reported lane alone");
+    let lane_of_event = async |id: &str| {
+        deliveries
+            .find_one(doc! { "eventId": id })
+            .await
+            .unwrap()
+            .unwrap()
+            .get_str("lane")
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(lane_of_event("mine-1").await, "ready", "unparked");
+    assert_eq!(
+        lane_of_event("theirs-1").await,
+        "parked",
+        "left to the owner of its lane"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Operator API
 

@@ -150,6 +150,10 @@ pub(crate) mod path {
     pub(crate) const ATTEMPTS: &str = "$attempts";
     /// `$claims`.
     pub(crate) const CLAIMS: &str = "$claims";
+    /// `$owner`.
+    pub(crate) const OWNER: &str = "$owner";
+    /// `$instance`.
+    pub(crate) const INSTANCE: &str = "$instance";
 }
 
 /// The values of a delivery's `status`.

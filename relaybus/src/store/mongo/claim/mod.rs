@@ -4,7 +4,9 @@
 //! its own:
 //!
 //! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes
-//!   are free, which this owner holds on this store instance), the deliveries its held lanes
+//!   are free, which this owner holds on this store instance; after an idle wait, only the
+//!   held and reported lanes' documents, with the lanes other owners hold summarized), the
+//!   deliveries its held lanes
 //!   list, the lowest parked delivery of each key of its handlers, and the lowest pending
 //!   delivery of those keys. Then, at the same time, parked deliveries whose predecessors
 //!   finished go back to the ready lane (for the keys of every lane no other live owner holds
@@ -408,6 +410,9 @@ impl MongoEventStore {
         // along. The claims outstanding are taken before: the held lanes are judged by them.
         let issued = self.inner.claims.snapshot();
         let prescan = (!reported.is_empty()).then_some((reported.as_slice(), page_window(limit)));
+        // After an idle wait the claim reads the reported lanes alone: no other free lane
+        // need be read.
+        let idle = !state.busy && !reported.is_empty();
         let LaneView {
             held,
             running_docs,
@@ -416,7 +421,15 @@ impl MongoEventStore {
             contenders,
             parked,
             prescanned,
-        } = self.read_lanes(owner, handlers, now, prescan).await?;
+        } = self
+            .read_lanes(
+                owner,
+                handlers,
+                now,
+                prescan,
+                idle.then_some(reported.as_slice()),
+            )
+            .await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
         // What unparking looked up of the keys of held lanes still holds unless claims lost in
         // them were charged since; only then may the claim pick the heads it sends back itself.
@@ -463,8 +476,6 @@ impl MongoEventStore {
         }
         let mut scan = Scan::new(picking);
         let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
-        // After an idle wait, the reported lanes alone.
-        let idle = !state.busy && !reported.is_empty();
         let mut picked_all_reported = false;
         let rest = if reported.is_empty() {
             Some(held_ids)

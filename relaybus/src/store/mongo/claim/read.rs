@@ -3,6 +3,9 @@
 //!
 //! The read finds which lanes are free, which this owner holds on this store instance and which
 //! deliveries those list, and the lowest parked delivery of each key of the claim's handlers.
+//! A claim after an idle wait reads the documents of its held and reported lanes alone, and the
+//! lanes other live owners hold as one summary: it picks from the reported lanes only, so it
+//! needs no other free lane.
 //! Then, at the same time: the parked keys whose predecessors finished are unparked, and what
 //! runs in the held lanes is known (after charging the claims earlier holders lost there, if
 //! any). Held lanes that list a claim this instance did not hand out send the claim to
@@ -33,6 +36,33 @@ use crate::{
 /// Handlers whose parked keys the claim's first read looks up itself; a claim for more
 /// handlers unparks with one aggregation per handler.
 const PARKED_IN_LANE_READ: usize = 32;
+
+/// The field of the summary of the lanes other live owners hold, in a read of some lanes only.
+const TAKEN_BY_OTHERS: &str = "takenByOthers";
+
+/// Reads the summary of the lanes other live owners hold: their ids, and their holders (owner
+/// and store instance).
+fn taken_summary(
+    raw: &RawDocument,
+    taken: &mut HashSet<i32>,
+    holders: &mut HashSet<(String, Option<ObjectId>)>,
+) {
+    if let Ok(ids) = raw.get_array(TAKEN_BY_OTHERS) {
+        taken.extend(ids.into_iter().filter_map(|id| match id.ok()? {
+            RawBsonRef::Int32(id) => Some(id),
+            RawBsonRef::Int64(id) => i32::try_from(id).ok(),
+            RawBsonRef::Double(id) if id.fract() == 0.0 => Some(id as i32),
+            _ => None,
+        }));
+    }
+    if let Ok(found) = raw.get_array("holders") {
+        for holder in found.into_iter().filter_map(|h| h.ok()?.as_document()) {
+            if let Ok(owner) = holder.get_str("o") {
+                holders.insert((owner.to_owned(), holder.get_object_id("i").ok()));
+            }
+        }
+    }
+}
 
 /// What the claim's first read finds.
 #[derive(Debug, Default)]
@@ -190,18 +220,47 @@ impl MongoEventStore {
     /// lowest parked delivery of each of their keys; and, when asked, the first page of a scan
     /// of some lanes. The lanes are read first: deliveries read after them can only be newer,
     /// so a lane taken and handed back meanwhile shows a new epoch to the record's condition.
+    ///
+    /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
+    /// lane documents read are those of the lanes `owner` holds on this instance and of `only`;
+    /// the lanes other live owners hold come as one summary (their ids and holders), and no
+    /// other free lane is listed.
     pub(super) async fn read_lanes(
         &self,
         owner: &str,
         handlers: &[&str],
         now: DateTime,
         prescan: Option<(&[i32], usize)>,
+        only: Option<&[i32]>,
     ) -> Result<LaneView> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
+        let mut pipeline = Vec::new();
+        if let Some(lanes) = only {
+            pipeline.push(doc! { "$match": { "$or": [
+                { field::OWNER: owner, field::INSTANCE: instance },
+                { field::ID: { "$in": lanes } },
+            ] } });
+            pipeline.push(doc! { "$unionWith": {
+                "coll": inner.lanes.name(),
+                "pipeline": [
+                    { "$match": {
+                        field::OWNER: { "$ne": null },
+                        field::LEASE_EXPIRES_AT: { "$gt": now },
+                        "$nor": [{ field::OWNER: owner, field::INSTANCE: instance }],
+                    } },
+                    { "$group": {
+                        "_id": null,
+                        TAKEN_BY_OTHERS: { "$push": path::ID },
+                        "holders": { "$addToSet": { "o": path::OWNER, "i": path::INSTANCE } },
+                    } },
+                    { "$project": { field::ID: 0 } },
+                ],
+            } });
+        }
         // The lane documents pass through as they are (read raw: the in-flight lists of other
         // holders' lanes are only looked at, never decoded); the rest comes after them.
-        let mut pipeline = vec![doc! { "$unionWith": {
+        pipeline.push(doc! { "$unionWith": {
             "coll": inner.lanes.name(),
             "pipeline": [
                 { "$match": { field::OWNER: owner, field::INSTANCE: instance } },
@@ -228,7 +287,7 @@ impl MongoEventStore {
                 } },
                 { "$project": { field::ID: 0, "running": 1 } },
             ],
-        } }];
+        } });
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
         if fold_parked {
             for handler in handlers {
@@ -270,10 +329,20 @@ impl MongoEventStore {
         };
         let mut listed_docs = Vec::new();
         let mut lanes = Vec::new();
+        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
         for raw in docs {
             let has = |name: &str| raw.get(name).ok().flatten().is_some();
-            if !(has("prescanned") || has("parkedKey") || has("running") || has("lowestHandler")) {
+            if !(has("prescanned")
+                || has("parkedKey")
+                || has("running")
+                || has("lowestHandler")
+                || has(TAKEN_BY_OTHERS))
+            {
                 lanes.push(raw);
+                continue;
+            }
+            if has(TAKEN_BY_OTHERS) {
+                taken_summary(&raw, &mut view.taken_by_others, &mut others);
                 continue;
             }
             let Ok(doc) = Document::try_from(raw.as_ref()) else {
@@ -295,7 +364,6 @@ impl MongoEventStore {
                 listed_docs.extend(running.iter().filter_map(|d| d.as_document().cloned()));
             }
         }
-        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
         for raw in &lanes {
             let owned_by = raw.get_str(field::OWNER).ok();
             let held_by = raw.get_object_id(field::INSTANCE).ok();
