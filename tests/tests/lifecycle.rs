@@ -1733,6 +1733,18 @@ async fn boundary_claimed(
     reported: &[u32],
     reports_complete: bool,
 ) -> (usize, Vec<relaybus::store::Claimed<Lease>>) {
+    boundary_claimed_with(store, count, now, reported, reports_complete, &[]).await
+}
+
+/// [`boundary_claimed`], with what the wake-ups told of the new deliveries.
+async fn boundary_claimed_with(
+    store: &MongoEventStore,
+    count: &AtomicUsize,
+    now: DateTime,
+    reported: &[u32],
+    reports_complete: bool,
+    arrivals: &[relaybus::store::Arrival],
+) -> (usize, Vec<relaybus::store::Claimed<Lease>>) {
     use relaybus::{Store, store::ClaimRequest};
     let handlers = [HANDLER.to_owned()];
     let before = count.load(Ordering::SeqCst);
@@ -1746,6 +1758,7 @@ async fn boundary_claimed(
             now: std::time::SystemTime::from(now).into(),
             reported,
             reports_complete,
+            arrivals,
         },
     )
     .await
@@ -2047,6 +2060,383 @@ async fn an_idle_claim_unparks_only_the_keys_of_lanes_no_other_live_owner_holds(
         "parked",
         "left to the owner of its lane"
     );
+}
+
+/// A change stream of wake-ups for new deliveries of [`HANDLER`], opened through the store
+/// boundary on its own client, so that it sends none of the counted commands.
+async fn wake_up_stream(
+    db: &TestDb,
+) -> futures::stream::BoxStream<'static, relaybus::Result<relaybus::store::WakeUp>> {
+    use relaybus::Store;
+    Store::watch(&store(db).await, &[HANDLER.to_owned()])
+        .await
+        .expect("watch")
+}
+
+/// The next `n` wake-ups of `stream`.
+async fn next_wake_ups(
+    stream: &mut futures::stream::BoxStream<'static, relaybus::Result<relaybus::store::WakeUp>>,
+    n: usize,
+) -> Vec<relaybus::store::WakeUp> {
+    use futures::StreamExt;
+    let mut woken = Vec::with_capacity(n);
+    while woken.len() < n {
+        let next = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("a wake-up within 10 s");
+        woken.push(next.expect("the stream goes on").expect("a wake-up"));
+    }
+    woken
+}
+
+/// A claim after an idle wait, as the dispatcher makes it with `wake_ups` reported: the names of
+/// the commands it sent, and what it claimed.
+async fn claim_woken(
+    store: &MongoEventStore,
+    count: &AtomicUsize,
+    names: &Mutex<Vec<String>>,
+    now: DateTime,
+    wake_ups: &[relaybus::store::WakeUp],
+) -> (Vec<String>, Vec<relaybus::store::Claimed<Lease>>) {
+    let mut lanes: Vec<u32> = wake_ups.iter().filter_map(|w| w.at).collect();
+    lanes.dedup();
+    let arrivals: Vec<relaybus::store::Arrival> = wake_ups
+        .iter()
+        .map(|w| w.arrival.clone().expect("a wake-up tells its delivery"))
+        .collect();
+    let before = names.lock().unwrap().len();
+    let (_, claimed) = boundary_claimed_with(store, count, now, &lanes, true, &arrivals).await;
+    let sent = names.lock().unwrap()[before..].to_vec();
+    (sent, claimed)
+}
+
+/// An event id of the unkeyed kind whose lane is (`same`) or is not `lane`.
+fn id_in_lane(prefix: &str, lane: u32, same: bool) -> String {
+    (0..)
+        .map(|n| format!("{prefix}-{n}"))
+        .find(|id| (lane_of(None, id) == lane) == same)
+        .unwrap()
+}
+
+/// The lane document of `lane`.
+async fn lane_document(db: &TestDb, lane: u32) -> Document {
+    db.db()
+        .collection::<Document>("relaybus_lanes")
+        .find_one(doc! { "_id": lane as i32 })
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_idle_claim_takes_reported_unkeyed_deliveries_with_a_write_per_lane_beside_one_read() {
+    let db = test_db("arrivals_taken").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0, "idle");
+
+    let first = id_in_lane("two", u32::MAX, false);
+    let second = id_in_lane("two", lane_of(None, &first), false);
+    publish(
+        &store,
+        &[event(&first, None), event(&second, None)],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let woken = next_wake_ups(&mut stream, 2).await;
+    let (mut sent, claimed) = claim_woken(&store, &count, &names, ms(10), &woken).await;
+    sent.sort();
+    assert_eq!(sent, ["aggregate", "findAndModify", "findAndModify"]);
+    let mut ids: Vec<&str> = claimed.iter().map(|c| c.event.id()).collect();
+    ids.sort_unstable();
+    let mut expected = [first.as_str(), second.as_str()];
+    expected.sort_unstable();
+    assert_eq!(ids, expected);
+    for delivery in &claimed {
+        assert_eq!(delivery.attempt, 1);
+        assert_eq!(delivery.handler, HANDLER);
+        assert_eq!(
+            delivery.event.payload().get("order"),
+            Some(&json!(delivery.event.id()))
+        );
+        let lane = lane_document(&db, delivery.lease.lane()).await;
+        assert_eq!(lane.get_str("owner"), Ok("w"));
+        assert_eq!(
+            lane.get_array("inFlight").unwrap(),
+            &vec![Bson::ObjectId(delivery.lease.delivery_id())]
+        );
+    }
+    let (spared, got) = boundary_claim(&store, &count, ms(15), &[], true).await;
+    assert_eq!(
+        (spared, got),
+        (0, 0),
+        "they were all that was new: the follow-up claim reads nothing"
+    );
+    let leases: Vec<Lease> = claimed.iter().map(|c| c.lease).collect();
+    assert_eq!(
+        store.complete_many(&leases, ms(20)).await.unwrap(),
+        [true, true],
+        "the leases hold"
+    );
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_reported_delivery_in_a_lane_the_owner_holds_joins_what_runs_there() {
+    let db = test_db("arrivals_held").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    publish(&store, &[event("runs", None)], &[HANDLER], at(0)).await;
+    next_wake_ups(&mut stream, 1).await;
+    let (_, running) = boundary_claimed(&store, &count, ms(0), &[], true).await;
+    assert_eq!(running.len(), 1);
+    let (_, got) = boundary_claim(&store, &count, ms(5), &[], true).await;
+    assert_eq!(got, 0, "idle, the lane still held");
+
+    let lane = lane_of(None, "runs");
+    let joins = id_in_lane("joins", lane, true);
+    publish(&store, &[event(&joins, None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    let (sent, claimed) = claim_woken(&store, &count, &names, ms(10), &woken).await;
+    assert!(sent.contains(&"findAndModify".to_owned()), "{sent:?}");
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].event.id(), joins);
+    assert_eq!(
+        claimed[0].lease.epoch(),
+        running[0].lease.epoch(),
+        "the lane was not taken again"
+    );
+    let listed = lane_document(&db, lane).await;
+    assert_eq!(
+        listed.get_array("inFlight").unwrap(),
+        &vec![
+            Bson::ObjectId(running[0].lease.delivery_id()),
+            Bson::ObjectId(claimed[0].lease.delivery_id())
+        ]
+    );
+    let leases = [running[0].lease, claimed[0].lease];
+    assert_eq!(
+        store.complete_many(&leases, ms(20)).await.unwrap(),
+        [true, true]
+    );
+}
+
+#[tokio::test]
+async fn a_reported_delivery_another_owner_ran_meanwhile_is_not_run_again() {
+    let db = test_db("arrivals_raced").await;
+    let other = store(&db).await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0, "idle");
+
+    // Another owner claims and completes it before the woken claim, and hands its lane back.
+    publish(&store, &[event("ran", None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    let ran = other
+        .claim("other", &[HANDLER], 10, LEASE, ms(1))
+        .await
+        .unwrap();
+    assert_eq!(ran.len(), 1);
+    assert!(other.complete(ran[0].lease(), ms(2)).await.unwrap());
+    assert!(
+        other
+            .claim("other", &[HANDLER], 10, LEASE, ms(3))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let lane = lane_of(None, "ran");
+    assert_eq!(
+        lane_document(&db, lane).await.get("owner"),
+        Some(&Bson::Null)
+    );
+    let (sent, claimed) = claim_woken(&store, &count, &names, ms(10), &woken).await;
+    assert!(claimed.is_empty(), "ran once already: {claimed:?}");
+    assert!(sent.contains(&"findAndModify".to_owned()), "{sent:?}");
+    let listed = lane_document(&db, lane).await;
+    assert!(
+        listed.get_array("inFlight").is_ok_and(|ids| ids.is_empty()),
+        "nothing left listed: {listed:?}"
+    );
+
+    // Another owner runs it while the woken claim comes: the lane is not free.
+    publish(&store, &[event("running", None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    let running = other
+        .claim("other", &[HANDLER], 10, LEASE, ms(11))
+        .await
+        .unwrap();
+    assert_eq!(running.len(), 1);
+    let (_, claimed) = claim_woken(&store, &count, &names, ms(12), &woken).await;
+    assert!(claimed.is_empty(), "it runs elsewhere: {claimed:?}");
+    let listed = lane_document(&db, lane_of(None, "running")).await;
+    assert_eq!(listed.get_str("owner"), Ok("other"));
+    assert_eq!(
+        listed.get_array("inFlight").unwrap(),
+        &vec![Bson::ObjectId(running[0].lease().delivery_id())]
+    );
+    assert!(other.complete(running[0].lease(), ms(13)).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_reported_delivery_is_claimed_whichever_of_its_write_and_read_the_server_runs_first() {
+    let db = test_db("arrivals_order").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    let app = format!("{}-counted", db.name);
+    for (n, held_back) in ["findAndModify", "aggregate"].into_iter().enumerate() {
+        let (_, got) = boundary_claim(&store, &count, ms(100 * n as i64), &[], true).await;
+        assert_eq!(got, 0, "idle");
+        let id = format!("order-{n}");
+        publish(&store, &[event(&id, None)], &[HANDLER], at(0)).await;
+        let woken = next_wake_ups(&mut stream, 1).await;
+        // The server holds one of the two back, so that the other runs first.
+        let fail_point = FailPoint::enable(
+            &db.client,
+            doc! {
+                "configureFailPoint": "failCommand",
+                "mode": { "times": 1 },
+                "data": {
+                    "failCommands": [held_back],
+                    "blockConnection": true,
+                    "blockTimeMS": 200,
+                    "appName": &app,
+                },
+            },
+        )
+        .await
+        .unwrap();
+        let (sent, claimed) =
+            claim_woken(&store, &count, &names, ms(100 * n as i64 + 10), &woken).await;
+        drop(fail_point);
+        assert_eq!(
+            sent.len(),
+            2,
+            "{held_back} held back: one write and one read, {sent:?}"
+        );
+        assert_eq!(claimed.len(), 1, "{held_back} held back");
+        assert_eq!(claimed[0].event.id(), id);
+        assert!(
+            store
+                .complete(&claimed[0].lease, ms(100 * n as i64 + 20))
+                .await
+                .unwrap()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_reported_delivery_run_elsewhere_between_the_read_and_the_write_is_not_run_again() {
+    let db = test_db("arrivals_between").await;
+    let other = store(&db).await;
+    // The woken claim's client tells when the server answered its read.
+    let app = format!("{}-between", db.name);
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.clone());
+    let armed = Arc::new(AtomicBool::new(false));
+    let read = Arc::new(Notify::new());
+    let (a, r) = (Arc::clone(&armed), Arc::clone(&read));
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Succeeded(done) = event
+            && done.command_name == "aggregate"
+            && a.load(Ordering::SeqCst)
+        {
+            r.notify_one();
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let woken_store = store_with(&client, &db, false).await;
+    let count = AtomicUsize::new(0);
+    let mut stream = wake_up_stream(&db).await;
+    let (_, got) = boundary_claim(&woken_store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0, "idle");
+
+    publish(&other, &[event("between", None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    let running = other
+        .claim("other", &[HANDLER], 10, LEASE, ms(1))
+        .await
+        .unwrap();
+    assert_eq!(running.len(), 1);
+    // The woken claim's write waits on the server; its read sees the lane held, the delivery
+    // listed. Meanwhile the other owner completes it and hands the lane back, in the same
+    // epoch: the write then finds the lane free and clean.
+    let _held_back = FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["findAndModify"],
+                "blockConnection": true,
+                "blockTimeMS": 1_000,
+                "appName": &app,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    armed.store(true, Ordering::SeqCst);
+    let claim = tokio::spawn({
+        let store = woken_store.clone();
+        async move {
+            let count = AtomicUsize::new(0);
+            let lanes: Vec<u32> = woken.iter().filter_map(|w| w.at).collect();
+            let arrivals: Vec<relaybus::store::Arrival> =
+                woken.iter().filter_map(|w| w.arrival.clone()).collect();
+            boundary_claimed_with(&store, &count, ms(10), &lanes, true, &arrivals)
+                .await
+                .1
+        }
+    });
+    read.notified().await;
+    assert!(other.complete(running[0].lease(), ms(11)).await.unwrap());
+    assert!(
+        other
+            .claim("other", &[HANDLER], 10, LEASE, ms(12))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        lane_document(&db, lane_of(None, "between"))
+            .await
+            .get("owner"),
+        Some(&Bson::Null),
+        "handed back before the write ran"
+    );
+    let claimed = claim.await.unwrap();
+    assert!(claimed.is_empty(), "it ran once already: {claimed:?}");
+}
+
+#[tokio::test]
+async fn a_reported_keyed_delivery_is_claimed_the_usual_way() {
+    let db = test_db("arrivals_keyed").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0, "idle");
+    publish(
+        &store,
+        &[event("keyed-0", Some("k")), event("plain-0", None)],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let woken = next_wake_ups(&mut stream, 2).await;
+    let (sent, claimed) = claim_woken(&store, &count, &names, ms(10), &woken).await;
+    assert!(!sent.contains(&"findAndModify".to_owned()), "{sent:?}");
+    let mut ids: Vec<&str> = claimed.iter().map(|c| c.event.id()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["keyed-0", "plain-0"]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ async fn claim(
             now,
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         })
         .await
         .expect("claim")
@@ -679,7 +680,7 @@ async fn watch_wakes_on_a_commit_of_its_handlers_and_not_on_an_abort() {
         .unwrap();
     let woken = wake_ups.next().now_or_never();
     assert!(
-        matches!(woken, Some(Some(Ok(WakeUp { at: None })))),
+        matches!(woken, Some(Some(Ok(WakeUp { at: None, .. })))),
         "{woken:?}"
     );
     assert!(wake_ups.next().now_or_never().is_none(), "woken twice");

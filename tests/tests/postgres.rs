@@ -687,6 +687,7 @@ async fn bad_input_is_refused_and_writes_nothing() {
         now: Timestamp::now(),
         reported: &[],
         reports_complete: false,
+        arrivals: &[],
     };
     for (request, argument) in [
         (claim("", 1, Duration::from_secs(30)), "owner"),

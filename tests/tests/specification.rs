@@ -67,6 +67,7 @@ async fn claim_as(
             now,
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         },
     )
     .await
@@ -1312,6 +1313,7 @@ async fn record_fails_during_a_takeover(
                     now,
                     reported: &[],
                     reports_complete: false,
+                    arrivals: &[],
                 },
             )
             .await

@@ -164,6 +164,7 @@ async fn a_dead_workers_lease_ends_on_the_clock<S: Store>(store: S) {
             now: clock.now(),
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         })
         .await
         .expect("claim");

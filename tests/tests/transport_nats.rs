@@ -414,6 +414,7 @@ async fn a_relay_that_crashed_after_the_ack_sends_again_and_the_stream_keeps_one
             now: clock.now(),
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         })
         .await
         .unwrap();

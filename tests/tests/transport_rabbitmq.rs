@@ -566,6 +566,7 @@ async fn a_relay_that_crashed_after_the_confirm_sends_again_and_the_consumer_kee
             now: clock.now(),
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         })
         .await
         .unwrap();

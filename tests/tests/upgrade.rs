@@ -163,6 +163,7 @@ async fn claim(
             now: Timestamp::now(),
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         },
     )
     .await

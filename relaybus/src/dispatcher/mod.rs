@@ -23,7 +23,9 @@ use crate::{
     error::Result,
     handler::{RetryPolicy, Subscription},
     state::StateMap,
-    store::{ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Store, StoreLease},
+    store::{
+        Arrival, ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Store, StoreLease, WakeUp,
+    },
     telemetry::{self, BusMetrics, Operation},
     time::Timestamp,
 };
@@ -111,23 +113,45 @@ pub(crate) struct Shared<S: Store> {
 struct Reports {
     /// Where new deliveries are.
     lanes: Vec<u32>,
+    /// What the wake-ups told of each new delivery, in order.
+    arrivals: Vec<Arrival>,
     /// The wake-up stream is open.
     open: bool,
     /// Some new deliveries may not be in `lanes`: the stream (re)opened after deliveries it
     /// cannot report, or more lanes were reported than are remembered.
     gap: bool,
+    /// Some new deliveries may not be in `arrivals`: a wake-up told nothing of its delivery,
+    /// or more were reported than are remembered.
+    arrivals_gap: bool,
+}
+
+/// What the wake-ups reported between two claims.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Reported {
+    /// Where new deliveries are.
+    lanes: Vec<u32>,
+    /// `lanes` holds every place where deliveries were inserted.
+    complete: bool,
+    /// What the wake-ups told of each new delivery: all of them, or none when some told
+    /// nothing or the reports are not complete.
+    arrivals: Vec<Arrival>,
 }
 
 impl Reports {
-    /// A new delivery in `lane`.
-    fn lane(&mut self, lane: u32) {
-        if self.lanes.contains(&lane) {
-            return;
+    /// A wake-up: a new delivery, at `wake_up.at` if the store could tell.
+    fn report(&mut self, wake_up: WakeUp) {
+        if let Some(lane) = wake_up.at
+            && !self.lanes.contains(&lane)
+        {
+            if self.lanes.len() < MAX_REPORTED_LANES {
+                self.lanes.push(lane);
+            } else {
+                self.gap = true;
+            }
         }
-        if self.lanes.len() < MAX_REPORTED_LANES {
-            self.lanes.push(lane);
-        } else {
-            self.gap = true;
+        match wake_up.arrival {
+            Some(arrival) if self.arrivals.len() < MAX_ARRIVALS => self.arrivals.push(arrival),
+            _ => self.arrivals_gap = true,
         }
     }
 
@@ -138,11 +162,22 @@ impl Reports {
         self.gap = true;
     }
 
-    /// The lanes reported since the last call, and whether they are all the new deliveries'.
-    fn take(&mut self) -> (Vec<u32>, bool) {
+    /// What was reported since the last call.
+    fn take(&mut self) -> Reported {
         let complete = self.open && !self.gap;
+        let arrivals = std::mem::take(&mut self.arrivals);
+        let arrivals = if complete && !self.arrivals_gap {
+            arrivals
+        } else {
+            Vec::new()
+        };
         self.gap = false;
-        (std::mem::take(&mut self.lanes), complete)
+        self.arrivals_gap = false;
+        Reported {
+            lanes: std::mem::take(&mut self.lanes),
+            complete,
+            arrivals,
+        }
     }
 }
 
@@ -161,6 +196,9 @@ impl<S: Store> std::fmt::Debug for Shared<S> {
 
 /// The most reported lanes remembered between two claims.
 const MAX_REPORTED_LANES: usize = 64;
+/// The most arrivals remembered between two claims: more come only when the bus is busy,
+/// and a busy claim looks for its deliveries anyway.
+const MAX_ARRIVALS: usize = 64;
 
 /// What one [`RelayBus::run_once`](crate::RelayBus::run_once) did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -209,9 +247,9 @@ impl<S: Store> Shared<S> {
         self.reported.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Remembers where a wake-up reported a new delivery.
-    pub(super) fn report_lane(&self, lane: u32) {
-        self.reports().lane(lane);
+    /// Remembers what a wake-up reported of a new delivery.
+    pub(super) fn report(&self, wake_up: WakeUp) {
+        self.reports().report(wake_up);
     }
 
     /// The wake-up stream opened (`true`) or closed.
@@ -219,8 +257,8 @@ impl<S: Store> Shared<S> {
         self.reports().opened(open);
     }
 
-    /// The lanes reported since the last call, and whether they are all the new deliveries'.
-    fn take_reported(&self) -> (Vec<u32>, bool) {
+    /// What the wake-ups reported since the last call.
+    fn take_reported(&self) -> Reported {
         self.reports().take()
     }
 
@@ -229,7 +267,7 @@ impl<S: Store> Shared<S> {
     async fn claim(&self, limit: u32) -> Result<Vec<Claimed<S::Lease>>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
-        let (reported, reports_complete) = self.take_reported();
+        let reported = self.take_reported();
         async {
             let started = Instant::now();
             let batch = self
@@ -240,8 +278,9 @@ impl<S: Store> Shared<S> {
                     limit,
                     lease_duration: settings.lease_duration,
                     now: self.now(),
-                    reported: &reported,
-                    reports_complete,
+                    reported: &reported.lanes,
+                    reports_complete: reported.complete,
+                    arrivals: &reported.arrivals,
                 })
                 .await;
             self.metrics.operation(
@@ -737,40 +776,95 @@ async fn purge_periodically<S: Store>(
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_REPORTED_LANES, Reports};
+    use super::{Arrival, MAX_ARRIVALS, MAX_REPORTED_LANES, Reported, Reports, WakeUp};
+
+    fn at(lane: u32) -> WakeUp {
+        WakeUp {
+            at: Some(lane),
+            arrival: None,
+        }
+    }
+
+    fn lanes(reported: Reported) -> (Vec<u32>, bool) {
+        (reported.lanes, reported.complete)
+    }
 
     #[test]
     fn reports_are_complete_only_while_the_stream_is_open_and_drops_nothing() {
         let mut reports = Reports::default();
-        reports.lane(3);
-        assert_eq!(reports.take(), (vec![3], false), "no stream open");
+        reports.report(at(3));
+        assert_eq!(lanes(reports.take()), (vec![3], false), "no stream open");
         reports.opened(true);
-        reports.lane(5);
+        reports.report(at(5));
         assert_eq!(
-            reports.take(),
+            lanes(reports.take()),
             (vec![5], false),
             "what was inserted before the stream opened was not reported"
         );
-        reports.lane(7);
-        reports.lane(7);
-        assert_eq!(reports.take(), (vec![7], true));
+        reports.report(at(7));
+        reports.report(at(7));
+        assert_eq!(lanes(reports.take()), (vec![7], true));
         assert_eq!(
-            reports.take(),
+            lanes(reports.take()),
             (vec![], true),
             "nothing new, and that is known"
         );
         for lane in 0..=MAX_REPORTED_LANES as u32 {
-            reports.lane(lane);
+            reports.report(at(lane));
         }
-        let (lanes, complete) = reports.take();
+        let (lanes_seen, complete) = lanes(reports.take());
         assert_eq!(
-            (lanes.len(), complete),
+            (lanes_seen.len(), complete),
             (MAX_REPORTED_LANES, false),
             "one dropped"
         );
-        assert!(reports.take().1);
+        assert!(reports.take().complete);
         reports.opened(false);
-        reports.lane(9);
-        assert_eq!(reports.take(), (vec![9], false), "the stream closed");
+        reports.report(at(9));
+        assert_eq!(lanes(reports.take()), (vec![9], false), "the stream closed");
+    }
+
+    #[test]
+    fn arrivals_are_passed_on_only_when_every_wake_up_told_one() {
+        let arrival = |byte: u8| WakeUp {
+            at: Some(u32::from(byte)),
+            arrival: Some(Arrival::new(vec![byte])),
+        };
+        let mut reports = Reports::default();
+        reports.report(arrival(1));
+        assert!(reports.take().arrivals.is_empty(), "no stream open");
+        reports.opened(true);
+        reports.take();
+        reports.report(arrival(1));
+        reports.report(arrival(1));
+        reports.report(arrival(2));
+        let taken = reports.take();
+        assert_eq!(
+            taken.arrivals,
+            vec![
+                Arrival::new(vec![1]),
+                Arrival::new(vec![1]),
+                Arrival::new(vec![2])
+            ],
+            "each wake-up's, in order"
+        );
+        assert_eq!(taken.lanes, vec![1, 2]);
+        reports.report(arrival(3));
+        reports.report(at(4));
+        let taken = reports.take();
+        assert!(
+            taken.arrivals.is_empty() && taken.complete,
+            "one wake-up told nothing: none are passed on, the lanes still are"
+        );
+        reports.report(arrival(5));
+        assert_eq!(
+            reports.take().arrivals.len(),
+            1,
+            "the gap ends with the claim"
+        );
+        for _ in 0..=MAX_ARRIVALS {
+            reports.report(arrival(6));
+        }
+        assert!(reports.take().arrivals.is_empty(), "too many to remember");
     }
 }

@@ -40,9 +40,7 @@ pub(super) async fn watch<S: Store>(
                     };
                     match next {
                         Some(Ok(wake_up)) => {
-                            if let Some(lane) = wake_up.at {
-                                shared.report_lane(lane);
-                            }
+                            shared.report(wake_up);
                             notify.notify_one();
                         }
                         Some(Err(error)) => {

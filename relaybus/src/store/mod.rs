@@ -135,6 +135,10 @@ pub struct ClaimRequest<'a> {
     /// that places it found empty a moment ago received nothing new but what is reported. Pass
     /// `false` when unsure; the claim is then as thorough as without reports.
     pub reports_complete: bool,
+    /// What the wake-ups told of each new delivery since the worker's last claim, in the order
+    /// they came, when every wake-up told it ([`WakeUp::arrival`]); empty otherwise. A store may
+    /// claim these deliveries without looking for them, when `reports_complete` holds.
+    pub arrivals: &'a [Arrival],
 }
 
 /// What [`Store::claim_next_of_key`] asks for: the next delivery of a key whose delivery the
@@ -156,10 +160,37 @@ pub struct NextOfKey<'a, L> {
 }
 
 /// A wake-up: deliveries of the watched handlers committed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct WakeUp {
     /// Where the new delivery is (MongoDB: its lane), when the store can tell.
     pub at: Option<u32>,
+    /// What the store can tell of the new delivery, for the next claim
+    /// ([`ClaimRequest::arrivals`]); `None` when it tells nothing.
+    pub arrival: Option<Arrival>,
+}
+
+/// What a wake-up told of one new delivery, in the store's own encoding (MongoDB: the
+/// delivery document as BSON), handed back to the store with the next claim. The bus never
+/// looks inside; a store checks what it reads back, since it comes from a stream.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Arrival(std::sync::Arc<[u8]>);
+
+impl Arrival {
+    /// An arrival holding `bytes`.
+    pub fn new(bytes: impl Into<std::sync::Arc<[u8]>>) -> Self {
+        Arrival(bytes.into())
+    }
+
+    /// The bytes the store put in.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Arrival {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Arrival({} bytes)", self.0.len())
+    }
 }
 
 /// An event store: the transactional outbox and the delivery queue behind a bus.

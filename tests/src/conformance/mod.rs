@@ -252,6 +252,7 @@ pub(crate) async fn claim<S: Store>(
             now,
             reported: &[],
             reports_complete: false,
+            arrivals: &[],
         })
         .await
         .unwrap_or_else(|e| panic!("{}: claim failed: {e}", S::NAME))

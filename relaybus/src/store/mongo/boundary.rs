@@ -129,8 +129,13 @@ impl Store for MongoEventStore {
                 .iter()
                 .filter_map(|lane| i32::try_from(*lane).ok())
                 .collect();
-            self.hint_lanes(request.owner, lanes, request.reports_complete)
-                .await;
+            self.hint_lanes(
+                request.owner,
+                lanes,
+                request.reports_complete,
+                request.arrivals.to_vec(),
+            )
+            .await;
         }
         let claimed = MongoEventStore::claim(
             self,
@@ -287,25 +292,34 @@ impl Store for MongoEventStore {
             .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
     }
 
-    /// A change stream on inserted deliveries of the handlers, projected down to the lane.
+    /// A change stream on inserted deliveries of the handlers, projected down to what a claim
+    /// needs of them: the lane, and the fields the next claim after an idle wait may claim the
+    /// delivery by (see [`arrive`](super::claim::arrive)).
     async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        // The resume token (`_id`) stays, and `operationType` (the driver requires it).
+        let mut projection = doc! { "operationType": 1 };
+        projection.extend(super::claim::arrive::arrival_fields());
         let pipeline = [
             doc! { "$match": {
                 "operationType": "insert",
                 "fullDocument.handler": { "$in": handlers },
             } },
-            // The resume token (`_id`), `operationType` (the driver requires it), and the lane,
-            // which the next claim after an idle wait looks at first.
-            doc! { "$project": { "operationType": 1, "fullDocument.laneId": 1 } },
+            doc! { "$project": projection },
         ];
         let stream = self.inner.deliveries.watch().pipeline(pipeline).await?;
         Ok(stream
-            .map_ok(|change| WakeUp {
-                at: change
-                    .full_document
-                    .as_ref()
-                    .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
-                    .and_then(|lane| u32::try_from(lane).ok()),
+            .map_ok(|change| {
+                let document = change.full_document;
+                WakeUp {
+                    at: document
+                        .as_ref()
+                        .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
+                        .and_then(|lane| u32::try_from(lane).ok()),
+                    arrival: document
+                        .as_ref()
+                        .and_then(|doc| mongodb::bson::to_vec(doc).ok())
+                        .map(crate::store::Arrival::new),
+                }
             })
             .map_err(crate::Error::from)
             .boxed())

@@ -210,6 +210,9 @@ pub(crate) struct OwnerState {
     /// `hints` lists every lane that received deliveries since the owner's last claim, so a
     /// recent ranking that found free lanes empty still holds for them.
     pub(crate) reports_complete: bool,
+    /// What the wake-ups told of the new deliveries since the owner's last claim: all of them,
+    /// or none.
+    pub(crate) arrivals: Vec<crate::store::Arrival>,
     /// The owner's last claim found something: it is busy, and a claim with reported lanes
     /// goes on to its other lanes when the reported ones do not fill it. After an empty claim
     /// (an idle worker, nothing older was due) the reported lanes are read alone.

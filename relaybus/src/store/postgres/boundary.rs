@@ -242,7 +242,7 @@ impl Store for PostgresEventStore {
                         let payload = notification.payload();
                         (payload == NOTIFY_ALL
                             || payload.split(',').any(|h| handlers.iter().any(|w| w == h)))
-                        .then_some(Ok(WakeUp { at: None }))
+                        .then_some(Ok(WakeUp::default()))
                     }
                     Err(error) => Some(Err(db_error(error))),
                 };

@@ -47,6 +47,7 @@
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
 //! ([`reconcile`]).
 
+pub(crate) mod arrive;
 pub(crate) mod hand_out;
 mod next;
 mod pick;
@@ -62,6 +63,7 @@ use std::{collections::HashSet, sync::atomic::Ordering, time::Duration};
 use mongodb::bson::{DateTime, oid::ObjectId};
 
 use self::{
+    arrive::Arrived,
     pick::Picking,
     read::{LaneView, Running, Unparking, lists_foreign_claims},
     scan::{Candidate, Scan, page_window},
@@ -367,11 +369,19 @@ impl MongoEventStore {
     /// deliveries (a change stream reported them), for it to look at first: alone after an idle
     /// wait (nothing older was due), before its other lanes when the owner is busy. `complete`:
     /// no lane received a delivery since the owner's last claim that is not among `lanes`.
-    pub(crate) async fn hint_lanes(&self, owner: &str, lanes: Vec<i32>, complete: bool) {
+    /// `arrivals`: what the wake-ups told of each new delivery, when they told it of all.
+    pub(crate) async fn hint_lanes(
+        &self,
+        owner: &str,
+        lanes: Vec<i32>,
+        complete: bool,
+        arrivals: Vec<crate::store::Arrival>,
+    ) {
         let lock = self.inner.claims.owner(owner);
         let mut state = lock.lock().await;
         state.hints = lanes;
         state.reports_complete = complete;
+        state.arrivals = arrivals;
     }
 
     /// One claim, with the owner's lock held. `None` when the owner's lanes list a delivery
@@ -393,6 +403,7 @@ impl MongoEventStore {
         };
         let reported = std::mem::take(&mut state.hints);
         let reports_complete = std::mem::take(&mut state.reports_complete);
+        let arrivals = std::mem::take(&mut state.arrivals);
         let exhausted = state.exhausted.take();
         if !reports_complete {
             if let Some(ranking) = state.ranked.as_mut() {
@@ -405,13 +416,29 @@ impl MongoEventStore {
             return Ok(Some(Batch::default()));
         }
 
+        // After an idle wait, what the wake-ups reported may be claimed as it is.
+        let idle = !state.busy && !reported.is_empty();
+        if idle && reports_complete && !arrivals.is_empty() {
+            match self.claim_arrivals(&request, &arrivals, limit).await? {
+                Arrived::Claimed { batch, all } => {
+                    if all {
+                        state.exhausted = Some(Exhausted {
+                            at: now,
+                            handlers: handlers.iter().map(|h| (*h).to_owned()).collect(),
+                        });
+                    }
+                    return Ok(Some(batch));
+                }
+                Arrived::Declined => {}
+            }
+        }
+
         // Reading the lanes. After an idle wait, the first page of the reported lanes comes
         // along. The claims outstanding are taken before: the held lanes are judged by them.
         let issued = self.inner.claims.snapshot();
         let prescan = (!reported.is_empty()).then_some((reported.as_slice(), page_window(limit)));
         // After an idle wait the claim reads the reported lanes alone: no other free lane
         // need be read.
-        let idle = !state.busy && !reported.is_empty();
         let LaneView {
             held,
             running_docs,
