@@ -41,6 +41,10 @@
 //! every due delivery of the reported lanes, while the reports were complete, spares the claim
 //! right after it ([`Exhausted`]).
 //!
+//! After an idle wait, when the wake-ups told what they reported (the new deliveries'
+//! documents) and those are all unkeyed and due, the claim records them on their lanes beside
+//! one read that proves the record was in time, without reading the lanes first ([`arrive`]).
+//!
 //! A worker that just completed a keyed delivery can claim the key's next one alone, without a
 //! whole claim ([`next`]).
 //!
