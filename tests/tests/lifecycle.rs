@@ -1896,6 +1896,73 @@ async fn lanes_a_busy_claim_read_in_full_and_handed_back_keep_the_ranking_comple
 }
 
 #[tokio::test]
+async fn lanes_a_full_claim_hands_back_unread_are_not_taken_for_empty_by_the_ranking() {
+    use relaybus::{Store, store::ClaimRequest};
+    let db = test_db("full_claim_unread").await;
+    let store = store(&db).await;
+    // Eight lanes with two deliveries each, the lanes' deliveries due one millisecond apart:
+    // fewer than a ranking reads, so the first ranking sees them all.
+    let mut lanes: Vec<u32> = Vec::new();
+    let mut n = 0;
+    while lanes.len() < 8 {
+        let id = format!("unread-{n}");
+        n += 1;
+        let lane = lane_of(None, &id);
+        if lanes.contains(&lane) {
+            continue;
+        }
+        let partner = id_in_lane(&format!("{id}-partner"), lane, true);
+        let due = DateTime::from_millis(T0 + lanes.len() as i64);
+        publish(
+            &store,
+            &[event(&id, None), event(&partner, None)],
+            &[HANDLER],
+            due,
+        )
+        .await;
+        lanes.push(lane);
+    }
+    // Claims of four, each completed before the next, a few milliseconds apart: each fills up
+    // from the two oldest of the lanes it looks at and hands the other two back unread.
+    let handlers = [HANDLER.to_owned()];
+    let mut claimed = 0;
+    for step in 0..8 {
+        let batch = Store::claim(
+            &store,
+            ClaimRequest {
+                owner: "w",
+                handlers: &handlers,
+                limit: 4,
+                lease_duration: LEASE,
+                now: std::time::SystemTime::from(ms(step * 5)).into(),
+                reported: &[],
+                reports_complete: true,
+                arrivals: &[],
+            },
+        )
+        .await
+        .unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        claimed += batch.len();
+        let leases: Vec<Lease> = batch.iter().map(|c| c.lease).collect();
+        assert!(
+            store
+                .complete_many(&leases, ms(step * 5 + 1))
+                .await
+                .unwrap()
+                .into_iter()
+                .all(|done| done)
+        );
+    }
+    assert_eq!(
+        claimed, 16,
+        "every due delivery is found within the quarter second a complete ranking is trusted"
+    );
+}
+
+#[tokio::test]
 async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found_at_once() {
     let db = test_db("unparked_uncovered").await;
     let (store, count) = counted_store(&db).await;

@@ -578,6 +578,25 @@ impl MongoEventStore {
         };
         self.park_waiting(owner, &waiting, &recorded.handed_back)
             .await;
+        // A claim that filled up may have handed back lanes it never read to the end: held
+        // lanes, or free ones it joined, whose due deliveries came after its picks. A kept
+        // ranking that read them when they were free must not go on saying they have nothing
+        // due: they go back to the front of its lanes, to be tried again.
+        if picked >= limit
+            && let Some(ranking) = state.ranked.as_mut()
+        {
+            let unread: Vec<i32> = recorded
+                .lanes
+                .iter()
+                .map(|lane| lane.id)
+                .filter(|lane| {
+                    recorded.handed_back.contains(lane)
+                        && ranking.covered.contains(lane)
+                        && !ranking.lanes.contains(lane)
+                })
+                .collect();
+            ranking.lanes.splice(0..0, unread);
+        }
         // A busy claim that did not fill up read its held lanes, and the free lanes it took,
         // in full: those it handed back have nothing it could run (what is due there waits
         // for its key), as a ranking that found them empty would say.
