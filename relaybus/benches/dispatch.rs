@@ -54,7 +54,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 mod common;
 
-use common::{Memory, Summary, baseline, cpu_per_thousand, floor, server_cpu, store};
+use common::{Floor, Memory, Summary, baseline, cpu_per_thousand, floor, server_cpu, store};
 
 const BATCH: u32 = 32;
 /// The keys of the hot-keys run, unless `RELAYBUS_BENCH_HOT_KEYS` says otherwise.
@@ -262,6 +262,9 @@ async fn main() -> Result<(), BoxError> {
     let db = fresh_db();
     let backlog = backlog_run(&client, &db, backlog_size).await?;
     db.drop().await?;
+    let db = fresh_db();
+    let floor_backlog = floor_backlog_run(&client, &db, backlog_size).await?;
+    db.drop().await?;
     println!(
         "\nbacklog of {backlog_size} unkeyed deliveries, 1 bus: first 10% {:.0}/s, last 10% \
          {:.0}/s (last / first {:.3}), all {:.0}/s",
@@ -269,6 +272,12 @@ async fn main() -> Result<(), BoxError> {
         backlog.last_10,
         backlog.last_10 / backlog.first_10,
         backlog.total
+    );
+    println!(
+        "  floor, 1 worker: first 10% {:.0}/s, last 10% {:.0}/s (last / first {:.3})",
+        floor_backlog.0,
+        floor_backlog.1,
+        floor_backlog.1 / floor_backlog.0
     );
     let kb = |memory: Option<Memory>, field: fn(&Memory) -> u64| memory.as_ref().map(field);
     let shown = |figure: Option<u64>| figure.map_or("-".to_owned(), |kb| kb.to_string());
@@ -292,6 +301,9 @@ async fn main() -> Result<(), BoxError> {
         "last_10_per_sec": backlog.last_10.round(),
         "last_to_first": thousandths(backlog.last_10 / backlog.first_10),
         "total_per_sec": backlog.total.round(),
+        "floor_first_10_per_sec": floor_backlog.0.round(),
+        "floor_last_10_per_sec": floor_backlog.1.round(),
+        "floor_last_to_first": thousandths(floor_backlog.1 / floor_backlog.0),
         "rss_kb": memory_json(|m| m.rss_kb),
         "hwm_kb": memory_json(|m| m.hwm_kb),
     });
@@ -746,6 +758,45 @@ async fn backlog_run(client: &Client, db: &Database, count: usize) -> Result<Bac
         total: count as f64 / elapsed.as_secs_f64(),
         memory: [at_start, most.map(|m| m.max(at_end.unwrap_or(m))), at_end],
     })
+}
+
+/// The floor over the same backlog as [`backlog_run`]: one worker of [`floor`] drains `count`
+/// unkeyed deliveries published beforehand (not timed), in batches of the bus's size; a tenth
+/// is reached when the batch holding its last delivery is read. Deliveries/s over the first and
+/// the last tenth.
+async fn floor_backlog_run(
+    client: &Client,
+    db: &Database,
+    count: usize,
+) -> Result<(f64, f64), BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, count, None).await?;
+    let tenths: Vec<usize> = (1..=10).map(|k| (count * k).div_ceil(10)).collect();
+    let mut reached = [None::<Instant>; 10];
+    let mut read = 0;
+    let lanes: Vec<i32> = (0..256).collect();
+    let started = Instant::now();
+    Floor::of(&store)
+        .drain(&lanes, BATCH, |batch| {
+            let now = Instant::now();
+            for (tenth, at) in tenths.iter().enumerate() {
+                if (read + 1..=read + batch).contains(at) {
+                    reached[tenth] = Some(now);
+                }
+            }
+            read += batch;
+        })
+        .await?;
+    assert_drained(db).await?;
+    let at = |tenth: usize| reached[tenth].ok_or("a tenth of the floor's backlog left no time");
+    let (first, ninth, last) = (at(0)?, at(8)?, at(9)?);
+    let rate = |n: usize, since: Instant, until: Instant| {
+        n as f64 / until.saturating_duration_since(since).as_secs_f64()
+    };
+    Ok((
+        rate(tenths[0], started, first),
+        rate(count - tenths[8], ninth, last),
+    ))
 }
 
 /// When each run of a key's deliveries started and when its handler returned, per key.

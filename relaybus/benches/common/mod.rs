@@ -99,61 +99,92 @@ pub(crate) async fn floor(
     batch: u32,
     workers: usize,
 ) -> Result<f64, BoxError> {
-    let db = store.database();
-    let deliveries_coll: Collection<Document> = db.collection(&store.collection_name("deliveries"));
-    let events: Collection<Document> = db.collection(&store.collection_name("events"));
-    let lanes: Collection<Document> = db.collection(&store.collection_name("lanes"));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..workers {
-        let (deliveries_coll, events, lanes) =
-            (deliveries_coll.clone(), events.clone(), lanes.clone());
         let own: Vec<i32> = (0..256)
             .filter(|lane| *lane as usize % workers == w)
             .collect();
+        let floor = Floor::of(store);
         tasks.push(tokio::spawn(async move {
-            loop {
-                let found: Vec<Document> = deliveries_coll
-                    .find(doc! { "laneId": { "$in": &own }, "status": "pending", "lane": "ready" })
-                    .limit(i64::from(batch))
-                    .batch_size(batch)
-                    .await?
-                    .try_collect()
-                    .await?;
-                if found.is_empty() {
-                    return Ok::<(), mongodb::error::Error>(());
-                }
-                let ids = ids_of(&found);
-                let event_ids: Vec<&str> =
-                    found.iter().filter_map(|d| d.get_str("eventId").ok()).collect();
-                let _payloads: Vec<Document> = events
-                    .find(doc! { "_id": { "$in": &event_ids } })
-                    .batch_size(batch)
-                    .await?
-                    .try_collect()
-                    .await?;
-                lanes
-                    .update_one(
-                        doc! { "_id": own[0] },
-                        doc! { "$set": { "owner": "floor", "inFlight": &ids }, "$inc": { "epoch": 1 } },
-                    )
-                    .await?;
-                events
-                    .update_many(
-                        doc! { "_id": { "$in": &event_ids } },
-                        doc! { "$max": { "completedAt": DateTime::now() } },
-                    )
-                    .await?;
-                deliveries_coll
-                    .delete_many(doc! { "_id": { "$in": ids } })
-                    .await?;
-            }
+            floor.drain(&own, batch, |_| {}).await
         }));
     }
     for task in tasks {
         task.await??;
     }
     Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The floor's collections.
+#[derive(Clone)]
+pub(crate) struct Floor {
+    deliveries: Collection<Document>,
+    events: Collection<Document>,
+    lanes: Collection<Document>,
+}
+
+impl Floor {
+    /// The collections of `store`.
+    pub(crate) fn of(store: &MongoEventStore) -> Floor {
+        let db = store.database();
+        Floor {
+            deliveries: db.collection(&store.collection_name("deliveries")),
+            events: db.collection(&store.collection_name("events")),
+            lanes: db.collection(&store.collection_name("lanes")),
+        }
+    }
+
+    /// One worker of [`floor`]: drains the `own` lanes in batches of `batch`, calling `read`
+    /// with the size of each batch once it is read (its deliveries would start then).
+    pub(crate) async fn drain(
+        &self,
+        own: &[i32],
+        batch: u32,
+        mut read: impl FnMut(usize),
+    ) -> Result<(), mongodb::error::Error> {
+        loop {
+            let found: Vec<Document> = self
+                .deliveries
+                .find(doc! { "laneId": { "$in": own }, "status": "pending", "lane": "ready" })
+                .limit(i64::from(batch))
+                .batch_size(batch)
+                .await?
+                .try_collect()
+                .await?;
+            if found.is_empty() {
+                return Ok(());
+            }
+            read(found.len());
+            let ids = ids_of(&found);
+            let event_ids: Vec<&str> = found
+                .iter()
+                .filter_map(|d| d.get_str("eventId").ok())
+                .collect();
+            let _payloads: Vec<Document> = self
+                .events
+                .find(doc! { "_id": { "$in": &event_ids } })
+                .batch_size(batch)
+                .await?
+                .try_collect()
+                .await?;
+            self.lanes
+                .update_one(
+                    doc! { "_id": own[0] },
+                    doc! { "$set": { "owner": "floor", "inFlight": &ids }, "$inc": { "epoch": 1 } },
+                )
+                .await?;
+            self.events
+                .update_many(
+                    doc! { "_id": { "$in": &event_ids } },
+                    doc! { "$max": { "completedAt": DateTime::now() } },
+                )
+                .await?;
+            self.deliveries
+                .delete_many(doc! { "_id": { "$in": ids } })
+                .await?;
+        }
+    }
 }
 
 /// The `_id`s of documents read.

@@ -293,8 +293,8 @@ impl Store for MongoEventStore {
     }
 
     /// A change stream on inserted deliveries of the handlers, projected down to what a claim
-    /// needs of them: the lane, and the fields the next claim after an idle wait may claim the
-    /// delivery by (see [`arrive`](super::claim::arrive)).
+    /// needs of them: the lane, and the fields by which the claim after an idle wait may take
+    /// the delivery without looking for it (`WakeUp::arrival`).
     async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
         // The resume token (`_id`) stays, and `operationType` (the driver requires it).
         let mut projection = doc! { "operationType": 1 };
