@@ -2140,6 +2140,21 @@ async fn wake_up_stream(
         .expect("watch")
 }
 
+/// A store whose client counts its commands, how many and which it sent, and a wake-up stream
+/// on its database.
+async fn watched(
+    db: &TestDb,
+) -> (
+    MongoEventStore,
+    Arc<AtomicUsize>,
+    Arc<Mutex<Vec<String>>>,
+    futures::stream::BoxStream<'static, relaybus::Result<relaybus::store::WakeUp>>,
+) {
+    let (client, count, names) = counting_client(db).await;
+    let store = store_with(&client, db, false).await;
+    (store, count, names, wake_up_stream(db).await)
+}
+
 /// The next `n` wake-ups of `stream`.
 async fn next_wake_ups(
     stream: &mut futures::stream::BoxStream<'static, relaybus::Result<relaybus::store::WakeUp>>,
@@ -2198,9 +2213,7 @@ async fn lane_document(db: &TestDb, lane: u32) -> Document {
 #[tokio::test]
 async fn an_idle_claim_takes_reported_unkeyed_deliveries_with_a_write_per_lane_beside_one_read() {
     let db = test_db("arrivals_taken").await;
-    let (client, count, names) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let mut stream = wake_up_stream(&db).await;
+    let (store, count, names, mut stream) = watched(&db).await;
     let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
     assert_eq!(got, 0, "idle");
 
@@ -2254,9 +2267,7 @@ async fn an_idle_claim_takes_reported_unkeyed_deliveries_with_a_write_per_lane_b
 #[tokio::test]
 async fn a_reported_delivery_in_a_lane_the_owner_holds_joins_what_runs_there() {
     let db = test_db("arrivals_held").await;
-    let (client, count, names) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let mut stream = wake_up_stream(&db).await;
+    let (store, count, names, mut stream) = watched(&db).await;
     publish(&store, &[event("runs", None)], &[HANDLER], at(0)).await;
     next_wake_ups(&mut stream, 1).await;
     let (_, running) = boundary_claimed(&store, &count, ms(0), &[], true).await;
@@ -2296,9 +2307,7 @@ async fn a_reported_delivery_in_a_lane_the_owner_holds_joins_what_runs_there() {
 async fn a_reported_delivery_another_owner_ran_meanwhile_is_not_run_again() {
     let db = test_db("arrivals_raced").await;
     let other = store(&db).await;
-    let (client, count, names) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let mut stream = wake_up_stream(&db).await;
+    let (store, count, names, mut stream) = watched(&db).await;
     let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
     assert_eq!(got, 0, "idle");
 
@@ -2354,9 +2363,7 @@ async fn a_reported_delivery_another_owner_ran_meanwhile_is_not_run_again() {
 #[tokio::test]
 async fn a_reported_delivery_is_claimed_whichever_of_its_write_and_read_the_server_runs_first() {
     let db = test_db("arrivals_order").await;
-    let (client, count, names) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let mut stream = wake_up_stream(&db).await;
+    let (store, count, names, mut stream) = watched(&db).await;
     let app = format!("{}-counted", db.name);
     for (n, held_back) in ["findAndModify", "aggregate"].into_iter().enumerate() {
         let (_, got) = boundary_claim(&store, &count, ms(100 * n as i64), &[], true).await;
@@ -2486,9 +2493,7 @@ async fn a_reported_delivery_run_elsewhere_between_the_read_and_the_write_is_not
 #[tokio::test]
 async fn a_reported_keyed_delivery_is_claimed_the_usual_way() {
     let db = test_db("arrivals_keyed").await;
-    let (client, count, names) = counting_client(&db).await;
-    let store = store_with(&client, &db, false).await;
-    let mut stream = wake_up_stream(&db).await;
+    let (store, count, names, mut stream) = watched(&db).await;
     let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
     assert_eq!(got, 0, "idle");
     publish(

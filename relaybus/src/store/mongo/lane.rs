@@ -8,7 +8,7 @@
 
 use mongodb::bson::{Bson, DateTime, Document, RawBsonRef, RawDocument, doc, oid::ObjectId};
 
-use super::schema::field;
+use super::{MongoEventStore, append::check_write_reply, schema::field};
 use crate::error::{Error, InvalidArgumentError, Result};
 
 /// The largest claim batch.
@@ -77,6 +77,25 @@ impl Lane {
             field::EPOCH: self.epoch,
             field::REQUEUES: self.requeues.clone(),
         }
+    }
+}
+
+impl MongoEventStore {
+    /// Sends `statements` (`{q, u, upsert?}`) to the lanes as one unordered `update` command
+    /// with majority write concern; how many lane documents they matched.
+    pub(crate) async fn update_lanes(&self, statements: &[Document]) -> Result<u64> {
+        let reply = self
+            .inner
+            .db
+            .run_command(doc! {
+                "update": self.inner.lanes.name(),
+                "updates": statements,
+                "ordered": false,
+                "writeConcern": { "w": "majority" },
+            })
+            .await?;
+        check_write_reply(&reply)?;
+        Ok(reply_count(&reply))
     }
 }
 

@@ -174,17 +174,8 @@ impl MongoEventStore {
                 }
             })
             .collect();
-        let reply = self
-            .inner
-            .db
-            .run_command(doc! {
-                "update": self.inner.lanes.name(),
-                "updates": updates,
-                "ordered": false,
-                "writeConcern": { "w": "majority" },
-            })
-            .await?;
-        super::append::check_write_reply(&reply)
+        self.update_lanes(&updates).await?;
+        Ok(())
     }
 }
 

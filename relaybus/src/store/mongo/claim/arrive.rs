@@ -247,17 +247,7 @@ impl MongoEventStore {
                     }
                 })
                 .collect();
-            let reply = self
-                .inner
-                .db
-                .run_command(doc! {
-                    "update": self.inner.lanes.name(),
-                    "updates": statements,
-                    "ordered": false,
-                    "writeConcern": { "w": "majority" },
-                })
-                .await?;
-            crate::store::mongo::append::check_write_reply(&reply)?;
+            self.update_lanes(&statements).await?;
         }
         if claimed.is_empty() {
             return Ok(Arrived::Declined);

@@ -17,8 +17,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        append::check_write_reply,
-        lane::{Lane, STATEMENTS_PER_COMMAND, reply_count},
+        lane::{Lane, STATEMENTS_PER_COMMAND},
         park::PARK_THRESHOLD,
         schema::{field, path},
     },
@@ -158,17 +157,7 @@ impl MongoEventStore {
         let lanes: Vec<Lane> = lanes.into_iter().map(|(lane, _)| lane).collect();
         let mut matched = 0;
         for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
-            let reply = inner
-                .db
-                .run_command(doc! {
-                    "update": inner.lanes.name(),
-                    "updates": chunk,
-                    "ordered": false,
-                    "writeConcern": { "w": "majority" },
-                })
-                .await?;
-            check_write_reply(&reply)?;
-            matched += reply_count(&reply);
+            matched += self.update_lanes(chunk).await?;
         }
         inner.claims.forget(gone_ids);
         let mut raced = false;
