@@ -2349,8 +2349,14 @@ async fn a_reported_delivery_another_owner_ran_meanwhile_is_not_run_again() {
         .await
         .unwrap();
     assert_eq!(running.len(), 1);
-    let (_, claimed) = claim_woken(&store, &count, &names, ms(12), &woken).await;
+    let (mut sent, claimed) = claim_woken(&store, &count, &names, ms(12), &woken).await;
     assert!(claimed.is_empty(), "it runs elsewhere: {claimed:?}");
+    sent.sort();
+    assert_eq!(
+        sent,
+        ["aggregate", "findAndModify"],
+        "the read showed the lane held by a live owner: nothing else to look at"
+    );
     let listed = lane_document(&db, lane_of(None, "running")).await;
     assert_eq!(listed.get_str("owner"), Ok("other"));
     assert_eq!(

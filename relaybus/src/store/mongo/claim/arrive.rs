@@ -163,10 +163,23 @@ impl MongoEventStore {
         let mut claimed = Vec::new();
         let mut taken_back = Vec::new();
         let mut all = true;
+        // Lanes whose condition failed because another live owner holds them: theirs to run.
+        let mut elsewhere = 0;
         for (picks, before) in picks.iter().zip(written) {
             let Some(before) = before else {
                 // The lane is held by another owner, or has something to settle first.
                 all = false;
+                if read.get(&picks.lane).is_some_and(|seen| {
+                    let ours = seen.lane.get_str(field::OWNER) == Ok(owner)
+                        && seen.lane.get_object_id(field::INSTANCE) == Ok(instance);
+                    let live = seen
+                        .lane
+                        .get_datetime(field::LEASE_EXPIRES_AT)
+                        .is_ok_and(|at| *at > now);
+                    !ours && live && seen.lane.get_str(field::OWNER).is_ok()
+                }) {
+                    elsewhere += 1;
+                }
                 continue;
             };
             let epoch = if before.held {
@@ -250,6 +263,15 @@ impl MongoEventStore {
             self.update_lanes(&statements).await?;
         }
         if claimed.is_empty() {
+            if elsewhere == picks.len() {
+                // Every reported delivery is in a lane another live owner holds: the usual
+                // claim, which reads only the reported lanes after an idle wait, would find
+                // nothing either.
+                return Ok(Arrived::Claimed {
+                    batch: Batch::default(),
+                    all: false,
+                });
+            }
             return Ok(Arrived::Declined);
         }
         Ok(Arrived::Claimed {
