@@ -455,7 +455,9 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
     fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool;
 
     /// Opens a stream of wake-ups for new deliveries of `handlers`. The dispatcher reopens it
-    /// after it fails or ends, and polls meanwhile: correctness never depends on it.
+    /// after it fails or ends, and polls meanwhile: correctness never depends on it. A wake-up
+    /// may tell where its delivery is ([`WakeUp::at`]) and what it is ([`WakeUp::arrival`]);
+    /// the dispatcher hands both back with its next claim.
     fn watch(
         &self,
         handlers: &[String],
