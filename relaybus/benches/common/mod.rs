@@ -65,14 +65,13 @@ pub(crate) async fn baseline(
         let outbox = outbox.clone();
         tasks.push(tokio::spawn(async move {
             loop {
-                let found: Vec<Document> = outbox
-                    .find(doc! { "w": w as i32 })
-                    .sort(doc! { "_id": 1 })
-                    .limit(i64::from(batch))
-                    .batch_size(batch)
-                    .await?
-                    .try_collect()
-                    .await?;
+                let found = read_batch(
+                    &outbox,
+                    doc! { "w": w as i32 },
+                    Some(doc! { "_id": 1 }),
+                    batch,
+                )
+                .await?;
                 if found.is_empty() {
                     return Ok::<(), mongodb::error::Error>(());
                 }
@@ -144,14 +143,8 @@ impl Floor {
         mut read: impl FnMut(usize),
     ) -> Result<(), mongodb::error::Error> {
         loop {
-            let found: Vec<Document> = self
-                .deliveries
-                .find(doc! { "laneId": { "$in": own }, "status": "pending", "lane": "ready" })
-                .limit(i64::from(batch))
-                .batch_size(batch)
-                .await?
-                .try_collect()
-                .await?;
+            let due = doc! { "laneId": { "$in": own }, "status": "pending", "lane": "ready" };
+            let found = read_batch(&self.deliveries, due, None, batch).await?;
             if found.is_empty() {
                 return Ok(());
             }
@@ -185,6 +178,23 @@ impl Floor {
                 .await?;
         }
     }
+}
+
+/// Up to `batch` documents of `collection` matching `filter`, in `sort` order if given.
+async fn read_batch(
+    collection: &Collection<Document>,
+    filter: Document,
+    sort: Option<Document>,
+    batch: u32,
+) -> Result<Vec<Document>, mongodb::error::Error> {
+    let mut find = collection
+        .find(filter)
+        .limit(i64::from(batch))
+        .batch_size(batch);
+    if let Some(sort) = sort {
+        find = find.sort(sort);
+    }
+    find.await?.try_collect().await
 }
 
 /// The `_id`s of documents read.
