@@ -306,7 +306,14 @@ impl Store for MongoEventStore {
             } },
             doc! { "$project": projection },
         ];
-        let stream = self.inner.deliveries.watch().pipeline(pipeline).await?;
+        // Read raw: the document is passed on as its bytes, never decoded.
+        let stream = self
+            .inner
+            .deliveries
+            .clone_with_type::<mongodb::bson::RawDocumentBuf>()
+            .watch()
+            .pipeline(pipeline)
+            .await?;
         Ok(stream
             .map_ok(|change| {
                 let document = change.full_document;
@@ -315,10 +322,7 @@ impl Store for MongoEventStore {
                         .as_ref()
                         .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
                         .and_then(|lane| u32::try_from(lane).ok()),
-                    arrival: document
-                        .as_ref()
-                        .and_then(|doc| mongodb::bson::to_vec(doc).ok())
-                        .map(crate::store::Arrival::new),
+                    arrival: document.map(|doc| crate::store::Arrival::new(doc.into_bytes())),
                 }
             })
             .map_err(crate::Error::from)

@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use futures::{TryStreamExt, future};
 use mongodb::{
-    bson::{Bson, DateTime, Document, RawDocumentBuf, doc, oid::ObjectId},
+    bson::{Bson, DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId},
     options::ReturnDocument,
 };
 
@@ -112,13 +112,13 @@ impl MongoEventStore {
         let mut by_lane: BTreeMap<i32, Vec<ObjectId>> = BTreeMap::new();
         let mut seen = HashSet::new();
         for arrival in arrivals {
-            let Some(candidate) = RawDocumentBuf::from_bytes(arrival.as_bytes().to_vec())
+            let Some(candidate) = RawDocument::from_bytes(arrival.as_bytes())
                 .ok()
                 .filter(|doc| {
                     doc.get_str(field::STATUS) == Ok(status::PENDING)
                         && doc.get_str(field::LANE) == Ok(lane::READY)
                 })
-                .and_then(|doc| Candidate::from_raw(&doc))
+                .and_then(Candidate::from_raw)
             else {
                 return Ok(Arrived::Declined);
             };
@@ -166,18 +166,11 @@ impl MongoEventStore {
         // Lanes whose condition failed because another live owner holds them: theirs to run.
         let mut elsewhere = 0;
         for (picks, before) in picks.iter().zip(written) {
+            let seen = read.get(&picks.lane);
             let Some(before) = before else {
                 // The lane is held by another owner, or has something to settle first.
                 all = false;
-                if read.get(&picks.lane).is_some_and(|seen| {
-                    let ours = seen.lane.get_str(field::OWNER) == Ok(owner)
-                        && seen.lane.get_object_id(field::INSTANCE) == Ok(instance);
-                    let live = seen
-                        .lane
-                        .get_datetime(field::LEASE_EXPIRES_AT)
-                        .is_ok_and(|at| *at > now);
-                    !ours && live && seen.lane.get_str(field::OWNER).is_ok()
-                }) {
+                if seen.is_some_and(|seen| seen.held_elsewhere(owner, instance, now)) {
                     elsewhere += 1;
                 }
                 continue;
@@ -187,27 +180,8 @@ impl MongoEventStore {
             } else {
                 before.epoch.saturating_add(1)
             };
-            let seen = read.get(&picks.lane);
             let in_time = seen.is_some_and(|seen| {
-                let ours = seen.lane.get_str(field::OWNER) == Ok(owner)
-                    && seen.lane.get_object_id(field::INSTANCE) == Ok(instance);
-                let seen_epoch = int(&seen.lane, field::EPOCH).unwrap_or(0);
-                let listed = object_ids(&seen.lane, field::IN_FLIGHT);
-                let before_the_write = seen_epoch == before.epoch
-                    && if before.held {
-                        ours && picks.ids.iter().all(|id| !listed.contains(id))
-                    } else {
-                        listed.is_empty()
-                            && lost_is_empty(&seen.lane)
-                            && (seen.lane.get(field::OWNER).is_none_or(|o| *o == Bson::Null)
-                                || seen
-                                    .lane
-                                    .get_datetime(field::LEASE_EXPIRES_AT)
-                                    .is_ok_and(|at| *at <= now))
-                    };
-                let after_the_write =
-                    ours && seen_epoch == epoch && picks.ids.iter().all(|id| listed.contains(id));
-                before_the_write || after_the_write
+                seen.proves_in_time(&before, epoch, &picks.ids, owner, instance, now)
             });
             let lane_expiry = if before.held {
                 before
@@ -343,8 +317,7 @@ impl MongoEventStore {
             .return_document(ReturnDocument::Before)
             .await?;
         Ok(before.map(|lane| Before {
-            held: lane.get_str(field::OWNER) == Ok(owner)
-                && lane.get_object_id(field::INSTANCE) == Ok(instance),
+            held: held_by(&lane, owner, instance),
             epoch: int(&lane, field::EPOCH).unwrap_or(0),
             lease_expires_at: lane.get_datetime(field::LEASE_EXPIRES_AT).ok().copied(),
         }))
@@ -427,6 +400,57 @@ struct Seen {
     lane: Document,
     /// The pending, ready deliveries found, with their events.
     deliveries: HashMap<ObjectId, (Candidate, RawDocumentBuf)>,
+}
+
+impl Seen {
+    /// Whether the read shows the write in time (see the module documentation): the lane as
+    /// the write found it (`before`), unchanged since the read, free and clean or this owner's
+    /// without `ids`; or the write's own result, in `epoch`, listing `ids`.
+    fn proves_in_time(
+        &self,
+        before: &Before,
+        epoch: i64,
+        ids: &[ObjectId],
+        owner: &str,
+        instance: ObjectId,
+        now: DateTime,
+    ) -> bool {
+        let ours = held_by(&self.lane, owner, instance);
+        let seen_epoch = int(&self.lane, field::EPOCH).unwrap_or(0);
+        let listed = object_ids(&self.lane, field::IN_FLIGHT);
+        let before_the_write = seen_epoch == before.epoch
+            && if before.held {
+                ours && ids.iter().all(|id| !listed.contains(id))
+            } else {
+                listed.is_empty()
+                    && lost_is_empty(&self.lane)
+                    && (self.lane.get(field::OWNER).is_none_or(|o| *o == Bson::Null)
+                        || self.lease_expires_at().is_some_and(|at| at <= now))
+            };
+        let after_the_write =
+            ours && seen_epoch == epoch && ids.iter().all(|id| listed.contains(id));
+        before_the_write || after_the_write
+    }
+
+    /// Whether another owner (or this owner on another store instance) holds the lane on a
+    /// lease that has not ended.
+    fn held_elsewhere(&self, owner: &str, instance: ObjectId, now: DateTime) -> bool {
+        self.lane.get_str(field::OWNER).is_ok()
+            && !held_by(&self.lane, owner, instance)
+            && self.lease_expires_at().is_some_and(|at| at > now)
+    }
+
+    fn lease_expires_at(&self) -> Option<DateTime> {
+        self.lane
+            .get_datetime(field::LEASE_EXPIRES_AT)
+            .ok()
+            .copied()
+    }
+}
+
+/// Whether a lane document names `owner` on `instance` as its holder.
+fn held_by(lane: &Document, owner: &str, instance: ObjectId) -> bool {
+    lane.get_str(field::OWNER) == Ok(owner) && lane.get_object_id(field::INSTANCE) == Ok(instance)
 }
 
 /// Whether a lane document lists no lost claim.

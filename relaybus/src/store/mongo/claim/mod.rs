@@ -3,17 +3,17 @@
 //! Workers lease lanes, not deliveries. A claim goes through these phases, each in a module of
 //! its own:
 //!
-//! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes
-//!   are free, which this owner holds on this store instance; after an idle wait, only the
-//!   held and reported lanes' documents, with the lanes other owners hold summarized), the
-//!   deliveries its held lanes list, the lowest parked delivery of each key of its handlers,
-//!   and the lowest pending delivery of those keys. Then, at the same time, parked deliveries whose predecessors
-//!   finished go back to the ready lane (for the keys of every lane no other live owner holds
-//!   and in which nothing of the key runs), and the claims an earlier holder lost in the held
-//!   lanes are charged. When every such head is in a lane the owner holds, the claim picks the
-//!   heads itself (after the reported lanes, before the held lanes' scan) and sends their
-//!   update with its record. Held lanes that list a claim this instance did not hand out are
-//!   reconciled before the claim starts again.
+//! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes are
+//!   free, which this owner holds on this store instance; after an idle wait, only the held and
+//!   reported lanes' documents, with the lanes other owners hold summarized), the deliveries its
+//!   held lanes list, the lowest parked delivery of each key of its handlers, and the lowest
+//!   pending delivery of those keys. Then, at the same time, parked deliveries whose predecessors
+//!   finished go back to the ready lane (for the keys of every lane no other live owner holds and
+//!   in which nothing of the key runs), and the claims an earlier holder lost in the held lanes are
+//!   charged. When every such head is in a lane the owner holds, the claim picks the heads itself
+//!   (after the reported lanes, before the held lanes' scan) and sends their update with its
+//!   record. Held lanes that list a claim this instance did not hand out are reconciled before the
+//!   claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
 //!   leaving out the ones the owner already runs, a page at a time.
 //! - **Ranking free lanes** ([`rank`]) and **taking** them ([`take`]), if the claim needs more:
