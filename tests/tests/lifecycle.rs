@@ -2943,6 +2943,42 @@ async fn a_worker_that_completed_a_keyed_delivery_takes_the_next_of_its_key_in_t
 }
 
 #[tokio::test]
+async fn a_claim_leaves_a_just_completed_key_to_the_claim_of_its_next_delivery_once() {
+    let db = test_db("next_of_key_hand_over").await;
+    let store = store(&db).await;
+    let lane_id = publish_hot(&store).await;
+    let first = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(first.len(), 1);
+    let lease = *first[0].lease();
+    complete_in_transaction(&store, &lease, at(2)).await;
+
+    // A claim of the worker that runs between the completion's commit and the worker's claim
+    // of the key's next delivery (which waits for it) leaves that delivery to it, and keeps
+    // the lane although nothing of it runs.
+    assert!(
+        claim(&store, "w", 10, at(2)).await.is_empty(),
+        "the key's next delivery is left to the worker that completed its predecessor"
+    );
+    let held = lane(&db, lane_id).await;
+    assert_eq!(held.get_str("owner"), Ok("w"), "{held}");
+    assert!(
+        in_flight(&held).is_empty(),
+        "the completed one is taken off: {held}"
+    );
+    let next = next_of_key(&store, "w", &lease, "hot", at(2))
+        .await
+        .expect("the key's next delivery, for the worker");
+    assert_eq!(next.sequence, Some(2));
+
+    // A worker that never claims the next delivery holds its key back for one claim only.
+    complete_in_transaction(&store, &next.lease, at(3)).await;
+    assert!(claim(&store, "w", 10, at(3)).await.is_empty());
+    let third = claim(&store, "w", 10, at(3)).await;
+    assert_eq!(third.len(), 1, "the claim after that takes it");
+    assert_eq!(third[0].sequence(), Some(3));
+}
+
+#[tokio::test]
 async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_it_may_run() {
     let db = test_db("next_of_key_rules").await;
     let store = store(&db).await;

@@ -292,6 +292,8 @@ pub(crate) struct ClaimRegistry {
     owners: Mutex<HashMap<String, Arc<tokio::sync::Mutex<OwnerState>>>>,
     gates: Mutex<HashMap<String, Arc<OwnerGate>>>,
     issued: Mutex<HashMap<ObjectId, Issued>>,
+    /// The handler and ordering key of each issued claim held to its key's order.
+    keys: Mutex<HashMap<ObjectId, (String, String)>>,
 }
 
 impl Default for ClaimRegistry {
@@ -301,6 +303,7 @@ impl Default for ClaimRegistry {
             owners: Mutex::default(),
             gates: Mutex::default(),
             issued: Mutex::default(),
+            keys: Mutex::default(),
         }
     }
 }
@@ -341,11 +344,25 @@ impl ClaimRegistry {
         }
     }
 
+    /// Remembers the handler and ordering key of claims handed out that are held to their
+    /// key's order (see [`ClaimRegistry::key_of`]).
+    pub(crate) fn issue_keys(&self, keyed: impl IntoIterator<Item = (ObjectId, (String, String))>) {
+        lock(&self.keys).extend(keyed);
+    }
+
+    /// The handler and ordering key of a claim handed out and not yet seen settled, if it is
+    /// held to its key's order.
+    pub(crate) fn key_of(&self, id: &ObjectId) -> Option<(String, String)> {
+        lock(&self.keys).get(id).cloned()
+    }
+
     /// Forgets claims that ended (settled, lost, or found gone).
     pub(crate) fn forget(&self, ids: impl IntoIterator<Item = ObjectId>) {
         let mut issued = lock(&self.issued);
+        let mut keys = lock(&self.keys);
         for id in ids {
             issued.remove(&id);
+            keys.remove(&id);
         }
     }
 
@@ -360,6 +377,7 @@ impl ClaimRegistry {
         };
         if issued.get(&lease.delivery_id) == Some(&current) {
             issued.remove(&lease.delivery_id);
+            lock(&self.keys).remove(&lease.delivery_id);
         }
     }
 

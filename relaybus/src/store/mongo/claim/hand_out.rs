@@ -82,6 +82,7 @@ impl MongoEventStore {
             .collect();
         let mut claimed = Vec::with_capacity(picks.len());
         let mut orphaned = Vec::new();
+        let mut keyed = Vec::new();
         for pick in picks {
             let lane = lanes
                 .iter()
@@ -101,6 +102,9 @@ impl MongoEventStore {
                     continue;
                 }
             };
+            if let Some(key) = &pick.key {
+                keyed.push((pick.id, (pick.handler.clone(), key.clone())));
+            }
             claimed.push(ClaimedDelivery {
                 lease,
                 lease_expires_at: lane_expiry.get(&pick.lane).copied().unwrap_or(expires_at),
@@ -116,6 +120,7 @@ impl MongoEventStore {
                 .map(|c| c.lease)
                 .chain(orphaned.iter().copied()),
         );
+        self.inner.claims.issue_keys(keyed);
         (claimed, orphaned)
     }
 }

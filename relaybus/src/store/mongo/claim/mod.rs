@@ -487,14 +487,16 @@ impl MongoEventStore {
                 None => ranking.covered.clear(),
             }
         }
+        let mut running = running?;
+        if lists_foreign_claims(&held, &running.generations, &issued) {
+            return Ok(None);
+        }
+        let handing_over = running.handing_over(&held, &issued, &self.inner.claims);
         let Running {
             ids: running,
             keys: running_keys,
-            generations,
-        } = running?;
-        if lists_foreign_claims(&held, &generations, &issued) {
-            return Ok(None);
-        }
+            ..
+        } = running;
 
         // Scanning and picking: the reported lanes first, if any; then the held lanes and free
         // lanes, ranked, unless the owner was idle (the reported lanes alone then).
@@ -563,7 +565,7 @@ impl MongoEventStore {
         let deferred_ids: Vec<ObjectId> = deferred.iter().map(|head| head.id).collect();
         let (read, recorded, moved) = futures::join!(
             self.events_missing(&picks, &events),
-            self.record(&request, lanes, picks.clone(), &running),
+            self.record(&request, lanes, picks.clone(), &running, &handing_over),
             self.unpark_ids(deferred_ids.clone()),
         );
         let recorded = recorded?;

@@ -54,11 +54,13 @@ impl MongoEventStore {
         // A claim running now may take the delivery itself, and the two must not both: wait
         // for it to end (it then finds the delivery listed or takes it first).
         let _open = gate.gate.read().await;
+        // The owner's claims leave the key to this one while the completed delivery is
+        // outstanding (see `Running::add_handing_over`): from here on, they need not.
+        self.inner.claims.settled(completed);
         if gate.interrupted.load(Ordering::SeqCst) {
             // An earlier one failed half-way: the owner's next claim reconciles first.
             return Ok(None);
         }
-        self.inner.claims.settled(completed);
         let next = self
             .next_of_key(owner, completed, handler, key, expires_at, now)
             .await;

@@ -28,7 +28,7 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, int, raw_int, string},
-        lease::Issued,
+        lease::{ClaimRegistry, Issued},
         park::{LowestPending, ParkedHead, lowest_of_parked_stages, parked_heads_stages},
         schema::{field, path, status},
     },
@@ -159,6 +159,35 @@ pub(super) struct Running {
     pub(super) keys: HashSet<KeyOf>,
     /// Their claim generations.
     pub(super) generations: HashMap<ObjectId, i64>,
+}
+
+impl Running {
+    /// Counts as running the keys of deliveries this instance handed out, held to their key's
+    /// order, that a held lane still lists although they are gone, and returns those
+    /// deliveries. Each has just completed, and the worker that ran it may be claiming its
+    /// key's next delivery (see `claim_next_of_key`), which waits for this claim to end: taking
+    /// that delivery here would make the worker's claim find nothing and leave the key to the
+    /// worker's regular claims. Only this claim leaves the key alone: the deliveries are still
+    /// taken off their lanes and forgotten as gone, so a key whose worker never claims its next
+    /// delivery waits one claim at most; their lanes are kept, as if they ran.
+    pub(super) fn handing_over(
+        &mut self,
+        held: &[Lane],
+        issued: &HashMap<ObjectId, Issued>,
+        registry: &ClaimRegistry,
+    ) -> HashSet<ObjectId> {
+        let mut handing_over = HashSet::new();
+        for id in held.iter().flat_map(|lane| &lane.in_flight) {
+            if self.ids.contains(id) || !issued.contains_key(id) {
+                continue;
+            }
+            if let Some(key) = registry.key_of(id) {
+                handing_over.insert(*id);
+                self.keys.insert(key);
+            }
+        }
+        handing_over
+    }
 }
 
 /// What unparking did for a claim.

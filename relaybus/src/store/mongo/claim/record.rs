@@ -39,7 +39,7 @@ pub(super) struct Recorded {
 impl MongoEventStore {
     /// Records `picks` on the claim's `lanes` in one command, and hands back the lanes that
     /// yielded nothing and run nothing. Deliveries a held lane lists that no longer exist (not
-    /// in `running`) are taken off it. When a write did not match, keeps only the picks of the
+    /// in `running`) are taken off it; a lane listing one `handing_over` is kept. When a write did not match, keeps only the picks of the
     /// lanes that list them under the epoch they were read in.
     pub(super) async fn record(
         &self,
@@ -47,6 +47,7 @@ impl MongoEventStore {
         mut lanes: Vec<(Lane, Hold)>,
         mut picks: Vec<Candidate>,
         running: &HashSet<ObjectId>,
+        handing_over: &HashSet<ObjectId>,
     ) -> Result<Recorded> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
@@ -119,7 +120,8 @@ impl MongoEventStore {
                 .filter(|id| !running.contains(id))
                 .copied()
                 .collect();
-            let runs = lane.in_flight.len() > gone.len();
+            let runs = lane.in_flight.len() > gone.len()
+                || gone.iter().any(|id| handing_over.contains(id));
             gone_ids.extend(gone.iter().copied());
             let filter = lane.held_filter(owner, instance);
             if new_ids.is_empty() && !runs {
