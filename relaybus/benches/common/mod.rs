@@ -180,6 +180,61 @@ impl Floor {
     }
 }
 
+#[allow(
+    dead_code,
+    reason = "only the dispatch benchmark runs keys one delivery at a time"
+)]
+impl Floor {
+    /// The lowest pending delivery of `handler` and `key` with its event read, recorded on its
+    /// lane; `None` when the key has nothing pending.
+    pub(crate) async fn next_of_key(
+        &self,
+        handler: &str,
+        key: &str,
+    ) -> Result<Option<Document>, mongodb::error::Error> {
+        let next = self
+            .deliveries
+            .find_one(doc! { "lane": "ready", "handler": handler, "key": key, "status": "pending" })
+            .sort(doc! { "sequence": 1 })
+            .await?;
+        let Some(next) = next else {
+            return Ok(None);
+        };
+        let _event = self
+            .events
+            .find_one(doc! { "_id": next.get_str("eventId").unwrap_or_default() })
+            .await?;
+        self.lanes
+            .update_one(
+                doc! { "_id": next.get("laneId").cloned() },
+                doc! { "$set": { "owner": "floor", "inFlight": [next.get_object_id("_id").ok()] } },
+            )
+            .await?;
+        Ok(Some(next))
+    }
+
+    /// The completion of `delivery` in the transaction of `session`: the delivery deleted, its
+    /// event stamped.
+    pub(crate) async fn complete_in(
+        &self,
+        session: &mut mongodb::ClientSession,
+        delivery: &Document,
+    ) -> Result<(), mongodb::error::Error> {
+        self.deliveries
+            .delete_one(doc! { "_id": delivery.get_object_id("_id").ok() })
+            .session(&mut *session)
+            .await?;
+        self.events
+            .update_one(
+                doc! { "_id": delivery.get_str("eventId").unwrap_or_default() },
+                doc! { "$max": { "completedAt": DateTime::now() } },
+            )
+            .session(&mut *session)
+            .await?;
+        Ok(())
+    }
+}
+
 /// Up to `batch` documents of `collection` matching `filter`, in `sort` order if given.
 async fn read_batch(
     collection: &Collection<Document>,
