@@ -598,6 +598,22 @@ async fn assert_drained(db: &Database) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// A store on `db` with `count` deliveries published over `keys` keys, and the collection the
+/// hot-keys handlers write to, made up front so that the first transactions do not race to
+/// create it.
+async fn hot_keys_setup(
+    client: &Client,
+    db: &Database,
+    count: usize,
+    keys: usize,
+) -> Result<(MongoEventStore, mongodb::Collection<Document>), BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, count, Some(keys as u64)).await?;
+    let writes = db.collection::<Document>("bench_hot_key_writes");
+    db.create_collection(writes.name()).await?;
+    Ok((store, writes))
+}
+
 /// The floor of [`hot_keys_run`]: one task per key runs the key's deliveries one after the
 /// other with the raw driver, doing only what the document model needs. For each: read the
 /// key's lowest pending delivery and its event, record it on its lane (a majority write), then
@@ -610,10 +626,7 @@ async fn hot_keys_floor(
     count: usize,
     keys: usize,
 ) -> Result<HotKeys, BoxError> {
-    let store = store(client, db).await?;
-    publish(&store, count, Some(keys as u64)).await?;
-    let writes = db.collection::<Document>("bench_hot_key_writes");
-    db.create_collection(writes.name()).await?;
+    let (store, writes) = hot_keys_setup(client, db, count, keys).await?;
     let floor = Floor::of(&store);
     let started = Instant::now();
     let tasks = (0..keys).map(|k| {
@@ -885,11 +898,7 @@ async fn hot_keys_run(
     count: usize,
     keys: usize,
 ) -> Result<HotKeys, BoxError> {
-    let store = store(client, db).await?;
-    publish(&store, count, Some(keys as u64)).await?;
-    let writes = db.collection::<Document>("bench_hot_key_writes");
-    // Made up front, so that the first transactions do not race to create it.
-    db.create_collection(writes.name()).await?;
+    let (store, writes) = hot_keys_setup(client, db, count, keys).await?;
     let runs: Arc<Mutex<RunLog>> = Arc::default();
     let handled = Arc::new(AtomicUsize::new(0));
     let all_done = Arc::new(Notify::new());
