@@ -85,17 +85,30 @@ impl MongoEventStore {
     /// with majority write concern; how many lane documents they matched.
     pub(crate) async fn update_lanes(&self, statements: &[Document]) -> Result<u64> {
         let reply = self
+            .update_statements(self.inner.lanes.name(), statements)
+            .await?;
+        Ok(reply_count(&reply))
+    }
+
+    /// Sends `statements` (`q`/`u` pairs, at most `STATEMENTS_PER_COMMAND`) to `collection`
+    /// in one unordered `update` command with majority write concern; its checked reply.
+    pub(crate) async fn update_statements(
+        &self,
+        collection: &str,
+        statements: &[Document],
+    ) -> Result<Document> {
+        let reply = self
             .inner
             .db
             .run_command(doc! {
-                "update": self.inner.lanes.name(),
+                "update": collection,
                 "updates": statements,
                 "ordered": false,
                 "writeConcern": { "w": "majority" },
             })
             .await?;
         check_write_reply(&reply)?;
-        Ok(reply_count(&reply))
+        Ok(reply)
     }
 }
 

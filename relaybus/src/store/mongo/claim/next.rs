@@ -27,8 +27,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        append::check_write_reply,
-        lane::{Lane, add, check_lease_duration, check_owner, reply_count},
+        lane::{Lane, add, check_lease_duration, check_owner},
         lease::{Lease, generation_filter},
         schema::{field, index, lane, path, status},
     },
@@ -55,7 +54,7 @@ impl MongoEventStore {
         // for it to end (it then finds the delivery listed or takes it first).
         let _open = gate.gate.read().await;
         // The owner's claims leave the key to this one while the completed delivery is
-        // outstanding (see `Running::add_handing_over`): from here on, they need not.
+        // outstanding (see `Running::handing_over`): from here on, they need not.
         self.inner.claims.settled(completed);
         if gate.interrupted.load(Ordering::SeqCst) {
             // An earlier one failed half-way: the owner's next claim reconciles first.
@@ -144,30 +143,24 @@ impl MongoEventStore {
         filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
         let done = completed.delivery_id();
         let listing = async {
-            let reply = inner
-                .db
-                .run_command(doc! {
-                    "update": inner.lanes.name(),
-                    "updates": [{
-                        "q": filter,
-                        "u": [{ "$set": {
-                            field::IN_FLIGHT: { "$concatArrays": [
-                                { "$filter": {
-                                    "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                                    "cond": { "$ne": ["$$this", { "$literal": done }] },
-                                } },
-                                [next.id],
-                            ] },
-                            field::LEASE_EXPIRES_AT: {
-                                "$max": [path::LEASE_EXPIRES_AT, expires_at],
-                            },
-                        } }],
-                    }],
-                    "writeConcern": { "w": "majority" },
-                })
+            let listed = self
+                .update_lanes(&[doc! {
+                    "q": filter,
+                    "u": [{ "$set": {
+                        field::IN_FLIGHT: { "$concatArrays": [
+                            { "$filter": {
+                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
+                                "cond": { "$ne": ["$$this", { "$literal": done }] },
+                            } },
+                            [next.id],
+                        ] },
+                        field::LEASE_EXPIRES_AT: {
+                            "$max": [path::LEASE_EXPIRES_AT, expires_at],
+                        },
+                    } }],
+                }])
                 .await?;
-            check_write_reply(&reply)?;
-            Ok::<_, crate::Error>(reply_count(&reply) == 1)
+            Ok::<_, crate::Error>(listed == 1)
         };
         // A parked delivery goes back to the ready lane (its predecessor finished, as unparking
         // would have it) in the same round trip as the listing.

@@ -17,7 +17,6 @@ use crate::{
     error::{Error, Result},
     store::mongo::{
         MongoEventStore,
-        append::check_write_reply,
         lane::{Lane, STATEMENTS_PER_COMMAND},
         schema::{field, path, status},
     },
@@ -166,16 +165,8 @@ impl MongoEventStore {
         let mut charged = 0;
         for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
             let reply = self
-                .inner
-                .db
-                .run_command(doc! {
-                    "update": self.inner.deliveries.name(),
-                    "updates": chunk,
-                    "ordered": false,
-                    "writeConcern": { "w": "majority" },
-                })
+                .update_statements(self.inner.deliveries.name(), chunk)
                 .await?;
-            check_write_reply(&reply)?;
             charged +=
                 crate::store::mongo::lane::int(&reply, "nModified").map_or(0, |n| n.max(0) as u64);
         }
