@@ -13,6 +13,7 @@
 //! Then three profiles, each with one bus set as in the throughput runs:
 //! - a fresh key under a backlog: events with keys never seen before, published one at a time
 //!   while the bus drains a backlog keyed over 100 keys, and their commit-to-handler latency;
+//!   then the same with a store that parks no key's backlog (`park_threshold(u32::MAX)`);
 //! - a backlog: the drain rate of the first and the last tenth of an unkeyed backlog, and the
 //!   process's resident memory (`VmRSS`, `VmHWM`) while it drains;
 //! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,
@@ -245,12 +246,21 @@ async fn main() -> Result<(), BoxError> {
     }
 
     let db = fresh_db();
-    let fresh = fresh_key_run(&client, &db, keyed_backlog, fresh_samples).await?;
+    let fresh = fresh_key_run(&client, &db, keyed_backlog, fresh_samples, None).await?;
     db.drop().await?;
     print_summary("fresh key, backlog", &fresh.latency);
     println!(
         "  behind {keyed_backlog} deliveries over 100 keys, drained at {:.0}/s",
         fresh.drain_per_sec
+    );
+    let db = fresh_db();
+    let unparked =
+        fresh_key_run(&client, &db, keyed_backlog, fresh_samples, Some(u32::MAX)).await?;
+    db.drop().await?;
+    print_summary("  backlogs not parked", &unparked.latency);
+    println!(
+        "  (park_threshold(u32::MAX)), drained at {:.0}/s",
+        unparked.drain_per_sec
     );
     let mut fresh_key_under_backlog = serde_json::json!({
         "backlog_deliveries": keyed_backlog,
@@ -258,6 +268,15 @@ async fn main() -> Result<(), BoxError> {
         "drain_per_sec": fresh.drain_per_sec.round(),
     });
     merge(&mut fresh_key_under_backlog, fresh.latency.json());
+    let mut backlogs_not_parked = serde_json::json!({
+        "park_threshold": u32::MAX,
+        "drain_per_sec": unparked.drain_per_sec.round(),
+    });
+    merge(&mut backlogs_not_parked, unparked.latency.json());
+    merge(
+        &mut fresh_key_under_backlog,
+        serde_json::json!({ "backlogs_not_parked": backlogs_not_parked }),
+    );
 
     let db = fresh_db();
     let backlog = backlog_run(&client, &db, backlog_size).await?;
@@ -674,14 +693,25 @@ struct FreshKey {
 /// Commit-to-handler latency (ms) of events with a key never seen before, published one at a
 /// time while one bus drains `backlog` deliveries keyed over 100 keys; and the rate at which the
 /// backlog drained. Samples stop when the backlog is drained (after at least one) or after
-/// `samples`.
+/// `samples`. `park_threshold`: the store's, if not the default.
 async fn fresh_key_run(
     client: &Client,
     db: &Database,
     backlog: usize,
     samples: usize,
+    park_threshold: Option<u32>,
 ) -> Result<FreshKey, BoxError> {
-    let store = store(client, db).await?;
+    let store = match park_threshold {
+        None => store(client, db).await?,
+        Some(threshold) => {
+            let store = MongoEventStore::builder(client.clone())
+                .database(db.name())
+                .park_threshold(threshold)
+                .build()?;
+            store.setup().await?;
+            store
+        }
+    };
     publish(&store, backlog, Some(100)).await?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Instant>();
     let handled = Arc::new(AtomicUsize::new(0));

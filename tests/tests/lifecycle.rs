@@ -1343,6 +1343,45 @@ async fn parked_count(db: &TestDb) -> usize {
 }
 
 #[tokio::test]
+async fn the_park_threshold_decides_when_a_keys_backlog_is_parked() {
+    let db = test_db("park_threshold").await;
+    let built = |db: &TestDb, threshold: u32| {
+        MongoEventStore::builder(db.client.clone())
+            .database(&db.name)
+            .park_threshold(threshold)
+            .build()
+    };
+    assert_eq!(store(&db).await.park_threshold(), 32, "the specification's");
+    match built(&db, 0) {
+        Err(ConfigurationError::InvalidOption { option, reason }) => {
+            assert_eq!(option, "park_threshold");
+            assert!(reason.contains("use 1 or more"), "{reason}");
+        }
+        other => panic!("expected an invalid option, got {other:?}"),
+    }
+    // 40 deliveries of one key: the claim takes the head, and finds 39 waiting behind it.
+    for (threshold, parked) in [(u32::MAX, 0), (40, 0), (39, 39)] {
+        let db = test_db(&format!("park_threshold_{}", threshold % 1000)).await;
+        let store = built(&db, threshold).unwrap();
+        assert_eq!(store.park_threshold(), threshold);
+        store.setup().await.unwrap();
+        let events: Vec<EventEnvelope> = (0..40)
+            .map(|n| event(&format!("k-{n}"), Some("k")))
+            .collect();
+        publish(&store, &events, &[HANDLER], at(0)).await;
+        let head = claim(&store, "w", 10, at(1)).await;
+        assert_eq!(head.len(), 1);
+        assert_eq!(head[0].sequence(), Some(1));
+        assert_eq!(parked_count(&db).await, parked, "threshold {threshold}");
+        // Parked or not, the key goes on in order.
+        assert!(store.complete(head[0].lease(), at(2)).await.unwrap());
+        let next = claim(&store, "w", 10, at(3)).await;
+        assert_eq!(next.len(), 1);
+        assert_eq!(next[0].sequence(), Some(2), "threshold {threshold}");
+    }
+}
+
+#[tokio::test]
 async fn a_lane_handed_back_parks_the_few_deliveries_waiting_there() {
     let db = test_db("handback_park").await;
     let store = store(&db).await;

@@ -19,9 +19,6 @@ use super::{
 };
 use crate::error::Result;
 
-/// A claim that finds this many deliveries of one key waiting behind an unfinished predecessor
-/// parks them.
-pub(crate) const PARK_THRESHOLD: usize = 32;
 /// Lookup queries run at the same time.
 pub(crate) const LOOKUP_CONCURRENCY: usize = 8;
 /// Keys per lookup query.

@@ -18,7 +18,6 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, STATEMENTS_PER_COMMAND},
-        park::PARK_THRESHOLD,
         schema::{field, path},
     },
 };
@@ -191,9 +190,10 @@ impl MongoEventStore {
         waiting: &HashMap<KeyOf, Vec<(ObjectId, i32)>>,
         handed_back: &HashSet<i32>,
     ) {
+        let threshold = usize::try_from(self.inner.park_threshold).unwrap_or(usize::MAX);
         let mut to_park: Vec<ObjectId> = Vec::new();
         for waiting in waiting.values() {
-            if waiting.len() >= PARK_THRESHOLD {
+            if waiting.len() >= threshold {
                 to_park.extend(waiting.iter().map(|(id, _)| *id));
             } else {
                 to_park.extend(
