@@ -3126,3 +3126,206 @@ async fn a_next_of_key_claim_whose_reply_is_lost_is_reconciled_by_the_next_claim
         "listed once"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Claims beside a running claim
+
+/// A claim beside the running claims of owner `w`, as the dispatcher makes it with what
+/// `wake_ups` told of new deliveries.
+async fn claim_beside(
+    store: &MongoEventStore,
+    now: DateTime,
+    wake_ups: &[relaybus::store::WakeUp],
+) -> Vec<relaybus::store::Claimed<Lease>> {
+    use relaybus::{Store, store::ClaimRequest};
+    let handlers = [HANDLER.to_owned()];
+    let arrivals: Vec<relaybus::store::Arrival> =
+        wake_ups.iter().filter_map(|w| w.arrival.clone()).collect();
+    assert_eq!(
+        arrivals.len(),
+        wake_ups.len(),
+        "every wake-up tells its delivery"
+    );
+    Store::claim_beside(
+        store,
+        ClaimRequest {
+            owner: "w",
+            handlers: &handlers,
+            limit: 32,
+            lease_duration: LEASE,
+            now: std::time::SystemTime::from(now).into(),
+            reported: &[],
+            reports_complete: false,
+            arrivals: &arrivals,
+        },
+    )
+    .await
+    .expect("claim beside")
+}
+
+/// A key other than `key` whose deliveries share its lane.
+fn key_in_lane_of(key: &str) -> String {
+    let lane = lane_of(Some(key), "");
+    (0..)
+        .map(|n| format!("{key}-neighbour-{n}"))
+        .find(|other| lane_of(Some(other), "") == lane)
+        .expect("some key shares the lane")
+}
+
+#[tokio::test]
+async fn a_new_key_is_claimed_beside_a_running_claim_which_leaves_it_and_keeps_its_lane() {
+    let db = test_db("beside_running").await;
+    // The store's client tells when the server started the running claim's first `find`,
+    // which the server holds back.
+    let app = format!("{}-beside", db.name);
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.clone());
+    let armed = Arc::new(AtomicBool::new(false));
+    let finding = Arc::new(Notify::new());
+    let (a, f) = (Arc::clone(&armed), Arc::clone(&finding));
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "find"
+            && a.swap(false, Ordering::SeqCst)
+        {
+            f.notify_one();
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let store = store_with(&client, &db, false).await;
+    let count = AtomicUsize::new(0);
+    let mut stream = wake_up_stream(&db).await;
+
+    // `w` holds the lane of key `a`, whose delivery completed: the lane runs nothing.
+    publish(&store, &[event("a-0", Some("a"))], &[HANDLER], at(0)).await;
+    next_wake_ups(&mut stream, 1).await;
+    let (_, first) = boundary_claimed(&store, &count, ms(0), &[], false).await;
+    assert_eq!(first.len(), 1);
+    assert!(store.complete(&first[0].lease, ms(1)).await.unwrap());
+    let lane_a = lane_of(Some("a"), "a-0");
+    // A new key's first delivery comes into that lane.
+    let fresh = key_in_lane_of("a");
+    publish(
+        &store,
+        &[event("b-0", Some(fresh.as_str()))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+
+    // The owner's claim reads the lanes, then the server holds its first `find` back; it will
+    // find the new delivery. Meanwhile a claim beside it takes that delivery.
+    let _held_back = FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": ["find"],
+                "blockConnection": true,
+                "blockTimeMS": 1_500,
+                "appName": &app,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    armed.store(true, Ordering::SeqCst);
+    let running = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let count = AtomicUsize::new(0);
+            boundary_claimed(&store, &count, ms(10), &[], false).await.1
+        }
+    });
+    finding.notified().await;
+    let beside = claim_beside(&store, ms(11), &woken).await;
+    assert_eq!(beside.len(), 1, "claimed beside the running claim");
+    assert_eq!(beside[0].event.id(), "b-0");
+    assert_eq!(beside[0].sequence, Some(1));
+    let running = running.await.unwrap();
+    assert!(
+        running.iter().all(|claimed| claimed.event.id() != "b-0"),
+        "the running claim leaves what was claimed beside it: {running:?}"
+    );
+    // The running claim read the lane running nothing, yet kept it: it lists the new delivery.
+    let lane = lane(&db, lane_a).await;
+    assert_eq!(
+        lane.get_str("owner"),
+        Ok("w"),
+        "the lane was not handed back"
+    );
+    assert_eq!(in_flight(&lane), vec![beside[0].lease.delivery_id()]);
+    assert!(store.complete(&beside[0].lease, ms(12)).await.unwrap());
+    // Nothing is left to run, and the lane goes back once it runs nothing.
+    let (_, after) = boundary_claimed(&store, &count, ms(13), &[], false).await;
+    assert!(after.is_empty(), "{after:?}");
+    assert!(lanes_of(&db, "w").await.is_empty());
+}
+
+#[tokio::test]
+async fn a_claim_beside_takes_only_what_may_run_at_once() {
+    let db = test_db("beside_rules").await;
+    let store = store(&db).await;
+    let other = store_with(&db.client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    // Two deliveries of key `k`: the first runs, so the second waits.
+    publish(
+        &store,
+        &[event("k-0", Some("k")), event("k-1", Some("k"))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let woken = next_wake_ups(&mut stream, 2).await;
+    let count = AtomicUsize::new(0);
+    let (_, head) = boundary_claimed(&store, &count, ms(0), &[], false).await;
+    assert_eq!(head.len(), 1);
+    assert!(
+        claim_beside(&store, ms(1), &woken).await.is_empty(),
+        "k runs"
+    );
+    // Once it completed, the second is the key's lowest pending delivery; the first's arrival
+    // (its delivery is gone) is passed over.
+    assert!(store.complete(&head[0].lease, ms(2)).await.unwrap());
+    let next = claim_beside(&store, ms(3), &woken).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event.id(), "k-1");
+    assert!(
+        claim_beside(&store, ms(4), &woken).await.is_empty(),
+        "handed out already"
+    );
+    assert!(store.complete(&next[0].lease, ms(5)).await.unwrap());
+
+    // A lane another owner holds is theirs, whatever comes into it.
+    publish(&other, &[event("x-0", Some("x"))], &[HANDLER], at(0)).await;
+    next_wake_ups(&mut stream, 1).await;
+    let theirs = other
+        .claim("x", &[HANDLER], 10, LEASE, ms(6))
+        .await
+        .unwrap();
+    assert_eq!(theirs.len(), 1);
+    let neighbour = key_in_lane_of("x");
+    publish(
+        &store,
+        &[event("y-0", Some(neighbour.as_str()))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    assert!(claim_beside(&store, ms(7), &woken).await.is_empty());
+    // Not yet due: left to the owner's claims.
+    publish(&store, &[event("later", None)], &[HANDLER], at(3_600)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    assert!(claim_beside(&store, ms(8), &woken).await.is_empty());
+    // An unkeyed delivery in a free lane is taken, the lane with it.
+    publish(&store, &[event("free-0", None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    let taken = claim_beside(&store, ms(9), &woken).await;
+    assert_eq!(taken.len(), 1);
+    let lane = lane(&db, lane_of(None, "free-0")).await;
+    assert_eq!(lane.get_str("owner"), Ok("w"));
+    assert!(store.complete(&taken[0].lease, ms(10)).await.unwrap());
+}

@@ -6,7 +6,10 @@ mod wake;
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::{Arc, Mutex as StdMutex},
+    sync::{
+        Arc, Mutex as StdMutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -106,6 +109,10 @@ pub(crate) struct Shared<S: Store> {
     running: StdMutex<RunningSet<S>>,
     /// Where the wake-ups reported new deliveries since the last claim (MongoDB: lanes).
     reported: StdMutex<Reports>,
+    /// A claim of the dispatch loop is running.
+    claiming: AtomicBool,
+    /// A wake-up told of a new delivery not yet offered to a claim beside the running one.
+    arrived: Notify,
 }
 
 /// What the wake-ups reported since the last claim.
@@ -123,6 +130,8 @@ struct Reports {
     /// Some new deliveries may not be in `arrivals`: a wake-up told nothing of its delivery,
     /// or more were reported than are remembered.
     arrivals_gap: bool,
+    /// The arrivals not yet offered to a claim beside the running claim.
+    fresh: Vec<Arrival>,
 }
 
 /// What the wake-ups reported between two claims.
@@ -149,10 +158,20 @@ impl Reports {
                 self.gap = true;
             }
         }
+        if let Some(arrival) = &wake_up.arrival
+            && self.fresh.len() < MAX_ARRIVALS
+        {
+            self.fresh.push(arrival.clone());
+        }
         match wake_up.arrival {
             Some(arrival) if self.arrivals.len() < MAX_ARRIVALS => self.arrivals.push(arrival),
             _ => self.arrivals_gap = true,
         }
+    }
+
+    /// The arrivals reported since the last claim began that no claim beside it was offered.
+    fn take_fresh(&mut self) -> Vec<Arrival> {
+        std::mem::take(&mut self.fresh)
     }
 
     /// The stream opened (`true`) or closed: what it reports is complete only from its opening
@@ -173,6 +192,7 @@ impl Reports {
         };
         self.gap = false;
         self.arrivals_gap = false;
+        self.fresh.clear();
         Reported {
             lanes: std::mem::take(&mut self.lanes),
             complete,
@@ -230,6 +250,8 @@ impl<S: Store> Shared<S> {
             gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
             reported: StdMutex::new(Reports::default()),
+            claiming: AtomicBool::new(false),
+            arrived: Notify::new(),
         }
     }
 
@@ -249,7 +271,11 @@ impl<S: Store> Shared<S> {
 
     /// Remembers what a wake-up reported of a new delivery.
     pub(super) fn report(&self, wake_up: WakeUp) {
+        let told = wake_up.arrival.is_some();
         self.reports().report(wake_up);
+        if told {
+            self.arrived.notify_one();
+        }
     }
 
     /// The wake-up stream opened (`true`) or closed.
@@ -301,6 +327,57 @@ impl<S: Store> Shared<S> {
         }
         .instrument(span)
         .await
+    }
+
+    /// Claims, beside the running claim, deliveries the wake-ups told of since it began, up to
+    /// `limit`, where the store can hand them out at once.
+    async fn claim_beside(&self, limit: u32) -> Vec<Claimed<S::Lease>> {
+        let arrivals = self.reports().take_fresh();
+        if arrivals.is_empty() || limit == 0 {
+            return Vec::new();
+        }
+        let settings = &self.settings;
+        let started = Instant::now();
+        let batch = self
+            .store
+            .claim_beside(ClaimRequest {
+                owner: &settings.owner,
+                handlers: &self.handler_ids,
+                limit,
+                lease_duration: settings.lease_duration,
+                now: self.now(),
+                reported: &[],
+                reports_complete: false,
+                arrivals: &arrivals,
+            })
+            .await;
+        match batch {
+            Ok(batch) => {
+                if !batch.is_empty() {
+                    self.metrics.operation(
+                        Operation::Receive,
+                        started.elapsed().as_secs_f64(),
+                        false,
+                    );
+                    debug!(
+                        claimed = batch.len(),
+                        "claimed reported deliveries beside a claim"
+                    );
+                }
+                for delivery in &batch {
+                    if let Some(metrics) = self.metrics.handler(&delivery.handler) {
+                        metrics.consumed.increment(1);
+                    }
+                }
+                batch
+            }
+            Err(error) => {
+                self.metrics
+                    .operation(Operation::Receive, started.elapsed().as_secs_f64(), true);
+                debug!(%error, "claiming reported deliveries beside a claim failed; the next claim finds them");
+                Vec::new()
+            }
+        }
     }
 
     /// Samples the delivery gauges if this bus leads their sampling (see [`crate::telemetry`]);
@@ -424,6 +501,19 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     });
     info!(handlers = ?shared.handler_ids, "dispatcher started");
 
+    let starter = Starter {
+        shared: Arc::clone(&shared),
+        tracker: tracker.clone(),
+        done,
+        wake: Arc::clone(&notify),
+        stopping: cancel.clone(),
+    };
+    let beside_stop = CancellationToken::new();
+    let beside = tokio::spawn(claim_beside_loop(
+        starter.clone(),
+        Arc::clone(&semaphore),
+        beside_stop.clone(),
+    ));
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
         let available = semaphore.available_permits();
         if available == 0 {
@@ -434,7 +524,10 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             continue;
         }
         let want = available.min(settings.batch_size as usize) as u32;
-        let batch = match shared.claim(want).await {
+        shared.claiming.store(true, Ordering::SeqCst);
+        let batch = shared.claim(want).await;
+        shared.claiming.store(false, Ordering::SeqCst);
+        let batch = match batch {
             Ok(batch) => batch,
             Err(error) => {
                 warn!(%error, "claim failed; trying again after the poll interval");
@@ -458,74 +551,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
                     Err(_) => break,
                 },
             };
-            let id = delivery.lease.delivery_id();
-            let transactional = shared
-                .subscriptions
-                .get(&delivery.handler)
-                .is_some_and(|s| s.transactional);
-            shared.running().insert(
-                id.clone(),
-                Running {
-                    lease: delivery.lease.clone(),
-                    transactional,
-                    abort: None,
-                },
-            );
-            let task_shared = Arc::clone(&shared);
-            let done = done.clone();
-            let wake = Arc::clone(&notify);
-            let stopping = cancel.clone();
-            let handle = tracker.spawn(async move {
-                let mut delivery = delivery;
-                loop {
-                    let task_id = delivery.lease.delivery_id();
-                    // The next delivery of a key can be claimed only once this one is
-                    // settled: wake the loop then, rather than leaving the key to the poll
-                    // interval.
-                    let keyed = delivery.event.key().is_some();
-                    let next_of = next_of_key(&task_shared, &delivery);
-                    let outcome = run_delivery(&task_shared, delivery).await;
-                    if matches!(outcome, Outcome::Completed)
-                        && let Some((lease, handler, key)) = next_of
-                        && !stopping.is_cancelled()
-                        && let Some(next) = claim_next(&task_shared, &lease, &handler, &key).await
-                    {
-                        // The key's next delivery runs in this task, on this permit.
-                        let mut running = task_shared.running();
-                        let abort = running.remove(&task_id).and_then(|r| r.abort);
-                        running.insert(
-                            next.lease.delivery_id(),
-                            Running {
-                                lease: next.lease.clone(),
-                                transactional: true,
-                                abort,
-                            },
-                        );
-                        drop(running);
-                        delivery = next;
-                        continue;
-                    }
-                    match outcome {
-                        // The completer removes it from the running set once completed.
-                        Outcome::Succeeded(lease) => {
-                            if let Err(unsent) = done.send((lease, keyed)) {
-                                task_shared.running().remove(&unsent.0.0.delivery_id());
-                            }
-                        }
-                        Outcome::Completed | Outcome::Settled(_) => {
-                            task_shared.running().remove(&task_id);
-                            if keyed {
-                                wake.notify_one();
-                            }
-                        }
-                    }
-                    break;
-                }
-                drop(permit);
-            });
-            if let Some(entry) = shared.running().get_mut(&id) {
-                entry.abort = Some(handle.abort_handle());
-            }
+            starter.start(delivery, permit);
         }
         if found {
             continue;
@@ -536,6 +562,12 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             _ = tokio::time::sleep(settings.poll_interval) => {}
         }
     }
+    // The claims beside the loop's end first: what they claim runs under the tracker.
+    beside_stop.cancel();
+    if let Err(error) = beside.await {
+        warn!(%error, "the task claiming beside the claims ended abnormally");
+    }
+    drop(starter);
 
     // Shutdown: no more claims; running handlers get the shutdown timeout to finish.
     tracker.close();
@@ -557,7 +589,6 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         }
         tracker.wait().await;
     }
-    drop(done);
     if let Err(error) = completer.await {
         warn!(%error, "the completion task ended abnormally");
     }
@@ -579,6 +610,138 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         Ok(lanes) => info!(released, lanes, "dispatcher stopped; lanes handed back"),
         Err(error) => {
             warn!(%error, "could not hand the lanes back; they free up when their leases end")
+        }
+    }
+}
+
+/// Starts the tasks that run claimed deliveries.
+struct Starter<S: Store> {
+    shared: Arc<Shared<S>>,
+    tracker: TaskTracker,
+    /// Where succeeded deliveries go to be completed in batches.
+    done: mpsc::UnboundedSender<(S::Lease, bool)>,
+    /// Wakes the dispatch loop (a keyed delivery settled).
+    wake: Arc<Notify>,
+    /// The dispatcher is stopping.
+    stopping: CancellationToken,
+}
+
+impl<S: Store> Clone for Starter<S> {
+    fn clone(&self) -> Self {
+        Starter {
+            shared: Arc::clone(&self.shared),
+            tracker: self.tracker.clone(),
+            done: self.done.clone(),
+            wake: Arc::clone(&self.wake),
+            stopping: self.stopping.clone(),
+        }
+    }
+}
+
+impl<S: Store> Starter<S> {
+    /// Runs `delivery` in a task of its own, on `permit`: its handler, its settlement, and the
+    /// key's next deliveries the task may claim after a transactional completion.
+    fn start(&self, delivery: Claimed<S::Lease>, permit: tokio::sync::OwnedSemaphorePermit) {
+        let shared = &self.shared;
+        let id = delivery.lease.delivery_id();
+        let transactional = shared
+            .subscriptions
+            .get(&delivery.handler)
+            .is_some_and(|s| s.transactional);
+        shared.running().insert(
+            id.clone(),
+            Running {
+                lease: delivery.lease.clone(),
+                transactional,
+                abort: None,
+            },
+        );
+        let task_shared = Arc::clone(shared);
+        let done = self.done.clone();
+        let wake = Arc::clone(&self.wake);
+        let stopping = self.stopping.clone();
+        let handle = self.tracker.spawn(async move {
+            let mut delivery = delivery;
+            loop {
+                let task_id = delivery.lease.delivery_id();
+                // The next delivery of a key can be claimed only once this one is
+                // settled: wake the loop then, rather than leaving the key to the poll
+                // interval.
+                let keyed = delivery.event.key().is_some();
+                let next_of = next_of_key(&task_shared, &delivery);
+                let outcome = run_delivery(&task_shared, delivery).await;
+                if matches!(outcome, Outcome::Completed)
+                    && let Some((lease, handler, key)) = next_of
+                    && !stopping.is_cancelled()
+                    && let Some(next) = claim_next(&task_shared, &lease, &handler, &key).await
+                {
+                    // The key's next delivery runs in this task, on this permit.
+                    let mut running = task_shared.running();
+                    let abort = running.remove(&task_id).and_then(|r| r.abort);
+                    running.insert(
+                        next.lease.delivery_id(),
+                        Running {
+                            lease: next.lease.clone(),
+                            transactional: true,
+                            abort,
+                        },
+                    );
+                    drop(running);
+                    delivery = next;
+                    continue;
+                }
+                match outcome {
+                    // The completer removes it from the running set once completed.
+                    Outcome::Succeeded(lease) => {
+                        if let Err(unsent) = done.send((lease, keyed)) {
+                            task_shared.running().remove(&unsent.0.0.delivery_id());
+                        }
+                    }
+                    Outcome::Completed | Outcome::Settled(_) => {
+                        task_shared.running().remove(&task_id);
+                        if keyed {
+                            wake.notify_one();
+                        }
+                    }
+                }
+                break;
+            }
+            drop(permit);
+        });
+        if let Some(entry) = shared.running().get_mut(&id) {
+            entry.abort = Some(handle.abort_handle());
+        }
+    }
+}
+
+/// While the dispatch loop claims, claims what the wake-ups report beside its claim (a new
+/// key's delivery need not wait for the claim in progress and the next one), as far as free
+/// slots allow. Stops at `stop`, never in the middle of a claim.
+async fn claim_beside_loop<S: Store>(
+    starter: Starter<S>,
+    semaphore: Arc<Semaphore>,
+    stop: CancellationToken,
+) {
+    let shared = &starter.shared;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = shared.arrived.notified() => {}
+        }
+        if !shared.claiming.load(Ordering::SeqCst) || starter.stopping.is_cancelled() {
+            continue;
+        }
+        let limit = semaphore
+            .available_permits()
+            .min(shared.settings.batch_size as usize) as u32;
+        for delivery in shared.claim_beside(limit).await {
+            match Arc::clone(&semaphore).try_acquire_owned() {
+                Ok(permit) if !starter.stopping.is_cancelled() => starter.start(delivery, permit),
+                _ => {
+                    // No slot left (the loop's claim took them) or stopping: give it back.
+                    run::release(shared, &delivery.lease).await;
+                }
+            }
         }
     }
 }
@@ -866,5 +1029,36 @@ mod tests {
             reports.report(arrival(6));
         }
         assert!(reports.take().arrivals.is_empty(), "too many to remember");
+    }
+
+    #[test]
+    fn arrivals_are_offered_beside_a_claim_once_and_until_the_next_claim_begins() {
+        let arrival = |byte: u8| WakeUp {
+            at: Some(u32::from(byte)),
+            arrival: Some(Arrival::new(vec![byte])),
+        };
+        let mut reports = Reports::default();
+        reports.report(arrival(1));
+        reports.report(WakeUp {
+            at: Some(2),
+            arrival: None,
+        });
+        reports.report(arrival(3));
+        assert_eq!(
+            reports.take_fresh(),
+            vec![Arrival::new(vec![1]), Arrival::new(vec![3])],
+            "whatever the stream's state, those that told their delivery"
+        );
+        assert!(reports.take_fresh().is_empty(), "offered once");
+        reports.report(arrival(4));
+        reports.take();
+        assert!(
+            reports.take_fresh().is_empty(),
+            "the claim that begins takes them"
+        );
+        for _ in 0..=MAX_ARRIVALS {
+            reports.report(arrival(5));
+        }
+        assert_eq!(reports.take_fresh().len(), MAX_ARRIVALS, "bounded");
     }
 }

@@ -323,6 +323,19 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         async { Ok(None) }
     }
 
+    /// Claims, while a [`claim`](Self::claim) of the same worker runs, deliveries the wake-ups
+    /// just told of (`request.arrivals`, up to `request.limit`), when the store can hand them
+    /// out at once without waiting for that claim: a new key's delivery then need not wait for
+    /// the claim in progress and the next one. The per-key rules hold as for `claim`. What it
+    /// leaves is found by the worker's next claim. The default claims nothing.
+    fn claim_beside(
+        &self,
+        request: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Claimed<Self::Lease>>>> + Send {
+        let _ = request;
+        async { Ok(Vec::new()) }
+    }
+
     /// Completes deliveries whose handlers succeeded; one flag per lease, `false` where the
     /// lease no longer held.
     fn complete(

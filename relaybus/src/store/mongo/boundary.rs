@@ -149,6 +149,21 @@ impl Store for MongoEventStore {
         Ok(claimed.into_iter().map(claimed_of).collect())
     }
 
+    async fn claim_beside(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
+        let handlers: Vec<&str> = request.handlers.iter().map(String::as_str).collect();
+        let claimed = MongoEventStore::claim_beside(
+            self,
+            request.owner,
+            &handlers,
+            request.arrivals,
+            request.limit as usize,
+            request.lease_duration,
+            bson_date(request.now),
+        )
+        .await?;
+        Ok(claimed.into_iter().map(claimed_of).collect())
+    }
+
     async fn claim_next_of_key(
         &self,
         request: NextOfKey<'_, Lease>,

@@ -8,7 +8,7 @@
 //! lane, or that holds the lease of an earlier claim of the same delivery, changes nothing.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fmt,
     str::FromStr,
     sync::{Arc, Mutex, MutexGuard, atomic::AtomicBool},
@@ -275,9 +275,17 @@ pub(crate) struct RankedLanes {
 /// A claim holds the gate closed while it runs; the claims of next deliveries pass while it is
 /// open, side by side (each writes only its own key's delivery into a lane, conditionally), and
 /// wait while it is closed or a claim waits to close it.
+///
+/// A claim of new deliveries beside a running claim (see `claim::beside`) holds `beside`
+/// exclusively; the claim holds it shared while it clears the lanes touched beside it, and
+/// again from deciding its record to handing out, and a claim of a next delivery holds it
+/// shared throughout.
 #[derive(Debug, Default)]
 pub(crate) struct OwnerGate {
     pub(crate) gate: tokio::sync::RwLock<()>,
+    pub(crate) beside: tokio::sync::RwLock<()>,
+    /// The lanes claims beside the running claim wrote to since it started.
+    pub(crate) touched: Mutex<HashSet<i32>>,
     /// A claim of a next delivery failed half-way: it may have listed a delivery nobody
     /// received, so the owner's next claim reconciles its lanes first.
     pub(crate) interrupted: AtomicBool,
@@ -313,6 +321,23 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl OwnerGate {
+    /// Notes lanes a claim beside the running claim writes to.
+    pub(crate) fn touch(&self, lanes: impl IntoIterator<Item = i32>) {
+        lock(&self.touched).extend(lanes);
+    }
+
+    /// The lanes claims beside the running claim wrote to.
+    pub(crate) fn touched(&self) -> HashSet<i32> {
+        lock(&self.touched).clone()
+    }
+
+    /// A claim starts: what was written beside the last one is in the lanes it reads.
+    pub(crate) fn clear_touched(&self) {
+        lock(&self.touched).clear();
+    }
 }
 
 impl ClaimRegistry {
@@ -384,6 +409,14 @@ impl ClaimRegistry {
     /// The claim this instance handed out for `id`, if it has not seen it settled.
     pub(crate) fn issued(&self, id: &ObjectId) -> Option<Issued> {
         lock(&self.issued).get(id).copied()
+    }
+
+    /// Whether a claim handed out and not yet seen settled is of `handler` and `key` and held to
+    /// their order.
+    pub(crate) fn key_issued(&self, handler: &str, key: &str) -> bool {
+        lock(&self.keys)
+            .values()
+            .any(|(h, k)| h == handler && k == key)
     }
 
     /// Every claim this instance has handed out and not seen settled, as of now.

@@ -128,6 +128,8 @@ pub(crate) mod path {
     pub(crate) const ID: &str = "$_id";
     /// `$key`.
     pub(crate) const KEY: &str = "$key";
+    /// `$handler`.
+    pub(crate) const HANDLER: &str = "$handler";
     /// `$sequence`.
     pub(crate) const SEQUENCE: &str = "$sequence";
     /// `$laneId`.

@@ -46,12 +46,14 @@
 //! one read that proves the record was in time, without reading the lanes first ([`arrive`]).
 //!
 //! A worker that just completed a keyed delivery can claim the key's next one alone, without a
-//! whole claim ([`next`]).
+//! whole claim ([`next`]); and while a claim runs, the worker can claim what the change stream
+//! reports meanwhile beside it, when it may run at once ([`beside`]).
 //!
 //! An unkeyed claim writes no delivery document. Any failure reconciles the owner's lanes
 //! ([`reconcile`]).
 
 pub(crate) mod arrive;
+mod beside;
 pub(crate) mod hand_out;
 mod next;
 mod pick;
@@ -290,6 +292,11 @@ impl MongoEventStore {
         // No claim of a key's next delivery runs beside this claim.
         let gate = self.inner.claims.gate(owner);
         let _closed = gate.gate.write().await;
+        {
+            // What claims beside the last claim wrote is in the lanes this one reads.
+            let _apart = gate.beside.read().await;
+            gate.clear_touched();
+        }
         if gate.interrupted.swap(false, Ordering::SeqCst) {
             state.interrupted = true;
         }
@@ -422,8 +429,13 @@ impl MongoEventStore {
 
         // After an idle wait, what the wake-ups reported may be claimed as it is.
         let idle = !state.busy && !reported.is_empty();
+        let gate = self.inner.claims.gate(owner);
         if idle && reports_complete && !arrivals.is_empty() {
-            match self.claim_arrivals(&request, &arrivals, limit).await? {
+            // Its proof takes a listed delivery for its own: no claim beside it may list one.
+            let apart = gate.beside.read().await;
+            let arrived = self.claim_arrivals(&request, &arrivals, limit).await?;
+            drop(apart);
+            match arrived {
                 Arrived::Claimed { batch, all } => {
                     if all {
                         state.exhausted = Some(Exhausted {
@@ -556,16 +568,36 @@ impl MongoEventStore {
             ..
         } = scan;
         let Picking {
-            picks,
+            mut picks,
             running,
             waiting,
             ..
         } = picking;
         let picked = picks.len();
+        // From here to handing out, no claim beside this one runs. What one handed out since
+        // this claim read is left out: its deliveries, and deliveries of a key it started.
+        // Lanes it wrote to are not handed back: this claim read them before.
+        let apart = gate.beside.read().await;
+        let claims = &self.inner.claims;
+        picks.retain(|pick| {
+            claims.issued(&pick.id).is_none()
+                && pick
+                    .key
+                    .as_ref()
+                    .is_none_or(|key| !claims.key_issued(&pick.handler, key))
+        });
+        let touched = gate.touched();
         let deferred_ids: Vec<ObjectId> = deferred.iter().map(|head| head.id).collect();
         let (read, recorded, moved) = futures::join!(
             self.events_missing(&picks, &events),
-            self.record(&request, lanes, picks.clone(), &running, &handing_over),
+            self.record(
+                &request,
+                lanes,
+                picks.clone(),
+                &running,
+                &handing_over,
+                &touched
+            ),
             self.unpark_ids(deferred_ids.clone()),
         );
         let recorded = recorded?;
@@ -637,6 +669,7 @@ impl MongoEventStore {
             claimed = sure;
             orphaned.extend(unsure.iter().map(|delivery| delivery.lease));
         }
+        drop(apart);
         for lease in orphaned {
             // Not handed out: taken off its lane again, uncharged. The next claim finds it.
             if let Err(error) = self.release(&lease, now).await {

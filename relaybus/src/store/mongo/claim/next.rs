@@ -53,6 +53,8 @@ impl MongoEventStore {
         // A claim running now may take the delivery itself, and the two must not both: wait
         // for it to end (it then finds the delivery listed or takes it first).
         let _open = gate.gate.read().await;
+        // Nor beside a claim of reported deliveries beside the owner's claims.
+        let _apart = gate.beside.read().await;
         // The owner's claims leave the key to this one while the completed delivery is
         // outstanding (see `Running::handing_over`): from here on, they need not.
         self.inner.claims.settled(completed);

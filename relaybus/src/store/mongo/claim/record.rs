@@ -38,8 +38,8 @@ pub(super) struct Recorded {
 impl MongoEventStore {
     /// Records `picks` on the claim's `lanes` in one command, and hands back the lanes that
     /// yielded nothing and run nothing. Deliveries a held lane lists that no longer exist (not
-    /// in `running`) are taken off it; a lane listing one of `handing_over` is kept. When a
-    /// write did not match, keeps only the picks of the lanes that list them under the epoch
+    /// in `running`) are taken off it; a lane listing one of `handing_over`, or `touched` by a
+    /// claim beside this one, is kept. When a write did not match, keeps only the picks of the lanes that list them under the epoch
     /// they were read in.
     pub(super) async fn record(
         &self,
@@ -48,6 +48,7 @@ impl MongoEventStore {
         mut picks: Vec<Candidate>,
         running: &HashSet<ObjectId>,
         handing_over: &HashSet<ObjectId>,
+        touched: &HashSet<i32>,
     ) -> Result<Recorded> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
@@ -120,8 +121,10 @@ impl MongoEventStore {
                 .filter(|id| !running.contains(id))
                 .copied()
                 .collect();
+            // A claim beside this one may have listed a delivery there since it was read.
             let runs = lane.in_flight.len() > gone.len()
-                || gone.iter().any(|id| handing_over.contains(id));
+                || gone.iter().any(|id| handing_over.contains(id))
+                || touched.contains(&lane.id);
             gone_ids.extend(gone.iter().copied());
             let filter = lane.held_filter(owner, instance);
             if new_ids.is_empty() && !runs {
