@@ -80,6 +80,19 @@ impl Lane {
     }
 }
 
+/// The condition on a lane document that it is free and clean at `now`: no holder or an
+/// expired lease, nothing in flight, no lost claim.
+pub(crate) fn free_and_clean(now: DateTime) -> Document {
+    doc! {
+        field::IN_FLIGHT: { "$in": [Bson::Null, []] },
+        field::LOST: { "$in": [Bson::Null, []] },
+        "$or": [
+            { field::OWNER: Bson::Null },
+            { field::LEASE_EXPIRES_AT: { "$lte": now } },
+        ],
+    }
+}
+
 impl MongoEventStore {
     /// Sends `statements` (`{q, u, upsert?}`) to the lanes as one unordered `update` command
     /// with majority write concern; how many lane documents they matched.

@@ -193,7 +193,10 @@ impl MongoEventStore {
             let mut handed: Vec<ClaimedDelivery> = Vec::new();
             if let Some(seen) = seen.filter(|_| in_time) {
                 for id in &picks.ids {
-                    let Some((candidate, event)) = seen.deliveries.get(id) else {
+                    let Some(Found {
+                        candidate, event, ..
+                    }) = seen.deliveries.get(id)
+                    else {
                         break;
                     };
                     if candidate.key.is_some()
@@ -331,25 +334,39 @@ impl MongoEventStore {
             .iter()
             .flat_map(|picks| picks.ids.iter().copied())
             .collect();
+        self.read_reported(&lanes, &ids, None).await
+    }
+
+    /// Reads `lanes`, then (later in the same command, correlated, so that it runs for each
+    /// lane after the lane was read) each lane's deliveries among `ids` that are still pending
+    /// and ready, with their events and the result of `lookup` (a `$lookup` stage into
+    /// [`Found::lowest`], if given).
+    pub(super) async fn read_reported(
+        &self,
+        lanes: &[i32],
+        ids: &[ObjectId],
+        lookup: Option<Document>,
+    ) -> Result<HashMap<i32, Seen>> {
+        let mut deliveries = vec![
+            doc! { "$match": {
+                field::ID: { "$in": ids },
+                field::STATUS: status::PENDING,
+                field::LANE: lane::READY,
+                "$expr": { "$eq": [path::LANE_ID, "$$lane"] },
+            } },
+            super::scan::event_lookup(self.inner.events.name()),
+        ];
+        deliveries.extend(lookup);
         let pipeline = vec![
-            doc! { "$match": { field::ID: { "$in": &lanes } } },
+            doc! { "$match": { field::ID: { "$in": lanes } } },
             doc! { "$project": {
-                field::OWNER: 1, field::INSTANCE: 1, field::EPOCH: 1,
+                field::OWNER: 1, field::INSTANCE: 1, field::EPOCH: 1, field::REQUEUES: 1,
                 field::LEASE_EXPIRES_AT: 1, field::IN_FLIGHT: 1, field::LOST: 1,
             } },
-            // Correlated, so that it runs for each lane after the lane was read.
             doc! { "$lookup": {
                 "from": self.inner.deliveries.name(),
                 "let": { "lane": path::ID },
-                "pipeline": [
-                    { "$match": {
-                        field::ID: { "$in": &ids },
-                        field::STATUS: status::PENDING,
-                        field::LANE: lane::READY,
-                        "$expr": { "$eq": [path::LANE_ID, "$$lane"] },
-                    } },
-                    super::scan::event_lookup(self.inner.events.name()),
-                ],
+                "pipeline": deliveries,
                 "as": "d",
             } },
         ];
@@ -371,14 +388,26 @@ impl MongoEventStore {
                     let Some(candidate) = Candidate::from_document(delivery) else {
                         continue;
                     };
-                    let event = delivery
-                        .get_array("event")
-                        .ok()
-                        .and_then(|events| events.first())
-                        .and_then(Bson::as_document)
-                        .and_then(|event| RawDocumentBuf::from_document(event).ok());
+                    let first = |name: &str| {
+                        delivery
+                            .get_array(name)
+                            .ok()
+                            .and_then(|found| found.first())
+                            .and_then(Bson::as_document)
+                    };
+                    let event =
+                        first("event").and_then(|event| RawDocumentBuf::from_document(event).ok());
+                    let lowest =
+                        first(LOWEST).and_then(|lowest| lowest.get_object_id(field::ID).ok());
                     if let Some(event) = event {
-                        deliveries.insert(candidate.id, (candidate, event));
+                        deliveries.insert(
+                            candidate.id,
+                            Found {
+                                candidate,
+                                event,
+                                lowest,
+                            },
+                        );
                     }
                 }
             }
@@ -394,12 +423,24 @@ impl MongoEventStore {
     }
 }
 
+/// Where [`MongoEventStore::read_reported`] expects the result of its extra lookup.
+pub(super) const LOWEST: &str = "lowest";
+
+/// A reported delivery as the read found it.
+#[derive(Debug)]
+pub(super) struct Found {
+    pub(super) candidate: Candidate,
+    pub(super) event: RawDocumentBuf,
+    /// The id the extra lookup found first, if any.
+    pub(super) lowest: Option<ObjectId>,
+}
+
 /// A lane and its reported deliveries, as the read saw them.
 #[derive(Debug)]
-struct Seen {
-    lane: Document,
+pub(super) struct Seen {
+    pub(super) lane: Document,
     /// The pending, ready deliveries found, with their events.
-    deliveries: HashMap<ObjectId, (Candidate, RawDocumentBuf)>,
+    pub(super) deliveries: HashMap<ObjectId, Found>,
 }
 
 impl Seen {

@@ -35,17 +35,22 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use futures::{TryStreamExt, future};
-use mongodb::bson::{Bson, DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
+use futures::future;
+use mongodb::bson::{Bson, DateTime, RawDocument, doc, oid::ObjectId};
 
-use super::{ClaimedDelivery, hand_out::envelope, scan::Candidate};
+use super::{
+    ClaimedDelivery,
+    arrive::{Found, LOWEST, Seen},
+    hand_out::envelope,
+    scan::Candidate,
+};
 use crate::{
     error::Result,
     store::{
         Arrival,
         mongo::{
             MongoEventStore,
-            lane::{Lane, add, check_lease_duration, check_owner, int},
+            lane::{Lane, add, check_lease_duration, check_owner, free_and_clean},
             lease::Lease,
             schema::{field, index, lane, path, status},
         },
@@ -54,15 +59,6 @@ use crate::{
 
 /// The most lanes one claim beside a running claim writes to.
 const MAX_LANES: usize = 8;
-
-/// What the read found of one lane and its reported deliveries.
-#[derive(Debug)]
-struct Seen {
-    lane: Document,
-    /// The pending, ready deliveries found, with their events and, keyed, the id of their
-    /// key's lowest pending delivery.
-    deliveries: HashMap<ObjectId, (Candidate, RawDocumentBuf, Option<ObjectId>)>,
-}
 
 impl MongoEventStore {
     /// Claims, for `owner`, up to `limit` of the deliveries the wake-ups reported (`arrivals`)
@@ -151,7 +147,12 @@ impl MongoEventStore {
             };
             let mut picks = Vec::new();
             for candidate in candidates {
-                let Some((found, event, lowest)) = seen.deliveries.get(&candidate.id) else {
+                let Some(Found {
+                    candidate: found,
+                    event,
+                    lowest,
+                }) = seen.deliveries.get(&candidate.id)
+                else {
                     continue;
                 };
                 let may_run = found.lane == *lane_id
@@ -258,88 +259,28 @@ impl MongoEventStore {
             .values()
             .flat_map(|candidates| candidates.iter().map(|c| c.id))
             .collect();
-        let pipeline = vec![
-            doc! { "$match": { field::ID: { "$in": &lanes } } },
-            doc! { "$lookup": {
-                "from": self.inner.deliveries.name(),
-                "let": { "lane": path::ID },
-                "pipeline": [
-                    { "$match": {
-                        field::ID: { "$in": &ids },
-                        field::STATUS: status::PENDING,
-                        field::LANE: lane::READY,
-                        "$expr": { "$eq": [path::LANE_ID, "$$lane"] },
-                    } },
-                    super::scan::event_lookup(self.inner.events.name()),
-                    { "$lookup": {
-                        "from": self.inner.deliveries.name(),
-                        "let": {
-                            "handler": path::HANDLER,
-                            "key": { "$ifNull": [path::KEY, Bson::Null] },
-                        },
-                        "pipeline": [
-                            { "$match": {
-                                field::STATUS: status::PENDING,
-                                field::KEY: { "$exists": true },
-                                "$expr": { "$and": [
-                                    { "$eq": [path::HANDLER, "$$handler"] },
-                                    { "$eq": [path::KEY, "$$key"] },
-                                ] },
-                            } },
-                            { "$sort": index::ordering_keys() },
-                            { "$limit": 1 },
-                            { "$project": { field::ID: 1 } },
-                        ],
-                        "as": "lowest",
-                    } },
-                ],
-                "as": "d",
-            } },
-        ];
-        let docs: Vec<Document> = self
-            .inner
-            .lanes
-            .aggregate(pipeline)
-            .await?
-            .try_collect()
-            .await?;
-        let mut seen = HashMap::with_capacity(docs.len());
-        for doc in docs {
-            let Some(id) = int(&doc, field::ID).and_then(|id| i32::try_from(id).ok()) else {
-                continue;
-            };
-            let mut deliveries = HashMap::new();
-            if let Ok(found) = doc.get_array("d") {
-                for delivery in found.iter().filter_map(Bson::as_document) {
-                    let Some(candidate) = Candidate::from_document(delivery) else {
-                        continue;
-                    };
-                    let event = delivery
-                        .get_array("event")
-                        .ok()
-                        .and_then(|events| events.first())
-                        .and_then(Bson::as_document)
-                        .and_then(|event| RawDocumentBuf::from_document(event).ok());
-                    let lowest = delivery
-                        .get_array("lowest")
-                        .ok()
-                        .and_then(|lowest| lowest.first())
-                        .and_then(Bson::as_document)
-                        .and_then(|lowest| lowest.get_object_id(field::ID).ok());
-                    if let Some(event) = event {
-                        deliveries.insert(candidate.id, (candidate, event, lowest));
-                    }
-                }
-            }
-            seen.insert(
-                id,
-                Seen {
-                    lane: doc,
-                    deliveries,
-                },
-            );
-        }
-        Ok(seen)
+        let lowest = doc! { "$lookup": {
+            "from": self.inner.deliveries.name(),
+            "let": {
+                "handler": path::HANDLER,
+                "key": { "$ifNull": [path::KEY, Bson::Null] },
+            },
+            "pipeline": [
+                { "$match": {
+                    field::STATUS: status::PENDING,
+                    field::KEY: { "$exists": true },
+                    "$expr": { "$and": [
+                        { "$eq": [path::HANDLER, "$$handler"] },
+                        { "$eq": [path::KEY, "$$key"] },
+                    ] },
+                } },
+                { "$sort": index::ordering_keys() },
+                { "$limit": 1 },
+                { "$project": { field::ID: 1 } },
+            ],
+            "as": LOWEST,
+        } };
+        self.read_reported(&lanes, &ids, Some(lowest)).await
     }
 
     /// Lists `ids` on `lane` if it is as the read saw it: held by `owner` on this instance
@@ -371,18 +312,14 @@ impl MongoEventStore {
                 } }],
             )
         } else {
+            let mut filter = doc! {
+                field::ID: lane.id,
+                field::EPOCH: lane.epoch,
+                field::REQUEUES: lane.requeues.clone(),
+            };
+            filter.extend(free_and_clean(now));
             (
-                doc! {
-                    field::ID: lane.id,
-                    field::EPOCH: lane.epoch,
-                    field::REQUEUES: lane.requeues.clone(),
-                    field::IN_FLIGHT: { "$in": [Bson::Null, []] },
-                    field::LOST: { "$in": [Bson::Null, []] },
-                    "$or": [
-                        { field::OWNER: Bson::Null },
-                        { field::LEASE_EXPIRES_AT: { "$lte": now } },
-                    ],
-                },
+                filter,
                 vec![doc! { "$set": {
                     field::EPOCH: epoch,
                     field::OWNER: { "$literal": owner },

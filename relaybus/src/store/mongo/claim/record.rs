@@ -17,7 +17,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, STATEMENTS_PER_COMMAND},
+        lane::{Lane, STATEMENTS_PER_COMMAND, free_and_clean},
         schema::{field, path},
     },
 };
@@ -71,17 +71,12 @@ impl MongoEventStore {
             if let Hold::Joining { epoch } = hold {
                 // Taken only if it is still free and unchanged since it was read: same epoch,
                 // no requeue, nothing listed.
-                let filter = doc! {
+                let mut filter = doc! {
                     field::ID: lane.id,
                     field::EPOCH: epoch.clone(),
                     field::REQUEUES: lane.requeues.clone(),
-                    field::IN_FLIGHT: { "$in": [Bson::Null, []] },
-                    field::LOST: { "$in": [Bson::Null, []] },
-                    "$or": [
-                        { field::OWNER: Bson::Null },
-                        { field::LEASE_EXPIRES_AT: { "$lte": now } },
-                    ],
                 };
+                filter.extend(free_and_clean(now));
                 lane.epoch = lane.epoch.saturating_add(1);
                 if new_ids.is_empty() {
                     // Taken and handed back in one write: it yielded nothing.
