@@ -77,6 +77,26 @@ async fn counting_client(db: &TestDb) -> (Client, Arc<AtomicUsize>, Arc<Mutex<Ve
     (Client::with_options(options).unwrap(), count, names)
 }
 
+/// Has the server hold back, once, the next `command` of the client named `app` for `ms`
+/// milliseconds, until the returned fail point is dropped.
+async fn hold_back_once(db: &TestDb, app: &str, command: &str, ms: i64) -> FailPoint {
+    FailPoint::enable(
+        &db.client,
+        doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 1 },
+            "data": {
+                "failCommands": [command],
+                "blockConnection": true,
+                "blockTimeMS": ms,
+                "appName": app,
+            },
+        },
+    )
+    .await
+    .unwrap()
+}
+
 fn event(id: &str, key: Option<&str>) -> EventEnvelope {
     let event = EventEnvelope::from_json("order.placed.v1", json!({ "order": id }))
         .unwrap()
@@ -854,21 +874,7 @@ async fn a_completion_that_lands_while_a_claim_reads_is_not_taken_for_an_orphan(
         )
         .await
         .unwrap();
-    let hold = FailPoint::enable(
-        &db.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["update"],
-                "blockConnection": true,
-                "blockTimeMS": 1000,
-                "appName": &app,
-            },
-        },
-    )
-    .await
-    .unwrap();
+    let hold = hold_back_once(&db, &app, "update", 1000).await;
     armed.store(true, Ordering::SeqCst);
     let claiming = tokio::spawn({
         let store = store.clone();
@@ -2417,21 +2423,7 @@ async fn a_reported_delivery_is_claimed_whichever_of_its_write_and_read_the_serv
         publish(&store, &[event(&id, None)], &[HANDLER], at(0)).await;
         let woken = next_wake_ups(&mut stream, 1).await;
         // The server holds one of the two back, so that the other runs first.
-        let fail_point = FailPoint::enable(
-            &db.client,
-            doc! {
-                "configureFailPoint": "failCommand",
-                "mode": { "times": 1 },
-                "data": {
-                    "failCommands": [held_back],
-                    "blockConnection": true,
-                    "blockTimeMS": 200,
-                    "appName": &app,
-                },
-            },
-        )
-        .await
-        .unwrap();
+        let fail_point = hold_back_once(&db, &app, held_back, 200).await;
         let (sent, claimed) =
             claim_woken(&store, &count, &names, ms(100 * n as i64 + 10), &woken).await;
         drop(fail_point);
@@ -2487,21 +2479,7 @@ async fn a_reported_delivery_run_elsewhere_between_the_read_and_the_write_is_not
     // The woken claim's write waits on the server; its read sees the lane held, the delivery
     // listed. Meanwhile the other owner completes it and hands the lane back, in the same
     // epoch: the write then finds the lane free and clean.
-    let _held_back = FailPoint::enable(
-        &db.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["findAndModify"],
-                "blockConnection": true,
-                "blockTimeMS": 1_000,
-                "appName": &app,
-            },
-        },
-    )
-    .await
-    .unwrap();
+    let _held_back = hold_back_once(&db, &app, "findAndModify", 1_000).await;
     armed.store(true, Ordering::SeqCst);
     let claim = tokio::spawn({
         let store = woken_store.clone();
@@ -3216,21 +3194,7 @@ async fn a_new_key_is_claimed_beside_a_running_claim_which_leaves_it_and_keeps_i
 
     // The owner's claim reads the lanes, then the server holds its first `find` back; it will
     // find the new delivery. Meanwhile a claim beside it takes that delivery.
-    let _held_back = FailPoint::enable(
-        &db.client,
-        doc! {
-            "configureFailPoint": "failCommand",
-            "mode": { "times": 1 },
-            "data": {
-                "failCommands": ["find"],
-                "blockConnection": true,
-                "blockTimeMS": 1_500,
-                "appName": &app,
-            },
-        },
-    )
-    .await
-    .unwrap();
+    let _held_back = hold_back_once(&db, &app, "find", 1_500).await;
     armed.store(true, Ordering::SeqCst);
     let running = tokio::spawn({
         let store = store.clone();
