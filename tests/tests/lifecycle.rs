@@ -77,6 +77,26 @@ async fn counting_client(db: &TestDb) -> (Client, Arc<AtomicUsize>, Arc<Mutex<Ve
     (Client::with_options(options).unwrap(), count, names)
 }
 
+/// A client named `app` that notifies the returned `Notify` of each command event `tells`
+/// accepts while the returned flag is set.
+async fn client_telling(
+    db: &TestDb,
+    app: &str,
+    tells: impl Fn(&CommandEvent) -> bool + Send + Sync + 'static,
+) -> (Client, Arc<AtomicBool>, Arc<Notify>) {
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.to_owned());
+    let armed = Arc::new(AtomicBool::new(false));
+    let told = Arc::new(Notify::new());
+    let (a, t) = (Arc::clone(&armed), Arc::clone(&told));
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if a.load(Ordering::SeqCst) && tells(&event) {
+            t.notify_one();
+        }
+    }));
+    (Client::with_options(options).unwrap(), armed, told)
+}
+
 /// Has the server hold back, once, the next `command` of the client named `app` for `ms`
 /// milliseconds, until the returned fail point is dropped.
 async fn hold_back_once(db: &TestDb, app: &str, command: &str, ms: i64) -> FailPoint {
@@ -2449,20 +2469,12 @@ async fn a_reported_delivery_run_elsewhere_between_the_read_and_the_write_is_not
     let other = store(&db).await;
     // The woken claim's client tells when the server answered its read.
     let app = format!("{}-between", db.name);
-    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
-    options.app_name = Some(app.clone());
-    let armed = Arc::new(AtomicBool::new(false));
-    let read = Arc::new(Notify::new());
-    let (a, r) = (Arc::clone(&armed), Arc::clone(&read));
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Succeeded(done) = event
-            && done.command_name == "aggregate"
-            && a.load(Ordering::SeqCst)
-        {
-            r.notify_one();
-        }
-    }));
-    let client = Client::with_options(options).unwrap();
+    let (client, armed, read) = client_telling(
+        &db,
+        &app,
+        |event| matches!(event, CommandEvent::Succeeded(done) if done.command_name == "aggregate"),
+    )
+    .await;
     let woken_store = store_with(&client, &db, false).await;
     let count = AtomicUsize::new(0);
     let mut stream = wake_up_stream(&db).await;
@@ -3156,20 +3168,12 @@ async fn a_new_key_is_claimed_beside_a_running_claim_which_leaves_it_and_keeps_i
     // The store's client tells when the server started the running claim's first `find`,
     // which the server holds back.
     let app = format!("{}-beside", db.name);
-    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
-    options.app_name = Some(app.clone());
-    let armed = Arc::new(AtomicBool::new(false));
-    let finding = Arc::new(Notify::new());
-    let (a, f) = (Arc::clone(&armed), Arc::clone(&finding));
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(started) = event
-            && started.command_name == "find"
-            && a.swap(false, Ordering::SeqCst)
-        {
-            f.notify_one();
-        }
-    }));
-    let client = Client::with_options(options).unwrap();
+    let (client, armed, finding) = client_telling(
+        &db,
+        &app,
+        |event| matches!(event, CommandEvent::Started(started) if started.command_name == "find"),
+    )
+    .await;
     let store = store_with(&client, &db, false).await;
     let count = AtomicUsize::new(0);
     let mut stream = wake_up_stream(&db).await;

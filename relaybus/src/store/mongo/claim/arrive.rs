@@ -69,6 +69,18 @@ pub(crate) fn arrival_fields() -> Document {
     fields
 }
 
+/// The delivery a wake-up told of, if the document it carries is one of a pending delivery in
+/// the ready lane.
+pub(super) fn candidate_of(arrival: &Arrival) -> Option<Candidate> {
+    RawDocument::from_bytes(arrival.as_bytes())
+        .ok()
+        .filter(|doc| {
+            doc.get_str(field::STATUS) == Ok(status::PENDING)
+                && doc.get_str(field::LANE) == Ok(lane::READY)
+        })
+        .and_then(Candidate::from_raw)
+}
+
 /// What a claim of arrivals did.
 #[derive(Debug)]
 pub(super) enum Arrived {
@@ -112,14 +124,7 @@ impl MongoEventStore {
         let mut by_lane: BTreeMap<i32, Vec<ObjectId>> = BTreeMap::new();
         let mut seen = HashSet::new();
         for arrival in arrivals {
-            let Some(candidate) = RawDocument::from_bytes(arrival.as_bytes())
-                .ok()
-                .filter(|doc| {
-                    doc.get_str(field::STATUS) == Ok(status::PENDING)
-                        && doc.get_str(field::LANE) == Ok(lane::READY)
-                })
-                .and_then(Candidate::from_raw)
-            else {
+            let Some(candidate) = candidate_of(arrival) else {
                 return Ok(Arrived::Declined);
             };
             if candidate.key.is_some()

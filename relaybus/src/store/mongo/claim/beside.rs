@@ -36,11 +36,11 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use futures::future;
-use mongodb::bson::{Bson, DateTime, RawDocument, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, doc, oid::ObjectId};
 
 use super::{
     ClaimedDelivery,
-    arrive::{Found, LOWEST, Seen},
+    arrive::{Found, LOWEST, Seen, candidate_of},
     hand_out::envelope,
     scan::Candidate,
 };
@@ -52,7 +52,7 @@ use crate::{
             MongoEventStore,
             lane::{Lane, add, check_lease_duration, check_owner, free_and_clean},
             lease::Lease,
-            schema::{field, index, lane, path, status},
+            schema::{field, index, path, status},
         },
     },
 };
@@ -86,14 +86,7 @@ impl MongoEventStore {
         let mut ids = HashSet::new();
         let mut taken = 0;
         for arrival in arrivals {
-            let Some(candidate) = RawDocument::from_bytes(arrival.as_bytes())
-                .ok()
-                .filter(|doc| {
-                    doc.get_str(field::STATUS) == Ok(status::PENDING)
-                        && doc.get_str(field::LANE) == Ok(lane::READY)
-                })
-                .and_then(Candidate::from_raw)
-            else {
+            let Some(candidate) = candidate_of(arrival) else {
                 continue;
             };
             let fresh = candidate.due_at <= now
