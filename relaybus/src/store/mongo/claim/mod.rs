@@ -27,10 +27,10 @@
 //! - **Recording** ([`record`]) the batch, while the events of the picks are read: one
 //!   conditional write per lane, all in one `update` command, that takes the free lanes picked
 //!   from and hands back the lanes that yielded nothing and run nothing. A lane whose condition
-//!   no longer holds keeps nothing of this claim. Deliveries found waiting are parked.
+//!   no longer holds keeps nothing of this claim.
 //! - **Handing out** ([`hand_out`]) the deliveries with their events and leases. A recorded
 //!   pick whose event is missing, or a head whose update did not move it, is given back at
-//!   once, uncharged.
+//!   once, uncharged. Then the deliveries found waiting are parked.
 //!
 //! A claim can be told which lanes the change stream reported new deliveries in. It reads those
 //! lanes first, held or free, their first page coming with the first read. After an idle wait
@@ -610,8 +610,6 @@ impl MongoEventStore {
                 true
             }
         };
-        self.park_waiting(owner, &waiting, &recorded.handed_back)
-            .await;
         // A claim that filled up may have handed back lanes it never read to the end: held
         // lanes, or free ones it joined, whose due deliveries came after its picks. A kept
         // ranking that read them when they were free must not go on saying they have nothing
@@ -669,7 +667,11 @@ impl MongoEventStore {
             claimed = sure;
             orphaned.extend(unsure.iter().map(|delivery| delivery.lease));
         }
+        // Handed out: claims beside this one may run again. Parking needs no keeping apart: a
+        // delivery parked while it runs is moved back only once nothing of its key runs.
         drop(apart);
+        self.park_waiting(owner, &waiting, &recorded.handed_back)
+            .await;
         for lease in orphaned {
             // Not handed out: taken off its lane again, uncharged. The next claim finds it.
             if let Err(error) = self.release(&lease, now).await {
