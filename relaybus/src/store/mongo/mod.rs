@@ -275,10 +275,10 @@ impl MongoEventStoreBuilder {
     ///
     /// Parking spares the claims a scan over the waiting deliveries of a blocked key, at the
     /// price of two more writes of each of them (parked, then moved back) and of index entries
-    /// the claims' reads step over until the storage engine purges them. With backlogs of a few
-    /// hundred deliveries per key, leaving them unparked drains the backlog more slowly but
-    /// lets work of other keys through sooner: the README's benchmark section has the
-    /// figures. Every process claiming from the store should use the same value.
+    /// the claims' reads step over until the storage engine purges them. Which drains a
+    /// backlog faster, and keeps the latency of other keys' work lower, depends on the shape of
+    /// the backlog: the README's benchmark section has figures for backlogs of a few hundred
+    /// deliveries per key. Every process claiming from the store should use the same value.
     ///
     /// ```no_run
     /// # async fn example() -> Result<(), relaybus::Error> {
