@@ -6,9 +6,10 @@
 //! from a majority insert's return to its change event (the wake-up's own). The floor of the
 //! document model (see `common::floor`) runs next to them with the same batch size; each
 //! unkeyed row gives relaybus / floor, each keyed row keyed / unkeyed at the same bus count.
-//! Relaybus and floor rows also give the server's CPU time per 1,000 deliveries while they
-//! drained (from `serverStatus`, on Linux servers): the server's work, which on a small
-//! machine limits the rates and is moved less by scheduling noise than they are.
+//! Relaybus and floor rows also give the server's work per 1,000 deliveries while they drained
+//! (from `serverStatus`): its CPU time (on Linux servers), which on a small machine limits the
+//! rates and is moved less by scheduling noise than they are, and the commands, index keys and
+//! documents examined and documents written that say where it goes.
 //!
 //! Then three profiles, each with one bus set as in the throughput runs:
 //! - a fresh key under a backlog: events with keys never seen before, published one at a time
@@ -22,6 +23,7 @@
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
 //! - `RELAYBUS_BENCH_DELIVERIES`: deliveries per throughput run (default 4000);
+//! - `RELAYBUS_BENCH_BUSES`: the bus counts of the throughput runs (default `1,2,4`);
 //! - `RELAYBUS_BENCH_SAMPLES`: latency samples with the change stream (default 1000);
 //! - `RELAYBUS_BENCH_POLL_SAMPLES`: latency samples when polling (default 150);
 //! - `RELAYBUS_BENCH_BACKLOG_KEYS_DELIVERIES`: the keyed backlog of the fresh-key run (default
@@ -30,6 +32,8 @@
 //!   `RELAYBUS_PROFILE=long`);
 //! - `RELAYBUS_BENCH_HOT_KEYS_DELIVERIES`: the hot-keys run (default 2000), over
 //!   `RELAYBUS_BENCH_HOT_KEYS` keys (default 10).
+//!
+//! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server.
 //!
 //! Run by `cargo test` (without `--bench`), it makes small runs of everything as a smoke test.
 
@@ -55,7 +59,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 mod common;
 
-use common::{Floor, Memory, Summary, baseline, cpu_per_thousand, floor, server_cpu, store};
+use common::{Floor, Memory, ServerWork, Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
 /// The keys of the hot-keys run, unless `RELAYBUS_BENCH_HOT_KEYS` says otherwise.
@@ -93,6 +97,17 @@ async fn main() -> Result<(), BoxError> {
         }
     };
     let deliveries = sized("RELAYBUS_BENCH_DELIVERIES", 4000, 64);
+    let bus_counts = bus_counts()?;
+    let throughput_only = match std::env::var("RELAYBUS_BENCH_ONLY") {
+        Ok(only) if only == "throughput" => true,
+        Ok(other) => {
+            return Err(format!(
+                "RELAYBUS_BENCH_ONLY={other:?}: the only part that runs alone is `throughput`"
+            )
+            .into());
+        }
+        Err(_) => false,
+    };
     let samples = sized("RELAYBUS_BENCH_SAMPLES", 1000, 5);
     let poll_samples = sized("RELAYBUS_BENCH_POLL_SAMPLES", 150, 5);
     let backlog_size = sized(
@@ -120,7 +135,8 @@ async fn main() -> Result<(), BoxError> {
     println!("{:>76}", "ms / 1000");
     let mut throughput = Vec::new();
     let mut unkeyed_one_bus = f64::NAN;
-    for buses in [1_usize, 2, 4] {
+    let mut work = Vec::new();
+    for buses in bus_counts {
         let db = fresh_db();
         let baseline = baseline(&db, deliveries, BATCH, buses).await?;
         db.drop().await?;
@@ -131,9 +147,12 @@ async fn main() -> Result<(), BoxError> {
         let db = fresh_db();
         let floor_store = store(&client, &db).await?;
         publish(&floor_store, deliveries, None).await?;
-        let cpu = server_cpu(&client).await;
+        let before = ServerWork::now(&client).await;
         let floor = floor(&floor_store, deliveries, BATCH, buses).await?;
-        let floor_cpu = cpu_per_thousand(cpu, server_cpu(&client).await, deliveries);
+        let floor_work =
+            ServerWork::per_thousand(before, ServerWork::now(&client).await, deliveries);
+        let floor_cpu = floor_work["cpu_ms"].as_f64();
+        work.push(("floor", "none", buses, floor_work.clone()));
         db.drop().await?;
         println!(
             "{:<10} {:<8} {:>6} {:>16.0} {:>8} {:>10} {:>12}",
@@ -148,7 +167,14 @@ async fn main() -> Result<(), BoxError> {
         let mut unkeyed = f64::NAN;
         for keyed in [false, true] {
             let db = fresh_db();
-            let (ours, ours_cpu) = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
+            let (ours, ours_work) = relaybus_run(&client, &db, deliveries, buses, keyed).await?;
+            let ours_cpu = ours_work["cpu_ms"].as_f64();
+            work.push((
+                "relaybus",
+                if keyed { "100 keys" } else { "none" },
+                buses,
+                ours_work.clone(),
+            ));
             db.drop().await?;
             let mut row = serde_json::json!({
                 "buses": buses,
@@ -160,6 +186,8 @@ async fn main() -> Result<(), BoxError> {
                 "floor_ratio": thousandths(floor / baseline),
                 "relaybus_server_cpu_ms_per_1000": ours_cpu,
                 "floor_server_cpu_ms_per_1000": floor_cpu,
+                "relaybus_server_work_per_1000": ours_work,
+                "floor_server_work_per_1000": floor_work,
             });
             if keyed {
                 let keyed_to_unkeyed = ours / unkeyed;
@@ -194,6 +222,21 @@ async fn main() -> Result<(), BoxError> {
             }
             throughput.push(row);
         }
+    }
+
+    print_work(&work);
+    if throughput_only {
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "dispatch",
+                "profile": "throughput",
+                "deliveries_per_run": deliveries,
+                "batch": BATCH,
+                "throughput": throughput,
+            })
+        );
+        return Ok(());
     }
 
     println!("\ncommit-to-handler latency on idle buses");
@@ -387,6 +430,58 @@ async fn main() -> Result<(), BoxError> {
     Ok(())
 }
 
+/// The bus counts of the throughput runs: `RELAYBUS_BENCH_BUSES`, a comma-separated list
+/// (default `1,2,4`).
+fn bus_counts() -> Result<Vec<usize>, BoxError> {
+    let Ok(list) = std::env::var("RELAYBUS_BENCH_BUSES") else {
+        return Ok(vec![1, 2, 4]);
+    };
+    list.split(',')
+        .map(|count| match count.trim().parse::<usize>() {
+            Ok(count) if count > 0 => Ok(count),
+            _ => Err(format!(
+                "RELAYBUS_BENCH_BUSES={list:?}: give bus counts of at least 1, separated by \
+                 commas, such as 1,2,4"
+            )
+            .into()),
+        })
+        .collect()
+}
+
+/// Prints the server's work per 1,000 deliveries of each throughput run.
+fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
+    println!("\nthe server's work per 1000 deliveries");
+    println!(
+        "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13}",
+        "subject",
+        "keys",
+        "buses",
+        "CPU ms",
+        "commands",
+        "keys examined",
+        "docs examined",
+        "docs written"
+    );
+    for (subject, keys, buses, work) in work {
+        let figure = |name: &str| {
+            work[name]
+                .as_f64()
+                .map_or_else(|| "-".to_owned(), |value| format!("{value:.0}"))
+        };
+        println!(
+            "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13}",
+            subject,
+            keys,
+            buses,
+            figure("cpu_ms"),
+            figure("commands"),
+            figure("keys_examined"),
+            figure("docs_examined"),
+            figure("docs_written")
+        );
+    }
+}
+
 /// `value` rounded to three decimals.
 fn thousandths(value: f64) -> f64 {
     (value * 1000.0).round() / 1000.0
@@ -498,7 +593,7 @@ async fn relaybus_run(
     count: usize,
     buses: usize,
     keyed: bool,
-) -> Result<(f64, Option<f64>), BoxError> {
+) -> Result<(f64, serde_json::Value), BoxError> {
     let store = store(client, db).await?;
     publish(&store, count, keyed.then_some(100)).await?;
     let handled = Arc::new(AtomicUsize::new(0));
@@ -521,7 +616,7 @@ async fn relaybus_run(
         )?;
         running.push(bus);
     }
-    let cpu = server_cpu(client).await;
+    let before = ServerWork::now(client).await;
     let started = Instant::now();
     for bus in &running {
         bus.start().await?;
@@ -530,9 +625,9 @@ async fn relaybus_run(
     // The last completions are flushed by the shutdown; count them in.
     try_join_all(running.iter().map(|bus| bus.shutdown())).await?;
     let elapsed = started.elapsed();
-    let cpu = cpu_per_thousand(cpu, server_cpu(client).await, count);
+    let work = ServerWork::per_thousand(before, ServerWork::now(client).await, count);
     assert_drained(db).await?;
-    Ok((count as f64 / elapsed.as_secs_f64(), cpu))
+    Ok((count as f64 / elapsed.as_secs_f64(), work))
 }
 
 /// A server CPU figure for the table: `-` when the server did not report it.

@@ -347,43 +347,110 @@ impl Memory {
     }
 }
 
-/// The server's CPU time so far, user and system, as `serverStatus` reports it on Linux
-/// (`extra_info`); `None` where it does not. Read before and after a run, it gives the server's
-/// work for the run, a figure the scheduling noise of a shared machine moves less than rates.
-#[allow(
-    dead_code,
-    reason = "not every benchmark sharing this module measures the server's CPU"
-)]
-pub(crate) async fn server_cpu(client: &Client) -> Option<Duration> {
-    let status = client
-        .database("admin")
-        .run_command(doc! { "serverStatus": 1 })
-        .await
-        .ok()?;
-    let info = status.get_document("extra_info").ok()?;
-    let micros = |name: &str| match info.get(name)? {
-        Bson::Int64(n) => u64::try_from(*n).ok(),
-        Bson::Int32(n) => u64::try_from(*n).ok(),
-        Bson::Double(n) if *n >= 0.0 => Some(*n as u64),
-        _ => None,
-    };
-    Some(Duration::from_micros(
-        micros("user_time_us")? + micros("system_time_us")?,
-    ))
+/// The server's work so far, as `serverStatus` reports it: its CPU time, user and system (on
+/// Linux, `extra_info`; `None` elsewhere), the commands it ran, the index keys and documents its
+/// queries and writes examined, and the documents it inserted, updated or deleted. Read before
+/// and after a run, it gives the server's work for the run ([`ServerWork::per_thousand`]): the
+/// CPU time is moved less by the scheduling noise of a shared machine than rates are, and the
+/// counts say where it goes.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ServerWork {
+    cpu: Option<Duration>,
+    commands: u64,
+    keys_examined: u64,
+    docs_examined: u64,
+    docs_written: u64,
 }
 
-/// The server's CPU milliseconds per 1,000 deliveries between two readings of [`server_cpu`],
-/// to 0.1 ms; `None` without both.
+/// Commands of the server's own upkeep and of the driver's monitoring, left out of the counts.
+const UPKEEP: [&str; 8] = [
+    "serverStatus",
+    "hello",
+    "isMaster",
+    "ping",
+    "endSessions",
+    "replSetHeartbeat",
+    "replSetUpdatePosition",
+    "<UNKNOWN>",
+];
+
 #[allow(
     dead_code,
-    reason = "not every benchmark sharing this module measures the server's CPU"
+    reason = "not every benchmark sharing this module measures the server's work"
 )]
-pub(crate) fn cpu_per_thousand(
-    before: Option<Duration>,
-    after: Option<Duration>,
-    deliveries: usize,
-) -> Option<f64> {
-    let spent = after?.checked_sub(before?)?;
-    let ms = spent.as_secs_f64() * 1000.0 * 1000.0 / deliveries.max(1) as f64;
-    Some((ms * 10.0).round() / 10.0)
+impl ServerWork {
+    /// The server's work so far; `None` when `serverStatus` fails.
+    pub(crate) async fn now(client: &Client) -> Option<ServerWork> {
+        let status = client
+            .database("admin")
+            .run_command(doc! { "serverStatus": 1 })
+            .await
+            .ok()?;
+        let number = |value: Option<&Bson>| match value? {
+            Bson::Int64(n) => u64::try_from(*n).ok(),
+            Bson::Int32(n) => u64::try_from(*n).ok(),
+            Bson::Double(n) if *n >= 0.0 => Some(*n as u64),
+            _ => None,
+        };
+        let at = |path: &[&str]| {
+            let (last, parents) = path.split_last()?;
+            let mut document = &status;
+            for name in parents {
+                document = document.get_document(name).ok()?;
+            }
+            number(document.get(last))
+        };
+        let cpu = at(&["extra_info", "user_time_us"])
+            .zip(at(&["extra_info", "system_time_us"]))
+            .map(|(user, system)| Duration::from_micros(user + system));
+        let commands = status
+            .get_document("metrics")
+            .and_then(|metrics| metrics.get_document("commands"))
+            .map(|commands| {
+                commands
+                    .iter()
+                    .filter(|(name, _)| !UPKEEP.contains(&name.as_str()))
+                    .filter_map(|(_, counts)| number(counts.as_document()?.get("total")))
+                    .sum()
+            })
+            .unwrap_or(0);
+        let written = ["inserted", "updated", "deleted"]
+            .iter()
+            .filter_map(|name| at(&["metrics", "document", name]))
+            .sum();
+        Some(ServerWork {
+            cpu,
+            commands,
+            keys_examined: at(&["metrics", "queryExecutor", "scanned"]).unwrap_or(0),
+            docs_examined: at(&["metrics", "queryExecutor", "scannedObjects"]).unwrap_or(0),
+            docs_written: written,
+        })
+    }
+
+    /// The work between two readings per 1,000 deliveries, as JSON: `cpu_ms` (to 0.1 ms, `null`
+    /// where the server does not report its CPU time), `commands`, `keys_examined`,
+    /// `docs_examined` and `docs_written`; `null` without both readings.
+    pub(crate) fn per_thousand(
+        before: Option<ServerWork>,
+        after: Option<ServerWork>,
+        deliveries: usize,
+    ) -> serde_json::Value {
+        let (Some(before), Some(after)) = (before, after) else {
+            return serde_json::Value::Null;
+        };
+        let scale = 1000.0 / deliveries.max(1) as f64;
+        let count = |a: u64, b: u64| (a.saturating_sub(b) as f64 * scale).round();
+        let cpu_ms = after
+            .cpu
+            .zip(before.cpu)
+            .and_then(|(a, b)| a.checked_sub(b))
+            .map(|spent| (spent.as_secs_f64() * 1000.0 * scale * 10.0).round() / 10.0);
+        serde_json::json!({
+            "cpu_ms": cpu_ms,
+            "commands": count(after.commands, before.commands),
+            "keys_examined": count(after.keys_examined, before.keys_examined),
+            "docs_examined": count(after.docs_examined, before.docs_examined),
+            "docs_written": count(after.docs_written, before.docs_written),
+        })
+    }
 }
