@@ -3297,3 +3297,130 @@ async fn a_claim_beside_takes_only_what_may_run_at_once() {
     assert_eq!(lane.get_str("owner"), Ok("w"));
     assert!(store.complete(&taken[0].lease, ms(10)).await.unwrap());
 }
+
+/// `n` unkeyed events whose ids fall in lanes none of `used` has, each in a lane of its own;
+/// their lanes join `used`.
+fn events_in_new_lanes(prefix: &str, n: usize, used: &mut HashSet<u32>) -> Vec<EventEnvelope> {
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .filter(|id| used.insert(lane_of(None, id)))
+        .take(n)
+        .map(|id| event(&id, None))
+        .collect()
+}
+
+/// The event ids of the pending deliveries, oldest first (all are due at once: `_id` order).
+async fn oldest_first(db: &TestDb) -> Vec<String> {
+    deliveries(db)
+        .await
+        .iter()
+        .map(|d| d.get_str("eventId").unwrap().to_owned())
+        .collect()
+}
+
+fn sorted(ids: &[String]) -> Vec<String> {
+    let mut ids = ids.to_vec();
+    ids.sort();
+    ids
+}
+
+/// The event ids of a claim's deliveries, sorted.
+fn claimed_ids(claimed: &[ClaimedDelivery]) -> Vec<String> {
+    let mut ids: Vec<String> = claimed.iter().map(|c| c.event_id().to_owned()).collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test]
+async fn a_claim_that_lost_some_lanes_returns_what_it_got_and_one_that_lost_all_tries_again() {
+    let db = test_db("raced_claims").await;
+    // Instance A's client tells when A sends a lane `update` (a claim's record), which the
+    // server holds back once, while instance B claims from the same lanes.
+    let app = format!("{}-raced", db.name);
+    let (client, armed, recording) = client_telling(&db, &app, |event| {
+        matches!(event, CommandEvent::Started(started)
+            if started.command_name == "update"
+                && started.command.get_str("update") == Ok("relaybus_lanes"))
+    })
+    .await;
+    // Without crash recovery: its heartbeat would send `update`s of its own.
+    let a = MongoEventStore::builder(client)
+        .database(&db.name)
+        .crash_recovery(false)
+        .build()
+        .unwrap();
+    a.setup().await.unwrap();
+    let b = another_instance(&db).await;
+    let mut used = HashSet::new();
+    // Twelve deliveries, oldest first, each in a lane of its own.
+    let events = events_in_new_lanes("r", 12, &mut used);
+    publish(&b, &events, &[HANDLER], at(0)).await;
+    let ids = sorted(&oldest_first(&db).await);
+    assert_eq!(ids.len(), 12);
+
+    // A ranks the free lanes and picks one delivery from each of eight; before its record
+    // lands, B, ranking the same lanes the same way, takes lanes of them.
+    let held_back = hold_back_once(&db, &app, "update", 3_000).await;
+    armed.store(true, Ordering::SeqCst);
+    let claiming = tokio::spawn({
+        let a = a.clone();
+        async move { claim(&a, "a", 8, at(1)).await }
+    });
+    recording.notified().await;
+    armed.store(false, Ordering::SeqCst);
+    let taken_first = claim(&b, "b", 2, at(1)).await;
+    assert_eq!(taken_first.len(), 2);
+    let partial = claiming.await.unwrap();
+    drop(held_back);
+    // A lost the lanes B wrote first; it returns what it kept, without another pass over the
+    // lanes for the rest (which would find the four untouched lanes).
+    assert!(
+        !partial.is_empty() && partial.len() < 8,
+        "A returns what it kept: {:?}",
+        claimed_ids(&partial)
+    );
+    // Its next claim takes the rest.
+    let rest = claim(&a, "a", 8, at(2)).await;
+    assert_eq!(rest.len(), 10 - partial.len());
+    let all: Vec<ClaimedDelivery> = [&taken_first, &partial, &rest]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(claimed_ids(&all), ids, "each delivery claimed once");
+
+    // Four more in new lanes. A (as owner c) picks two, and B (as owner d) takes both lanes
+    // first: A's claim has nothing, so it tries the other lanes.
+    for lease in partial.iter().chain(&rest).map(ClaimedDelivery::lease) {
+        assert!(a.complete(lease, at(3)).await.unwrap());
+    }
+    for lease in taken_first.iter().map(ClaimedDelivery::lease) {
+        assert!(b.complete(lease, at(3)).await.unwrap());
+    }
+    // Claims that find nothing hand the lanes back: the next claimers are alone again.
+    assert!(claim(&a, "a", 8, at(3)).await.is_empty());
+    assert!(claim(&b, "b", 8, at(3)).await.is_empty());
+    let events = events_in_new_lanes("s", 4, &mut used);
+    publish(&b, &events, &[HANDLER], at(3)).await;
+    let ids = sorted(&oldest_first(&db).await);
+    assert_eq!(ids.len(), 4);
+    let held_back = hold_back_once(&db, &app, "update", 3_000).await;
+    armed.store(true, Ordering::SeqCst);
+    let claiming = tokio::spawn({
+        let a = a.clone();
+        async move { claim(&a, "c", 2, at(4)).await }
+    });
+    recording.notified().await;
+    armed.store(false, Ordering::SeqCst);
+    let taken_first = claim(&b, "d", 2, at(4)).await;
+    assert_eq!(taken_first.len(), 2);
+    let retried = claiming.await.unwrap();
+    drop(held_back);
+    assert_eq!(
+        retried.len(),
+        2,
+        "A lost every lane it picked from and claimed from the others"
+    );
+    let all: Vec<ClaimedDelivery> = taken_first.iter().chain(&retried).cloned().collect();
+    assert_eq!(claimed_ids(&all), ids, "each delivery claimed once");
+}

@@ -325,10 +325,13 @@ impl MongoEventStore {
                 mut claimed,
                 mut raced,
             }) => {
-                // Lanes another claimer took first were given up at the record: try other
-                // lanes for what is missing, a few times at most.
+                // Lanes another claimer took first were given up at the record. A claim left
+                // with nothing tries other lanes, a few times at most: an empty claim sends its
+                // dispatcher to wait for a wake-up. One that got something returns it; the
+                // dispatcher claims again at once, for a whole batch, where another pass here
+                // would read every lane again for the few deliveries missing.
                 let mut retries = 0;
-                while raced && claimed.len() < limit as usize && retries < RACE_RETRIES {
+                while raced && claimed.is_empty() && retries < RACE_RETRIES {
                     retries += 1;
                     let more = self
                         .claim_locked(
