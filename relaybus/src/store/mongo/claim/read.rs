@@ -41,17 +41,14 @@ const PARKED_IN_LANE_READ: usize = 32;
 /// The field of the summary of the lanes other live owners hold, in a read of some lanes only.
 const TAKEN_BY_OTHERS: &str = "takenByOthers";
 
-/// The fields that mark the documents of a lane read that are not lane documents.
-const MARKERS: [&str; 5] = [
-    "prescanned",
-    "parkedKey",
-    "running",
-    "lowestHandler",
-    TAKEN_BY_OTHERS,
-];
+/// The field of the lane read's first document that lists the lane documents read.
+const LANE_READ: &str = "laneRead";
 
-/// Which of [`MARKERS`] a document of the lane read has, `None` for a lane document: one pass
-/// over its fields, since every claim reads up to 256 lane documents.
+/// The fields that mark the documents of a lane read: the lanes' own pass and the documents
+/// the deliveries collection adds after it.
+const MARKERS: [&str; 4] = ["prescanned", "parkedKey", "lowestHandler", LANE_READ];
+
+/// Which of [`MARKERS`] a document of the lane read has: one pass over its fields.
 fn marker(raw: &RawDocument) -> Option<&'static str> {
     raw.iter()
         .filter_map(Result::ok)
@@ -265,8 +262,11 @@ impl MongoEventStore {
     /// The claim's first read, one aggregation: every lane document; the documents of the
     /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
     /// lowest parked delivery of each of their keys; and, when asked, the first page of a scan
-    /// of some lanes. The lanes are read first: deliveries read after them can only be newer,
-    /// so a lane taken and handed back meanwhile shows a new epoch to the record's condition.
+    /// of some lanes. The lanes are read first, in one pass whose branches give the lanes and
+    /// what the held ones run: deliveries read after them can only be newer, so a lane taken
+    /// and handed back meanwhile shows a new epoch to the record's condition. The in-flight and
+    /// lost lists of lanes held elsewhere come cut to one id, which tells whether they are
+    /// empty.
     ///
     /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
     /// lane documents read are those of the lanes `owner` holds on this instance and of `only`;
@@ -282,35 +282,32 @@ impl MongoEventStore {
     ) -> Result<LaneView> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
-        let mut pipeline = Vec::new();
-        if let Some(lanes) = only {
-            pipeline.push(doc! { "$match": { "$or": [
-                { field::OWNER: owner, field::INSTANCE: instance },
-                { field::ID: { "$in": lanes } },
-            ] } });
-            pipeline.push(doc! { "$unionWith": {
-                "coll": inner.lanes.name(),
-                "pipeline": [
-                    { "$match": {
-                        field::OWNER: { "$ne": null },
-                        field::LEASE_EXPIRES_AT: { "$gt": now },
-                        "$nor": [{ field::OWNER: owner, field::INSTANCE: instance }],
-                    } },
-                    { "$group": {
-                        "_id": null,
-                        TAKEN_BY_OTHERS: { "$push": path::ID },
-                        "holders": { "$addToSet": { "o": path::OWNER, "i": path::INSTANCE } },
-                    } },
-                    { "$project": { field::ID: 0 } },
-                ],
-            } });
-        }
-        // The lane documents pass through as they are (read raw: the in-flight lists of other
-        // holders' lanes are only looked at, never decoded); the rest comes after them.
-        pipeline.push(doc! { "$unionWith": {
-            "coll": inner.lanes.name(),
-            "pipeline": [
-                { "$match": { field::OWNER: owner, field::INSTANCE: instance } },
+        let mine = doc! { field::OWNER: owner, field::INSTANCE: instance };
+        let is_mine = doc! { "$and": [
+            { "$eq": [path::OWNER, { "$literal": owner }] },
+            { "$eq": [path::INSTANCE, instance] },
+        ] };
+        // Another holder's lists are only looked at for whether they are empty: one id of each
+        // is enough, and keeps the read small however much other workers run.
+        let trimmed = |list: &str| {
+            doc! { "$cond": [&is_mine, list, { "$slice": [{ "$ifNull": [list, []] }, 1] }] }
+        };
+        let listed = match only {
+            Some(lanes) => doc! { "$or": [&mine, { field::ID: { "$in": lanes } }] },
+            None => doc! {},
+        };
+        // One pass over the lane documents, whose branches run on what it read: the lanes
+        // listed, what the held lanes run, and with `only` the summary of other holders.
+        let mut facet = doc! {
+            LANE_READ: [
+                { "$match": listed },
+                { "$set": {
+                    field::IN_FLIGHT: trimmed(path::IN_FLIGHT),
+                    field::LOST: trimmed(path::LOST),
+                } },
+            ],
+            "running": [
+                { "$match": &mine },
                 // One lookup for all held lanes: a `$lookup` runs its query once per input
                 // document, so the lanes' lists are joined first.
                 { "$group": {
@@ -334,7 +331,26 @@ impl MongoEventStore {
                 } },
                 { "$project": { field::ID: 0, "running": 1 } },
             ],
-        } });
+        };
+        if only.is_some() {
+            facet.insert(
+                "taken",
+                vec![
+                    doc! { "$match": {
+                        field::OWNER: { "$ne": null },
+                        field::LEASE_EXPIRES_AT: { "$gt": now },
+                        "$nor": [&mine],
+                    } },
+                    doc! { "$group": {
+                        "_id": null,
+                        TAKEN_BY_OTHERS: { "$push": path::ID },
+                        "holders": { "$addToSet": { "o": path::OWNER, "i": path::INSTANCE } },
+                    } },
+                    doc! { "$project": { field::ID: 0 } },
+                ],
+            );
+        }
+        let mut pipeline = vec![doc! { "$facet": facet }];
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
         if fold_parked {
             for handler in handlers {
@@ -375,15 +391,37 @@ impl MongoEventStore {
             ..LaneView::default()
         };
         let mut listed_docs = Vec::new();
-        let mut lanes = Vec::new();
+        let mut lanes: Vec<&RawDocument> = Vec::new();
         let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
-        for raw in docs {
-            let Some(marker) = marker(&raw) else {
-                lanes.push(raw);
+        let documents = |raw: &'_ RawDocument, name: &str| -> Vec<RawDocumentBuf> {
+            raw.get_array(name)
+                .map(|array| {
+                    array
+                        .into_iter()
+                        .filter_map(|item| Some(item.ok()?.as_document()?.to_raw_document_buf()))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut read: Option<&RawDocumentBuf> = None;
+        for raw in &docs {
+            let Some(marker) = marker(raw) else {
                 continue;
             };
-            if marker == TAKEN_BY_OTHERS {
-                taken_summary(&raw, &mut view.taken_by_others, &mut others);
+            if marker == LANE_READ {
+                read = Some(raw);
+                for taken in documents(raw, "taken") {
+                    taken_summary(&taken, &mut view.taken_by_others, &mut others);
+                }
+                for running in documents(raw, "running") {
+                    if let Ok(running) = running.get_array("running") {
+                        listed_docs.extend(
+                            running
+                                .into_iter()
+                                .filter_map(|d| Document::try_from(d.ok()?.as_document()?).ok()),
+                        );
+                    }
+                }
                 continue;
             }
             let Ok(doc) = Document::try_from(raw.as_ref()) else {
@@ -396,25 +434,29 @@ impl MongoEventStore {
                         parked.lowest.add(&doc);
                     }
                 }
-                "parkedKey" => {
-                    if let (Some(parked), Some(head)) =
-                        (view.parked.as_mut(), ParkedHead::from_document(&doc))
+                _ => {
+                    if let Some(parked) = view.parked.as_mut()
+                        && let Some(head) = ParkedHead::from_document(&doc)
                     {
                         parked.heads.push(head);
                     }
                 }
-                _ => {
-                    if let Ok(running) = doc.get_array("running") {
-                        listed_docs.extend(running.iter().filter_map(|d| d.as_document().cloned()));
-                    }
-                }
             }
         }
-        for raw in &lanes {
+        if let Some(read) = read
+            && let Ok(listed) = read.get_array(LANE_READ)
+        {
+            lanes.extend(
+                listed
+                    .into_iter()
+                    .filter_map(|lane| lane.ok()?.as_document()),
+            );
+        }
+        for raw in lanes {
             let owned_by = raw.get_str(field::OWNER).ok();
             let held_by = raw.get_object_id(field::INSTANCE).ok();
             if owned_by == Some(owner) && held_by == Some(instance) {
-                if let Some(lane) = Document::try_from(raw.as_ref())
+                if let Some(lane) = Document::try_from(raw)
                     .ok()
                     .as_ref()
                     .and_then(Lane::from_document)
