@@ -62,9 +62,9 @@ impl MongoEventStore {
     ///
     /// A lease counts only while its lane still has the lease's epoch and lists the delivery,
     /// and the delivery still has the lease's claim generation; a worker that lost its lane
-    /// changes nothing. Without completion history this needs no transaction and costs four
-    /// commands for any batch: read the deliveries' claim generations and the lanes (the two
-    /// reads at the same time), stamp the events' completion time (majority), and delete the
+    /// changes nothing. Without completion history this needs no transaction and costs three
+    /// commands for any batch: read the deliveries' claim generations and the lanes (one
+    /// aggregation), stamp the events' completion time (majority), and delete the
     /// deliveries that still have their lease's generation. When fewer deliveries were deleted
     /// than passed the checks (a claim ended or changed hands meanwhile), no lease is reported
     /// completed: a missing document cannot be told from one completed by the newer claim, so
@@ -156,7 +156,7 @@ impl MongoEventStore {
         Ok(outcome.first().copied().unwrap_or(false))
     }
 
-    /// The completion without a transaction: two reads at the same time, then two writes.
+    /// The completion without a transaction: one read, then two writes.
     async fn complete_without_transaction(
         &self,
         leases: &[Lease],
@@ -286,9 +286,11 @@ impl MongoEventStore {
         Ok(outcome(leases, &fenced, deleted))
     }
 
-    /// The claim generations of the leased deliveries and the listings of their lanes, two
-    /// reads sent at the same time. Neither read is a proof on its own: the lanes fence the
-    /// leases, and the delete that follows is conditional on the generation.
+    /// The claim generations of the leased deliveries and the listings of their lanes, in one
+    /// aggregation: the deliveries, then the lanes' documents joined on with `$unionWith` (one
+    /// read of each collection, told apart by the type of their `_id`). Neither read is a proof
+    /// on its own: the lanes fence the leases, and the delete that follows is conditional on the
+    /// generation.
     async fn read_fence(
         &self,
         leases: &[Lease],
@@ -298,30 +300,29 @@ impl MongoEventStore {
         let mut lane_ids: Vec<i32> = leases.iter().map(Lease::lane_i32).collect();
         lane_ids.sort_unstable();
         lane_ids.dedup();
-        let generations = async {
-            inner
-                .deliveries
-                .find(doc! { field::ID: { "$in": ids } })
-                .projection(doc! { field::CLAIMS: 1, field::LANE_ID: 1, field::EVENT_ID: 1 })
-                .limit(ids.len() as i64)
-                .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
-                .await?
-                .try_collect::<Vec<Document>>()
-                .await
-        };
-        let listings = async {
-            inner
-                .lanes
-                .find(doc! { field::ID: { "$in": &lane_ids } })
-                // Only the leased ids of each in-flight list come back, not the whole list.
-                .projection(listing_projection(ids))
-                .limit(lane_ids.len() as i64)
-                .batch_size(u32::try_from(lane_ids.len()).unwrap_or(u32::MAX))
-                .await?
-                .try_collect::<Vec<Document>>()
-                .await
-        };
-        let (deliveries, lanes) = futures::try_join!(generations, listings)?;
+        let pipeline = [
+            doc! { "$match": { field::ID: { "$in": ids } } },
+            doc! { "$project": { field::CLAIMS: 1, field::LANE_ID: 1, field::EVENT_ID: 1 } },
+            doc! { "$unionWith": {
+                "coll": inner.lanes.name(),
+                "pipeline": [
+                    { "$match": { field::ID: { "$in": &lane_ids } } },
+                    // Only the leased ids of each in-flight list come back, not the whole list.
+                    { "$project": listing_projection(ids) },
+                ],
+            } },
+        ];
+        let docs: Vec<Document> = inner
+            .deliveries
+            .aggregate(pipeline)
+            // One more than can come: the first batch then ends the cursor, without a getMore.
+            .batch_size(u32::try_from(ids.len() + lane_ids.len() + 1).unwrap_or(u32::MAX))
+            .await?
+            .try_collect()
+            .await?;
+        let (deliveries, lanes): (Vec<Document>, Vec<Document>) = docs
+            .into_iter()
+            .partition(|doc| matches!(doc.get(field::ID), Some(Bson::ObjectId(_))));
         Ok((found(deliveries), listings_of(&lanes)))
     }
 }
