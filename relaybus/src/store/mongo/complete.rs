@@ -210,7 +210,8 @@ impl MongoEventStore {
         let inner = &self.inner;
         let ids = unique_ids(leases);
         // The deliveries with their lanes, in one read: the lane of each comes along with only
-        // the leased ids of its in-flight list.
+        // the leased ids of its in-flight list. A `$lookup`, not the `$unionWith` of the read
+        // outside a transaction: the server refuses `$unionWith` in a transaction.
         let docs: Vec<Document> = inner
             .deliveries
             .aggregate([
