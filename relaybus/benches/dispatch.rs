@@ -34,6 +34,8 @@
 //!   `RELAYBUS_BENCH_HOT_KEYS` keys (default 10).
 //!
 //! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server.
+//! `RELAYBUS_BENCH_SNAPSHOT_WINDOW=N` sets the server's snapshot history window to `N` seconds
+//! first (the server keeps it); the header and the JSON line say the window the run had.
 //!
 //! Run by `cargo test` (without `--bench`), it makes small runs of everything as a smoke test.
 
@@ -126,8 +128,15 @@ async fn main() -> Result<(), BoxError> {
         run += 1;
         client.database(&format!("bench_dispatch_{}_{run}", std::process::id()))
     };
+    let probe = fresh_db();
+    let window = common::snapshot_window(&client, &store(&client, &probe).await?).await?;
+    probe.drop().await?;
 
-    println!("dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}");
+    println!(
+        "dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}; the \
+         server's snapshot history window: {}",
+        window.map_or_else(|| "not reported".to_owned(), |s| format!("{s} s"))
+    );
     println!(
         "{:<10} {:<8} {:>6} {:>16} {:>8} {:>10} {:>12}",
         "subject", "keys", "buses", "deliveries/s", "/ floor", "/ unkeyed", "server CPU"
@@ -231,6 +240,7 @@ async fn main() -> Result<(), BoxError> {
             serde_json::json!({
                 "bench": "dispatch",
                 "profile": "throughput",
+                "snapshot_window_s": window,
                 "deliveries_per_run": deliveries,
                 "batch": BATCH,
                 "throughput": throughput,
@@ -415,6 +425,7 @@ async fn main() -> Result<(), BoxError> {
         "{}",
         serde_json::json!({
             "bench": "dispatch",
+            "snapshot_window_s": window,
             "profile": if smoke { "smoke" } else if long { "long" } else { "default" },
             "deliveries_per_run": deliveries,
             "batch": BATCH,

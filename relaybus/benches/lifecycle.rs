@@ -16,9 +16,11 @@
 //!
 //! Run with `cargo bench -p relaybus --bench lifecycle`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_DELIVERIES` sets the
-//! deliveries per run (default 10000), `RELAYBUS_BENCH_BATCH` the batch size (default 100). The
-//! last line is one JSON object; `ratio` is relaybus / baseline, unkeyed, 4 claimers. Run by
-//! `cargo test` (without `--bench`), it makes small runs as a smoke test.
+//! deliveries per run (default 10000), `RELAYBUS_BENCH_BATCH` the batch size (default 100),
+//! `RELAYBUS_BENCH_SNAPSHOT_WINDOW=N` the server's snapshot history window to `N` seconds first
+//! (the server keeps it; the header says the window the run had). The last line is one JSON
+//! object; `ratio` is relaybus / baseline, unkeyed, 4 claimers, and `snapshot_window_s` the
+//! window. Run by `cargo test` (without `--bench`), it makes small runs as a smoke test.
 
 use std::{
     sync::{
@@ -79,9 +81,14 @@ async fn main() -> Result<(), BoxError> {
     let uri = relaybus_harness::shared_uri("RELAYBUS_BENCH_MONGODB_URI").await?;
     let client = Client::with_uri_str(&uri).await?;
     let prefix = format!("bench_lifecycle_{}", std::process::id());
+    let probe = client.database(&format!("{prefix}_window"));
+    let window = common::snapshot_window(&client, &store(&client, &probe).await?).await?;
+    probe.drop().await?;
 
     println!(
-        "lifecycle benchmark: {deliveries} deliveries per run, batches of {batch}, deliveries/s"
+        "lifecycle benchmark: {deliveries} deliveries per run, batches of {batch}, deliveries/s; \
+         the server's snapshot history window: {}",
+        window_text(window)
     );
     println!(
         "{:<10} {:<8} {:>9} {:>14}  indexes",
@@ -233,9 +240,15 @@ async fn main() -> Result<(), BoxError> {
     );
     let mut line = serde_json::Map::new();
     line.insert("bench".into(), "lifecycle".into());
+    line.insert("snapshot_window_s".into(), window.into());
     line.extend(figures);
     println!("{}", serde_json::Value::Object(line));
     Ok(())
+}
+
+/// The snapshot history window as the header says it.
+fn window_text(window: Option<u64>) -> String {
+    window.map_or_else(|| "not reported".to_owned(), |s| format!("{s} s"))
 }
 
 /// The end of a figure's name: nothing with all indexes, `_no_listing` without the listing ones.

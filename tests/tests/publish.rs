@@ -1151,3 +1151,82 @@ async fn a_commit_whose_write_concern_fails_is_committed_not_acknowledged_and_ne
         assert_eq!(ours.len(), 1, "{wait:?}: {events:?}");
     }
 }
+
+/// The warnings logged on the current thread, their messages.
+#[derive(Clone, Default)]
+struct Warnings(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Warnings {
+    fn messages(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+    }
+}
+
+/// The window is the server's, so this test has a server of its own.
+#[tokio::test]
+async fn setup_warns_when_the_server_keeps_a_long_snapshot_history() {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let server = relaybus_harness::start_replica_set(1).await;
+    let client = Client::with_uri_str(server.uri()).await.unwrap();
+    let store = MongoEventStore::builder(client.clone())
+        .database("window")
+        .build()
+        .unwrap();
+    let warnings = Warnings::default();
+    // A test runs on one thread: what setup logs reaches this subscriber.
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(warnings.clone()));
+
+    store.setup().await.unwrap();
+    assert_eq!(
+        store.snapshot_history_window().await.unwrap(),
+        Some(Duration::ZERO),
+        "the harness starts servers without snapshot history"
+    );
+    assert_eq!(warnings.messages(), Vec::<String>::new());
+
+    for (seconds, warned) in [(10, false), (11, true), (300, true)] {
+        client
+            .database("admin")
+            .run_command(doc! { "setParameter": 1, "minSnapshotHistoryWindowInSeconds": seconds })
+            .await
+            .unwrap();
+        let before = warnings.messages().len();
+        store.setup().await.unwrap();
+        assert_eq!(
+            store.snapshot_history_window().await.unwrap(),
+            Some(Duration::from_secs(seconds as u64))
+        );
+        let logged = &warnings.messages()[before..];
+        if warned {
+            assert_eq!(logged.len(), 1, "{logged:?}");
+            assert!(
+                logged[0].contains(&format!("keeps {seconds} s of snapshot history"))
+                    && logged[0].contains("minSnapshotHistoryWindowInSeconds"),
+                "{}",
+                logged[0]
+            );
+        } else {
+            assert_eq!(logged, &[] as &[String], "a window of {seconds} s is quiet");
+        }
+    }
+}

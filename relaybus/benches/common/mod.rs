@@ -454,3 +454,33 @@ impl ServerWork {
         })
     }
 }
+
+/// The server's snapshot history window, in seconds, for the run: set first from
+/// `RELAYBUS_BENCH_SNAPSHOT_WINDOW` when that is given (the server keeps it afterwards), then
+/// read back. `None` when the server does not say. The window decides how long deleted index
+/// entries stay in the claim index's lanes (see the README's "The server's snapshot history
+/// window"), so every figure is read with it.
+pub(crate) async fn snapshot_window(
+    client: &Client,
+    store: &MongoEventStore,
+) -> Result<Option<u64>, BoxError> {
+    if let Ok(text) = std::env::var("RELAYBUS_BENCH_SNAPSHOT_WINDOW") {
+        let seconds: i64 = text.trim().parse().map_err(|_| {
+            format!(
+                "RELAYBUS_BENCH_SNAPSHOT_WINDOW={text:?}: give the server's snapshot history \
+                 window in whole seconds, such as 0 or 300"
+            )
+        })?;
+        client
+            .database("admin")
+            .run_command(doc! {
+                "setParameter": 1,
+                "minSnapshotHistoryWindowInSeconds": seconds,
+            })
+            .await?;
+    }
+    Ok(store
+        .snapshot_history_window()
+        .await?
+        .map(|window| window.as_secs()))
+}

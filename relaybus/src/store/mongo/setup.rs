@@ -5,7 +5,7 @@ use std::time::Duration;
 use futures::TryStreamExt;
 use mongodb::{
     IndexModel,
-    bson::{Document, doc},
+    bson::{Bson, Document, doc},
     options::IndexOptions,
 };
 
@@ -14,6 +14,10 @@ use super::{
     schema::{Index, field, index},
 };
 use crate::{error::Result, event::LANE_COUNT};
+
+/// The longest snapshot history window under which `setup()` stays quiet. Longer, and every
+/// read of the claim index steps over each delivery parked or completed in that many seconds.
+const QUIET_SNAPSHOT_WINDOW: Duration = Duration::from_secs(10);
 
 /// `NamespaceExists`.
 const NAMESPACE_EXISTS: i32 = 48;
@@ -42,6 +46,10 @@ impl MongoEventStore {
     /// concurrent transactions conflict with each other. If you manage the schema yourself, run
     /// `setup()` once from a deployment script.
     ///
+    /// It also reads the server's snapshot history window
+    /// ([`snapshot_history_window`](Self::snapshot_history_window)) and logs a warning when it
+    /// is longer than 10 s: see the README's "The server's snapshot history window".
+    ///
     /// # Errors
     ///
     /// [`ConfigurationError::NotReplicaSet`](crate::ConfigurationError::NotReplicaSet) on a
@@ -59,9 +67,57 @@ impl MongoEventStore {
                 {
                     tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
                 }
+                Ok(()) => break,
                 other => return other,
             }
         }
+        match self.snapshot_history_window().await {
+            Ok(Some(window)) if window > QUIET_SNAPSHOT_WINDOW => tracing::warn!(
+                window_secs = window.as_secs(),
+                "relaybus: the server keeps {} s of snapshot history, and every index entry deleted \
+                 in that time: claims step over each delivery parked or completed meanwhile, \
+                 which slows them under sustained load. Unless something reads at past cluster \
+                 times, set `minSnapshotHistoryWindowInSeconds` to 0 (see the README's \"The \
+                 server's snapshot history window\")",
+                window.as_secs()
+            ),
+            Ok(_) => {}
+            Err(error) => tracing::debug!(
+                %error,
+                "relaybus: could not read the server's snapshot history window"
+            ),
+        }
+        Ok(())
+    }
+
+    /// How long the server keeps snapshot history (its `minSnapshotHistoryWindowInSeconds`,
+    /// 300 s unless set): `None` when the server does not say, as a server without that
+    /// parameter does.
+    ///
+    /// The storage engine keeps a deleted index entry at least that long, and reads step over
+    /// it meanwhile: a delivery parked or completed leaves one in the claim index, which claims
+    /// read lane by lane. relaybus itself never reads at a past cluster time (its transactions
+    /// read at their own start), so a window of 0 suits it; see the README's "The server's
+    /// snapshot history window" for what the window costs.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`](crate::Error::Database) when the server refuses `getParameter`, as it
+    /// does for a user without the `getParameter` privilege.
+    pub async fn snapshot_history_window(&self) -> Result<Option<Duration>> {
+        let reply = self
+            .inner
+            .client
+            .database("admin")
+            .run_command(doc! { "getParameter": 1, "minSnapshotHistoryWindowInSeconds": 1 })
+            .await?;
+        let seconds = match reply.get("minSnapshotHistoryWindowInSeconds") {
+            Some(Bson::Int32(s)) => i64::from(*s),
+            Some(Bson::Int64(s)) => *s,
+            Some(Bson::Double(s)) if s.is_finite() => *s as i64,
+            _ => return Ok(None),
+        };
+        Ok(u64::try_from(seconds).ok().map(Duration::from_secs))
     }
 
     async fn setup_once(&self) -> Result<()> {
