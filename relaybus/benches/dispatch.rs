@@ -48,7 +48,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::future::try_join_all;
+use futures::{TryStreamExt, future::try_join_all};
 use mongodb::{
     Client, Database,
     bson::{Document, doc},
@@ -713,13 +713,23 @@ fn draining_bus(
         .build()?)
 }
 
-/// Asserts that no delivery is left in `db`.
+/// Asserts that no delivery is left in `db`; if some are, the message shows the first few.
 async fn assert_drained(db: &Database) -> Result<(), BoxError> {
-    let left = db
-        .collection::<Document>("relaybus_deliveries")
-        .count_documents(doc! {})
-        .await?;
-    assert_eq!(left, 0, "every delivery completed");
+    let deliveries = db.collection::<Document>("relaybus_deliveries");
+    let left = deliveries.count_documents(doc! {}).await?;
+    if left > 0 {
+        let first: Vec<Document> = deliveries
+            .find(doc! {})
+            .limit(5)
+            .await?
+            .try_collect()
+            .await?;
+        let shown: Vec<String> = first.iter().map(ToString::to_string).collect();
+        panic!(
+            "every delivery completed: {left} left, the first {}",
+            shown.join("; ")
+        );
+    }
     Ok(())
 }
 
@@ -819,7 +829,7 @@ async fn fresh_key_run(
         }
     };
     publish(&store, backlog, Some(100)).await?;
-    let (tx, mut rx) = mpsc::unbounded_channel::<Instant>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(u64, Instant)>();
     let handled = Arc::new(AtomicUsize::new(0));
     let drained = Arc::new(Notify::new());
     let drained_at = Arc::new(Mutex::new(None::<Instant>));
@@ -829,7 +839,7 @@ async fn fresh_key_run(
             Arc::clone(&drained),
             Arc::clone(&drained_at),
         );
-        move |_: Tick, ctx: HandlerContext| {
+        move |tick: Tick, ctx: HandlerContext| {
             let started = Instant::now();
             let (tx, handled, drained, drained_at) = (
                 tx.clone(),
@@ -839,7 +849,7 @@ async fn fresh_key_run(
             );
             async move {
                 if ctx.key().is_some_and(|key| key.starts_with(FRESH_PREFIX)) {
-                    let _ = tx.send(started);
+                    let _ = tx.send((tick.n, started));
                 } else if handled.fetch_add(1, Ordering::Relaxed) + 1 == backlog {
                     *drained_at.lock().map_err(|_| "drain time poisoned")? = Some(started);
                     drained.notify_one();
@@ -860,9 +870,15 @@ async fn fresh_key_run(
             .key(format!("{FRESH_PREFIX}{n}"))
             .await?;
         let committed = Instant::now();
-        let handler_started = tokio::time::timeout(Duration::from_secs(600), rx.recv())
+        // Each fresh key's delivery runs once: no failure happens here, so a second run of an
+        // earlier one is a duplicate hand-out.
+        let (ran, handler_started) = tokio::time::timeout(Duration::from_secs(600), rx.recv())
             .await?
             .ok_or("handler channel closed")?;
+        assert_eq!(
+            ran, n,
+            "fresh key {ran}'s delivery ran again while the delivery of {n} was awaited"
+        );
         latencies.push(
             handler_started
                 .saturating_duration_since(committed)

@@ -286,6 +286,9 @@ pub(crate) struct OwnerGate {
     pub(crate) beside: tokio::sync::RwLock<()>,
     /// The lanes claims beside the running claim wrote to since it started.
     pub(crate) touched: Mutex<HashSet<i32>>,
+    /// The deliveries claims beside the running claim handed out since it started, settled
+    /// or not: the running claim may have read one before, and must not hand it out again.
+    pub(crate) handed: Mutex<HashSet<ObjectId>>,
     /// A claim of a next delivery failed half-way: it may have listed a delivery nobody
     /// received, so the owner's next claim reconciles its lanes first.
     pub(crate) interrupted: AtomicBool,
@@ -324,9 +327,21 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl OwnerGate {
-    /// Notes lanes a claim beside the running claim writes to.
-    pub(crate) fn touch(&self, lanes: impl IntoIterator<Item = i32>) {
+    /// Notes lanes a claim beside the running claim writes to, and the deliveries it lists
+    /// there.
+    pub(crate) fn touch(
+        &self,
+        lanes: impl IntoIterator<Item = i32>,
+        deliveries: impl IntoIterator<Item = ObjectId>,
+    ) {
         lock(&self.touched).extend(lanes);
+        lock(&self.handed).extend(deliveries);
+    }
+
+    /// Whether a claim beside the running claim handed `delivery` out since it started (it
+    /// may have been completed since, so the issued claims no longer show it).
+    pub(crate) fn handed_beside(&self, delivery: &ObjectId) -> bool {
+        lock(&self.handed).contains(delivery)
     }
 
     /// The lanes claims beside the running claim wrote to.
@@ -337,6 +352,7 @@ impl OwnerGate {
     /// A claim starts: what was written beside the last one is in the lanes it reads.
     pub(crate) fn clear_touched(&self) {
         lock(&self.touched).clear();
+        lock(&self.handed).clear();
     }
 }
 

@@ -185,7 +185,12 @@ impl MongoEventStore {
                     .map(|key| (pick.id, (pick.handler.clone(), key)))
             })
         }));
-        gate.touch(writes.iter().map(|(lane, ..)| lane.id));
+        gate.touch(
+            writes.iter().map(|(lane, ..)| lane.id),
+            writes
+                .iter()
+                .flat_map(|(.., picks)| picks.iter().map(|(pick, _)| pick.id)),
+        );
         let ids: Vec<Vec<ObjectId>> = writes
             .iter()
             .map(|(.., picks)| picks.iter().map(|(pick, _)| pick.id).collect())

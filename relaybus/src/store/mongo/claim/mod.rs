@@ -578,12 +578,14 @@ impl MongoEventStore {
         } = picking;
         let picked = picks.len();
         // From here to handing out, no claim beside this one runs. What one handed out since
-        // this claim read is left out: its deliveries, and deliveries of a key it started.
+        // this claim read is left out: its deliveries (running, or already completed: a
+        // delivery this claim read may be gone by now), and deliveries of a key it started.
         // Lanes it wrote to are not handed back: this claim read them before.
         let apart = gate.beside.read().await;
         let claims = &self.inner.claims;
         picks.retain(|pick| {
-            claims.issued(&pick.id).is_none()
+            !gate.handed_beside(&pick.id)
+                && claims.issued(&pick.id).is_none()
                 && pick
                     .key
                     .as_ref()
