@@ -3232,6 +3232,81 @@ async fn a_new_key_is_claimed_beside_a_running_claim_which_leaves_it_and_keeps_i
     assert!(lanes_of(&db, "w").await.is_empty());
 }
 
+/// Several worker threads: the running claim's task is stopped on one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_running_claim_does_not_hand_out_again_what_was_claimed_and_completed_beside_it() {
+    let db = test_db("beside_completed").await;
+    // The store's client stops the running claim's task as its second `find` starts (the first
+    // scans the held lane, the second ranks free lanes), until the test lets it go on.
+    let armed = Arc::new(AtomicBool::new(false));
+    let stopped = Arc::new(Notify::new());
+    let (go_on, wait) = std::sync::mpsc::channel::<()>();
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.command_event_handler = Some(EventHandler::callback({
+        let (armed, stopped, wait) = (Arc::clone(&armed), Arc::clone(&stopped), Mutex::new(wait));
+        let finds = AtomicUsize::new(0);
+        move |event| {
+            let find =
+                matches!(&event, CommandEvent::Started(started) if started.command_name == "find");
+            if find && armed.load(Ordering::SeqCst) && finds.fetch_add(1, Ordering::SeqCst) == 1 {
+                stopped.notify_one();
+                let _ = wait.lock().unwrap().recv();
+            }
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let store = store_with(&client, &db, false).await;
+    let count = AtomicUsize::new(0);
+    let mut stream = wake_up_stream(&db).await;
+
+    // `w` holds the lane of key `a`, whose delivery completed: the lane runs nothing.
+    publish(&store, &[event("a-0", Some("a"))], &[HANDLER], at(0)).await;
+    next_wake_ups(&mut stream, 1).await;
+    let (_, first) = boundary_claimed(&store, &count, ms(0), &[], false).await;
+    assert_eq!(first.len(), 1);
+    assert!(store.complete(&first[0].lease, ms(1)).await.unwrap());
+    // A new key's first delivery comes into that lane.
+    let fresh = key_in_lane_of("a");
+    publish(
+        &store,
+        &[event("b-0", Some(fresh.as_str()))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+
+    // The owner's claim finds the new delivery in its held lane and stops before ranking free
+    // lanes. Meanwhile a claim beside it takes the delivery, and the handler completes it: it
+    // is no longer outstanding when the running claim records its batch.
+    armed.store(true, Ordering::SeqCst);
+    let running = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let count = AtomicUsize::new(0);
+            boundary_claimed(&store, &count, ms(10), &[], false).await.1
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(60), stopped.notified())
+        .await
+        .expect("the running claim ranks free lanes after scanning its lane");
+    let beside = claim_beside(&store, ms(11), &woken).await;
+    assert_eq!(beside.len(), 1, "claimed beside the running claim");
+    assert_eq!(beside[0].event.id(), "b-0");
+    assert!(store.complete(&beside[0].lease, ms(12)).await.unwrap());
+    go_on.send(()).unwrap();
+
+    let running = running.await.unwrap();
+    assert!(
+        running.iter().all(|claimed| claimed.event.id() != "b-0"),
+        "the running claim hands out again what completed beside it: {running:?}"
+    );
+    // Nothing is left to run, and the lane goes back once it runs nothing.
+    let (_, after) = boundary_claimed(&store, &count, ms(13), &[], false).await;
+    assert!(after.is_empty(), "{after:?}");
+    assert!(lanes_of(&db, "w").await.is_empty());
+}
+
 #[tokio::test]
 async fn a_claim_beside_takes_only_what_may_run_at_once() {
     let db = test_db("beside_rules").await;
