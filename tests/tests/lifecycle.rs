@@ -3162,6 +3162,43 @@ fn key_in_lane_of(key: &str) -> String {
         .expect("some key shares the lane")
 }
 
+/// A claim of owner `w` at `now`, running in a task of its own.
+fn spawn_claim(
+    store: &MongoEventStore,
+    now: DateTime,
+) -> tokio::task::JoinHandle<Vec<relaybus::store::Claimed<Lease>>> {
+    let store = store.clone();
+    tokio::spawn(async move {
+        let count = AtomicUsize::new(0);
+        boundary_claimed(&store, &count, now, &[], false).await.1
+    })
+}
+
+/// `w` comes to hold the lane of key `a`, whose delivery (`a-0`) completed, so the lane runs
+/// nothing; then a new key's first delivery (`b-0`) comes into that lane. What the wake-ups
+/// told of it.
+async fn new_key_in_a_held_lane(
+    db: &TestDb,
+    store: &MongoEventStore,
+    count: &AtomicUsize,
+) -> Vec<relaybus::store::WakeUp> {
+    let mut stream = wake_up_stream(db).await;
+    publish(store, &[event("a-0", Some("a"))], &[HANDLER], at(0)).await;
+    next_wake_ups(&mut stream, 1).await;
+    let (_, first) = boundary_claimed(store, count, ms(0), &[], false).await;
+    assert_eq!(first.len(), 1);
+    assert!(store.complete(&first[0].lease, ms(1)).await.unwrap());
+    let fresh = key_in_lane_of("a");
+    publish(
+        store,
+        &[event("b-0", Some(fresh.as_str()))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    next_wake_ups(&mut stream, 1).await
+}
+
 #[tokio::test]
 async fn a_new_key_is_claimed_beside_a_running_claim_which_leaves_it_and_keeps_its_lane() {
     let db = test_db("beside_running").await;
@@ -3176,37 +3213,14 @@ async fn a_new_key_is_claimed_beside_a_running_claim_which_leaves_it_and_keeps_i
     .await;
     let store = store_with(&client, &db, false).await;
     let count = AtomicUsize::new(0);
-    let mut stream = wake_up_stream(&db).await;
-
-    // `w` holds the lane of key `a`, whose delivery completed: the lane runs nothing.
-    publish(&store, &[event("a-0", Some("a"))], &[HANDLER], at(0)).await;
-    next_wake_ups(&mut stream, 1).await;
-    let (_, first) = boundary_claimed(&store, &count, ms(0), &[], false).await;
-    assert_eq!(first.len(), 1);
-    assert!(store.complete(&first[0].lease, ms(1)).await.unwrap());
+    let woken = new_key_in_a_held_lane(&db, &store, &count).await;
     let lane_a = lane_of(Some("a"), "a-0");
-    // A new key's first delivery comes into that lane.
-    let fresh = key_in_lane_of("a");
-    publish(
-        &store,
-        &[event("b-0", Some(fresh.as_str()))],
-        &[HANDLER],
-        at(0),
-    )
-    .await;
-    let woken = next_wake_ups(&mut stream, 1).await;
 
     // The owner's claim reads the lanes, then the server holds its first `find` back; it will
     // find the new delivery. Meanwhile a claim beside it takes that delivery.
     let _held_back = hold_back_once(&db, &app, "find", 1_500).await;
     armed.store(true, Ordering::SeqCst);
-    let running = tokio::spawn({
-        let store = store.clone();
-        async move {
-            let count = AtomicUsize::new(0);
-            boundary_claimed(&store, &count, ms(10), &[], false).await.1
-        }
-    });
+    let running = spawn_claim(&store, ms(10));
     finding.notified().await;
     let beside = claim_beside(&store, ms(11), &woken).await;
     assert_eq!(beside.len(), 1, "claimed beside the running claim");
@@ -3257,36 +3271,13 @@ async fn a_running_claim_does_not_hand_out_again_what_was_claimed_and_completed_
     let client = Client::with_options(options).unwrap();
     let store = store_with(&client, &db, false).await;
     let count = AtomicUsize::new(0);
-    let mut stream = wake_up_stream(&db).await;
-
-    // `w` holds the lane of key `a`, whose delivery completed: the lane runs nothing.
-    publish(&store, &[event("a-0", Some("a"))], &[HANDLER], at(0)).await;
-    next_wake_ups(&mut stream, 1).await;
-    let (_, first) = boundary_claimed(&store, &count, ms(0), &[], false).await;
-    assert_eq!(first.len(), 1);
-    assert!(store.complete(&first[0].lease, ms(1)).await.unwrap());
-    // A new key's first delivery comes into that lane.
-    let fresh = key_in_lane_of("a");
-    publish(
-        &store,
-        &[event("b-0", Some(fresh.as_str()))],
-        &[HANDLER],
-        at(0),
-    )
-    .await;
-    let woken = next_wake_ups(&mut stream, 1).await;
+    let woken = new_key_in_a_held_lane(&db, &store, &count).await;
 
     // The owner's claim finds the new delivery in its held lane and stops before ranking free
     // lanes. Meanwhile a claim beside it takes the delivery, and the handler completes it: it
     // is no longer outstanding when the running claim records its batch.
     armed.store(true, Ordering::SeqCst);
-    let running = tokio::spawn({
-        let store = store.clone();
-        async move {
-            let count = AtomicUsize::new(0);
-            boundary_claimed(&store, &count, ms(10), &[], false).await.1
-        }
-    });
+    let running = spawn_claim(&store, ms(10));
     tokio::time::timeout(Duration::from_secs(60), stopped.notified())
         .await
         .expect("the running claim ranks free lanes after scanning its lane");
