@@ -461,9 +461,12 @@ fn bus_counts() -> Result<Vec<usize>, BoxError> {
 
 /// Prints the server's work per 1,000 deliveries of each throughput run.
 fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
-    println!("\nthe server's work per 1000 deliveries");
     println!(
-        "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13}",
+        "\nthe server's work per 1000 deliveries (and this process's CPU time: the buses, or the \
+         floor's workers)"
+    );
+    println!(
+        "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13} {:>10}",
         "subject",
         "keys",
         "buses",
@@ -471,7 +474,8 @@ fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
         "commands",
         "keys examined",
         "docs examined",
-        "docs written"
+        "docs written",
+        "bus CPU ms"
     );
     for (subject, keys, buses, work) in work {
         let figure = |name: &str| {
@@ -480,7 +484,7 @@ fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
                 .map_or_else(|| "-".to_owned(), |value| format!("{value:.0}"))
         };
         println!(
-            "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13}",
+            "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13} {:>10}",
             subject,
             keys,
             buses,
@@ -488,7 +492,8 @@ fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
             figure("commands"),
             figure("keys_examined"),
             figure("docs_examined"),
-            figure("docs_written")
+            figure("docs_written"),
+            figure("client_cpu_ms")
         );
     }
 }
