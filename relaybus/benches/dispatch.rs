@@ -33,6 +33,9 @@
 //! - `RELAYBUS_BENCH_HOT_KEYS_DELIVERIES`: the hot-keys run (default 2000), over
 //!   `RELAYBUS_BENCH_HOT_KEYS` keys (default 10).
 //!
+//! `RELAYBUS_BENCH_CONCURRENCY` sets the buses' handler slots (default 64, twice the batch; the
+//! bus's own default is 32).
+//!
 //! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server.
 //! `RELAYBUS_BENCH_SNAPSHOT_WINDOW=N` sets the server's snapshot history window to `N` seconds
 //! first (the server keeps it); the header and the JSON line say the window the run had.
@@ -133,8 +136,9 @@ async fn main() -> Result<(), BoxError> {
     probe.drop().await?;
 
     println!(
-        "dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}; the \
-         server's snapshot history window: {}",
+        "dispatch benchmark: {deliveries} deliveries per throughput run, batch {BATCH}, {} \
+         handler slots per bus; the server's snapshot history window: {}",
+        concurrency()?,
         window.map_or_else(|| "not reported".to_owned(), |s| format!("{s} s"))
     );
     println!(
@@ -243,6 +247,7 @@ async fn main() -> Result<(), BoxError> {
                 "snapshot_window_s": window,
                 "deliveries_per_run": deliveries,
                 "batch": BATCH,
+                "concurrency": concurrency()?,
                 "throughput": throughput,
             })
         );
@@ -429,6 +434,7 @@ async fn main() -> Result<(), BoxError> {
             "profile": if smoke { "smoke" } else if long { "long" } else { "default" },
             "deliveries_per_run": deliveries,
             "batch": BATCH,
+            "concurrency": concurrency()?,
             "throughput": throughput,
             "latency": latency,
             "fresh_key_under_backlog": fresh_key_under_backlog,
@@ -646,6 +652,20 @@ async fn relaybus_run(
     Ok((count as f64 / elapsed.as_secs_f64(), work))
 }
 
+/// The buses' handler slots: `RELAYBUS_BENCH_CONCURRENCY`, or twice the batch.
+fn concurrency() -> Result<usize, BoxError> {
+    match std::env::var("RELAYBUS_BENCH_CONCURRENCY") {
+        Err(_) => Ok(BATCH as usize * 2),
+        Ok(text) => text.trim().parse().map_err(|_| {
+            format!(
+                "RELAYBUS_BENCH_CONCURRENCY={text:?}: give the handler slots per bus as a whole \
+                 number, such as 32 or 64"
+            )
+            .into()
+        }),
+    }
+}
+
 /// A server CPU figure for the table: `-` when the server did not report it.
 fn cpu_text(ms: Option<f64>) -> String {
     ms.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1}"))
@@ -702,7 +722,8 @@ async fn latency_run(
     Ok(Summary::of(latencies))
 }
 
-/// A bus set like those of the throughput runs (batch 32, 64 handlers at once).
+/// A bus set like those of the throughput runs (batch 32, 64 handlers at once unless
+/// `RELAYBUS_BENCH_CONCURRENCY` says otherwise).
 fn draining_bus(
     store: &MongoEventStore,
     owner: &str,
@@ -711,7 +732,7 @@ fn draining_bus(
     Ok(RelayBus::builder(store.clone())
         .owner(owner)
         .batch_size(BATCH)
-        .concurrency(BATCH as usize * 2)
+        .concurrency(concurrency()?)
         .retention(None)
         .setup_on_start(false)
         .subscribe(subscription)

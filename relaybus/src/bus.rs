@@ -134,6 +134,7 @@ impl<S: Store> RelayBus<S> {
             shutdown_timeout: Duration::from_secs(10),
             setup_on_start: true,
             change_stream: true,
+            claim_ahead: true,
             retention: Some(Retention::default()),
             gauge_interval: Some(crate::dispatcher::DEFAULT_GAUGE_INTERVAL),
             state: StateMap::default(),
@@ -542,6 +543,7 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     shutdown_timeout: Duration,
     setup_on_start: bool,
     change_stream: bool,
+    claim_ahead: bool,
     retention: Option<Retention>,
     gauge_interval: Option<Duration>,
     state: StateMap,
@@ -708,6 +710,19 @@ impl<S: Store> RelayBusBuilder<S> {
         self
     }
 
+    /// Whether a busy bus whose handlers finish quickly claims up to one batch beyond its free
+    /// handler slots (the default), so that its next claim runs while its handlers do instead
+    /// of after them. A claim costs the database about the same whatever its size, and a bus
+    /// that claims only for free slots makes small claims once its handlers finish one by one.
+    ///
+    /// Only while the bus's handlers have taken 20 ms or less on average: deliveries claimed
+    /// ahead wait in the bus for a slot, at most one batch of them; their lanes are renewed
+    /// while they wait, and a shutdown gives them back uncharged. Concurrency stays as set.
+    pub fn claim_ahead(mut self, enabled: bool) -> Self {
+        self.claim_ahead = enabled;
+        self
+    }
+
     /// How long completed and dead deliveries are kept, and how often the dispatcher purges;
     /// `None` turns purging off. See [`Retention`] for the defaults.
     pub fn retention(mut self, retention: Option<Retention>) -> Self {
@@ -831,6 +846,7 @@ impl<S: Store> RelayBusBuilder<S> {
             shutdown_timeout: self.shutdown_timeout,
             setup_on_start: self.setup_on_start,
             change_stream: self.change_stream,
+            claim_ahead: self.claim_ahead,
             retention: self.retention,
             gauge_interval: self.gauge_interval,
             state: self.state,

@@ -773,7 +773,10 @@ async fn a_transactional_handler_stops_retrying_before_its_lease_ends_and_is_not
         .unwrap();
     assert_eq!(report.claimed, 1);
     let runs = runs.lock().unwrap().clone();
-    assert!(runs.len() > 1, "a transient error runs the transaction again");
+    assert!(
+        runs.len() > 1,
+        "a transient error runs the transaction again"
+    );
     let retried_for = runs[runs.len() - 1].duration_since(runs[0]);
     assert!(
         retried_for < lease,
@@ -1051,4 +1054,221 @@ async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task
         "each delivery ran in the task of its predecessor: {tasks:?}"
     );
     assert!(deliveries(&db).await.is_empty());
+}
+
+/// What the dispatcher's claims asked for and got: the `limit` of each claim span, and the
+/// `claimed` count of each claim that returned, sent as it happens.
+#[derive(Clone)]
+struct Claims {
+    limits: Arc<Mutex<Vec<u64>>>,
+    claimed: mpsc::UnboundedSender<u64>,
+}
+
+impl Claims {
+    fn new() -> (Claims, mpsc::UnboundedReceiver<u64>) {
+        let (claimed, returned) = mpsc::unbounded_channel();
+        let claims = Claims {
+            limits: Arc::default(),
+            claimed,
+        };
+        (claims, returned)
+    }
+
+    fn limits(&self) -> Vec<u64> {
+        self.limits.lock().unwrap().clone()
+    }
+}
+
+/// The first `u64` field of that name a span or event records.
+struct Field(&'static str, Option<u64>);
+
+impl tracing::field::Visit for Field {
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        if field.name() == self.0 {
+            self.1.get_or_insert(value);
+        }
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        if let Ok(value) = u64::try_from(value) {
+            self.record_u64(field, value);
+        }
+    }
+
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Claims {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if attrs.metadata().name() == "relaybus.claim" {
+            let mut limit = Field("limit", None);
+            attrs.record(&mut limit);
+            if let Some(limit) = limit.1 {
+                self.limits.lock().unwrap().push(limit);
+            }
+        }
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let mut claimed = Field("claimed", None);
+        event.record(&mut claimed);
+        if let Some(claimed) = claimed.1 {
+            let _ = self.claimed.send(claimed);
+        }
+    }
+}
+
+/// A handler that counts how many of its runs overlap, and reports each order it ran.
+fn counts_overlaps(
+    id: &str,
+    most: Arc<AtomicUsize>,
+    ran: mpsc::UnboundedSender<String>,
+) -> Subscription {
+    let running = Arc::new(AtomicUsize::new(0));
+    Subscription::new(id, move |event: OrderPlaced, _: HandlerContext| {
+        let (running, most, ran) = (Arc::clone(&running), Arc::clone(&most), ran.clone());
+        async move {
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            tokio::task::yield_now().await;
+            running.fetch_sub(1, Ordering::SeqCst);
+            ran.send(event.order_id).unwrap();
+            Ok::<(), BoxError>(())
+        }
+    })
+}
+
+/// Runs 24 quick deliveries on a bus of 2 handler slots and batches of 4; returns the claims'
+/// limits and the most handlers that ran at once.
+async fn drain_with_two_slots(name: &str, claim_ahead: bool) -> (Vec<u64>, usize) {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let (claims, _returned) = Claims::new();
+    // A test runs on one thread: the dispatcher's spans reach this subscriber.
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(claims.clone()));
+    let db = test_db(name).await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["quick"]);
+    for n in 0..24 {
+        publish(&publisher, &format!("o-{n}"), None).await;
+    }
+    let most = Arc::new(AtomicUsize::new(0));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .concurrency(2)
+        .batch_size(4)
+        .claim_ahead(claim_ahead)
+        .subscribe(counts_overlaps("quick", Arc::clone(&most), tx))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let mut ran = std::collections::HashSet::new();
+    for _ in 0..24 {
+        ran.insert(next(&mut rx, "a run").await);
+    }
+    bus.shutdown().await.unwrap();
+    assert_eq!(ran.len(), 24, "each delivery ran once");
+    assert!(deliveries(&db).await.is_empty());
+    (claims.limits(), most.load(Ordering::SeqCst))
+}
+
+#[tokio::test]
+async fn a_bus_with_quick_handlers_claims_ahead_of_its_free_slots_but_runs_no_more_at_once() {
+    let (limits, most) = drain_with_two_slots("claim_ahead", true).await;
+    assert!(
+        limits.iter().any(|&limit| limit > 2),
+        "a claim asked for more than the 2 slots: {limits:?}"
+    );
+    assert!(limits.iter().all(|&limit| limit <= 4), "{limits:?}");
+    assert!(most <= 2, "{most} handlers ran at once");
+
+    let (limits, most) = drain_with_two_slots("claim_ahead_off", false).await;
+    assert!(
+        limits.iter().all(|&limit| limit <= 2),
+        "without claiming ahead, claims ask for free slots only: {limits:?}"
+    );
+    assert!(most <= 2, "{most} handlers ran at once");
+}
+
+#[tokio::test]
+async fn shutdown_gives_back_uncharged_what_was_claimed_ahead_and_waits_for_a_slot() {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let (claims, mut returned) = Claims::new();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(claims.clone()));
+    let db = test_db("claim_ahead_shutdown").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["sometimes-stuck"]);
+    for n in 0..12 {
+        publish(&publisher, &format!("o-{n}"), None).await;
+    }
+    // Quick runs first, so that the bus claims ahead; then one run that never ends, holding
+    // the only slot.
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let bus = builder(&store)
+        .owner("ahead")
+        .concurrency(1)
+        .batch_size(4)
+        .shutdown_timeout(Duration::from_millis(200))
+        .subscribe(Subscription::new(
+            "sometimes-stuck",
+            move |_: OrderPlaced, _: HandlerContext| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                let started = started_tx.clone();
+                async move {
+                    if run == 4 {
+                        started.send(()).unwrap();
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    next(&mut started, "the run that never ends").await;
+    // A claim that returns deliveries while the only slot is taken claimed them ahead.
+    while returned.try_recv().is_ok() {}
+    loop {
+        let claimed = next(&mut returned, "a claim while the slot is taken").await;
+        if claimed > 0 {
+            break;
+        }
+    }
+    bus.shutdown().await.unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        4,
+        "nothing ran after the stuck run"
+    );
+
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    assert_eq!(
+        lanes
+            .count_documents(doc! { "owner": "ahead" })
+            .await
+            .unwrap(),
+        0,
+        "every lane was handed back"
+    );
+    let left = deliveries(&db).await;
+    assert_eq!(
+        left.len(),
+        12 - 3,
+        "the three quick runs completed: {left:?}"
+    );
+    for doc in &left {
+        assert_eq!(doc.get_str("status"), Ok("pending"), "{doc}");
+        assert_eq!(attempts(doc), 0, "given back uncharged: {doc}");
+    }
 }

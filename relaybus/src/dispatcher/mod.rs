@@ -8,7 +8,7 @@ use std::{
     collections::{HashMap, HashSet},
     sync::{
         Arc, Mutex as StdMutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -79,6 +79,8 @@ pub(crate) struct Settings {
     pub(crate) shutdown_timeout: Duration,
     pub(crate) setup_on_start: bool,
     pub(crate) change_stream: bool,
+    /// Claim up to a batch beyond the free handler slots while handlers finish quickly.
+    pub(crate) claim_ahead: bool,
     pub(crate) retention: Option<Retention>,
     /// How often a started bus samples the delivery gauges, if it leads; `None`: never.
     pub(crate) gauge_interval: Option<Duration>,
@@ -113,6 +115,9 @@ pub(crate) struct Shared<S: Store> {
     claiming: AtomicBool,
     /// A wake-up told of a new delivery not yet offered to a claim beside the running one.
     arrived: Notify,
+    /// How long this bus's handlers took, on average (exponentially weighted, in µs; [`UNKNOWN`]
+    /// before the first finished).
+    handler_micros: AtomicU64,
 }
 
 /// What the wake-ups reported since the last claim.
@@ -216,6 +221,10 @@ impl<S: Store> std::fmt::Debug for Shared<S> {
 
 /// The most reported lanes remembered between two claims.
 const MAX_REPORTED_LANES: usize = 64;
+/// The average handler run time up to which a busy bus claims ahead of its free slots.
+const QUICK_HANDLER: Duration = Duration::from_millis(20);
+/// No handler has finished yet.
+const UNKNOWN: u64 = u64::MAX;
 /// The most arrivals remembered between two claims: more come only when the bus is busy,
 /// and a busy claim looks for its deliveries anyway.
 const MAX_ARRIVALS: usize = 64;
@@ -252,7 +261,28 @@ impl<S: Store> Shared<S> {
             reported: StdMutex::new(Reports::default()),
             claiming: AtomicBool::new(false),
             arrived: Notify::new(),
+            handler_micros: AtomicU64::new(UNKNOWN),
         }
+    }
+
+    /// Takes one handler run's duration into the average.
+    fn note_run(&self, took: Duration) {
+        let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX / 2);
+        let average = self.handler_micros.load(Ordering::Relaxed);
+        let average = if average == UNKNOWN {
+            took
+        } else {
+            // Weight 1/8: a few slow runs move it, one does not.
+            average - average / 8 + took / 8
+        };
+        self.handler_micros.store(average, Ordering::Relaxed);
+    }
+
+    /// Whether the loop may claim beyond its free slots now: the bus allows it and its handlers
+    /// have been quick.
+    fn may_claim_ahead(&self) -> bool {
+        self.settings.claim_ahead
+            && self.handler_micros.load(Ordering::Relaxed) <= QUICK_HANDLER.as_micros() as u64
     }
 
     /// The current time of the bus's clock.
@@ -469,6 +499,12 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     let settings = shared.settings.clone();
     let notify = Arc::new(Notify::new());
     let semaphore = Arc::new(Semaphore::new(settings.concurrency));
+    // Places for deliveries claimed ahead of a free slot: one batch.
+    let ahead = Arc::new(Semaphore::new(if settings.claim_ahead {
+        settings.batch_size as usize
+    } else {
+        0
+    }));
     let tracker = TaskTracker::new();
     let background = CancellationToken::new();
     let (done, completions) = mpsc::unbounded_channel::<(S::Lease, bool)>();
@@ -515,7 +551,14 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         beside_stop.clone(),
     ));
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
-        let available = semaphore.available_permits();
+        // While handlers finish quickly, the next claim runs while they do: it may take a
+        // batch beyond the free slots, which waits for slots in the bus.
+        let ahead_free = if shared.may_claim_ahead() {
+            ahead.available_permits()
+        } else {
+            0
+        };
+        let available = semaphore.available_permits() + ahead_free;
         if available == 0 {
             tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -544,14 +587,20 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         // worker holds are not left idle for a poll interval while they still have work.
         let found = !batch.is_empty();
         for delivery in batch {
-            let permit = match Arc::clone(&semaphore).try_acquire_owned() {
-                Ok(permit) => permit,
-                Err(_) => match Arc::clone(&semaphore).acquire_owned().await {
-                    Ok(permit) => permit,
-                    Err(_) => break,
+            let seat = match Arc::clone(&semaphore).try_acquire_owned() {
+                Ok(permit) => Seat::Slot(permit),
+                Err(_) => match Arc::clone(&ahead).try_acquire_owned() {
+                    Ok(place) => Seat::Ahead {
+                        place,
+                        slots: Arc::clone(&semaphore),
+                    },
+                    Err(_) => match Arc::clone(&semaphore).acquire_owned().await {
+                        Ok(permit) => Seat::Slot(permit),
+                        Err(_) => break,
+                    },
                 },
             };
-            starter.start(delivery, permit);
+            starter.start(delivery, seat);
         }
         if found {
             continue;
@@ -614,6 +663,16 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     }
 }
 
+/// A claimed delivery's right to run: a handler slot, or a place among the deliveries claimed
+/// ahead, which waits for a slot.
+enum Seat {
+    Slot(tokio::sync::OwnedSemaphorePermit),
+    Ahead {
+        place: tokio::sync::OwnedSemaphorePermit,
+        slots: Arc<Semaphore>,
+    },
+}
+
 /// Starts the tasks that run claimed deliveries.
 struct Starter<S: Store> {
     shared: Arc<Shared<S>>,
@@ -641,18 +700,20 @@ impl<S: Store> Clone for Starter<S> {
 impl<S: Store> Starter<S> {
     /// Runs `delivery` in a task of its own, on `permit`: its handler, its settlement, and the
     /// key's next deliveries the task may claim after a transactional completion.
-    fn start(&self, delivery: Claimed<S::Lease>, permit: tokio::sync::OwnedSemaphorePermit) {
+    fn start(&self, delivery: Claimed<S::Lease>, seat: Seat) {
         let shared = &self.shared;
         let id = delivery.lease.delivery_id();
         let transactional = shared
             .subscriptions
             .get(&delivery.handler)
             .is_some_and(|s| s.transactional);
+        let waits = matches!(seat, Seat::Ahead { .. });
         shared.running().insert(
             id.clone(),
             Running {
                 lease: delivery.lease.clone(),
-                transactional,
+                // No transaction is open while it waits: its lanes are renewed meanwhile.
+                transactional: transactional && !waits,
                 abort: None,
             },
         );
@@ -661,6 +722,26 @@ impl<S: Store> Starter<S> {
         let wake = Arc::clone(&self.wake);
         let stopping = self.stopping.clone();
         let handle = self.tracker.spawn(async move {
+            let permit = match seat {
+                Seat::Slot(permit) => permit,
+                Seat::Ahead { place, slots } => {
+                    let permit = tokio::select! {
+                        permit = slots.acquire_owned() => permit,
+                        // Stopping: not run; the shutdown gives it back uncharged.
+                        _ = stopping.cancelled() => return,
+                    };
+                    drop(place);
+                    let Ok(permit) = permit else { return };
+                    if transactional
+                        && let Some(running) =
+                            task_shared.running().get_mut(&delivery.lease.delivery_id())
+                    {
+                        running.transactional = true;
+                    }
+                    permit
+                }
+            };
+            let started = Instant::now();
             let mut delivery = delivery;
             loop {
                 let task_id = delivery.lease.delivery_id();
@@ -706,6 +787,7 @@ impl<S: Store> Starter<S> {
                 }
                 break;
             }
+            task_shared.note_run(started.elapsed());
             drop(permit);
         });
         if let Some(entry) = shared.running().get_mut(&id) {
@@ -736,7 +818,9 @@ async fn claim_beside_loop<S: Store>(
             .min(shared.settings.batch_size as usize) as u32;
         for delivery in shared.claim_beside(limit).await {
             match Arc::clone(&semaphore).try_acquire_owned() {
-                Ok(permit) if !starter.stopping.is_cancelled() => starter.start(delivery, permit),
+                Ok(permit) if !starter.stopping.is_cancelled() => {
+                    starter.start(delivery, Seat::Slot(permit));
+                }
                 _ => {
                     // No slot left (the loop's claim took them) or stopping: give it back.
                     run::release(shared, &delivery.lease).await;
