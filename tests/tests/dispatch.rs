@@ -397,12 +397,8 @@ async fn shutdown_releases_running_deliveries_and_another_bus_takes_them_at_once
     stuck.shutdown().await.unwrap();
     stuck.shutdown().await.unwrap(); // idempotent
 
-    let lanes = db.db().collection::<Document>("relaybus_lanes");
     assert_eq!(
-        lanes
-            .count_documents(doc! { "owner": "stuck" })
-            .await
-            .unwrap(),
+        lanes_held_by(&db, "stuck").await,
         0,
         "every lane was handed back"
     );
@@ -420,6 +416,15 @@ async fn shutdown_releases_running_deliveries_and_another_bus_takes_them_at_once
     assert_eq!(report.completed, 1);
     assert_eq!(next(&mut rx, "the other worker's run").await, 1);
     assert!(deliveries(&db).await.is_empty());
+}
+
+/// How many lanes `owner` holds.
+async fn lanes_held_by(db: &relaybus_harness::TestDb, owner: &str) -> u64 {
+    db.db()
+        .collection::<Document>("relaybus_lanes")
+        .count_documents(doc! { "owner": owner })
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -1252,12 +1257,8 @@ async fn shutdown_gives_back_uncharged_what_was_claimed_ahead_and_waits_for_a_sl
         "nothing ran after the stuck run"
     );
 
-    let lanes = db.db().collection::<Document>("relaybus_lanes");
     assert_eq!(
-        lanes
-            .count_documents(doc! { "owner": "ahead" })
-            .await
-            .unwrap(),
+        lanes_held_by(&db, "ahead").await,
         0,
         "every lane was handed back"
     );
