@@ -793,8 +793,9 @@ async fn relaybus_run(
 /// How many claim statements and completion transactions the drain of `schema` made: the
 /// scans of its claim index and of its ordering index (which relaybus's completion reads
 /// first, and the floor never), as the server reports them once the drainers' connections
-/// closed. Where the time goes: relaybus claims up to as many deliveries as it has free handler
-/// slots, and completes what finished since its last completion.
+/// closed; a claim the planner serves through another index is not counted. Where the time
+/// goes: relaybus claims up to a batch for its free handler slots (and, while its handlers are
+/// quick, ahead of them), and completes what finished since its last completion.
 async fn statements(admin: &PgPool, schema: &str) -> Result<(f64, f64), BoxError> {
     // The closed connections' server processes report as they exit.
     tokio::time::sleep(Duration::from_millis(500)).await;
