@@ -698,8 +698,9 @@ impl<S: Store> Clone for Starter<S> {
 }
 
 impl<S: Store> Starter<S> {
-    /// Runs `delivery` in a task of its own, on `permit`: its handler, its settlement, and the
-    /// key's next deliveries the task may claim after a transactional completion.
+    /// Runs `delivery` in a task of its own, on `seat` (waiting for a slot first if it has a
+    /// place among those claimed ahead): its handler, its settlement, and the key's next
+    /// deliveries the task may claim after a transactional completion.
     fn start(&self, delivery: Claimed<S::Lease>, seat: Seat) {
         let shared = &self.shared;
         let id = delivery.lease.delivery_id();
