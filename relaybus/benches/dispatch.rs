@@ -36,7 +36,8 @@
 //! `RELAYBUS_BENCH_CONCURRENCY` sets the buses' handler slots (default 64, twice the batch; the
 //! bus's own default is 32).
 //!
-//! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server.
+//! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server;
+//! `RELAYBUS_BENCH_ONLY=hot-keys` the hot keys with the unkeyed one-bus row they are set against.
 //! `RELAYBUS_BENCH_SNAPSHOT_WINDOW=N` sets the server's snapshot history window to `N` seconds
 //! first (the server keeps it); the header and the JSON line say the window the run had.
 //!
@@ -103,15 +104,23 @@ async fn main() -> Result<(), BoxError> {
     };
     let deliveries = sized("RELAYBUS_BENCH_DELIVERIES", 4000, 64);
     let bus_counts = bus_counts()?;
-    let throughput_only = match std::env::var("RELAYBUS_BENCH_ONLY") {
-        Ok(only) if only == "throughput" => true,
+    let only = match std::env::var("RELAYBUS_BENCH_ONLY") {
+        Ok(only) if only == "throughput" => Some(Only::Throughput),
+        Ok(only) if only == "hot-keys" => Some(Only::HotKeys),
         Ok(other) => {
             return Err(format!(
-                "RELAYBUS_BENCH_ONLY={other:?}: the only part that runs alone is `throughput`"
+                "RELAYBUS_BENCH_ONLY={other:?}: the parts that run alone are `throughput` and \
+                 `hot-keys`"
             )
             .into());
         }
-        Err(_) => false,
+        Err(_) => None,
+    };
+    // The hot keys' rate is given against the unkeyed one-bus rate: that row runs with them.
+    let bus_counts = if only == Some(Only::HotKeys) {
+        vec![1]
+    } else {
+        bus_counts
     };
     let samples = sized("RELAYBUS_BENCH_SAMPLES", 1000, 5);
     let poll_samples = sized("RELAYBUS_BENCH_POLL_SAMPLES", 150, 5);
@@ -238,7 +247,28 @@ async fn main() -> Result<(), BoxError> {
     }
 
     print_work(&work);
-    if throughput_only {
+    if only == Some(Only::HotKeys) {
+        let hot_keys = hot_keys_part(
+            &client,
+            [fresh_db(), fresh_db()],
+            (hot_deliveries, hot_keys_count),
+            unkeyed_one_bus,
+        )
+        .await?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "dispatch",
+                "profile": "hot-keys",
+                "snapshot_window_s": window,
+                "concurrency": concurrency()?,
+                "throughput": throughput,
+                "hot_keys": hot_keys,
+            })
+        );
+        return Ok(());
+    }
+    if only == Some(Only::Throughput) {
         println!(
             "{}",
             serde_json::json!({
@@ -385,37 +415,13 @@ async fn main() -> Result<(), BoxError> {
         "hwm_kb": memory_json(|m| m.hwm_kb),
     });
 
-    let db = fresh_db();
-    let hot = hot_keys_run(&client, &db, hot_deliveries, hot_keys_count).await?;
-    db.drop().await?;
-    let db = fresh_db();
-    let hot_floor = hot_keys_floor(&client, &db, hot_deliveries, hot_keys_count).await?;
-    db.drop().await?;
-    let to_unkeyed = hot.per_sec / unkeyed_one_bus;
-    println!(
-        "\nhot keys: {hot_deliveries} deliveries over {hot_keys_count} keys, transactional handler, \
-         1 bus: {:.0}/s ({to_unkeyed:.3} of unkeyed); gap from a handler's return to the next \
-         of its key p50 {:.1} ms, p99 {:.1} ms\n  the floor: {:.0}/s; gap p50 {:.1} ms, p99 {:.1} ms",
-        hot.per_sec,
-        hot.gap.p50,
-        hot.gap.p99,
-        hot_floor.per_sec,
-        hot_floor.gap.p50,
-        hot_floor.gap.p99
-    );
-    let ms = |v: f64| (v * 10.0).round() / 10.0;
-    let hot_keys = serde_json::json!({
-        "deliveries": hot_deliveries,
-        "keys": hot_keys_count,
-        "per_sec": hot.per_sec.round(),
-        "to_unkeyed_1_bus": thousandths(to_unkeyed),
-        "key_gap_p50_ms": ms(hot.gap.p50),
-        "key_gap_p99_ms": ms(hot.gap.p99),
-        "key_gaps": hot.gap.samples,
-        "floor_per_sec": hot_floor.per_sec.round(),
-        "floor_key_gap_p50_ms": ms(hot_floor.gap.p50),
-        "floor_key_gap_p99_ms": ms(hot_floor.gap.p99),
-    });
+    let hot_keys = hot_keys_part(
+        &client,
+        [fresh_db(), fresh_db()],
+        (hot_deliveries, hot_keys_count),
+        unkeyed_one_bus,
+    )
+    .await?;
 
     let headline = throughput
         .iter()
@@ -445,6 +451,55 @@ async fn main() -> Result<(), BoxError> {
         })
     );
     Ok(())
+}
+
+/// The parts of the benchmark that run alone (`RELAYBUS_BENCH_ONLY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Only {
+    /// The throughput table.
+    Throughput,
+    /// The hot keys, with the unkeyed one-bus row their rate is given against.
+    HotKeys,
+}
+
+/// The hot-keys profile, relaybus then its floor, each on one of `dbs`: prints them and
+/// returns their JSON: `hot_deliveries` deliveries over `hot_keys_count` keys.
+async fn hot_keys_part(
+    client: &Client,
+    dbs: [Database; 2],
+    (hot_deliveries, hot_keys_count): (usize, usize),
+    unkeyed_one_bus: f64,
+) -> Result<serde_json::Value, BoxError> {
+    let [db, floor_db] = dbs;
+    let hot = hot_keys_run(client, &db, hot_deliveries, hot_keys_count).await?;
+    db.drop().await?;
+    let hot_floor = hot_keys_floor(client, &floor_db, hot_deliveries, hot_keys_count).await?;
+    floor_db.drop().await?;
+    let to_unkeyed = hot.per_sec / unkeyed_one_bus;
+    println!(
+        "\nhot keys: {hot_deliveries} deliveries over {hot_keys_count} keys, transactional handler, \
+         1 bus: {:.0}/s ({to_unkeyed:.3} of unkeyed); gap from a handler's return to the next \
+         of its key p50 {:.1} ms, p99 {:.1} ms\n  the floor: {:.0}/s; gap p50 {:.1} ms, p99 {:.1} ms",
+        hot.per_sec,
+        hot.gap.p50,
+        hot.gap.p99,
+        hot_floor.per_sec,
+        hot_floor.gap.p50,
+        hot_floor.gap.p99
+    );
+    let ms = |v: f64| (v * 10.0).round() / 10.0;
+    Ok(serde_json::json!({
+        "deliveries": hot_deliveries,
+        "keys": hot_keys_count,
+        "per_sec": hot.per_sec.round(),
+        "to_unkeyed_1_bus": thousandths(to_unkeyed),
+        "key_gap_p50_ms": ms(hot.gap.p50),
+        "key_gap_p99_ms": ms(hot.gap.p99),
+        "key_gaps": hot.gap.samples,
+        "floor_per_sec": hot_floor.per_sec.round(),
+        "floor_key_gap_p50_ms": ms(hot_floor.gap.p50),
+        "floor_key_gap_p99_ms": ms(hot_floor.gap.p99),
+    }))
 }
 
 /// The bus counts of the throughput runs: `RELAYBUS_BENCH_BUSES`, a comma-separated list
