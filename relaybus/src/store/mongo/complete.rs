@@ -150,10 +150,64 @@ impl MongoEventStore {
     ) -> Result<bool> {
         self.ensure_in_transaction(session, "MongoEventStore.complete_in_transaction")
             .await?;
-        let outcome = self
-            .complete_in(session, std::slice::from_ref(lease), now)
+        self.complete_one_in(session, lease, now).await
+    }
+
+    /// The completion of one delivery inside a transaction, each step a lookup by `_id`: the
+    /// lane must still list the delivery in the lease's epoch, the delivery is deleted only
+    /// while it has the lease's claim generation (the delete returns the document, for the
+    /// event's stamp and the completion history), then the event is stamped.
+    async fn complete_one_in(
+        &self,
+        session: &mut ClientSession,
+        lease: &Lease,
+        now: DateTime,
+    ) -> Result<bool> {
+        let inner = &self.inner;
+        let id = lease.delivery_id();
+        let listed = inner
+            .lanes
+            .find_one(doc! {
+                field::ID: lease.lane_i32(),
+                field::EPOCH: generation_filter(lease.epoch()),
+                field::IN_FLIGHT: id,
+            })
+            .projection(doc! { field::ID: 1 })
+            .session(&mut *session)
             .await?;
-        Ok(outcome.first().copied().unwrap_or(false))
+        if listed.is_none() {
+            return Ok(false);
+        }
+        let Some(deleted) = inner
+            .deliveries
+            .find_one_and_delete(doc! {
+                field::ID: id,
+                field::LANE_ID: lease.lane_i32(),
+                field::CLAIMS: lease.generation_filter(),
+            })
+            .session(&mut *session)
+            .await?
+        else {
+            return Ok(false);
+        };
+        if inner.completion_history {
+            inner
+                .completed
+                .insert_one(history_record(&deleted, now))
+                .session(&mut *session)
+                .await?;
+        }
+        if let Ok(event_id) = deleted.get_str(field::EVENT_ID) {
+            inner
+                .events
+                .update_one(
+                    doc! { field::ID: event_id },
+                    doc! { "$max": { field::COMPLETED_AT: now } },
+                )
+                .session(&mut *session)
+                .await?;
+        }
+        Ok(true)
     }
 
     /// The completion without a transaction: one read, then two writes.
