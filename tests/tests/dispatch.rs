@@ -1061,6 +1061,63 @@ async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task
     assert!(deliveries(&db).await.is_empty());
 }
 
+#[tokio::test]
+async fn a_key_s_next_delivery_claimed_while_a_commit_fails_is_given_back_uncharged_and_runs_after_it()
+ {
+    let db = test_db("next_of_key_commit_fails").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["projector"]);
+    for n in 0..3 {
+        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
+    }
+    // The bus's first commit fails with a transient error: that of the first delivery, while
+    // the key's second is claimed beside it.
+    let fail = relaybus_tests::support::fail_command(
+        &db.client,
+        &db.name,
+        "commitTransaction",
+        1,
+        112,
+        "TransientTransactionError",
+    )
+    .await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .concurrency(1)
+        .subscribe(
+            Subscription::new(
+                "projector",
+                move |event: OrderPlaced, ctx: HandlerContext| {
+                    let tx = tx.clone();
+                    async move {
+                        tx.send((event.order_id, ctx.attempt())).unwrap();
+                        Ok::<(), BoxError>(())
+                    }
+                },
+            )
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..4 {
+        runs.push(next(&mut rx, "the key's runs").await);
+    }
+    bus.shutdown().await.unwrap();
+    fail.disable().await.unwrap();
+    let expected: Vec<(String, u32)> = [("o-0", 1), ("o-0", 1), ("o-1", 1), ("o-2", 1)]
+        .into_iter()
+        .map(|(order, attempt)| (order.to_owned(), attempt))
+        .collect();
+    assert_eq!(
+        runs, expected,
+        "the first again after its failed commit, then the others in order, none charged"
+    );
+    assert!(rx.try_recv().is_err(), "nothing else ran");
+    assert!(deliveries(&db).await.is_empty());
+}
+
 /// What the dispatcher's claims asked for and got: the `limit` of each claim span, and the
 /// `claimed` count of each claim that returned, sent as it happens.
 #[derive(Clone)]

@@ -2891,12 +2891,26 @@ async fn next_of_key(
     key: &str,
     now: DateTime,
 ) -> Option<relaybus::store::Claimed<Lease>> {
+    next_of_key_after(store, owner, (completed, false, None), key, now).await
+}
+
+/// `Store::claim_next_of_key` for worker `owner` after `completed` (of the key `key`),
+/// `committing` or not, with the key's delivery `finished` before it.
+async fn next_of_key_after(
+    store: &MongoEventStore,
+    owner: &str,
+    (completed, committing, finished): (&Lease, bool, Option<&Lease>),
+    key: &str,
+    now: DateTime,
+) -> Option<relaybus::store::Claimed<Lease>> {
     use relaybus::{Store, store::NextOfKey};
     Store::claim_next_of_key(
         store,
         NextOfKey {
             owner,
             completed,
+            committing,
+            finished,
             handler: HANDLER,
             key,
             lease_duration: LEASE,
@@ -2969,6 +2983,91 @@ async fn a_worker_that_completed_a_keyed_delivery_takes_the_next_of_its_key_in_t
             .is_none()
     );
     assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn the_next_delivery_of_a_key_is_claimed_while_its_predecessor_commits_and_given_back_if_it_does_not()
+ {
+    let db = test_db("next_of_key_committing").await;
+    let (store, count) = counted_store(&db).await;
+    let lane_id = publish_hot(&store).await;
+    let first = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(first.len(), 1);
+    let first = *first[0].lease();
+
+    // Claimed inside the completion's transaction, before its commit: the completed delivery
+    // is still pending, the key's lowest, and the claim takes the one after it.
+    let (second, commands) = store
+        .transaction(async |session| {
+            assert!(
+                store
+                    .complete_in_transaction(session, &first, at(2))
+                    .await?
+            );
+            let before = count.load(Ordering::SeqCst);
+            let next = next_of_key_after(&store, "w", (&first, true, None), "hot", at(2)).await;
+            Ok((next, count.load(Ordering::SeqCst) - before))
+        })
+        .await
+        .unwrap();
+    let second = second.expect("the key's next delivery, claimed as its predecessor commits");
+    assert_eq!(commands, 2, "one read, one write, as after a commit");
+    assert_eq!(second.sequence, Some(2));
+    assert_eq!(second.attempt, 1);
+    // The completed one stays listed: its transaction read the lane so.
+    assert_eq!(
+        in_flight(&lane(&db, lane_id).await),
+        vec![first.delivery_id(), second.lease.delivery_id()]
+    );
+    assert!(claim(&store, "w", 10, at(2)).await.is_empty());
+
+    // A commit that fails: the claimed next delivery goes back uncharged, and the completed
+    // one, still listed, completes when its transaction runs again.
+    let second = second.lease;
+    let aborted = store
+        .transaction(async |session| {
+            assert!(
+                store
+                    .complete_in_transaction(session, &second, at(3))
+                    .await?
+            );
+            let next = next_of_key_after(&store, "w", (&second, true, Some(&first)), "hot", at(3))
+                .await
+                .expect("the third delivery");
+            assert_eq!(next.sequence, Some(3));
+            // The first is taken off its lane, the second stays.
+            assert_eq!(
+                in_flight(&lane(&db, lane_id).await),
+                vec![second.delivery_id(), next.lease.delivery_id()]
+            );
+            assert!(store.release(&next.lease, at(3)).await?);
+            Err::<(), _>(Error::InvalidArgument(relaybus::InvalidArgumentError::new(
+                "commit",
+                "the commit fails",
+            )))
+        })
+        .await;
+    assert!(aborted.is_err());
+    assert!(
+        delivery(&db, second.delivery_id()).await.is_some(),
+        "still pending"
+    );
+    assert_eq!(
+        in_flight(&lane(&db, lane_id).await),
+        vec![second.delivery_id()]
+    );
+    assert!(
+        claim(&store, "w", 10, at(3)).await.is_empty(),
+        "nothing of the key while the second still runs"
+    );
+    complete_in_transaction(&store, &second, at(4)).await;
+    // Its claim was never settled: one claim holds the key back, as for any worker that
+    // claims no next delivery after a completion.
+    assert!(claim(&store, "w", 10, at(5)).await.is_empty());
+    let third = claim(&store, "w", 10, at(5)).await;
+    assert_eq!(third.len(), 1);
+    assert_eq!(third[0].sequence(), Some(3));
+    assert_eq!(third[0].attempt(), 1, "given back uncharged");
 }
 
 #[tokio::test]
@@ -3090,6 +3189,8 @@ async fn a_next_of_key_claim_whose_reply_is_lost_is_reconciled_by_the_next_claim
             NextOfKey {
                 owner: "w",
                 completed: &lease,
+                committing: false,
+                finished: None,
                 handler: HANDLER,
                 key: "hot",
                 lease_duration: LEASE,

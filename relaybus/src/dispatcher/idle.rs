@@ -160,12 +160,12 @@ impl<S: Store> Shared<S> {
                 finished_at: Timestamp::EPOCH,
             })
             .collect();
-        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
+        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d, None))).await;
         let mut succeeded: Vec<(usize, S::Lease)> = Vec::new();
         for (at, outcome) in outcomes.into_iter().enumerate() {
             match outcome {
                 Outcome::Succeeded(lease) => succeeded.push((at, lease)),
-                Outcome::Completed => runs[at].outcome = RunOutcome::Succeeded,
+                Outcome::Completed(_) => runs[at].outcome = RunOutcome::Succeeded,
                 Outcome::Settled(settled) => runs[at].outcome = settled.into(),
             }
         }

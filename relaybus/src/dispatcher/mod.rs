@@ -744,33 +744,40 @@ impl<S: Store> Starter<S> {
             };
             let started = Instant::now();
             let mut delivery = delivery;
+            // The key's delivery this task completed last, before `delivery`.
+            let mut finished = None;
             loop {
                 let task_id = delivery.lease.delivery_id();
                 // The next delivery of a key can be claimed only once this one is
                 // settled: wake the loop then, rather than leaving the key to the poll
                 // interval.
                 let keyed = delivery.event.key().is_some();
-                let next_of = next_of_key(&task_shared, &delivery);
-                let outcome = run_delivery(&task_shared, delivery).await;
-                if matches!(outcome, Outcome::Completed)
-                    && let Some((lease, handler, key)) = next_of
-                    && !stopping.is_cancelled()
-                    && let Some(next) = claim_next(&task_shared, &lease, &handler, &key).await
+                let follow = follow_key(&task_shared, &delivery, finished.take());
+                let lease = delivery.lease.clone();
+                let mut outcome = run_delivery(&task_shared, delivery, follow).await;
+                if let Outcome::Completed(next) = &mut outcome
+                    && let Some(next) = next.take()
                 {
-                    // The key's next delivery runs in this task, on this permit.
-                    let mut running = task_shared.running();
-                    let abort = running.remove(&task_id).and_then(|r| r.abort);
-                    running.insert(
-                        next.lease.delivery_id(),
-                        Running {
-                            lease: next.lease.clone(),
-                            transactional: true,
-                            abort,
-                        },
-                    );
-                    drop(running);
-                    delivery = next;
-                    continue;
+                    if stopping.is_cancelled() {
+                        // Claimed as the dispatcher began to stop: given back, not run.
+                        run::release(&task_shared, &next.lease).await;
+                    } else {
+                        // The key's next delivery runs in this task, on this permit.
+                        let mut running = task_shared.running();
+                        let abort = running.remove(&task_id).and_then(|r| r.abort);
+                        running.insert(
+                            next.lease.delivery_id(),
+                            Running {
+                                lease: next.lease.clone(),
+                                transactional: true,
+                                abort,
+                            },
+                        );
+                        drop(running);
+                        delivery = *next;
+                        finished = Some(lease);
+                        continue;
+                    }
                 }
                 match outcome {
                     // The completer removes it from the running set once completed.
@@ -779,7 +786,7 @@ impl<S: Store> Starter<S> {
                             task_shared.running().remove(&unsent.0.0.delivery_id());
                         }
                     }
-                    Outcome::Completed | Outcome::Settled(_) => {
+                    Outcome::Completed(_) | Outcome::Settled(_) => {
                         task_shared.running().remove(&task_id);
                         if keyed {
                             wake.notify_one();
@@ -831,31 +838,39 @@ async fn claim_beside_loop<S: Store>(
     }
 }
 
-/// What a claim of the key's next delivery needs once `delivery` completed in its handler's
-/// transaction: its lease, handler and key. `None` for a delivery whose order does not matter
-/// (unkeyed, or an unordered handler's) or whose handler does not complete in its transaction.
-fn next_of_key<S: Store>(
+/// What a transactional delivery's task needs to claim the key's next delivery while the
+/// delivery's completion commits (see [`Store::claim_next_of_key`]).
+#[derive(Debug)]
+pub(crate) struct Follow<L> {
+    handler: String,
+    key: String,
+    /// The key's delivery the task completed before this one.
+    finished: Option<L>,
+}
+
+/// How the task of `delivery` follows its key: `None` for a delivery whose order does not
+/// matter (unkeyed, or an unordered handler's) or whose handler does not complete in its
+/// transaction. `finished`: the key's delivery the task completed before it.
+fn follow_key<S: Store>(
     shared: &Shared<S>,
     delivery: &Claimed<S::Lease>,
-) -> Option<(S::Lease, String, String)> {
+    finished: Option<S::Lease>,
+) -> Option<Follow<S::Lease>> {
     let key = delivery.event.key()?;
     let subscription = shared.subscriptions.get(&delivery.handler)?;
-    (subscription.transactional && !subscription.unordered).then(|| {
-        (
-            delivery.lease.clone(),
-            delivery.handler.clone(),
-            key.to_owned(),
-        )
+    (subscription.transactional && !subscription.unordered).then(|| Follow {
+        handler: delivery.handler.clone(),
+        key: key.to_owned(),
+        finished,
     })
 }
 
-/// Claims the next delivery of `key` right after its predecessor completed, if the store can
-/// hand it out at once. A failure is logged: the next claim finds the delivery.
-async fn claim_next<S: Store>(
+/// Claims the next delivery of the key of `completed`, whose completion commits meanwhile, if
+/// the store can hand it out at once. A failure is logged: the next claim finds the delivery.
+pub(crate) async fn claim_next<S: Store>(
     shared: &Shared<S>,
     completed: &S::Lease,
-    handler: &str,
-    key: &str,
+    follow: &Follow<S::Lease>,
 ) -> Option<Claimed<S::Lease>> {
     let settings = &shared.settings;
     let started = Instant::now();
@@ -864,8 +879,10 @@ async fn claim_next<S: Store>(
         .claim_next_of_key(NextOfKey {
             owner: &settings.owner,
             completed,
-            handler,
-            key,
+            committing: true,
+            finished: follow.finished.as_ref(),
+            handler: &follow.handler,
+            key: &follow.key,
             lease_duration: settings.lease_duration,
             now: shared.now(),
         })

@@ -142,13 +142,21 @@ pub struct ClaimRequest<'a> {
 }
 
 /// What [`Store::claim_next_of_key`] asks for: the next delivery of a key whose delivery the
-/// worker just completed.
+/// worker just completed, or is completing.
 #[derive(Debug, Clone, Copy)]
 pub struct NextOfKey<'a, L> {
     /// The worker's owner name.
     pub owner: &'a str,
-    /// The lease of the delivery that completed (its completion is committed).
+    /// The lease of the delivery that completed, or whose completion commits meanwhile (see
+    /// `committing`).
     pub completed: &'a L,
+    /// The completion of `completed` commits while this claim runs: the claim leaves
+    /// `completed` listed as running, and the worker starts what it returns only once that
+    /// commit succeeded, and [releases](Store::release) it otherwise.
+    pub committing: bool,
+    /// The key's delivery that completed before `completed` started, when its lane may still
+    /// list it (a claim with `committing` left it there): the claim takes it off.
+    pub finished: Option<&'a L>,
     /// Its handler.
     pub handler: &'a str,
     /// Its ordering key.

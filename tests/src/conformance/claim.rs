@@ -415,6 +415,8 @@ pub async fn the_next_of_a_key_comes_in_sequence_with_or_without_a_claim<S: Stor
         let next_for = |owner| NextOfKey {
             owner,
             completed: &head.lease,
+            committing: false,
+            finished: None,
             handler: PROJECTOR,
             key: "order-1",
             lease_duration: LEASE,

@@ -8,6 +8,15 @@
 //! the lane, under the same epoch and requeue count, with the completed one taken off. A parked
 //! delivery is sent back to the ready lane in the same round trip: its predecessor finished.
 //!
+//! The worker may ask while the completion's transaction commits (`committing`), so that the
+//! claim's two round trips overlap the commit's instead of following them. The completed
+//! delivery may then still be pending: the read skips it when it is the key's lowest, and the
+//! write leaves it listed (its transaction's fence read it so, and a transaction run again must
+//! find it so); its claim stays unsettled, so that the owner's claims count its key as running
+//! until it is gone. The worker starts the next delivery only once the commit succeeded and
+//! gives it back uncharged otherwise; its next claim of the key's next delivery takes the
+//! completed one off the lane (`finished`).
+//!
 //! It never runs beside a claim of the owner on this store instance: it waits for a running
 //! claim to end, and runs beside the other claims of next deliveries. It gives up, claiming
 //! nothing, whenever anything is not as the plain case has it: the lane changed hands or has
@@ -17,7 +26,7 @@
 use std::{collections::HashMap, sync::atomic::Ordering};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, DateTime, Document, RawDocumentBuf, doc};
+use mongodb::bson::{Bson, DateTime, Document, RawDocumentBuf, doc, oid::ObjectId};
 
 use super::{
     ClaimedDelivery,
@@ -33,19 +42,31 @@ use crate::{
     },
 };
 
+/// The delivery a claim of the key's next one follows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct After<'a> {
+    /// The lease of the delivery that completed, or is completing.
+    pub(crate) completed: &'a Lease,
+    /// Its completion commits while the claim runs.
+    pub(crate) committing: bool,
+    /// The key's delivery that completed before it, which its lane may still list.
+    pub(crate) finished: Option<&'a Lease>,
+}
+
 impl MongoEventStore {
     /// Claims the next delivery of `handler` and `key` for `owner`, right after the delivery
-    /// of `completed` completed, when it can be handed out at once: see the module
-    /// documentation. `None` when it cannot.
+    /// of `after.completed` completed (or while it commits), when it can be handed out at
+    /// once: see the module documentation. `None` when it cannot.
     pub(crate) async fn claim_next_of_key(
         &self,
         owner: &str,
-        completed: &Lease,
+        after: After<'_>,
         handler: &str,
         key: &str,
         lease_duration: std::time::Duration,
         now: DateTime,
     ) -> Result<Option<ClaimedDelivery>> {
+        let completed = after.completed;
         check_owner(owner)?;
         check_lease_duration(lease_duration)?;
         let expires_at = add(now, lease_duration)?;
@@ -56,14 +77,20 @@ impl MongoEventStore {
         // Nor beside a claim of reported deliveries beside the owner's claims.
         let _apart = gate.beside.read().await;
         // The owner's claims leave the key to this one while the completed delivery is
-        // outstanding (see `Running::handing_over`): from here on, they need not.
-        self.inner.claims.settled(completed);
+        // outstanding (see `Running::handing_over`): from here on, they need not. One still
+        // committing stays theirs to see running until it is gone.
+        if let Some(finished) = after.finished {
+            self.inner.claims.settled(finished);
+        }
+        if !after.committing {
+            self.inner.claims.settled(completed);
+        }
         if gate.interrupted.load(Ordering::SeqCst) {
             // An earlier one failed half-way: the owner's next claim reconciles first.
             return Ok(None);
         }
         let next = self
-            .next_of_key(owner, completed, handler, key, expires_at, now)
+            .next_of_key(owner, after, handler, key, expires_at, now)
             .await;
         if next.is_err() {
             // It may have listed the delivery without handing it out.
@@ -75,7 +102,7 @@ impl MongoEventStore {
     async fn next_of_key(
         &self,
         owner: &str,
-        completed: &Lease,
+        after: After<'_>,
         handler: &str,
         key: &str,
         expires_at: DateTime,
@@ -83,6 +110,8 @@ impl MongoEventStore {
     ) -> Result<Option<ClaimedDelivery>> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
+        let completed = after.completed;
+        let done = completed.delivery_id();
         let lane_id = completed.lane_i32();
         let docs: Vec<Document> = inner
             .lanes
@@ -97,7 +126,9 @@ impl MongoEventStore {
                             field::KEY: key,
                         } },
                         { "$sort": index::ordering_keys() },
-                        { "$limit": 1 },
+                        // The completed delivery, when its commit has not yet deleted it, then
+                        // the next.
+                        { "$limit": 2 },
                         event_lookup(inner.events.name()),
                     ],
                 } },
@@ -108,10 +139,16 @@ impl MongoEventStore {
         let mut lane_doc = None;
         let mut next_doc = None;
         for doc in docs {
-            if matches!(doc.get(field::ID), Some(Bson::ObjectId(_))) {
-                next_doc = Some(doc);
-            } else {
-                lane_doc = Some(doc);
+            match doc.get(field::ID) {
+                Some(Bson::ObjectId(id)) if *id == done => {}
+                // The key's lowest pending delivery besides the completed one (the union keeps
+                // the sub-pipeline's order).
+                Some(Bson::ObjectId(_)) => {
+                    if next_doc.is_none() {
+                        next_doc = Some(doc);
+                    }
+                }
+                _ => lane_doc = Some(doc),
             }
         }
         let (Some(lane_doc), Some(next_doc)) = (lane_doc, next_doc) else {
@@ -130,7 +167,7 @@ impl MongoEventStore {
         let handable = next.key.as_deref() == Some(key)
             && next.lane == lane_id
             && next.due_at <= now
-            && next.id != completed.delivery_id()
+            && next.id != done
             && !lane.in_flight.contains(&next.id)
             && self.inner.claims.issued(&next.id).is_none();
         let event = match next_doc.get_array("event").ok().and_then(|e| e.first()) {
@@ -143,7 +180,13 @@ impl MongoEventStore {
         let parked = next_doc.get_str(field::LANE) == Ok(lane::PARKED);
         let mut filter = lane.held_filter(owner, instance);
         filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
-        let done = completed.delivery_id();
+        // Taken off the lane: what is known to be gone.
+        let gone: Vec<ObjectId> = after
+            .finished
+            .map(Lease::delivery_id)
+            .into_iter()
+            .chain((!after.committing).then_some(done))
+            .collect();
         let listing = async {
             let listed = self
                 .update_lanes(&[doc! {
@@ -152,7 +195,7 @@ impl MongoEventStore {
                         field::IN_FLIGHT: { "$concatArrays": [
                             { "$filter": {
                                 "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                                "cond": { "$ne": ["$$this", { "$literal": done }] },
+                                "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
                             } },
                             [next.id],
                         ] },
