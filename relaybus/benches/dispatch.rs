@@ -479,13 +479,19 @@ async fn hot_keys_part(
     println!(
         "\nhot keys: {hot_deliveries} deliveries over {hot_keys_count} keys, transactional handler, \
          1 bus: {:.0}/s ({to_unkeyed:.3} of unkeyed); gap from a handler's return to the next \
-         of its key p50 {:.1} ms, p99 {:.1} ms\n  the floor: {:.0}/s; gap p50 {:.1} ms, p99 {:.1} ms",
+         of its key p50 {:.1} ms, p99 {:.1} ms; server CPU {} ms and bus CPU {} ms per 1000\n  \
+         the floor: {:.0}/s; gap p50 {:.1} ms, p99 {:.1} ms; server CPU {} ms and its workers' \
+         CPU {} ms per 1000",
         hot.per_sec,
         hot.gap.p50,
         hot.gap.p99,
+        hot.work["cpu_ms"],
+        hot.work["client_cpu_ms"],
         hot_floor.per_sec,
         hot_floor.gap.p50,
-        hot_floor.gap.p99
+        hot_floor.gap.p99,
+        hot_floor.work["cpu_ms"],
+        hot_floor.work["client_cpu_ms"],
     );
     let ms = |v: f64| (v * 10.0).round() / 10.0;
     Ok(serde_json::json!({
@@ -499,6 +505,8 @@ async fn hot_keys_part(
         "floor_per_sec": hot_floor.per_sec.round(),
         "floor_key_gap_p50_ms": ms(hot_floor.gap.p50),
         "floor_key_gap_p99_ms": ms(hot_floor.gap.p99),
+        "server_work_per_1000": hot.work,
+        "floor_server_work_per_1000": hot_floor.work,
     }))
 }
 
@@ -844,6 +852,7 @@ async fn hot_keys_floor(
 ) -> Result<HotKeys, BoxError> {
     let (store, writes) = hot_keys_setup(client, db, count, keys).await?;
     let floor = Floor::of(&store);
+    let before = ServerWork::now(client).await;
     let started = Instant::now();
     let tasks = (0..keys).map(|k| {
         let (client, floor, writes) = (client.clone(), floor.clone(), writes.clone());
@@ -874,10 +883,12 @@ async fn hot_keys_floor(
     });
     let gaps: Vec<f64> = try_join_all(tasks).await?.into_iter().flatten().collect();
     let per_sec = count as f64 / started.elapsed().as_secs_f64();
+    let work = ServerWork::per_thousand(before, ServerWork::now(client).await, count);
     assert_drained(db).await?;
     Ok(HotKeys {
         per_sec,
         gap: Summary::of(gaps),
+        work,
     })
 }
 
@@ -1114,10 +1125,12 @@ async fn floor_backlog_run(
 /// When each run of a key's deliveries started and when its handler returned, per key.
 type RunLog = HashMap<String, Vec<(Instant, Instant)>>;
 
-/// What [`hot_keys_run`] measured.
+/// What [`hot_keys_run`] measured: the rate, the gaps, and the server's work per 1,000
+/// deliveries (see [`ServerWork::per_thousand`]).
 struct HotKeys {
     per_sec: f64,
     gap: Summary,
+    work: serde_json::Value,
 }
 
 /// One bus runs `count` deliveries over `keys` keys through a transactional handler that
@@ -1169,11 +1182,13 @@ async fn hot_keys_run(
     })
     .transactional();
     let bus = draining_bus(&store, "bench-hot-keys", subscription)?;
+    let before = ServerWork::now(client).await;
     let started = Instant::now();
     bus.start().await?;
     tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
     bus.shutdown().await?;
     let elapsed = started.elapsed();
+    let work = ServerWork::per_thousand(before, ServerWork::now(client).await, count);
     assert_drained(db).await?;
     let mut gaps = Vec::with_capacity(count);
     for runs in runs.lock().map_err(|_| "run log poisoned")?.values_mut() {
@@ -1186,5 +1201,6 @@ async fn hot_keys_run(
     Ok(HotKeys {
         per_sec: count as f64 / elapsed.as_secs_f64(),
         gap: Summary::of(gaps),
+        work,
     })
 }
