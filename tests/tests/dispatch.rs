@@ -1118,6 +1118,42 @@ async fn a_key_s_next_delivery_claimed_while_a_commit_fails_is_given_back_unchar
     assert!(deliveries(&db).await.is_empty());
 }
 
+#[tokio::test]
+async fn a_key_s_next_event_on_an_idle_transactional_bus_runs_at_its_wake_up_not_at_the_poll() {
+    let db = test_db("next_of_key_idle").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["projector"]);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // Only the change stream wakes the bus: a poll would come after the test's timeout.
+    let bus = builder(&store)
+        .poll_interval(Duration::from_secs(60))
+        .lease_duration(Duration::from_secs(120))
+        .subscribe(
+            Subscription::new("projector", move |event: OrderPlaced, _: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(event.order_id).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    // Each event of the key comes after the last has run and found no next delivery.
+    for n in 0..3 {
+        let order = format!("o-{n}");
+        publish(&publisher, &order, Some("customer-1")).await;
+        assert_eq!(
+            next(&mut rx, "the key's event, at its wake-up").await,
+            order
+        );
+    }
+    bus.shutdown().await.unwrap();
+    assert!(deliveries(&db).await.is_empty());
+}
+
 /// What the dispatcher's claims asked for and got: the `limit` of each claim span, and the
 /// `claimed` count of each claim that returned, sent as it happens.
 #[derive(Clone)]

@@ -405,6 +405,7 @@ async fn complete_and_commit<S: Store>(
     match attempts.commit(store, session).await {
         Ok(Committed::Yes) => {
             debug!("handler succeeded and its delivery completed in its transaction");
+            store.completion_committed(&delivery.lease);
             Ok(Outcome::Completed(None))
         }
         Ok(Committed::RunAgain) => Err(AttemptFailure::Transient(Failure {

@@ -362,6 +362,14 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<bool>> + Send;
 
+    /// Tells the store that the transaction in which
+    /// [`complete_in_transaction`](Self::complete_in_transaction) completed `lease` has
+    /// committed: a store that remembers the claims it handed out until they settle forgets
+    /// this one. The default does nothing.
+    fn completion_committed(&self, lease: &Self::Lease) {
+        let _ = lease;
+    }
+
     /// Gives a delivery back, due now, without charging its attempt.
     fn release(
         &self,

@@ -198,6 +198,10 @@ impl Store for MongoEventStore {
         MongoEventStore::complete_in_transaction(self, session, lease, bson_date(now)).await
     }
 
+    fn completion_committed(&self, lease: &Lease) {
+        self.inner.claims.settled(lease);
+    }
+
     async fn release(&self, lease: &Lease, now: Timestamp) -> Result<bool> {
         MongoEventStore::release(self, lease, bson_date(now)).await
     }

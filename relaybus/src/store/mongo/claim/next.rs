@@ -13,9 +13,10 @@
 //! delivery may then still be pending: the read skips it when it is the key's lowest, and the
 //! write leaves it listed (its transaction's fence read it so, and a transaction run again must
 //! find it so); its claim stays unsettled, so that the owner's claims count its key as running
-//! until it is gone. The worker starts the next delivery only once the commit succeeded and
-//! gives it back uncharged otherwise; its next claim of the key's next delivery takes the
-//! completed one off the lane (`finished`).
+//! while it may still run. The worker starts the next delivery only once the commit succeeded
+//! (and tells the store so, `Store::completion_committed`, which settles the claim) and gives it
+//! back uncharged otherwise; its next claim of the key's next delivery takes the completed one
+//! off the lane (`finished`).
 //!
 //! It never runs beside a claim of the owner on this store instance: it waits for a running
 //! claim to end, and runs beside the other claims of next deliveries. It gives up, claiming
