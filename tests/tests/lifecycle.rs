@@ -3140,18 +3140,48 @@ async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_
     assert!(next_of_key(&store, "w", &stale, "k", at(2)).await.is_none());
     assert_eq!(parked_count(&db).await, 39, "nothing was unparked by those");
 
-    // The worker that completed the head takes the next one from the parked lane.
+    // The worker that completed the head takes the next one from the parked lane, where it
+    // runs without being written back to the ready one.
     let next = next_of_key(&store, "w", &lease, "k", at(2))
         .await
         .expect("the parked head of the key");
     assert_eq!(next.sequence, Some(2));
-    assert_eq!(parked_count(&db).await, 38);
+    assert_eq!(parked_count(&db).await, 39);
     let doc = delivery(&db, next.lease.delivery_id()).await.unwrap();
-    assert_eq!(doc.get_str("lane").unwrap(), "ready");
+    assert_eq!(doc.get_str("lane").unwrap(), "parked");
+    // The counts and listings give it as running, not as parked.
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.running, stats.parked), (1, 38));
+    let by_handler = store.handler_statistics().await.unwrap();
+    assert_eq!((by_handler[0].running, by_handler[0].parked), (1, 38));
+    let listed = |state| {
+        let store = store.clone();
+        async move {
+            store
+                .list_deliveries(&DeliveryQuery::new().pending_state(state).limit(100))
+                .await
+                .unwrap()
+        }
+    };
+    let running = listed(relaybus::PendingState::Running).await;
+    assert_eq!(running.len(), 1);
+    assert!(running[0].running && !running[0].parked, "{:?}", running[0]);
+    let parked = listed(relaybus::PendingState::Parked).await;
+    assert_eq!(parked.len(), 38);
+    assert!(parked.iter().all(|record| record.parked && !record.running));
     // While it runs, neither a claim nor another call hands out anything of the key.
     assert!(claim(&store, "w", 10, at(3)).await.is_empty());
     assert!(next_of_key(&store, "w", &lease, "k", at(3)).await.is_none());
-    assert!(store.complete(&next.lease, at(4)).await.unwrap());
+    // Given back, it goes back to the ready lane with the next claim, which hands it out.
+    assert!(store.release(&next.lease, at(3)).await.unwrap());
+    let again = claim(&store, "w", 10, at(3)).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].sequence(), Some(2));
+    let doc = delivery(&db, next.lease.delivery_id()).await.unwrap();
+    assert_eq!(doc.get_str("lane").unwrap(), "ready");
+    let next = again.into_iter().next().unwrap();
+    assert!(store.complete(next.lease(), at(4)).await.unwrap());
+    assert_eq!(parked_count(&db).await, 38);
 
     // A lane taken over since: nothing, and the new holder's lane is left as it was.
     let taken = another_instance(&db).await;
@@ -3160,7 +3190,7 @@ async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_
     assert_eq!(later[0].sequence(), Some(3));
     let before = lane(&db, lease.lane()).await;
     assert!(
-        next_of_key(&store, "w", &next.lease, "k", at(101))
+        next_of_key(&store, "w", next.lease(), "k", at(101))
             .await
             .is_none()
     );

@@ -106,6 +106,15 @@ async fn documents_in(
         .await?)
 }
 
+/// Of the running deliveries a grouping sees as `$delivery`, the count of those in the parked
+/// lane: a key's delivery run straight from its parked backlog (see `claim_next_of_key`), which
+/// the counts give as running, not as parked.
+fn running_parked() -> Document {
+    doc! { "$sum": {
+        "$cond": [{ "$eq": [format!("$delivery.{}", field::LANE), schema::lane::PARKED] }, 1, 0],
+    } }
+}
+
 /// A listed delivery or completion record, from its stored document.
 pub(crate) fn record_from_document(doc: &Document) -> Option<DeliveryRecord> {
     Some(DeliveryRecord {
@@ -308,22 +317,33 @@ impl MongoEventStore {
                     "from": inner.deliveries.name(),
                     "localField": field::IN_FLIGHT,
                     "foreignField": field::ID,
-                    "pipeline": [{ "$match": { field::STATUS: status::PENDING } }, { "$project": { field::ID: 1 } }],
+                    "pipeline": [
+                        { "$match": { field::STATUS: status::PENDING } },
+                        { "$project": { field::LANE: 1 } },
+                    ],
                     "as": "delivery",
                 } },
-                doc! { "$match": { "delivery.0": { "$exists": true } } },
-                doc! { "$count": "running" },
+                doc! { "$unwind": "$delivery" },
+                doc! { "$group": {
+                    field::ID: null,
+                    "running": { "$sum": 1 },
+                    "parked": running_parked(),
+                } },
             ])
             .await?
             .try_collect()
             .await?;
+        let count_of = |name: &str| {
+            running
+                .first()
+                .and_then(|doc| int(doc, name))
+                .map_or(0, |n| n.max(0) as u64)
+        };
         Ok(Statistics {
             pending,
-            running: running
-                .first()
-                .and_then(|doc| int(doc, "running"))
-                .map_or(0, |n| n.max(0) as u64),
-            parked,
+            running: count_of("running"),
+            // A key's delivery that runs straight from its parked backlog runs, it does not wait.
+            parked: parked.saturating_sub(count_of("parked")),
             dead,
             completed: history + legacy,
             completion_history: inner.completion_history,
@@ -378,7 +398,7 @@ impl MongoEventStore {
                         "foreignField": field::ID,
                         "pipeline": [
                             { "$match": { field::STATUS: status::PENDING } },
-                            { "$project": { field::HANDLER: 1 } },
+                            { "$project": { field::HANDLER: 1, field::LANE: 1 } },
                         ],
                         "as": "delivery",
                     } },
@@ -386,6 +406,7 @@ impl MongoEventStore {
                     doc! { "$group": {
                         field::ID: format!("$delivery.{}", field::HANDLER),
                         "n": { "$sum": 1 },
+                        "parked": running_parked(),
                     } },
                 ])
                 .await?
@@ -428,6 +449,8 @@ impl MongoEventStore {
                 && let Some(entry) = by_handler.get_mut(handler)
             {
                 entry.running = n.max(0) as u64;
+                let parked = int(group, "parked").map_or(0, |n| n.max(0) as u64);
+                entry.parked = entry.parked.saturating_sub(parked);
             }
         }
         Ok(by_handler.into_values().collect())
@@ -510,7 +533,10 @@ impl MongoEventStore {
                         delivery_filter.insert(field::ID, doc! { "$in": ids });
                     }
                     PendingState::Parked => {
+                        // A key's delivery that runs straight from its parked backlog (see
+                        // `claim_next_of_key`) runs, it does not wait.
                         delivery_filter.insert(field::LANE, schema::lane::PARKED);
+                        delivery_filter.insert("$nor", vec![doc! { field::ID: { "$in": ids } }]);
                     }
                     PendingState::Waiting => {
                         delivery_filter.insert(field::LANE, doc! { "$ne": schema::lane::PARKED });
@@ -532,6 +558,7 @@ impl MongoEventStore {
             .collect();
         for (id, record) in &mut records {
             record.running = record.status == DeliveryStatus::Pending && running.contains(id);
+            record.parked &= !record.running;
         }
         let completed_wanted = matches!(query.status, None | Some(DeliveryStatus::Completed))
             && query.pending_state.is_none()

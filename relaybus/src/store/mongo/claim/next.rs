@@ -6,7 +6,9 @@
 //! the key's lowest pending delivery (lane first, so that a requeue in between changes the
 //! lane's requeue count under the write), then one conditional write that lists the delivery on
 //! the lane, under the same epoch and requeue count, with the completed one taken off. A parked
-//! delivery is sent back to the ready lane in the same round trip: its predecessor finished.
+//! delivery runs from the parked lane without being written: it is deleted when it completes,
+//! and if it stops without completing (a retry, a release), the level-triggered unparking of a
+//! later claim sends it back to the ready lane once nothing of its key runs.
 //!
 //! The worker may ask while the completion's transaction commits (`committing`), so that the
 //! claim's two round trips overlap the commit's instead of following them. The completed
@@ -38,8 +40,8 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, add, check_lease_duration, check_owner},
-        lease::{Lease, generation_filter},
-        schema::{field, index, lane, path, status},
+        lease::Lease,
+        schema::{field, index, path, status},
     },
 };
 
@@ -178,7 +180,6 @@ impl MongoEventStore {
         let (true, true, Some(event)) = (ours, handable, event) else {
             return Ok(None);
         };
-        let parked = next_doc.get_str(field::LANE) == Ok(lane::PARKED);
         let mut filter = lane.held_filter(owner, instance);
         filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
         // Taken off the lane: what is known to be gone.
@@ -188,65 +189,27 @@ impl MongoEventStore {
             .into_iter()
             .chain((!after.committing).then_some(done))
             .collect();
-        let listing = async {
-            let listed = self
-                .update_lanes(&[doc! {
-                    "q": filter,
-                    "u": [{ "$set": {
-                        field::IN_FLIGHT: { "$concatArrays": [
-                            { "$filter": {
-                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                                "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
-                            } },
-                            [next.id],
-                        ] },
-                        field::LEASE_EXPIRES_AT: {
-                            "$max": [path::LEASE_EXPIRES_AT, expires_at],
-                        },
-                    } }],
-                }])
-                .await?;
-            Ok::<_, crate::Error>(listed == 1)
-        };
-        // A parked delivery goes back to the ready lane (its predecessor finished, as unparking
-        // would have it) in the same round trip as the listing.
-        let unparking = async {
-            if !parked {
-                return Ok(true);
-            }
-            let moved = inner
-                .deliveries
-                .update_one(
-                    doc! {
-                        field::ID: next.id,
-                        field::STATUS: status::PENDING,
-                        field::LANE: lane::PARKED,
-                        field::CLAIMS: generation_filter(next.claims),
+        // A parked delivery is run from the parked lane, not written back to the ready one: it
+        // is deleted when it completes, and if it does not, unparking (level-triggered, once
+        // nothing of its key runs) sends it back.
+        let listed = self
+            .update_lanes(&[doc! {
+                "q": filter,
+                "u": [{ "$set": {
+                    field::IN_FLIGHT: { "$concatArrays": [
+                        { "$filter": {
+                            "input": { "$ifNull": [path::IN_FLIGHT, []] },
+                            "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
+                        } },
+                        [next.id],
+                    ] },
+                    field::LEASE_EXPIRES_AT: {
+                        "$max": [path::LEASE_EXPIRES_AT, expires_at],
                     },
-                    doc! { "$set": { field::LANE: lane::READY } },
-                )
-                .await?;
-            Ok::<_, crate::Error>(moved.matched_count == 1)
-        };
-        let (listed, unparked) = futures::try_join!(listing, unparking)?;
-        if listed && !unparked {
-            // The delivery changed since it was read (an operator buried it, say): take it off
-            // the lane again; if that fails, the owner's next claim reconciles the lane.
-            inner
-                .lanes
-                .update_one(
-                    doc! {
-                        field::ID: lane_id,
-                        field::OWNER: owner,
-                        field::INSTANCE: instance,
-                        field::EPOCH: lane.epoch,
-                    },
-                    doc! { "$pull": { field::IN_FLIGHT: next.id } },
-                )
-                .await?;
-            return Ok(None);
-        }
-        if !listed {
+                } }],
+            }])
+            .await?;
+        if listed != 1 {
             return Ok(None);
         }
         let events = HashMap::from([(next.event_id.clone(), event)]);
