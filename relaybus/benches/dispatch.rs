@@ -18,7 +18,8 @@
 //! - a backlog: the drain rate of the first and the last tenth of an unkeyed backlog, and the
 //!   process's resident memory (`VmRSS`, `VmHWM`) while it drains;
 //! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,
-//!   and the gap between one delivery of a key and the next.
+//!   the gap between one delivery of a key and the next, and the server's and this process's
+//!   work per 1,000 deliveries (ten keys' transactions keep two cores busy).
 //!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
