@@ -11,15 +11,16 @@
 //! rates and is moved less by scheduling noise than they are, and the commands, index keys and
 //! documents examined and documents written that say where it goes.
 //!
-//! Then three profiles, each with one bus set as in the throughput runs:
-//! - a fresh key under a backlog: events with keys never seen before, published one at a time
-//!   while the bus drains a backlog keyed over 100 keys, and their commit-to-handler latency;
-//!   then the same with a store that parks no key's backlog (`park_threshold(u32::MAX)`);
-//! - a backlog: the drain rate of the first and the last tenth of an unkeyed backlog, and the
-//!   process's resident memory (`VmRSS`, `VmHWM`) while it drains;
+//! Then, each with one bus set as in the throughput runs:
 //! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,
 //!   the gap between one delivery of a key and the next, and the server's and this process's
-//!   work per 1,000 deliveries (ten keys' transactions keep two cores busy).
+//!   work per 1,000 deliveries (ten keys' transactions keep two cores busy);
+//! - after the idle buses' latency, a fresh key under a backlog: events with keys never seen
+//!   before, published one at a time while the bus drains a backlog keyed over 100 keys, and
+//!   their commit-to-handler latency; then the same with a store that parks no key's backlog
+//!   (`park_threshold(u32::MAX)`);
+//! - a backlog: the drain rate of the first and the last tenth of an unkeyed backlog, and the
+//!   process's resident memory (`VmRSS`, `VmHWM`) while it drains.
 //!
 //! Run with `cargo bench -p relaybus --bench dispatch`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. Sizes:
@@ -248,14 +249,18 @@ async fn main() -> Result<(), BoxError> {
     }
 
     print_work(&work);
-    if only == Some(Only::HotKeys) {
-        let hot_keys = hot_keys_part(
+    let hot_keys = if only == Some(Only::Throughput) {
+        serde_json::Value::Null
+    } else {
+        hot_keys_part(
             &client,
             [fresh_db(), fresh_db()],
             (hot_deliveries, hot_keys_count),
             unkeyed_one_bus,
         )
-        .await?;
+        .await?
+    };
+    if only == Some(Only::HotKeys) {
         println!(
             "{}",
             serde_json::json!({
@@ -415,14 +420,6 @@ async fn main() -> Result<(), BoxError> {
         "rss_kb": memory_json(|m| m.rss_kb),
         "hwm_kb": memory_json(|m| m.hwm_kb),
     });
-
-    let hot_keys = hot_keys_part(
-        &client,
-        [fresh_db(), fresh_db()],
-        (hot_deliveries, hot_keys_count),
-        unkeyed_one_bus,
-    )
-    .await?;
 
     let headline = throughput
         .iter()

@@ -1012,18 +1012,21 @@ async fn an_unordered_handler_runs_a_keys_events_at_once_while_an_ordered_one_ke
     worker.shutdown().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task() {
-    let db = test_db("next_of_key_bus").await;
-    let store = store(&db).await;
-    let publisher = publisher(&store, &["projector"]);
-    for n in 0..20 {
-        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
-    }
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    // One permit: the task that ran a delivery is the only one that can run the next at once,
-    // and no claim runs meanwhile (the loop waits for the permit).
-    let bus = builder(&store)
+/// One run of [`projector_on_one_slot`]'s handler.
+#[derive(Debug)]
+struct ProjectorRun {
+    order: String,
+    sequence: Option<i64>,
+    attempt: u32,
+    task: Option<tokio::task::Id>,
+}
+
+/// A bus with one handler slot and a transactional `projector` that reports each of its runs.
+fn projector_on_one_slot(
+    store: &MongoEventStore,
+) -> (RelayBus, mpsc::UnboundedReceiver<ProjectorRun>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let bus = builder(store)
         .concurrency(1)
         .subscribe(
             Subscription::new(
@@ -1031,8 +1034,13 @@ async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task
                 move |event: OrderPlaced, ctx: HandlerContext| {
                     let tx = tx.clone();
                     async move {
-                        let task = tokio::task::try_id();
-                        tx.send((event.order_id, ctx.sequence(), task)).unwrap();
+                        tx.send(ProjectorRun {
+                            order: event.order_id,
+                            sequence: ctx.sequence(),
+                            attempt: ctx.attempt(),
+                            task: tokio::task::try_id(),
+                        })
+                        .unwrap();
                         Ok::<(), BoxError>(())
                     }
                 },
@@ -1041,18 +1049,32 @@ async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task
         )
         .build()
         .unwrap();
+    (bus, rx)
+}
+
+#[tokio::test]
+async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task() {
+    let db = test_db("next_of_key_bus").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["projector"]);
+    for n in 0..20 {
+        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
+    }
+    // One permit: the task that ran a delivery is the only one that can run the next at once,
+    // and no claim runs meanwhile (the loop waits for the permit).
+    let (bus, mut rx) = projector_on_one_slot(&store);
     bus.start().await.unwrap();
     let mut runs = Vec::new();
     for _ in 0..20 {
         runs.push(next(&mut rx, "the key's deliveries").await);
     }
     bus.shutdown().await.unwrap();
-    let orders: Vec<String> = runs.iter().map(|(order, _, _)| order.clone()).collect();
+    let orders: Vec<String> = runs.iter().map(|run| run.order.clone()).collect();
     let expected: Vec<String> = (0..20).map(|n| format!("o-{n}")).collect();
     assert_eq!(orders, expected, "in sequence, once each");
-    let sequences: Vec<Option<i64>> = runs.iter().map(|(_, sequence, _)| *sequence).collect();
+    let sequences: Vec<Option<i64>> = runs.iter().map(|run| run.sequence).collect();
     assert_eq!(sequences, (1..=20).map(Some).collect::<Vec<_>>());
-    let tasks: std::collections::HashSet<_> = runs.iter().map(|(_, _, task)| *task).collect();
+    let tasks: std::collections::HashSet<_> = runs.iter().map(|run| run.task).collect();
     assert_eq!(
         tasks.len(),
         1,
@@ -1081,28 +1103,12 @@ async fn a_key_s_next_delivery_claimed_while_a_commit_fails_is_given_back_unchar
         "TransientTransactionError",
     )
     .await;
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let bus = builder(&store)
-        .concurrency(1)
-        .subscribe(
-            Subscription::new(
-                "projector",
-                move |event: OrderPlaced, ctx: HandlerContext| {
-                    let tx = tx.clone();
-                    async move {
-                        tx.send((event.order_id, ctx.attempt())).unwrap();
-                        Ok::<(), BoxError>(())
-                    }
-                },
-            )
-            .transactional(),
-        )
-        .build()
-        .unwrap();
+    let (bus, mut rx) = projector_on_one_slot(&store);
     bus.start().await.unwrap();
     let mut runs = Vec::new();
     for _ in 0..4 {
-        runs.push(next(&mut rx, "the key's runs").await);
+        let run = next(&mut rx, "the key's runs").await;
+        runs.push((run.order, run.attempt));
     }
     bus.shutdown().await.unwrap();
     fail.disable().await.unwrap();

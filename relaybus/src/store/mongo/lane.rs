@@ -8,7 +8,11 @@
 
 use mongodb::bson::{Bson, DateTime, Document, RawBsonRef, RawDocument, doc, oid::ObjectId};
 
-use super::{MongoEventStore, append::check_write_reply, schema::field};
+use super::{
+    MongoEventStore,
+    append::check_write_reply,
+    schema::{field, path},
+};
 use crate::error::{Error, InvalidArgumentError, Result};
 
 /// The largest claim batch.
@@ -123,6 +127,18 @@ impl MongoEventStore {
         check_write_reply(&reply)?;
         Ok(reply)
     }
+}
+
+/// A lane's in-flight list, as an update pipeline computes it: without the ids `gone`, then
+/// with `added` at the end.
+pub(crate) fn relisted(gone: &[ObjectId], added: &[ObjectId]) -> Document {
+    doc! { "$concatArrays": [
+        { "$filter": {
+            "input": { "$ifNull": [path::IN_FLIGHT, []] },
+            "cond": { "$not": [{ "$in": ["$$this", { "$literal": gone }] }] },
+        } },
+        { "$literal": added },
+    ] }
 }
 
 /// An integer field, whatever numeric type it was stored as.

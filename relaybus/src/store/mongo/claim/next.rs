@@ -39,7 +39,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, add, check_lease_duration, check_owner},
+        lane::{Lane, add, check_lease_duration, check_owner, relisted},
         lease::Lease,
         schema::{field, index, path, status},
     },
@@ -196,13 +196,7 @@ impl MongoEventStore {
             .update_lanes(&[doc! {
                 "q": filter,
                 "u": [{ "$set": {
-                    field::IN_FLIGHT: { "$concatArrays": [
-                        { "$filter": {
-                            "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                            "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
-                        } },
-                        [next.id],
-                    ] },
+                    field::IN_FLIGHT: relisted(&gone, &[next.id]),
                     field::LEASE_EXPIRES_AT: {
                         "$max": [path::LEASE_EXPIRES_AT, expires_at],
                     },

@@ -17,7 +17,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, STATEMENTS_PER_COMMAND, free_and_clean},
+        lane::{Lane, STATEMENTS_PER_COMMAND, free_and_clean, relisted},
         schema::{field, path},
     },
 };
@@ -138,13 +138,7 @@ impl MongoEventStore {
                 statements.push(doc! {
                     "q": filter,
                     "u": [{ "$set": {
-                        field::IN_FLIGHT: { "$concatArrays": [
-                            { "$filter": {
-                                "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                                "cond": { "$not": [{ "$in": ["$$this", { "$literal": &gone }] }] },
-                            } },
-                            { "$literal": new_ids },
-                        ] },
+                        field::IN_FLIGHT: relisted(&gone, new_ids),
                         field::LEASE_EXPIRES_AT: { "$max": [path::LEASE_EXPIRES_AT, expires_at] },
                         field::LOST: { "$literal": [] },
                     } }],
