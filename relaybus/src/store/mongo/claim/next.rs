@@ -130,8 +130,10 @@ impl MongoEventStore {
                         } },
                         { "$sort": index::ordering_keys() },
                         // The completed delivery, when its commit has not yet deleted it, then
-                        // the next.
+                        // the next: only the next one's event is looked up.
                         { "$limit": 2 },
+                        { "$match": { field::ID: { "$ne": done } } },
+                        { "$limit": 1 },
                         event_lookup(inner.events.name()),
                     ],
                 } },
@@ -142,16 +144,10 @@ impl MongoEventStore {
         let mut lane_doc = None;
         let mut next_doc = None;
         for doc in docs {
-            match doc.get(field::ID) {
-                Some(Bson::ObjectId(id)) if *id == done => {}
-                // The key's lowest pending delivery besides the completed one (the union keeps
-                // the sub-pipeline's order).
-                Some(Bson::ObjectId(_)) => {
-                    if next_doc.is_none() {
-                        next_doc = Some(doc);
-                    }
-                }
-                _ => lane_doc = Some(doc),
+            if matches!(doc.get(field::ID), Some(Bson::ObjectId(_))) {
+                next_doc = Some(doc);
+            } else {
+                lane_doc = Some(doc);
             }
         }
         let (Some(lane_doc), Some(next_doc)) = (lane_doc, next_doc) else {
