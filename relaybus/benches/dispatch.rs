@@ -13,8 +13,10 @@
 //!
 //! Then, each with one bus set as in the throughput runs:
 //! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,
-//!   the gap between one delivery of a key and the next, and the server's and this process's
-//!   work per 1,000 deliveries (ten keys' transactions keep two cores busy);
+//!   the gap between one delivery of a key and the next (from the handler's return, and from
+//!   its transaction's commit, which the bus reports in a `debug` event the benchmark records
+//!   with a tracing layer of its own), and the server's and this process's work per 1,000
+//!   deliveries (ten keys' transactions keep two cores busy);
 //! - after the idle buses' latency, a fresh key under a backlog: events with keys never seen
 //!   before, published one at a time while the bus drains a backlog keyed over 100 keys, and
 //!   their commit-to-handler latency; then the same with a store that parks no key's backlog
@@ -477,21 +479,27 @@ async fn hot_keys_part(
     println!(
         "\nhot keys: {hot_deliveries} deliveries over {hot_keys_count} keys, transactional handler, \
          1 bus: {:.0}/s ({to_unkeyed:.3} of unkeyed); gap from a handler's return to the next \
-         of its key p50 {:.1} ms, p99 {:.1} ms; server CPU {} ms and bus CPU {} ms per 1000\n  \
-         the floor: {:.0}/s; gap p50 {:.1} ms, p99 {:.1} ms; server CPU {} ms and its workers' \
-         CPU {} ms per 1000",
+         of its key p50 {:.1} ms, p99 {:.1} ms (from its transaction's commit: p50 {:.2} ms, p99 \
+         {:.2} ms); server CPU {} ms and bus CPU {} ms per 1000\n  \
+         the floor: {:.0}/s; gap p50 {:.1} ms, p99 {:.1} ms (from the commit: p50 {:.2} ms, p99 \
+         {:.2} ms); server CPU {} ms and its workers' CPU {} ms per 1000",
         hot.per_sec,
         hot.gap.p50,
         hot.gap.p99,
+        hot.from_commit.p50,
+        hot.from_commit.p99,
         hot.work["cpu_ms"],
         hot.work["client_cpu_ms"],
         hot_floor.per_sec,
         hot_floor.gap.p50,
         hot_floor.gap.p99,
+        hot_floor.from_commit.p50,
+        hot_floor.from_commit.p99,
         hot_floor.work["cpu_ms"],
         hot_floor.work["client_cpu_ms"],
     );
     let ms = |v: f64| (v * 10.0).round() / 10.0;
+    let ms2 = |v: f64| (v * 100.0).round() / 100.0;
     Ok(serde_json::json!({
         "deliveries": hot_deliveries,
         "keys": hot_keys_count,
@@ -500,9 +508,14 @@ async fn hot_keys_part(
         "key_gap_p50_ms": ms(hot.gap.p50),
         "key_gap_p99_ms": ms(hot.gap.p99),
         "key_gaps": hot.gap.samples,
+        "key_gap_from_commit_p50_ms": ms2(hot.from_commit.p50),
+        "key_gap_from_commit_p99_ms": ms2(hot.from_commit.p99),
+        "key_gaps_from_commit": hot.from_commit.samples,
         "floor_per_sec": hot_floor.per_sec.round(),
         "floor_key_gap_p50_ms": ms(hot_floor.gap.p50),
         "floor_key_gap_p99_ms": ms(hot_floor.gap.p99),
+        "floor_key_gap_from_commit_p50_ms": ms2(hot_floor.from_commit.p50),
+        "floor_key_gap_from_commit_p99_ms": ms2(hot_floor.from_commit.p99),
         "server_work_per_1000": hot.work,
         "floor_server_work_per_1000": hot_floor.work,
     }))
@@ -859,9 +872,13 @@ async fn hot_keys_floor(
             let mut session = client.start_session().await?;
             let mut gaps = Vec::new();
             let mut returned: Option<Instant> = None;
+            let mut committed: Option<Instant> = None;
             while let Some(delivery) = floor.next_of_key("tick", &key).await? {
-                if let Some(returned) = returned {
-                    gaps.push(returned.elapsed().as_secs_f64() * 1000.0);
+                if let (Some(returned), Some(committed)) = (returned, committed) {
+                    gaps.push((
+                        returned.elapsed().as_secs_f64() * 1000.0,
+                        committed.elapsed().as_secs_f64() * 1000.0,
+                    ));
                 }
                 session
                     .start_transaction()
@@ -875,17 +892,19 @@ async fn hot_keys_floor(
                 returned = Some(Instant::now());
                 floor.complete_in(&mut session, &delivery).await?;
                 session.commit_transaction().await?;
+                committed = Some(Instant::now());
             }
             Ok::<_, BoxError>(gaps)
         }
     });
-    let gaps: Vec<f64> = try_join_all(tasks).await?.into_iter().flatten().collect();
+    let gaps: Vec<(f64, f64)> = try_join_all(tasks).await?.into_iter().flatten().collect();
     let per_sec = count as f64 / started.elapsed().as_secs_f64();
     let work = ServerWork::per_thousand(before, ServerWork::now(client).await, count);
     assert_drained(db).await?;
     Ok(HotKeys {
         per_sec,
-        gap: Summary::of(gaps),
+        gap: Summary::of(gaps.iter().map(|(returned, _)| *returned).collect()),
+        from_commit: Summary::of(gaps.iter().map(|(_, committed)| *committed).collect()),
         work,
     })
 }
@@ -1120,22 +1139,119 @@ async fn floor_backlog_run(
     ))
 }
 
-/// When each run of a key's deliveries started and when its handler returned, per key.
-type RunLog = HashMap<String, Vec<(Instant, Instant)>>;
+/// When each run of a key's deliveries started and when its handler returned, with its event's
+/// id, per key.
+type RunLog = HashMap<String, Vec<(Instant, Instant, String)>>;
 
-/// What [`hot_keys_run`] measured: the rate, the gaps, and the server's work per 1,000
-/// deliveries (see [`ServerWork::per_thousand`]).
+/// What [`hot_keys_run`] measured: the rate, the gaps (from a handler's return, and from its
+/// transaction's commit), and the server's work per 1,000 deliveries (see
+/// [`ServerWork::per_thousand`]).
 struct HotKeys {
     per_sec: f64,
     gap: Summary,
+    from_commit: Summary,
     work: serde_json::Value,
+}
+
+/// When the bus's transactions committed, per event id: the time of the bus's `debug` event
+/// that says a delivery completed in its handler's transaction (sent when the commit has
+/// returned), inside the delivery's `relaybus.handle` span. Records only while `on` is set.
+#[derive(Clone, Default)]
+struct Commits {
+    on: Arc<std::sync::atomic::AtomicBool>,
+    spans: Arc<Mutex<HashMap<tracing::span::Id, String>>>,
+    at: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+/// The first string-like field of that name an event or span records.
+struct TextField(&'static str, Option<String>);
+
+impl tracing::field::Visit for TextField {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == self.0 {
+            self.1.get_or_insert_with(|| value.to_owned());
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == self.0 {
+            self.1.get_or_insert_with(|| format!("{value:?}"));
+        }
+    }
+}
+
+/// The bus's message when a delivery completed in its handler's transaction.
+const COMMITTED: &str = "handler succeeded and its delivery completed in its transaction";
+
+impl<S> tracing_subscriber::Layer<S> for Commits
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if attrs.metadata().name() == "relaybus.handle" {
+            let mut event_id = TextField("event_id", None);
+            attrs.record(&mut event_id);
+            if let (Some(event_id), Ok(mut spans)) = (event_id.1, self.spans.lock()) {
+                spans.insert(id.clone(), event_id);
+            }
+        }
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let now = Instant::now();
+        let mut message = TextField("message", None);
+        event.record(&mut message);
+        if message.1.as_deref() != Some(COMMITTED) {
+            return;
+        }
+        let Some(span) = ctx.event_span(event) else {
+            return;
+        };
+        let event_id = self
+            .spans
+            .lock()
+            .ok()
+            .and_then(|spans| spans.get(&span.id()).cloned());
+        if let (Some(event_id), Ok(mut at)) = (event_id, self.at.lock()) {
+            at.insert(event_id, now);
+        }
+    }
+
+    fn on_close(&self, id: tracing::span::Id, _: tracing_subscriber::layer::Context<'_, S>) {
+        if let Ok(mut spans) = self.spans.lock() {
+            spans.remove(&id);
+        }
+    }
+}
+
+impl Commits {
+    /// Installs the recorder as the process's subscriber, off; `None` when a subscriber is
+    /// installed already.
+    fn install() -> Option<Commits> {
+        use tracing_subscriber::{Layer, layer::SubscriberExt};
+        let commits = Commits::default();
+        let on = Arc::clone(&commits.on);
+        let filter = tracing_subscriber::filter::dynamic_filter_fn(move |metadata, _| {
+            on.load(Ordering::Relaxed) && metadata.target().starts_with("relaybus")
+        });
+        let subscriber = tracing_subscriber::registry().with(commits.clone().with_filter(filter));
+        tracing::subscriber::set_global_default(subscriber)
+            .ok()
+            .map(|()| commits)
+    }
 }
 
 /// One bus runs `count` deliveries over `keys` keys through a transactional handler that
 /// writes one small document through its session. Returns deliveries/s (until the bus has shut
 /// down) and, per key, the gap from a delivery's handler returning to the next delivery of the
 /// same key starting. The gap is taken from the handler's return, so it includes the commit of
-/// the transaction that completes the delivery, besides claiming the next one.
+/// the transaction that completes the delivery, besides claiming the next one; and from the
+/// commit's return (see [`Commits`]).
 async fn hot_keys_run(
     client: &Client,
     db: &Database,
@@ -1143,6 +1259,7 @@ async fn hot_keys_run(
     keys: usize,
 ) -> Result<HotKeys, BoxError> {
     let (store, writes) = hot_keys_setup(client, db, count, keys).await?;
+    let commits = Commits::install();
     let runs: Arc<Mutex<RunLog>> = Arc::default();
     let handled = Arc::new(AtomicUsize::new(0));
     let all_done = Arc::new(Notify::new());
@@ -1170,7 +1287,7 @@ async fn hot_keys_run(
                     .map_err(|_| "run log poisoned")?
                     .entry(key)
                     .or_default()
-                    .push((started, returned));
+                    .push((started, returned, ctx.event_id().to_owned()));
                 if handled.fetch_add(1, Ordering::Relaxed) + 1 == count {
                     all_done.notify_one();
                 }
@@ -1181,24 +1298,45 @@ async fn hot_keys_run(
     .transactional();
     let bus = draining_bus(&store, "bench-hot-keys", subscription)?;
     let before = ServerWork::now(client).await;
+    if let Some(commits) = &commits {
+        commits.on.store(true, Ordering::Relaxed);
+    }
     let started = Instant::now();
     bus.start().await?;
     tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
     bus.shutdown().await?;
     let elapsed = started.elapsed();
+    if let Some(commits) = &commits {
+        commits.on.store(false, Ordering::Relaxed);
+    }
     let work = ServerWork::per_thousand(before, ServerWork::now(client).await, count);
     assert_drained(db).await?;
-    let mut gaps = Vec::with_capacity(count);
+    let committed: HashMap<String, Instant> = match &commits {
+        Some(commits) => commits
+            .at
+            .lock()
+            .map_err(|_| "commit log poisoned")?
+            .clone(),
+        None => HashMap::new(),
+    };
+    let ms = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1000.0;
+    let (mut gaps, mut from_commit) = (Vec::with_capacity(count), Vec::with_capacity(count));
     for runs in runs.lock().map_err(|_| "run log poisoned")?.values_mut() {
-        runs.sort_by_key(|(started, _)| *started);
-        gaps.extend(
-            runs.windows(2)
-                .map(|pair| pair[1].0.saturating_duration_since(pair[0].1).as_secs_f64() * 1000.0),
-        );
+        runs.sort_by_key(|(started, _, _)| *started);
+        for pair in runs.windows(2) {
+            gaps.push(ms(pair[0].1, pair[1].0));
+            // A run whose transaction ran again has no commit of its own: the later run's.
+            if pair[0].2 != pair[1].2
+                && let Some(commit) = committed.get(&pair[0].2)
+            {
+                from_commit.push(ms(*commit, pair[1].0));
+            }
+        }
     }
     Ok(HotKeys {
         per_sec: count as f64 / elapsed.as_secs_f64(),
         gap: Summary::of(gaps),
+        from_commit: Summary::of(from_commit),
         work,
     })
 }
