@@ -1333,6 +1333,12 @@ async fn hot_keys_run(
             }
         }
     }
+    if commits.is_some() && from_commit.is_empty() && !gaps.is_empty() {
+        return Err(format!(
+            "no commit of the bus was recorded: its debug event no longer says {COMMITTED:?}"
+        )
+        .into());
+    }
     Ok(HotKeys {
         per_sec: count as f64 / elapsed.as_secs_f64(),
         gap: Summary::of(gaps),
