@@ -1271,6 +1271,9 @@ async fn drain_with_two_slots(name: &str, claim_ahead: bool) -> (Vec<u64>, usize
         .subscribe(counts_overlaps("quick", Arc::clone(&most), tx))
         .build()
         .unwrap();
+    // Tests on other threads without a subscriber may have registered the claim's span first,
+    // while this one was being set: have every callsite ask the subscribers again.
+    tracing::callsite::rebuild_interest_cache();
     bus.start().await.unwrap();
     let mut ran = std::collections::HashSet::new();
     for _ in 0..24 {
@@ -1339,6 +1342,8 @@ async fn shutdown_gives_back_uncharged_what_was_claimed_ahead_and_waits_for_a_sl
         ))
         .build()
         .unwrap();
+    // As in `drain_with_two_slots`: the claim's span asks this subscriber again.
+    tracing::callsite::rebuild_interest_cache();
     bus.start().await.unwrap();
     next(&mut started, "the run that never ends").await;
     // A claim that returns deliveries while the only slot is taken claimed them ahead.

@@ -152,7 +152,8 @@ pub struct NextOfKey<'a, L> {
     pub completed: &'a L,
     /// The completion of `completed` commits while this claim runs: the claim leaves
     /// `completed` listed as running, and the worker starts what it returns only once that
-    /// commit succeeded, and [releases](Store::release) it otherwise.
+    /// commit succeeded (and says so with [`Store::completion_committed`]), and
+    /// [releases](Store::release) it otherwise.
     pub committing: bool,
     /// The key's delivery that completed before `completed` started, when its lane may still
     /// list it (a claim with `committing` left it there): the claim takes it off.
