@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, time::Duration};
 use futures::{StreamExt, TryStreamExt, stream::BoxStream};
 use mongodb::{ClientSession, bson::doc};
 
-use super::{Lease, MongoEventStore, bson_date, claim::After, schema::field, timestamp};
+use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
 use crate::{
     error::Result,
     store::{
@@ -168,20 +168,7 @@ impl Store for MongoEventStore {
         &self,
         request: NextOfKey<'_, Lease>,
     ) -> Result<Option<Claimed<Lease>>> {
-        let next = MongoEventStore::claim_next_of_key(
-            self,
-            request.owner,
-            After {
-                completed: request.completed,
-                committing: request.committing,
-                finished: request.finished,
-            },
-            request.handler,
-            request.key,
-            request.lease_duration,
-            bson_date(request.now),
-        )
-        .await?;
+        let next = MongoEventStore::claim_next_of_key(self, request).await?;
         Ok(next.map(claimed_of))
     }
 

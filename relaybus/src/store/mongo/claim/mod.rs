@@ -56,8 +56,6 @@ pub(crate) mod arrive;
 mod beside;
 pub(crate) mod hand_out;
 mod next;
-
-pub(crate) use next::After;
 mod pick;
 mod rank;
 mod read;

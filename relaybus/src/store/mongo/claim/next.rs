@@ -37,39 +37,32 @@ use super::{
 };
 use crate::{
     error::Result,
-    store::mongo::{
-        MongoEventStore,
-        lane::{Lane, add, check_lease_duration, check_owner, relisted},
-        lease::Lease,
-        schema::{field, index, path, status},
+    store::{
+        NextOfKey,
+        mongo::{
+            MongoEventStore, bson_date,
+            lane::{Lane, add, check_lease_duration, check_owner, relisted},
+            lease::Lease,
+            schema::{field, index, path, status},
+        },
     },
 };
 
-/// The delivery a claim of the key's next one follows.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct After<'a> {
-    /// The lease of the delivery that completed, or is completing.
-    pub(crate) completed: &'a Lease,
-    /// Its completion commits while the claim runs.
-    pub(crate) committing: bool,
-    /// The key's delivery that completed before it, which its lane may still list.
-    pub(crate) finished: Option<&'a Lease>,
-}
-
 impl MongoEventStore {
-    /// Claims the next delivery of `handler` and `key` for `owner`, right after the delivery
-    /// of `after.completed` completed (or while it commits), when it can be handed out at
-    /// once: see the module documentation. `None` when it cannot.
+    /// Claims the next delivery of the request's handler and key for its owner, right after
+    /// the delivery of `request.completed` completed (or while it commits), when it can be
+    /// handed out at once: see the module documentation. `None` when it cannot.
     pub(crate) async fn claim_next_of_key(
         &self,
-        owner: &str,
-        after: After<'_>,
-        handler: &str,
-        key: &str,
-        lease_duration: std::time::Duration,
-        now: DateTime,
+        request: NextOfKey<'_, Lease>,
     ) -> Result<Option<ClaimedDelivery>> {
-        let completed = after.completed;
+        let NextOfKey {
+            owner,
+            completed,
+            lease_duration,
+            ..
+        } = request;
+        let now = bson_date(request.now);
         check_owner(owner)?;
         check_lease_duration(lease_duration)?;
         let expires_at = add(now, lease_duration)?;
@@ -82,19 +75,17 @@ impl MongoEventStore {
         // The owner's claims leave the key to this one while the completed delivery is
         // outstanding (see `Running::handing_over`): from here on, they need not. One still
         // committing stays theirs to see running until it is gone.
-        if let Some(finished) = after.finished {
+        if let Some(finished) = request.finished {
             self.inner.claims.settled(finished);
         }
-        if !after.committing {
+        if !request.committing {
             self.inner.claims.settled(completed);
         }
         if gate.interrupted.load(Ordering::SeqCst) {
             // An earlier one failed half-way: the owner's next claim reconciles first.
             return Ok(None);
         }
-        let next = self
-            .next_of_key(owner, after, handler, key, expires_at, now)
-            .await;
+        let next = self.next_of_key(&request, expires_at, now).await;
         if next.is_err() {
             // It may have listed the delivery without handing it out.
             gate.interrupted.store(true, Ordering::SeqCst);
@@ -104,16 +95,19 @@ impl MongoEventStore {
 
     async fn next_of_key(
         &self,
-        owner: &str,
-        after: After<'_>,
-        handler: &str,
-        key: &str,
+        request: &NextOfKey<'_, Lease>,
         expires_at: DateTime,
         now: DateTime,
     ) -> Result<Option<ClaimedDelivery>> {
+        let NextOfKey {
+            owner,
+            completed,
+            handler,
+            key,
+            ..
+        } = *request;
         let inner = &self.inner;
         let instance = inner.claims.instance;
-        let completed = after.completed;
         let done = completed.delivery_id();
         let lane_id = completed.lane_i32();
         let docs: Vec<Document> = inner
@@ -179,11 +173,11 @@ impl MongoEventStore {
         let mut filter = lane.held_filter(owner, instance);
         filter.insert(field::IN_FLIGHT, doc! { "$ne": next.id });
         // Taken off the lane: what is known to be gone.
-        let gone: Vec<ObjectId> = after
+        let gone: Vec<ObjectId> = request
             .finished
             .map(Lease::delivery_id)
             .into_iter()
-            .chain((!after.committing).then_some(done))
+            .chain((!request.committing).then_some(done))
             .collect();
         // A parked delivery is run from the parked lane, not written back to the ready one: it
         // is deleted when it completes, and if it does not, unparking (level-triggered, once
