@@ -1272,12 +1272,17 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
     let aggregations = sent.iter().filter(|name| *name == "aggregate").count();
     assert_eq!(aggregations, 1, "{sent:?}");
     assert!(used <= 7, "{used} commands: {sent:?}");
-    // The heads were picked from that read, and sent back to their lanes with the record: the
-    // claim's second command is its scan, not the unparking update.
+    // The heads were picked from that read and run from the parked lane: the claim's second
+    // command is its scan, and no update sends them back to their lanes.
     assert_eq!(sent.get(1).map(String::as_str), Some("find"), "{sent:?}");
+    assert_eq!(
+        sent.iter().filter(|name| *name == "update").count(),
+        1,
+        "the record alone: {sent:?}"
+    );
     for head in &next {
         let doc = delivery(&db, head.delivery_id()).await.expect("the head");
-        assert_eq!(doc.get_str("lane"), Ok("ready"), "{doc:?}");
+        assert_eq!(doc.get_str("lane"), Ok("parked"), "{doc:?}");
     }
     assert_eq!(store.statistics().await.unwrap().parked, 76);
 }
@@ -1356,7 +1361,9 @@ async fn a_claim_over_more_parked_keys_than_its_first_read_looks_up_unparks_only
     }
     assert_eq!(second.len(), KEYS, "every key's second delivery came back");
     assert!(second.iter().all(|d| d.sequence() == Some(2)));
-    assert_eq!(parked_count(&db).await, 0);
+    // Some ran from the parked lane: none counts as parked while it runs.
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.parked, stats.running), (0, KEYS as u64));
 }
 
 /// How many deliveries are parked.
@@ -3172,13 +3179,14 @@ async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_
     // While it runs, neither a claim nor another call hands out anything of the key.
     assert!(claim(&store, "w", 10, at(3)).await.is_empty());
     assert!(next_of_key(&store, "w", &lease, "k", at(3)).await.is_none());
-    // Given back, it goes back to the ready lane with the next claim, which hands it out.
+    // Given back, it is the key's parked head again, which the next claim hands out from
+    // where it is.
     assert!(store.release(&next.lease, at(3)).await.unwrap());
     let again = claim(&store, "w", 10, at(3)).await;
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].sequence(), Some(2));
     let doc = delivery(&db, next.lease.delivery_id()).await.unwrap();
-    assert_eq!(doc.get_str("lane").unwrap(), "ready");
+    assert_eq!(doc.get_str("lane").unwrap(), "parked");
     let next = again.into_iter().next().unwrap();
     assert!(store.complete(next.lease(), at(4)).await.unwrap());
     assert_eq!(parked_count(&db).await, 38);
@@ -3195,6 +3203,41 @@ async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_
             .is_none()
     );
     assert_eq!(lane(&db, lease.lane()).await, before);
+}
+
+/// A claim takes the parked head of a key it holds the lane of where it is: the head runs from
+/// the parked lane, with no write to send it back first. Buried there, it leaves the parked
+/// lane, where it would stand for its key and hide the key's next deliveries.
+#[tokio::test]
+async fn a_key_s_parked_head_runs_where_it_is_and_buried_there_leaves_the_next_ones_free() {
+    let db = test_db("parked_head_buried").await;
+    let store = store(&db).await;
+    let events: Vec<EventEnvelope> = (0..40)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    let head = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(parked_count(&db).await, 39);
+    assert!(store.complete(head[0].lease(), at(2)).await.unwrap());
+
+    let next = claim(&store, "w", 10, at(3)).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].sequence(), Some(2));
+    let doc = delivery(&db, next[0].delivery_id()).await.unwrap();
+    assert_eq!(doc.get_str("lane").unwrap(), "parked");
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.running, stats.parked), (1, 38));
+
+    assert!(store.bury(next[0].lease(), "poison", at(4)).await.unwrap());
+    let doc = delivery(&db, next[0].delivery_id()).await.unwrap();
+    assert_eq!(doc.get_str("status").unwrap(), "dead");
+    assert_eq!(doc.get_str("lane").unwrap(), "ready");
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.dead, stats.parked, stats.running), (1, 38, 0));
+    let after = claim(&store, "w", 10, at(5)).await;
+    assert_eq!(after.len(), 1, "the key's next delivery");
+    assert_eq!(after[0].sequence(), Some(3));
 }
 
 #[tokio::test]

@@ -16,7 +16,7 @@ use super::{
     MongoEventStore,
     lane::{add, check_lease_duration, clip_error, push_error},
     lease::Lease,
-    schema::{field, status},
+    schema::{field, lane, status},
 };
 use crate::error::Result;
 
@@ -49,6 +49,9 @@ impl Ending<'_> {
             Ending::Bury { error } => {
                 set.insert(field::ATTEMPTS, plus_one(field::ATTEMPTS, Bson::Int32(1)));
                 set.insert(field::STATUS, status::DEAD);
+                // One that ran from the parked lane leaves it: a dead delivery parked would
+                // stand for its key's parked deliveries and hide the next ones.
+                set.insert(field::LANE, lane::READY);
                 set.insert(field::LAST_ERROR, doc! { "$literal": clip_error(error) });
                 set.insert(field::ERRORS, push_error(error, now));
             }

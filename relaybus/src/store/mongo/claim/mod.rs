@@ -11,8 +11,8 @@
 //!   finished go back to the ready lane (for the keys of every lane no other live owner holds and
 //!   in which nothing of the key runs), and the claims an earlier holder lost in the held lanes are
 //!   charged. When every such head is in a lane the owner holds, the claim picks the heads itself
-//!   (after the reported lanes, before the held lanes' scan) and sends their update with its
-//!   record. Held lanes that list a claim this instance did not hand out are reconciled before the
+//!   (after the reported lanes, before the held lanes' scan): those it picks run from the parked
+//!   lane, and the others go back with an update sent with its record. Held lanes that list a claim this instance did not hand out are reconciled before the
 //!   claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
 //!   leaving out the ones the owner already runs, a page at a time.
@@ -29,8 +29,7 @@
 //!   from and hands back the lanes that yielded nothing and run nothing. A lane whose condition
 //!   no longer holds keeps nothing of this claim.
 //! - **Handing out** ([`hand_out`]) the deliveries with their events and leases. A recorded
-//!   pick whose event is missing, or a head whose update did not move it, is given back at
-//!   once, uncharged. Then the deliveries found waiting are parked.
+//!   pick whose event is missing is given back at once, uncharged. Then the deliveries found waiting are parked.
 //!
 //! A claim can be told which lanes the change stream reported new deliveries in. It reads those
 //! lanes first, held or free, their first page coming with the first read. After an idle wait
@@ -209,7 +208,9 @@ impl MongoEventStore {
     /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
     /// is read. A keyed claim adds one lookup per key, in parallel; the lanes' read looks up the
     /// parked keys (up to 500 per handler, one lookup per 500 beyond), which serves both: a key
-    /// unparked in a lane the owner holds is not looked up again. Unparking adds one write.
+    /// unparked in a lane the owner holds is not looked up again. Unparking adds one write,
+    /// unless every parked delivery it would send back is the head of its key in a lane the
+    /// owner holds and the claim picks it: it then runs from the parked lane.
     ///
     /// # Errors
     ///
@@ -592,7 +593,16 @@ impl MongoEventStore {
                     .is_none_or(|key| !claims.key_issued(&pick.handler, key))
         });
         let touched = gate.touched();
-        let deferred_ids: Vec<ObjectId> = deferred.iter().map(|head| head.id).collect();
+        // A head it picks runs from the parked lane, as a key's next delivery claimed after its
+        // predecessor does (see `next`): it is deleted when it completes, and if it does not,
+        // the level-triggered unparking of a later claim sends it back once nothing of its key
+        // runs. The heads it does not pick go back to their lanes now.
+        let picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
+        let deferred_ids: Vec<ObjectId> = deferred
+            .iter()
+            .map(|head| head.id)
+            .filter(|id| !picked_ids.contains(id))
+            .collect();
         let (read, recorded, moved) = futures::join!(
             self.events_missing(&picks, &events),
             self.record(
@@ -607,14 +617,10 @@ impl MongoEventStore {
         );
         let recorded = recorded?;
         events.extend(read?);
-        // A head that did not go back (changed meanwhile) is not handed out.
-        let unpark_failed = match moved {
-            Ok(moved) => moved != deferred_ids.len() as u64,
-            Err(error) => {
-                tracing::warn!(%error, "relaybus: unparking deliveries failed");
-                true
-            }
-        };
+        if let Err(error) = moved {
+            // A later claim sends them back.
+            tracing::warn!(%error, "relaybus: unparking deliveries failed");
+        }
         // A claim that filled up may have handed back lanes it never read to the end: held
         // lanes, or free ones it joined, whose due deliveries came after its picks. A kept
         // ranking that read them when they were free must not go on saying they have nothing
@@ -663,15 +669,8 @@ impl MongoEventStore {
         }
 
         // Handing out.
-        let (mut claimed, mut orphaned) =
+        let (claimed, orphaned) =
             self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
-        if unpark_failed {
-            let (unsure, sure): (Vec<ClaimedDelivery>, Vec<ClaimedDelivery>) = claimed
-                .into_iter()
-                .partition(|delivery| deferred_ids.contains(&delivery.delivery_id()));
-            claimed = sure;
-            orphaned.extend(unsure.iter().map(|delivery| delivery.lease));
-        }
         // Handed out: claims beside this one may run again. Parking needs no keeping apart: a
         // delivery parked while it runs is moved back only once nothing of its key runs.
         drop(apart);
