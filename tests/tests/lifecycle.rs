@@ -3112,19 +3112,25 @@ async fn a_claim_leaves_a_just_completed_key_to_the_claim_of_its_next_delivery_o
     assert_eq!(third[0].sequence(), Some(3));
 }
 
+/// Publishes 40 deliveries of the key `k` and claims the first for worker `w`, at second 1: the
+/// claim parks the 39 waiting behind it.
+async fn claim_head_of_parked_backlog(store: &MongoEventStore, db: &TestDb) -> ClaimedDelivery {
+    let events: Vec<EventEnvelope> = (0..40)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(store, &events, &[HANDLER], at(0)).await;
+    let mut head = claim(store, "w", 10, at(1)).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(parked_count(db).await, 39);
+    head.remove(0)
+}
+
 #[tokio::test]
 async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_it_may_run() {
     let db = test_db("next_of_key_rules").await;
     let store = store(&db).await;
-    // 40 deliveries of one key: the first claim parks those waiting behind the head.
-    let events: Vec<EventEnvelope> = (0..40)
-        .map(|n| event(&format!("k-{n}"), Some("k")))
-        .collect();
-    publish(&store, &events, &[HANDLER], at(0)).await;
-    let head = claim(&store, "w", 10, at(1)).await;
-    assert_eq!(head.len(), 1);
-    assert_eq!(parked_count(&db).await, 39);
-    let lease = *head[0].lease();
+    let head = claim_head_of_parked_backlog(&store, &db).await;
+    let lease = *head.lease();
     complete_in_transaction(&store, &lease, at(2)).await;
 
     // Not before the next delivery is due.
@@ -3212,14 +3218,8 @@ async fn the_next_delivery_of_a_key_is_taken_from_the_parked_ones_and_only_when_
 async fn a_key_s_parked_head_runs_where_it_is_and_buried_there_leaves_the_next_ones_free() {
     let db = test_db("parked_head_buried").await;
     let store = store(&db).await;
-    let events: Vec<EventEnvelope> = (0..40)
-        .map(|n| event(&format!("k-{n}"), Some("k")))
-        .collect();
-    publish(&store, &events, &[HANDLER], at(0)).await;
-    let head = claim(&store, "w", 10, at(1)).await;
-    assert_eq!(head.len(), 1);
-    assert_eq!(parked_count(&db).await, 39);
-    assert!(store.complete(head[0].lease(), at(2)).await.unwrap());
+    let head = claim_head_of_parked_backlog(&store, &db).await;
+    assert!(store.complete(head.lease(), at(2)).await.unwrap());
 
     let next = claim(&store, "w", 10, at(3)).await;
     assert_eq!(next.len(), 1);
@@ -3238,6 +3238,38 @@ async fn a_key_s_parked_head_runs_where_it_is_and_buried_there_leaves_the_next_o
     let after = claim(&store, "w", 10, at(5)).await;
     assert_eq!(after.len(), 1, "the key's next delivery");
     assert_eq!(after[0].sequence(), Some(3));
+}
+
+/// A dead delivery left in the parked lane (as burying one that ran from there used to leave
+/// it) holds back its key's next deliveries until `setup()` moves it out.
+#[tokio::test]
+async fn setup_moves_a_dead_delivery_out_of_the_parked_lane_and_frees_its_key() {
+    let db = test_db("dead_parked_setup").await;
+    let store = store(&db).await;
+    let head = claim_head_of_parked_backlog(&store, &db).await;
+    assert!(store.bury(head.lease(), "poison", at(2)).await.unwrap());
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    deliveries
+        .update_one(
+            doc! { "_id": head.delivery_id() },
+            doc! { "$set": { "lane": "parked" } },
+        )
+        .await
+        .unwrap();
+    assert!(
+        claim(&store, "w", 10, at(3)).await.is_empty(),
+        "the dead head stands for its key in the parked lane"
+    );
+
+    store.setup().await.unwrap();
+    let doc = delivery(&db, head.delivery_id()).await.unwrap();
+    assert_eq!(
+        (doc.get_str("status").unwrap(), doc.get_str("lane").unwrap()),
+        ("dead", "ready")
+    );
+    let next = claim(&store, "w", 10, at(4)).await;
+    assert_eq!(next.len(), 1, "the key's next delivery");
+    assert_eq!(next[0].sequence(), Some(2));
 }
 
 #[tokio::test]

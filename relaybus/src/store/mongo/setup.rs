@@ -11,7 +11,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore, error_code,
-    schema::{Index, field, index},
+    schema::{Index, field, index, lane, status},
 };
 use crate::{error::Result, event::LANE_COUNT};
 
@@ -45,6 +45,9 @@ impl MongoEventStore {
     /// Collections are created explicitly because collections created implicitly inside
     /// concurrent transactions conflict with each other. If you manage the schema yourself, run
     /// `setup()` once from a deployment script.
+    ///
+    /// It moves dead deliveries it finds in the parked lane back to the ready one (burying a
+    /// delivery that ran from the parked lane used to leave it there, holding back its key).
     ///
     /// It also reads the server's snapshot history window
     /// ([`snapshot_history_window`](Self::snapshot_history_window)) and logs a warning when it
@@ -192,7 +195,31 @@ impl MongoEventStore {
                 .create_indexes(index::of_completed_deliveries().into_iter().map(model))
                 .await?;
         }
+        self.unpark_ended().await?;
         self.seed_lanes().await
+    }
+
+    /// Moves deliveries that ended in the parked lane (dead ones: a delivery buried while it
+    /// ran from there used to stay there) to the ready lane. The `parked` index would give such
+    /// a delivery as its key's parked head and hide the key's next deliveries from unparking
+    /// for good.
+    async fn unpark_ended(&self) -> Result<()> {
+        let moved = self
+            .inner
+            .deliveries
+            .update_many(
+                doc! { field::LANE: lane::PARKED, field::STATUS: { "$ne": status::PENDING } },
+                doc! { "$set": { field::LANE: lane::READY } },
+            )
+            .await?;
+        if moved.modified_count > 0 {
+            tracing::info!(
+                deliveries = moved.modified_count,
+                "relaybus: moved dead deliveries out of the parked lane, where they held back \
+                 their keys' next deliveries"
+            );
+        }
+        Ok(())
     }
 
     /// Drops the listing indexes of the deliveries that exist: the store was set up with them
