@@ -12,8 +12,8 @@
 //!   in which nothing of the key runs), and the claims an earlier holder lost in the held lanes are
 //!   charged. When every such head is in a lane the owner holds, the claim picks the heads itself
 //!   (after the reported lanes, before the held lanes' scan): those it picks run from the parked
-//!   lane, and the others go back with an update sent with its record. Held lanes that list a claim this instance did not hand out are reconciled before the
-//!   claim starts again.
+//!   lane, and the others go back with an update sent with its record. Held lanes that list a
+//!   claim this instance did not hand out are reconciled before the claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
 //!   leaving out the ones the owner already runs, a page at a time.
 //! - **Ranking free lanes** ([`rank`]) and **taking** them ([`take`]), if the claim needs more:
@@ -29,7 +29,8 @@
 //!   from and hands back the lanes that yielded nothing and run nothing. A lane whose condition
 //!   no longer holds keeps nothing of this claim.
 //! - **Handing out** ([`hand_out`]) the deliveries with their events and leases. A recorded
-//!   pick whose event is missing is given back at once, uncharged. Then the deliveries found waiting are parked.
+//!   pick whose event is missing is given back at once, uncharged. Then the deliveries found
+//!   waiting are parked.
 //!
 //! A claim can be told which lanes the change stream reported new deliveries in. It reads those
 //! lanes first, held or free, their first page coming with the first read. After an idle wait
