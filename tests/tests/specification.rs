@@ -1387,3 +1387,89 @@ async fn an_unconfirmed_record_read_back_after_a_takeover_hands_out_nothing() {
         "the first owner's claim handed out {claimed:?}"
     );
 }
+
+#[tokio::test]
+async fn a_record_over_several_held_lanes_keeps_only_the_lanes_whose_condition_held() {
+    // The record lists a claim's picks on all the held lanes it picked from in one statement;
+    // a lane that changed hands while it was sent keeps nothing of the claim, and the others
+    // keep theirs.
+    let test = "record_several_lanes";
+    let db = test_db(test).await;
+    let app = format!("relaybus-{test}");
+    let (first, mut commands) = announced_store(&db, &app).await;
+    let handlers = ["projector".to_owned()];
+    let now = Timestamp::now();
+    let in_lane = |lane: u32| {
+        (0..)
+            .map(move |n| format!("lane-{lane}-{n}"))
+            .filter(move |id| lane_of(None, id) == lane)
+    };
+    let (mut in_77, mut in_78) = (in_lane(77), in_lane(78));
+    for id in [in_77.next().unwrap(), in_78.next().unwrap()] {
+        append_one(&first, &envelope(&id), &handlers, now).await;
+    }
+    // The owner holds both lanes; what ran there completed (a completion leaves the lanes
+    // alone, so both still list it).
+    let ran = claim_as(&first, "first", &handlers, 10, now).await;
+    assert_eq!(ran.len(), 2);
+    let leases: Vec<_> = ran.iter().map(|c| c.lease).collect();
+    assert_eq!(
+        Store::complete(&first, &leases, now).await.unwrap(),
+        [true, true]
+    );
+    let (next_77, next_78) = (in_77.next().unwrap(), in_78.next().unwrap());
+    for id in [&next_77, &next_78] {
+        append_one(&first, &envelope(id), &handlers, now).await;
+    }
+
+    let _failing = fail_command(
+        &db,
+        Bson::from(doc! { "times": 1 }),
+        doc! {
+            "failCommands": ["update"],
+            "appName": &app,
+            "namespace": format!("{}.relaybus_lanes", db.name),
+            "blockConnection": true,
+            "blockTimeMS": 1_000,
+        },
+    )
+    .await;
+    while commands.try_recv().is_ok() {}
+    let claim = tokio::spawn({
+        let (first, handlers) = (first.clone(), handlers.clone());
+        async move { claim_as(&first, "first", &handlers, 10, now).await }
+    });
+    started(&mut commands, "update", "the claim records its picks").await;
+    // Lane 78 changes hands meanwhile (its epoch moves on, as a takeover moves it).
+    let lanes = db.db().collection::<Document>("relaybus_lanes");
+    lanes
+        .update_one(doc! { "_id": 78 }, doc! { "$inc": { "epoch": 1 } })
+        .await
+        .unwrap();
+    let claimed = claim.await.unwrap();
+    let ids: Vec<&str> = claimed.iter().map(|c| c.event.id()).collect();
+    assert_eq!(ids, [next_77.as_str()], "only lane 77's pick is handed out");
+    let listed = |lane: Document| -> Vec<mongodb::bson::oid::ObjectId> {
+        lane.get_array("inFlight")
+            .unwrap()
+            .iter()
+            .map(|id| id.as_object_id().unwrap())
+            .collect()
+    };
+    let lane_77 = lanes.find_one(doc! { "_id": 77 }).await.unwrap().unwrap();
+    assert_eq!(
+        listed(lane_77),
+        [claimed[0].lease.delivery_id()],
+        "lane 77 lists its new pick alone: the completed delivery is off it"
+    );
+    let lane_78 = lanes.find_one(doc! { "_id": 78 }).await.unwrap().unwrap();
+    assert_eq!(
+        listed(lane_78),
+        [ran.iter()
+            .find(|c| c.lease.lane() == 78)
+            .unwrap()
+            .lease
+            .delivery_id()],
+        "lane 78 kept nothing of the claim"
+    );
+}

@@ -17,8 +17,8 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, STATEMENTS_PER_COMMAND, free_and_clean, relisted},
-        schema::{field, path},
+        lane::{Lane, Relist, STATEMENTS_PER_COMMAND, free_and_clean, relist_statements},
+        schema::field,
     },
 };
 
@@ -63,6 +63,7 @@ impl MongoEventStore {
             by_lane.entry(pick.lane).or_default().push(pick.id);
         }
         let mut statements = Vec::new();
+        let mut relists = Vec::new();
         let mut recorded_lanes = Vec::new();
         let mut handed_back = HashSet::new();
         let mut gone_ids = Vec::new();
@@ -135,19 +136,20 @@ impl MongoEventStore {
                     } },
                 });
             } else if !new_ids.is_empty() || !gone.is_empty() || !lane.lost.is_empty() || !held {
-                statements.push(doc! {
-                    "q": filter,
-                    "u": [{ "$set": {
-                        field::IN_FLIGHT: relisted(&gone, new_ids),
-                        field::LEASE_EXPIRES_AT: { "$max": [path::LEASE_EXPIRES_AT, expires_at] },
-                        field::LOST: { "$literal": [] },
-                    } }],
+                relists.push(Relist {
+                    filter,
+                    lane: lane.id,
+                    gone,
+                    added: new_ids.to_vec(),
                 });
                 if !new_ids.is_empty() {
                     recorded_lanes.push(lane.id);
                 }
             }
         }
+        let (relisting, relisted_lanes) = relist_statements(&relists, expires_at);
+        let expected = statements.len() as u64 + relisted_lanes;
+        statements.extend(relisting);
         let lanes: Vec<Lane> = lanes.into_iter().map(|(lane, _)| lane).collect();
         let mut matched = 0;
         for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
@@ -155,7 +157,7 @@ impl MongoEventStore {
         }
         inner.claims.forget(gone_ids);
         let mut raced = false;
-        if matched < statements.len() as u64 && !recorded_lanes.is_empty() {
+        if matched < expected && !recorded_lanes.is_empty() {
             // A lane changed hands, or a requeue touched it, since it was read: keep only the
             // picks of lanes that list them under the epoch they were read in.
             let confirmed = self
