@@ -25,9 +25,9 @@
 //! - **Picking** ([`pick`]) from every page the scans read, under the per-key rules, until the
 //!   claim has `limit` deliveries.
 //! - **Recording** ([`record`]) the batch, while the events of the picks are read: one
-//!   conditional write per lane, all in one `update` command, that takes the free lanes picked
-//!   from and hands back the lanes that yielded nothing and run nothing. A lane whose condition
-//!   no longer holds keeps nothing of this claim.
+//!   conditional write per lane, all in one `update` command (the held lanes' in one statement),
+//!   that takes the free lanes picked from and hands back the lanes that yielded nothing and run
+//!   nothing. A lane whose condition no longer holds keeps nothing of this claim.
 //! - **Handing out** ([`hand_out`]) the deliveries with their events and leases. A recorded
 //!   pick whose event is missing is given back at once, uncharged. Then the deliveries found
 //!   waiting are parked.

@@ -3,9 +3,11 @@
 //! The record is one conditional write per lane, all in one `update` command. It takes the free
 //! lanes the claim picked from (the epoch grows by one), takes and hands back at once the free
 //! lanes that yielded nothing, and hands back the held lanes that yielded nothing and run
-//! nothing. A lane whose condition no longer holds (another claimer took it first, or a requeue
-//! touched it) keeps nothing of this claim: when fewer writes matched than were sent, the lanes
-//! are read again to confirm which picks they list.
+//! nothing. The writes to the other held lanes (new picks listed, gone deliveries taken off) are
+//! one multi-document statement ([`relist_statements`]). A lane whose condition no longer holds
+//! (another claimer took it first, or a requeue touched it) keeps nothing of this claim: when
+//! fewer lanes matched than were written to, the lanes are read again to confirm which picks
+//! they list.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
