@@ -1103,18 +1103,7 @@ async fn claims_of_one_owner_on_one_instance_run_one_after_another() {
     }
 
     // The first claim's record on its lanes waits on the server for a while.
-    let _held = fail_command(
-        &db,
-        Bson::from(doc! { "times": 1 }),
-        doc! {
-            "failCommands": ["update"],
-            "appName": app,
-            "namespace": format!("{}.relaybus_lanes", db.name),
-            "blockConnection": true,
-            "blockTimeMS": 800,
-        },
-    )
-    .await;
+    let _held = block_lane_update(&db, app, 800).await;
     while events.try_recv().is_ok() {}
     let first = tokio::spawn({
         let (store, handlers) = (store.clone(), handlers.clone());
@@ -1201,24 +1190,8 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
 
     // A claim picks the follower; its record on the lane waits on the server while an
     // operator requeues the head, which now goes first again.
-    let _held = fail_command(
-        &db,
-        Bson::from(doc! { "times": 1 }),
-        doc! {
-            "failCommands": ["update"],
-            "appName": app,
-            "namespace": format!("{}.relaybus_lanes", db.name),
-            "blockConnection": true,
-            "blockTimeMS": 1_000,
-        },
-    )
-    .await;
-    while commands.try_recv().is_ok() {}
-    let racing = tokio::spawn({
-        let (claimer, handlers) = (claimer.clone(), handlers.clone());
-        async move { claim_as(&claimer, "w", &handlers, 10, now).await }
-    });
-    started(&mut commands, "update", "the claim records its picks").await;
+    let (_held, racing) =
+        claim_while_its_record_waits(&db, app, &mut commands, &claimer, "w", &handlers, now).await;
     let requeued = Store::requeue(&operator, &[dead[0].id.clone()], now)
         .await
         .unwrap();
@@ -1257,6 +1230,48 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
         next[0].attempt, 1,
         "the follower's give-back charged nothing"
     );
+}
+
+/// Makes the next `update` of the lanes sent by the client named `app` wait `millis` on the
+/// server before it runs, until the fail point is dropped.
+async fn block_lane_update(db: &TestDb, app: &str, millis: i32) -> relaybus_harness::FailPoint {
+    fail_command(
+        db,
+        Bson::from(doc! { "times": 1 }),
+        doc! {
+            "failCommands": ["update"],
+            "appName": app,
+            "namespace": format!("{}.relaybus_lanes", db.name),
+            "blockConnection": true,
+            "blockTimeMS": millis,
+        },
+    )
+    .await
+}
+
+/// Starts a claim of `owner` (up to 10 deliveries of `handlers`) whose record on the lanes
+/// waits on the server for a second, and returns once the record was sent: the fail point
+/// (keep it until the claim ends) and the claim.
+async fn claim_while_its_record_waits(
+    db: &TestDb,
+    app: &str,
+    commands: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    store: &MongoEventStore,
+    owner: &'static str,
+    handlers: &[String],
+    now: Timestamp,
+) -> (
+    relaybus_harness::FailPoint,
+    tokio::task::JoinHandle<Vec<relaybus::store::Claimed<relaybus::Lease>>>,
+) {
+    let held = block_lane_update(db, app, 1_000).await;
+    while commands.try_recv().is_ok() {}
+    let claim = tokio::spawn({
+        let (store, handlers) = (store.clone(), handlers.to_vec());
+        async move { claim_as(&store, owner, &handlers, 10, now).await }
+    });
+    started(commands, "update", "the claim records its picks").await;
+    (held, claim)
 }
 
 /// A claim of owner `first` whose record on its held lane waits on the server and then ends
@@ -1422,24 +1437,9 @@ async fn a_record_over_several_held_lanes_keeps_only_the_lanes_whose_condition_h
         append_one(&first, &envelope(id), &handlers, now).await;
     }
 
-    let _failing = fail_command(
-        &db,
-        Bson::from(doc! { "times": 1 }),
-        doc! {
-            "failCommands": ["update"],
-            "appName": &app,
-            "namespace": format!("{}.relaybus_lanes", db.name),
-            "blockConnection": true,
-            "blockTimeMS": 1_000,
-        },
-    )
-    .await;
-    while commands.try_recv().is_ok() {}
-    let claim = tokio::spawn({
-        let (first, handlers) = (first.clone(), handlers.clone());
-        async move { claim_as(&first, "first", &handlers, 10, now).await }
-    });
-    started(&mut commands, "update", "the claim records its picks").await;
+    let (_failing, claim) =
+        claim_while_its_record_waits(&db, &app, &mut commands, &first, "first", &handlers, now)
+            .await;
     // Lane 78 changes hands meanwhile (its epoch moves on, as a takeover moves it).
     let lanes = db.db().collection::<Document>("relaybus_lanes");
     lanes
