@@ -1473,3 +1473,47 @@ async fn a_record_over_several_held_lanes_keeps_only_the_lanes_whose_condition_h
         "lane 78 kept nothing of the claim"
     );
 }
+
+#[tokio::test]
+async fn a_delivery_buried_while_a_claim_records_it_is_not_handed_out() {
+    // An operator buries a delivery after a claim read it as pending and before the claim's
+    // record lands: the record no longer matches the lane, and nothing dead is handed out.
+    let test = "bury_during_record";
+    let db = test_db(test).await;
+    let app = format!("relaybus-{test}");
+    let (claimer, mut commands) = announced_store(&db, &app).await;
+    let operator = store(&db).await;
+    let handlers = ["projector".to_owned()];
+    let now = Timestamp::now();
+    append_one(&claimer, &envelope("to-bury"), &handlers, now).await;
+    let pending = Store::list_deliveries(
+        &operator,
+        &DeliveryQuery::new().status(DeliveryStatus::Pending),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pending.len(), 1);
+
+    let (_held, claim) =
+        claim_while_its_record_waits(&db, &app, &mut commands, &claimer, "w", &handlers, now).await;
+    let buried = Store::bury_by_id(&operator, &[pending[0].id.clone()], "not wanted", now)
+        .await
+        .unwrap();
+    assert_eq!(buried.buried, [pending[0].id.clone()], "{buried:?}");
+    let claimed = claim.await.unwrap();
+    assert!(
+        claimed.is_empty(),
+        "a buried delivery was handed out: {claimed:?}"
+    );
+    let dead = Store::list_deliveries(
+        &operator,
+        &DeliveryQuery::new().status(DeliveryStatus::Dead),
+    )
+    .await
+    .unwrap();
+    assert_eq!(dead.len(), 1, "it stays dead");
+    assert!(
+        claim_as(&claimer, "w", &handlers, 10, now).await.is_empty(),
+        "and no later claim takes it"
+    );
+}

@@ -855,7 +855,9 @@ impl MongoEventStore {
     /// to 8 KiB; it joins their error history, not counted as an attempt). A delivery a lane
     /// lists as running is left to its worker and reported in [`Buried::running`]; ids that are
     /// not ObjectIds never reach a query. The claim generation moves on, so a lease of an
-    /// earlier claim can no longer settle a buried delivery.
+    /// earlier claim can no longer settle a buried delivery, and so does the requeue count of
+    /// the buried deliveries' lanes, so a claim that read one of them as pending before cannot
+    /// record it after.
     ///
     /// # Errors
     ///
@@ -915,7 +917,7 @@ impl MongoEventStore {
             session,
             &inner.deliveries,
             doc! { field::ID: { "$in": ids }, field::STATUS: status::PENDING },
-            doc! { field::ID: 1 },
+            doc! { field::ID: 1, field::LANE_ID: 1 },
         )
         .await?;
         if pending.is_empty() {
@@ -962,6 +964,31 @@ impl MongoEventStore {
                 )
                 .session(&mut *session)
                 .await?;
+            let mut lane_ids: Vec<i32> = pending
+                .iter()
+                .filter(|doc| {
+                    doc.get_object_id(field::ID)
+                        .is_ok_and(|id| buried.contains(&id))
+                })
+                .filter_map(|doc| super::lane::int(doc, field::LANE_ID))
+                .filter_map(|lane| i32::try_from(lane).ok())
+                .collect();
+            lane_ids.sort_unstable();
+            lane_ids.dedup();
+            // A claim that read one of these deliveries as pending before this commits, and
+            // records it after, must not hand it out dead: its record is conditioned on the
+            // requeue count it read, which moves on here. One that records first makes this
+            // transaction conflict, and the delivery is then found running.
+            if !lane_ids.is_empty() {
+                inner
+                    .lanes
+                    .update_many(
+                        doc! { field::ID: { "$in": &lane_ids } },
+                        doc! { "$inc": { field::REQUEUES: 1_i64 } },
+                    )
+                    .session(&mut *session)
+                    .await?;
+            }
         }
         Ok((buried, running.into_iter().collect()))
     }

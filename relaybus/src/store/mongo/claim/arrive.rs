@@ -14,9 +14,10 @@
 //!
 //! The read tells whether the deliveries were still free to run when the write took them. Taking
 //! a lane moves its epoch, and only a holder records on a lane; so when the read saw the lane
-//! free and clean, or held by this owner without the deliveries, in the epoch the write found,
-//! nobody recorded on it between the read and the write, and the read's deliveries were
-//! pending and unclaimed all along. When the read saw the lane after the write (held by this
+//! free and clean, or held by this owner without the deliveries, in the epoch and requeue count
+//! the write found, nobody recorded on it between the read and the write, and the read's
+//! deliveries were pending and unclaimed all along (an operator's bury moves the requeue count
+//! of the lanes of what it buries). When the read saw the lane after the write (held by this
 //! owner, the write's epoch, the deliveries listed), the lane was this owner's from the moment
 //! the read found the deliveries. A lane where neither holds, or whose deliveries the read did
 //! not find ready and due, gets them taken off its list again (nothing else was written: an
@@ -102,6 +103,8 @@ struct LanePicks {
 struct Before {
     held: bool,
     epoch: i64,
+    /// Its requeue count (`null` when it has none): a requeue, or an operator's bury, moves it.
+    requeues: Bson,
     lease_expires_at: Option<DateTime>,
 }
 
@@ -320,13 +323,15 @@ impl MongoEventStore {
                 } }],
             )
             .projection(doc! {
-                field::OWNER: 1, field::INSTANCE: 1, field::EPOCH: 1, field::LEASE_EXPIRES_AT: 1,
+                field::OWNER: 1, field::INSTANCE: 1, field::EPOCH: 1, field::REQUEUES: 1,
+                field::LEASE_EXPIRES_AT: 1,
             })
             .return_document(ReturnDocument::Before)
             .await?;
         Ok(before.map(|lane| Before {
             held: held_by(&lane, owner, instance),
             epoch: int(&lane, field::EPOCH).unwrap_or(0),
+            requeues: lane.get(field::REQUEUES).cloned().unwrap_or(Bson::Null),
             lease_expires_at: lane.get_datetime(field::LEASE_EXPIRES_AT).ok().copied(),
         }))
     }
@@ -464,7 +469,11 @@ impl Seen {
         let ours = held_by(&self.lane, owner, instance);
         let seen_epoch = int(&self.lane, field::EPOCH).unwrap_or(0);
         let listed = object_ids(&self.lane, field::IN_FLIGHT);
+        // The same requeue count too: a bury between the read and the write moves it (the
+        // read found the deliveries pending, the write would list one dead).
+        let seen_requeues = self.lane.get(field::REQUEUES).unwrap_or(&Bson::Null);
         let before_the_write = seen_epoch == before.epoch
+            && *seen_requeues == before.requeues
             && if before.held {
                 ours && ids.iter().all(|id| !listed.contains(id))
             } else {
