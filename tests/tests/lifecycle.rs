@@ -3695,3 +3695,67 @@ async fn a_claim_that_lost_some_lanes_returns_what_it_got_and_one_that_lost_all_
     let all: Vec<ClaimedDelivery> = taken_first.iter().chain(&retried).cloned().collect();
     assert_eq!(claimed_ids(&all), ids, "each delivery claimed once");
 }
+
+#[tokio::test]
+async fn an_idle_claim_hands_out_no_reported_delivery_buried_between_its_read_and_its_write() {
+    // The claim of reported deliveries reads and writes at once; here its read finds the
+    // delivery pending, an operator buries it, and only then its write lists it. The write
+    // finds the lane's requeue count moved on, so the read proves nothing, the pick is taken
+    // back, and the usual claim finds nothing due.
+    let db = test_db("arrival_buried").await;
+    let app = format!("{}-told", db.name);
+    let (client, armed, told) = client_telling(
+        &db,
+        &app,
+        |event| matches!(event, CommandEvent::Succeeded(e) if e.command_name == "aggregate"),
+    )
+    .await;
+    let store = store_with(&client, &db, false).await;
+    let mut stream = wake_up_stream(&db).await;
+    let count = AtomicUsize::new(0);
+    let (_, got) = boundary_claim(&store, &count, ms(0), &[], true).await;
+    assert_eq!(got, 0, "idle");
+    let id = id_in_lane("buried", u32::MAX, false);
+    publish(&store, &[event(&id, None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    let lanes: Vec<u32> = woken.iter().filter_map(|w| w.at).collect();
+    let arrivals: Vec<relaybus::store::Arrival> = woken
+        .iter()
+        .map(|w| w.arrival.clone().expect("a wake-up tells its delivery"))
+        .collect();
+    let pending = deliveries(&db).await;
+    assert_eq!(pending.len(), 1);
+    let delivery = pending[0].get_object_id("_id").unwrap().to_hex();
+
+    let _held = hold_back_once(&db, &app, "findAndModify", 1_500).await;
+    armed.store(true, Ordering::SeqCst);
+    let claim = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let count = AtomicUsize::new(0);
+            boundary_claimed_with(&store, &count, ms(10), &lanes, true, &arrivals)
+                .await
+                .1
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(10), told.notified())
+        .await
+        .expect("the claim's read ends while its write is held");
+    let operator = store_with(&db.client, &db, false).await;
+    let buried = operator
+        .bury_by_id(&[delivery], "not wanted", ms(11))
+        .await
+        .unwrap();
+    assert_eq!(buried.buried.len(), 1, "{buried:?}");
+    let claimed = claim.await.unwrap();
+    assert!(
+        claimed.is_empty(),
+        "a buried delivery was handed out: {claimed:?}"
+    );
+    let lane = lane_document(&db, lane_of(None, &id)).await;
+    assert_eq!(
+        lane.get_array("inFlight").map(Vec::len).unwrap_or(0),
+        0,
+        "its write was taken back: {lane:?}"
+    );
+}
