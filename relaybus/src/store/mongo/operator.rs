@@ -740,18 +740,9 @@ impl MongoEventStore {
             )
             .session(&mut *session)
             .await?;
-        if !lane_ids.is_empty() {
-            // A claim that read one of these lanes before this commits no longer matches it
-            // when it records, and one that records first makes this transaction conflict.
-            inner
-                .lanes
-                .update_many(
-                    doc! { field::ID: { "$in": &lane_ids } },
-                    doc! { "$inc": { field::REQUEUES: 1_i64 } },
-                )
-                .session(&mut *session)
-                .await?;
-        }
+        // A claim that read one of these lanes before this commits no longer matches it when it
+        // records, and one that records first makes this transaction conflict.
+        self.move_requeue_counts(session, &lane_ids).await?;
         Ok(outcome)
     }
 
@@ -979,18 +970,29 @@ impl MongoEventStore {
             // records it after, must not hand it out dead: its record is conditioned on the
             // requeue count it read, which moves on here. One that records first makes this
             // transaction conflict, and the delivery is then found running.
-            if !lane_ids.is_empty() {
-                inner
-                    .lanes
-                    .update_many(
-                        doc! { field::ID: { "$in": &lane_ids } },
-                        doc! { "$inc": { field::REQUEUES: 1_i64 } },
-                    )
-                    .session(&mut *session)
-                    .await?;
-            }
+            self.move_requeue_counts(session, &lane_ids).await?;
         }
         Ok((buried, running.into_iter().collect()))
+    }
+
+    /// Increments, in `session`'s transaction, the requeue count of the lanes `lane_ids`, on
+    /// which every record of a claim is conditioned.
+    async fn move_requeue_counts(
+        &self,
+        session: &mut ClientSession,
+        lane_ids: &[i32],
+    ) -> Result<()> {
+        if !lane_ids.is_empty() {
+            self.inner
+                .lanes
+                .update_many(
+                    doc! { field::ID: { "$in": lane_ids } },
+                    doc! { "$inc": { field::REQUEUES: 1_i64 } },
+                )
+                .session(&mut *session)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Hands back every lane `owner` holds on this store instance, for a worker that stops.
