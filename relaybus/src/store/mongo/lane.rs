@@ -156,10 +156,10 @@ pub(crate) struct Relist {
 /// The update statements that relist `relists`, extending each lane's lease to at least
 /// `expires_at` and clearing its lost claims, with the number of lane documents they match when
 /// every condition holds. Several lanes go in one multi-document statement: its filter is the
-/// lanes' conditions joined by `$or`, and the lane's `_id` picks what it adds. The server parses
-/// and plans one statement instead of one per lane, which costs it about half as much per
-/// lane; a delivery is listed in one lane only, so the ids to take off can be taken off every
-/// lane.
+/// lanes' conditions joined by `$or`, and the lane's `_id` picks what it adds, so that the
+/// server parses and plans one statement instead of one per lane (a keyed claim writes about
+/// one lane per delivery). A delivery is listed in one lane only, so the ids to take off can be
+/// taken off every lane.
 pub(crate) fn relist_statements(relists: &[Relist], expires_at: DateTime) -> (Vec<Document>, u64) {
     let set = |in_flight: Document| {
         vec![doc! { "$set": {
