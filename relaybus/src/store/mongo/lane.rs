@@ -130,23 +130,28 @@ impl MongoEventStore {
 }
 
 /// A lane's in-flight list, as an update pipeline computes it: without the ids `gone`, then
-/// with `added` at the end.
-pub(crate) fn relisted(gone: &[ObjectId], added: &[ObjectId]) -> Document {
+/// with the ids the expression `added` gives at the end.
+pub(crate) fn relisted(gone: &[ObjectId], added: impl Into<Bson>) -> Document {
     doc! { "$concatArrays": [
         { "$filter": {
             "input": { "$ifNull": [path::IN_FLIGHT, []] },
             "cond": { "$not": [{ "$in": ["$$this", { "$literal": gone }] }] },
         } },
-        { "$literal": added },
+        added.into(),
     ] }
+}
+
+/// The expression for the ids `ids`, taken as they are.
+pub(crate) fn listed(ids: &[ObjectId]) -> Document {
+    doc! { "$literal": ids }
 }
 
 /// A lane a claim lists new picks on, or takes gone deliveries off, under its held condition.
 #[derive(Debug)]
 pub(crate) struct Relist {
-    /// The condition on the lane document ([`Lane::held_filter`]).
-    pub(crate) filter: Document,
     pub(crate) lane: i32,
+    /// The condition on the lane document ([`Lane::held_filter`]), which names the lane.
+    pub(crate) filter: Document,
     /// Deliveries to take off its list.
     pub(crate) gone: Vec<ObjectId>,
     /// Deliveries to add at the end of its list.
@@ -171,7 +176,9 @@ pub(crate) fn relist_statements(relists: &[Relist], expires_at: DateTime) -> (Ve
     match relists {
         [] => (Vec::new(), 0),
         [one] => (
-            vec![doc! { "q": one.filter.clone(), "u": set(relisted(&one.gone, &one.added)) }],
+            vec![
+                doc! { "q": one.filter.clone(), "u": set(relisted(&one.gone, listed(&one.added))) },
+            ],
             1,
         ),
         many => {
@@ -183,7 +190,7 @@ pub(crate) fn relist_statements(relists: &[Relist], expires_at: DateTime) -> (Ve
                 .map(|r| {
                     doc! {
                         "case": { "$eq": [path::ID, r.lane] },
-                        "then": { "$literal": &r.added },
+                        "then": listed(&r.added),
                     }
                 })
                 .collect();
@@ -192,16 +199,9 @@ pub(crate) fn relist_statements(relists: &[Relist], expires_at: DateTime) -> (Ve
             } else {
                 Bson::Document(doc! { "$switch": { "branches": branches, "default": [] } })
             };
-            let in_flight = doc! { "$concatArrays": [
-                { "$filter": {
-                    "input": { "$ifNull": [path::IN_FLIGHT, []] },
-                    "cond": { "$not": [{ "$in": ["$$this", { "$literal": gone }] }] },
-                } },
-                added,
-            ] };
             let statement = doc! {
                 "q": { "$or": filters },
-                "u": set(in_flight),
+                "u": set(relisted(&gone, added)),
                 "multi": true,
             };
             (vec![statement], many.len() as u64)

@@ -41,7 +41,7 @@ use crate::{
         NextOfKey,
         mongo::{
             MongoEventStore, bson_date,
-            lane::{Lane, add, check_lease_duration, check_owner, relisted},
+            lane::{Lane, add, check_lease_duration, check_owner, listed, relisted},
             lease::Lease,
             schema::{field, index, path, status},
         },
@@ -186,7 +186,7 @@ impl MongoEventStore {
             .update_lanes(&[doc! {
                 "q": filter,
                 "u": [{ "$set": {
-                    field::IN_FLIGHT: relisted(&gone, &[next.id]),
+                    field::IN_FLIGHT: relisted(&gone, listed(&[next.id])),
                     field::LEASE_EXPIRES_AT: {
                         "$max": [path::LEASE_EXPIRES_AT, expires_at],
                     },
