@@ -217,7 +217,7 @@ impl<S: Store> RelayBus<S> {
     /// [`ConfigurationError::InvalidOption`] when the bus dispatches in the background
     /// (after [`start`](Self::start)), or when `advance_clock` is asked of a bus on the system
     /// clock; [`Error::InvalidArgument`] when it ran more than
-    /// [`max_runs`](RunUntilIdle::max_runs) deliveries ([`DEFAULT_MAX_RUNS`](crate::DEFAULT_MAX_RUNS)
+    /// [`max_runs`](RunUntilIdle::max_runs) deliveries ([`DEFAULT_MAX_RUNS`]
     /// by default) without becoming idle; the store's errors. The handlers' own errors are in
     /// the report.
     pub fn run_until_idle(&self) -> RunUntilIdle<'_, S> {
@@ -1147,7 +1147,7 @@ impl<S: Store> RunUntilIdle<'_, S> {
     }
 
     /// Stops with an error after this many runs, rather than running on forever when handlers
-    /// keep making new work; [`DEFAULT_MAX_RUNS`](crate::DEFAULT_MAX_RUNS) by default.
+    /// keep making new work; [`DEFAULT_MAX_RUNS`] by default.
     pub fn max_runs(mut self, runs: usize) -> Self {
         self.options.max_runs = runs.max(1);
         self

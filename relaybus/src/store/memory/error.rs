@@ -1,5 +1,5 @@
 //! The in-memory store's own errors, which reach callers inside
-//! [`Error::Database`](crate::Error::Database) as the driver errors of other stores do.
+//! [`Error::Database`] as the driver errors of other stores do.
 
 use std::time::Duration;
 

@@ -214,7 +214,7 @@ impl MongoEventStore {
 
     /// Moves each of `heads` (the lowest parked delivery of its key) back to the ready lane when
     /// nothing pending precedes it: one predecessor probe per key (sent together, see
-    /// [`first_of_each`](Self::first_of_each)), then one update. Heads in `skip_lanes` are left
+    /// [`lowest_pending`](Self::lowest_pending)), then one update. Heads in `skip_lanes` are left
     /// alone, and so are the keys in `running` (`(handler, key)`): one of their deliveries runs,
     /// so none of the others can be claimed yet, and a later claim looks again. Returns how many
     /// it moved.

@@ -563,7 +563,7 @@ impl RabbitConsumerBuilder {
 
     /// Where messages that are not relaybus events, or fail to decode, go: published to
     /// `exchange` with `routing_key` (body and properties as they came, with
-    /// [`DEAD_LETTER_REASON_HEADER`](super::DEAD_LETTER_REASON_HEADER) and the queue and
+    /// [`DEAD_LETTER_REASON_HEADER`] and the queue and
     /// routing key they came with), confirmed by the broker, then acknowledged. Bind a queue
     /// to it, or the dead letter is refused as unroutable. Without it, or when that publish
     /// fails, they are rejected without requeue and the reason is logged at error level.
