@@ -10,9 +10,12 @@
 //! A ranking that saw every due delivery of the free lanes it read (it read fewer index entries
 //! than it could) also says that the lanes it did not list had nothing due. While the change
 //! stream reports every new delivery to the owner's claims (they look at the reported lanes
-//! first), that holds for a quarter of a second: a busy claim that its held lanes do not fill,
-//! as with a few hot keys, does not read every free lane again each time. A lane freed since
-//! the ranking was not read, and makes the next claim rank again.
+//! first), that holds for a quarter of a second, or four times as long as the ranking's reads
+//! took, up to the second the rest of a ranking serves: a busy claim that its held lanes do not
+//! fill, as with a few hot keys, does not read every free lane again each time, and rankings
+//! slowed by the index entries of deliveries completed or parked take a bounded share of the
+//! claims' time. A lane freed since the ranking was not read, and makes the next claim rank
+//! again.
 //!
 //! The specification takes 4, 8 and 16 free lanes per round, oldest due first; this tuned
 //! variant is listed among the README's differences from the specification, and
