@@ -268,9 +268,6 @@ pub(crate) struct RankedLanes {
     /// fewer index entries than it could): those not in `lanes` had nothing due then. Empty
     /// when the ranking was cut short.
     pub(crate) covered: Vec<i32>,
-    /// How long the ranking's reads took: a costly ranking says for longer that the free lanes
-    /// it did not list have nothing due.
-    pub(crate) took: std::time::Duration,
 }
 
 /// What keeps an owner's claims of one key's next delivery apart from its claims.

@@ -10,12 +10,9 @@
 //! A ranking that saw every due delivery of the free lanes it read (it read fewer index entries
 //! than it could) also says that the lanes it did not list had nothing due. While the change
 //! stream reports every new delivery to the owner's claims (they look at the reported lanes
-//! first), that holds for a quarter of a second, or four times as long as the ranking's reads
-//! took, up to the second the rest of a ranking serves: a busy claim that its held lanes do not
-//! fill, as with a few hot keys, does not read every free lane again each time, and rankings
-//! slowed by the index entries of deliveries completed or parked take a bounded share of the
-//! claims' time. A lane freed since the ranking was not read, and makes the next claim rank
-//! again.
+//! first), that holds for a quarter of a second: a busy claim that its held lanes do not fill,
+//! as with a few hot keys, does not read every free lane again each time. A lane freed since
+//! the ranking was not read, and makes the next claim rank again.
 //!
 //! The specification takes 4, 8 and 16 free lanes per round, oldest due first; this tuned
 //! variant is listed among the README's differences from the specification, and
@@ -64,24 +61,9 @@ const RANKING_REUSE: Duration = Duration::from_secs(1);
 
 /// How long a ranking that saw every due delivery of the free lanes it read tells the owner's
 /// next claims that the lanes it did not list have nothing due, while the change stream reports
-/// every new delivery: this long at least, and [`COMPLETE_RANKING_COST`] times as long as its
-/// reads took, up to [`RANKING_REUSE`]. A delivery that becomes due there without being inserted
-/// (a retry, a release, an unpark by another owner) is seen by the next ranking, at most that
-/// much later.
+/// every new delivery. A delivery that becomes due there without being inserted (a retry, a
+/// release, an unpark by another owner) is seen by the next ranking, at most this much later.
 const COMPLETE_RANKING_REUSE: Duration = Duration::from_millis(250);
-
-/// How many times its own duration a complete ranking serves, so that rankings that find
-/// nothing take at most about a fifth of a claimer's time however slow they get (their reads
-/// step over the index entries of deliveries completed or parked, which the storage engine
-/// keeps for a while).
-const COMPLETE_RANKING_COST: u32 = 4;
-
-/// How long a complete ranking that took `took` says that the free lanes it did not list have
-/// nothing due.
-fn complete_for(took: Duration) -> Duration {
-    took.saturating_mul(COMPLETE_RANKING_COST)
-        .clamp(COMPLETE_RANKING_REUSE, RANKING_REUSE)
-}
 
 /// `count` of the `ranked` lanes (oldest due delivery first). Alone, a claimer takes the oldest;
 /// with others around it takes `count` at random among the oldest `count * spread`, so that
@@ -118,8 +100,6 @@ struct Kept {
     complete: bool,
     /// The free lanes it read in full.
     covered: Vec<i32>,
-    /// How long its reads took.
-    took: Duration,
 }
 
 /// The lanes of a kept ranking that are still free, in ranking order, with the time of the
@@ -147,7 +127,7 @@ fn reusable(
         .filter(|lane| free.contains(lane))
         .collect();
     // A lane freed since (handed back, or its lease ended) was not read: rank again.
-    let complete = age <= complete_for(ranking.took).as_millis() as i64
+    let complete = age <= COMPLETE_RANKING_REUSE.as_millis() as i64
         && !ranking.covered.is_empty()
         && free.iter().all(|lane| ranking.covered.contains(lane));
     Some(Kept {
@@ -155,7 +135,6 @@ fn reusable(
         at: ranking.at,
         complete,
         covered: ranking.covered,
-        took: ranking.took,
     })
 }
 
@@ -197,20 +176,19 @@ impl MongoEventStore {
             // free: ranking reads one index range per free lane, scanning a few lanes
             // does not.
             let kept = reusable(ranking.take(), handlers, now, &free_ids);
-            let (ranked, ranked_at, covered, took) = match kept {
+            let (ranked, ranked_at, covered) = match kept {
                 Some(kept) if kept.lanes.len() >= round || complete || kept.complete => {
                     complete |= kept.complete;
-                    (kept.lanes, kept.at, kept.covered, kept.took)
+                    (kept.lanes, kept.at, kept.covered)
                 }
                 _ if complete => break,
                 _ => {
-                    let started = std::time::Instant::now();
                     let (ranked, seen_all) = self
                         .rank_lanes(&free_ids, handlers, now, round.saturating_mul(spread))
                         .await?;
                     complete = seen_all;
                     let covered = if seen_all { free_ids } else { Vec::new() };
-                    (ranked, now, covered, started.elapsed())
+                    (ranked, now, covered)
                 }
             };
             let chosen = choose(ranked.clone(), round, spread);
@@ -225,7 +203,6 @@ impl MongoEventStore {
                 at: ranked_at,
                 lanes: rest,
                 covered,
-                took,
             });
             if chosen.is_empty() {
                 break;
@@ -306,7 +283,6 @@ mod tests {
                 at,
                 lanes: vec![5, 3, 9],
                 covered,
-                took: Duration::ZERO,
             })
         };
         let later = |ms: i64| DateTime::from_millis(10_000 + ms);
@@ -332,16 +308,14 @@ mod tests {
 
     #[test]
     fn a_kept_ranking_is_complete_only_while_it_covers_every_free_lane() {
-        let costing = |covered: Vec<i32>, took: Duration| {
+        let ranking = |covered: Vec<i32>| {
             Some(RankedLanes {
                 handlers: vec!["a".into()],
                 at: DateTime::from_millis(0),
                 lanes: vec![],
                 covered,
-                took,
             })
         };
-        let ranking = |covered: Vec<i32>| costing(covered, Duration::from_millis(3));
         let complete_at = |ms: i64, covered: Vec<i32>, free: &[i32]| {
             reusable(ranking(covered), &["a"], DateTime::from_millis(ms), free)
                 .map(|kept| kept.complete)
@@ -354,20 +328,6 @@ mod tests {
         assert_eq!(complete(vec![1, 2, 3], &[1, 4]), Some(false));
         // A ranking that was cut short covers nothing.
         assert_eq!(complete(vec![], &[1]), Some(false));
-        // A costly ranking serves four times as long as it took, up to a second.
-        let slow_at = |ms: i64, took: u64| {
-            reusable(
-                costing(vec![1], Duration::from_millis(took)),
-                &["a"],
-                DateTime::from_millis(ms),
-                &[1],
-            )
-            .map(|kept| kept.complete)
-        };
-        assert_eq!(slow_at(800, 200), Some(true));
-        assert_eq!(slow_at(801, 200), Some(false));
-        assert_eq!(slow_at(1_000, 600), Some(true));
-        assert_eq!(slow_at(1_001, 600), None);
     }
 
     #[test]
