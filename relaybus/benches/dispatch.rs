@@ -589,7 +589,6 @@ fn thousandths(value: f64) -> f64 {
     (value * 1000.0).round() / 1000.0
 }
 
-/// Adds the fields of the object `extra` to the object `row`.
 /// A latency summary whose sample count is a measurement, not a setting: the fresh-key runs
 /// take a sample after the previous one started, so faster runs take more. The count goes under
 /// `samples_taken`, so that runs compared side by side line up on the same fields.
@@ -602,6 +601,7 @@ fn samples_taken(mut latency: serde_json::Value) -> serde_json::Value {
     latency
 }
 
+/// Adds the fields of the object `extra` to the object `row`.
 fn merge(row: &mut serde_json::Value, extra: serde_json::Value) {
     if let (Some(row), serde_json::Value::Object(extra)) = (row.as_object_mut(), extra) {
         row.extend(extra);
