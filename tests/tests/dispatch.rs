@@ -25,7 +25,7 @@ use relaybus_tests::support::{
     OrderPlaced, all, bare_store, deliveries, next, noop, placed, publisher, reports_attempt,
     starts_and_hangs, store, store_on,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 /// A bus tuned for tests: short polls and leases, quick retries.
 fn builder(store: &MongoEventStore) -> RelayBusBuilder {
@@ -523,6 +523,93 @@ async fn a_busy_bus_claims_on_while_its_completions_land_and_never_waits_for_a_p
     );
 }
 
+/// The server-side wait (`maxTimeMS`) of each change stream read, in order.
+type StreamWaits = Arc<Mutex<Vec<Option<i64>>>>;
+
+/// The server-side waits of the change stream reads a client sends, with a `Notify` told of
+/// each.
+fn stream_reads(options: &mut ClientOptions) -> (StreamWaits, Arc<Notify>) {
+    let waits: StreamWaits = Arc::default();
+    let read = Arc::new(Notify::new());
+    let (seen, told) = (Arc::clone(&waits), Arc::clone(&read));
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "getMore"
+            && started.command.get_str("collection") == Ok("relaybus_deliveries")
+        {
+            let wait = match started.command.get("maxTimeMS") {
+                Some(mongodb::bson::Bson::Int32(ms)) => Some(i64::from(*ms)),
+                Some(mongodb::bson::Bson::Int64(ms)) => Some(*ms),
+                _ => None,
+            };
+            seen.lock().unwrap().push(wait);
+            told.notify_one();
+        }
+    }));
+    (waits, read)
+}
+
+#[tokio::test]
+async fn a_bus_busy_for_a_while_gathers_its_wake_ups_and_waits_on_the_stream_again_when_idle() {
+    const EVENTS: usize = 3_000;
+    let db = test_db("gathered").await;
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    let (waits, read) = stream_reads(&mut options);
+    let client = Client::with_options(options).unwrap();
+    let store = store_on(&client, &db).await;
+    let envelopes: Vec<EventEnvelope> = (0..EVENTS)
+        .map(|i| EventEnvelope::new(&placed(&format!("o-{i}"))).unwrap())
+        .collect();
+    publisher(&store, &["gathering"])
+        .publish_all(envelopes)
+        .await
+        .unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        // A poll would not find the last event within the test's patience.
+        .poll_interval(Duration::from_secs(60))
+        .lease_duration(Duration::from_secs(120))
+        .busy_wake_ups(Some(Duration::from_millis(5)))
+        .concurrency(8)
+        .subscribe(Subscription::new(
+            "gathering",
+            move |order: OrderPlaced, _: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    // Slow enough that the drain takes well over the tenth of a second after
+                    // which a busy bus gathers.
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    tx.send(order.order_id).unwrap();
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    for _ in 0..EVENTS {
+        next(&mut rx, "a handler run of the backlog").await;
+    }
+    assert!(
+        waits.lock().unwrap().contains(&Some(1)),
+        "the busy bus read its stream briefly: {:?}",
+        waits.lock().unwrap()
+    );
+    // Idle: the stream waits on the server again, and wakes the bus at once.
+    let drained = waits.lock().unwrap().len();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !waits.lock().unwrap()[drained..].contains(&None) {
+            read.notified().await;
+        }
+    })
+    .await
+    .expect("a waiting read of the stream once idle");
+    publish(&bus, "after", None).await;
+    assert_eq!(next(&mut rx, "the woken handler").await, "after");
+    bus.shutdown().await.unwrap();
+    assert!(deliveries(&db).await.is_empty(), "every delivery completed");
+}
+
 #[tokio::test]
 async fn the_change_stream_wakes_an_idle_dispatcher() {
     let db = test_db("wake").await;
@@ -643,6 +730,14 @@ async fn bad_builder_settings_are_refused() {
                     .initial_backoff(Duration::from_secs(10))
                     .max_backoff(Duration::from_secs(1)),
             ),
+        ),
+        (
+            "busy_wake_ups",
+            RelayBus::builder(store.clone()).busy_wake_ups(Some(Duration::ZERO)),
+        ),
+        (
+            "busy_wake_ups",
+            RelayBus::builder(store.clone()).busy_wake_ups(Some(Duration::from_secs(2))),
         ),
         (
             "retention",

@@ -2243,6 +2243,117 @@ async fn next_wake_ups(
     woken
 }
 
+/// The event ids the wake-ups told of.
+fn woken_event_ids(wake_ups: &[relaybus::store::WakeUp]) -> Vec<String> {
+    wake_ups
+        .iter()
+        .map(|wake_up| {
+            let arrival = wake_up
+                .arrival
+                .as_ref()
+                .expect("a wake-up tells its delivery");
+            mongodb::bson::RawDocument::from_bytes(arrival.as_bytes())
+                .unwrap()
+                .get_str("eventId")
+                .unwrap()
+                .to_owned()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_paced_wake_up_stream_reads_briefly_while_gathering_and_misses_nothing_between_paces() {
+    use relaybus::{Store, store::WakePace};
+    let db = test_db("paced_wake_ups").await;
+    // The server-side wait of each read of the stream (`maxTimeMS` of its `getMore`s).
+    let waits: Arc<Mutex<Vec<Option<i64>>>> = Arc::default();
+    let read = Arc::new(Notify::new());
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    let (seen, told) = (Arc::clone(&waits), Arc::clone(&read));
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "getMore"
+        {
+            let wait = match started.command.get("maxTimeMS") {
+                Some(Bson::Int32(ms)) => Some(i64::from(*ms)),
+                Some(Bson::Int64(ms)) => Some(*ms),
+                _ => None,
+            };
+            seen.lock().unwrap().push(wait);
+            told.notify_one();
+        }
+    }));
+    // Waits until the stream has read more than `after` times, the last of them as `brief`
+    // says (waiting 1 ms on the server, or not).
+    let reads_after = |after: usize, brief: bool| {
+        let (waits, read) = (Arc::clone(&waits), Arc::clone(&read));
+        async move {
+            while waits.lock().unwrap()[after..]
+                .last()
+                .is_none_or(|wait| (*wait == Some(1)) != brief)
+            {
+                tokio::time::timeout(Duration::from_secs(10), read.notified())
+                    .await
+                    .expect("a read of the stream within 10 s");
+            }
+        }
+    };
+    let client = Client::with_options(options).unwrap();
+    let watching = store_with(&client, &db, false).await;
+    let publisher = store(&db).await;
+    let (pace, paced) = tokio::sync::watch::channel(WakePace::Eager);
+    let mut stream = Store::watch_paced(&watching, &[HANDLER.to_owned()], paced)
+        .await
+        .expect("watch");
+
+    publish(&publisher, &[event("eager-1", None)], &[HANDLER], at(0)).await;
+    let woken = next_wake_ups(&mut stream, 1).await;
+    assert_eq!(woken_event_ids(&woken), ["eager-1"]);
+    assert!(
+        !waits.lock().unwrap().contains(&Some(1)),
+        "an eager stream waits on the server: {:?}",
+        waits.lock().unwrap()
+    );
+
+    // Gathering: the stream's reads wait 1 ms on the server, and report what came meanwhile.
+    // (The stream reads only while it is polled.)
+    pace.send(WakePace::Gathered(Duration::from_millis(20)))
+        .unwrap();
+    let polled = tokio::spawn(async move {
+        let woken = next_wake_ups(&mut stream, 3).await;
+        (stream, woken)
+    });
+    reads_after(0, true).await;
+    publish_unkeyed(&publisher, "gathered", 3, at(1)).await;
+    let (mut stream, woken) = polled.await.unwrap();
+    assert_eq!(
+        woken_event_ids(&woken),
+        ["gathered-0", "gathered-1", "gathered-2"]
+    );
+
+    // Committed while the stream gathers, then the pace turns eager before the next read: the
+    // stream reopened where the last read ended reports them.
+    publish_unkeyed(&publisher, "between", 2, at(2)).await;
+    pace.send(WakePace::Eager).unwrap();
+    let woken = next_wake_ups(&mut stream, 2).await;
+    assert_eq!(woken_event_ids(&woken), ["between-0", "between-1"]);
+
+    // And back while an eager read waits on the server: that read is dropped, the reads are
+    // brief again, and nothing is lost.
+    let before = waits.lock().unwrap().len();
+    let polled = tokio::spawn(async move { next_wake_ups(&mut stream, 2).await });
+    reads_after(before, false).await;
+    let eager = waits.lock().unwrap().len();
+    pace.send(WakePace::Gathered(Duration::from_millis(20)))
+        .unwrap();
+    reads_after(eager, true).await;
+    publish_unkeyed(&publisher, "late", 2, at(3)).await;
+    assert_eq!(
+        woken_event_ids(&polled.await.unwrap()),
+        ["late-0", "late-1"]
+    );
+}
+
 /// A claim after an idle wait, as the dispatcher makes it with `wake_ups` reported: the names of
 /// the commands it sent, and what it claimed.
 async fn claim_woken(

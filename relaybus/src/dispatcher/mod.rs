@@ -27,7 +27,8 @@ use crate::{
     handler::{RetryPolicy, Subscription},
     state::StateMap,
     store::{
-        Arrival, ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Store, StoreLease, WakeUp,
+        Arrival, ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Store, StoreLease,
+        WakePace, WakeUp,
     },
     telemetry::{self, BusMetrics, Operation},
     time::Timestamp,
@@ -39,6 +40,14 @@ pub(crate) use run::{Outcome, run_delivery};
 
 /// How often a started bus samples the delivery gauges by default.
 pub(crate) const DEFAULT_GAUGE_INTERVAL: Duration = Duration::from_secs(15);
+
+/// How often a busy bus reads its gathered wake-ups by default
+/// ([`busy_wake_ups`](crate::RelayBusBuilder::busy_wake_ups)).
+pub(crate) const DEFAULT_BUSY_WAKE_UPS: Duration = Duration::from_millis(20);
+
+/// How long a bus claims without a pause before it gathers its wake-ups: bursts shorter than
+/// this, such as one event and its follow-ups, keep every wake-up at once.
+const BUSY_BEFORE_GATHERING: Duration = Duration::from_millis(100);
 
 /// How long completed and dead deliveries are kept, and how often the bus purges older ones.
 ///
@@ -79,6 +88,8 @@ pub(crate) struct Settings {
     pub(crate) shutdown_timeout: Duration,
     pub(crate) setup_on_start: bool,
     pub(crate) change_stream: bool,
+    /// How often a bus that claims without a pause reads its wake-ups; `None`: at once always.
+    pub(crate) busy_wake_ups: Option<Duration>,
     /// Claim up to a batch beyond the free handler slots while handlers finish quickly.
     pub(crate) claim_ahead: bool,
     pub(crate) retention: Option<Retention>,
@@ -113,6 +124,8 @@ pub(crate) struct Shared<S: Store> {
     reported: StdMutex<Reports>,
     /// A claim of the dispatch loop is running.
     claiming: AtomicBool,
+    /// How soon the dispatch loop wants its wake-ups; the wake-up stream reads it.
+    pace: tokio::sync::watch::Sender<WakePace>,
     /// A wake-up told of a new delivery not yet offered to a claim beside the running one.
     arrived: Notify,
     /// How long this bus's handlers took, on average (exponentially weighted, in µs; [`UNKNOWN`]
@@ -260,6 +273,7 @@ impl<S: Store> Shared<S> {
             running: StdMutex::new(HashMap::new()),
             reported: StdMutex::new(Reports::default()),
             claiming: AtomicBool::new(false),
+            pace: tokio::sync::watch::Sender::new(WakePace::Eager),
             arrived: Notify::new(),
             handler_micros: AtomicU64::new(UNKNOWN),
         }
@@ -550,6 +564,11 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         Arc::clone(&semaphore),
         beside_stop.clone(),
     ));
+    let mut pacer = Pacer {
+        pace: &shared.pace,
+        gathered: settings.busy_wake_ups,
+        busy_since: None,
+    };
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
         // While handlers finish quickly, the next claim runs while they do: it may take a
         // batch beyond the free slots, which waits for slots in the bus.
@@ -586,6 +605,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         // wake-up or the poll interval only after a claim that found nothing. Lanes this
         // worker holds are not left idle for a poll interval while they still have work.
         let found = !batch.is_empty();
+        pacer.claimed(found);
         for delivery in batch {
             let seat = match Arc::clone(&semaphore).try_acquire_owned() {
                 Ok(permit) => Seat::Slot(permit),
@@ -660,6 +680,47 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         Err(error) => {
             warn!(%error, "could not hand the lanes back; they free up when their leases end")
         }
+    }
+}
+
+/// Sets the pace of the wake-ups from what the dispatch loop's claims find: gathered once the
+/// loop has claimed without a pause for [`BUSY_BEFORE_GATHERING`], eager from its first claim
+/// that finds nothing.
+struct Pacer<'a> {
+    pace: &'a tokio::sync::watch::Sender<WakePace>,
+    /// How often gathered wake-ups are read; `None`: never gathered.
+    gathered: Option<Duration>,
+    /// When the claims began to find something every time.
+    busy_since: Option<tokio::time::Instant>,
+}
+
+impl Pacer<'_> {
+    /// Takes in whether a claim found something.
+    fn claimed(&mut self, found: bool) {
+        let Some(interval) = self.gathered else {
+            return;
+        };
+        let pace = if found {
+            let since = *self
+                .busy_since
+                .get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= BUSY_BEFORE_GATHERING {
+                WakePace::Gathered(interval)
+            } else {
+                WakePace::Eager
+            }
+        } else {
+            self.busy_since = None;
+            WakePace::Eager
+        };
+        self.pace.send_if_modified(|current| {
+            let changed = *current != pace;
+            if changed {
+                debug!(?pace, "wake-up pace");
+            }
+            *current = pace;
+            changed
+        });
     }
 }
 

@@ -24,7 +24,7 @@ pub(super) async fn watch<S: Store>(
     loop {
         let opened = tokio::select! {
             _ = cancel.cancelled() => return,
-            opened = shared.store.watch(&shared.handler_ids) => opened,
+            opened = shared.store.watch_paced(&shared.handler_ids, shared.pace.subscribe()) => opened,
         };
         match opened {
             Ok(mut stream) => {

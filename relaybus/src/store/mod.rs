@@ -178,6 +178,19 @@ pub struct WakeUp {
     pub arrival: Option<Arrival>,
 }
 
+/// How soon a dispatcher wants to hear of new deliveries. It changes as the dispatcher works:
+/// see [`Store::watch_paced`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WakePace {
+    /// The dispatcher waits for wake-ups, or may soon: report each new delivery at once.
+    #[default]
+    Eager,
+    /// The dispatcher has been claiming without a pause, and its claims find most new
+    /// deliveries without being told: the store may gather wake-ups and report them up to this
+    /// long after they commit, where that saves the database work per write.
+    Gathered(Duration),
+}
+
 /// What a wake-up told of one new delivery, in the store's own encoding (MongoDB: the
 /// delivery document as BSON), handed back to the store with the next claim. The bus never
 /// looks inside; a store checks what it reads back, since it comes from a stream.
@@ -492,6 +505,20 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
         &self,
         handlers: &[String],
     ) -> impl Future<Output = Result<BoxStream<'static, Result<WakeUp>>>> + Send;
+
+    /// [`watch`](Self::watch), told how soon the dispatcher wants its wake-ups: `pace` changes
+    /// as it works. A store whose stream costs the database work for every write while it
+    /// waits (a MongoDB change stream scans each new oplog entry for every open stream) may
+    /// read it less often while the pace is [`WakePace::Gathered`]; every new delivery must
+    /// still be reported, only later. The default ignores the pace.
+    fn watch_paced(
+        &self,
+        handlers: &[String],
+        pace: tokio::sync::watch::Receiver<WakePace>,
+    ) -> impl Future<Output = Result<BoxStream<'static, Result<WakeUp>>>> + Send {
+        let _ = pace;
+        self.watch(handlers)
+    }
 }
 
 #[cfg(not(feature = "mongodb"))]

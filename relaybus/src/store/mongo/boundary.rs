@@ -6,13 +6,13 @@ use std::{collections::BTreeMap, time::Duration};
 use futures::{StreamExt, TryStreamExt, stream::BoxStream};
 use mongodb::{ClientSession, bson::doc};
 
-use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
+use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp, watch::PacedStream};
 use crate::{
     error::Result,
     store::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
         DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, NextOfKey,
-        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakeUp,
+        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakePace, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
@@ -304,12 +304,23 @@ impl Store for MongoEventStore {
 
     /// A change stream on inserted deliveries of the handlers, projected down to what a claim
     /// needs of them: the lane, and the fields by which the claim after an idle wait may take
-    /// the delivery without looking for it (`WakeUp::arrival`).
+    /// the delivery without looking for it (`WakeUp::arrival`). Always eager.
     async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        let (_, eager) = tokio::sync::watch::channel(WakePace::Eager);
+        self.watch_paced(handlers, eager).await
+    }
+
+    /// [`watch`](Store::watch), read in gathered reads, one per interval, while the pace is
+    /// [`WakePace::Gathered`]: see the crate's differences from the specification.
+    async fn watch_paced(
+        &self,
+        handlers: &[String],
+        pace: tokio::sync::watch::Receiver<WakePace>,
+    ) -> Result<BoxStream<'static, Result<WakeUp>>> {
         // The resume token (`_id`) stays, and `operationType` (the driver requires it).
         let mut projection = doc! { "operationType": 1 };
         projection.extend(super::claim::arrive::arrival_fields());
-        let pipeline = [
+        let pipeline = vec![
             doc! { "$match": {
                 "operationType": "insert",
                 "fullDocument.handler": { "$in": handlers },
@@ -317,14 +328,13 @@ impl Store for MongoEventStore {
             doc! { "$project": projection },
         ];
         // Read raw: the document is passed on as its bytes, never decoded.
-        let stream = self
+        let deliveries = self
             .inner
             .deliveries
-            .clone_with_type::<mongodb::bson::RawDocumentBuf>()
-            .watch()
-            .pipeline(pipeline)
-            .await?;
+            .clone_with_type::<mongodb::bson::RawDocumentBuf>();
+        let stream = PacedStream::open(deliveries, pipeline, pace).await?;
         Ok(stream
+            .into_stream()
             .map_ok(|change| {
                 let document = change.full_document;
                 WakeUp {

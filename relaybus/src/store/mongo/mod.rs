@@ -17,6 +17,7 @@ mod settle;
 mod setup;
 mod transaction;
 mod upgrade;
+mod watch;
 
 use std::{sync::Arc, time::Duration};
 
