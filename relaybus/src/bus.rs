@@ -713,7 +713,7 @@ impl<S: Store> RelayBusBuilder<S> {
     }
 
     /// How a bus that has claimed without a pause for a tenth of a second reads its change
-    /// stream: in one short read per `interval`, 20 ms by default, instead of a read that waits
+    /// stream: in one short read per `interval`, 10 ms by default, instead of a read that waits
     /// on the server. `None` keeps the waiting read at all times.
     ///
     /// A waiting change stream costs the database a scan of every new oplog entry, once per

@@ -43,7 +43,7 @@ pub(crate) const DEFAULT_GAUGE_INTERVAL: Duration = Duration::from_secs(15);
 
 /// How often a busy bus reads its gathered wake-ups by default
 /// ([`busy_wake_ups`](crate::RelayBusBuilder::busy_wake_ups)).
-pub(crate) const DEFAULT_BUSY_WAKE_UPS: Duration = Duration::from_millis(20);
+pub(crate) const DEFAULT_BUSY_WAKE_UPS: Duration = Duration::from_millis(10);
 
 /// How long a bus claims without a pause before it gathers its wake-ups: bursts shorter than
 /// this, such as one event and its follow-ups, keep every wake-up at once.
