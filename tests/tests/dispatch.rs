@@ -48,6 +48,17 @@ async fn publish(bus: &RelayBus, order: &str, key: Option<&str>) -> String {
     bus.publish_envelope(envelope).await.unwrap().event_id
 }
 
+/// Publishes `n` orders (`o-0`, `o-1`, ...) for `handler`, in one transaction.
+async fn publish_orders(store: &MongoEventStore, handler: &str, n: usize) {
+    let envelopes: Vec<EventEnvelope> = (0..n)
+        .map(|i| EventEnvelope::new(&placed(&format!("o-{i}"))).unwrap())
+        .collect();
+    publisher(store, &[handler])
+        .publish_all(envelopes)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_handler_that_fails_twice_runs_three_times_with_growing_delays() {
     let db = test_db("retry").await;
@@ -484,13 +495,7 @@ async fn a_busy_bus_claims_on_while_its_completions_land_and_never_waits_for_a_p
     }));
     let client = Client::with_options(options).unwrap();
     let store = store_on(&client, &db).await;
-    let envelopes: Vec<EventEnvelope> = (0..EVENTS)
-        .map(|i| EventEnvelope::new(&placed(&format!("o-{i}"))).unwrap())
-        .collect();
-    publisher(&store, &["busy"])
-        .publish_all(envelopes)
-        .await
-        .unwrap();
+    publish_orders(&store, "busy", EVENTS).await;
     let published = transactions.load(Ordering::SeqCst);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let bus = builder(&store)
@@ -557,13 +562,7 @@ async fn a_bus_busy_for_a_while_gathers_its_wake_ups_and_waits_on_the_stream_aga
     let (waits, read) = stream_reads(&mut options);
     let client = Client::with_options(options).unwrap();
     let store = store_on(&client, &db).await;
-    let envelopes: Vec<EventEnvelope> = (0..EVENTS)
-        .map(|i| EventEnvelope::new(&placed(&format!("o-{i}"))).unwrap())
-        .collect();
-    publisher(&store, &["gathering"])
-        .publish_all(envelopes)
-        .await
-        .unwrap();
+    publish_orders(&store, "gathering", EVENTS).await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let bus = builder(&store)
         // A poll would not find the last event within the test's patience.
