@@ -9,7 +9,9 @@
 //! Relaybus and floor rows also give the server's work per 1,000 deliveries while they drained
 //! (from `serverStatus`): its CPU time (on Linux servers), which on a small machine limits the
 //! rates and is moved less by scheduling noise than they are, and the commands, index keys and
-//! documents examined and documents written that say where it goes.
+//! documents examined and documents written that say where it goes; and the buses' claims per
+//! 1,000 deliveries (a claim's commands are the same whatever it hands out, so fewer and fuller
+//! claims cost the server less).
 //!
 //! Then, each with one bus set as in the throughput runs:
 //! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,
@@ -69,7 +71,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 mod common;
 
-use common::{Floor, Memory, ServerWork, Summary, baseline, floor, store};
+use common::{ClaimCounter, Floor, Memory, ServerWork, Summary, baseline, floor, store};
 
 const BATCH: u32 = 32;
 /// The keys of the hot-keys run, unless `RELAYBUS_BENCH_HOT_KEYS` says otherwise.
@@ -97,6 +99,8 @@ fn env_number(name: &str, default: usize) -> usize {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // Before any bus is built: buses register their metrics as they are built.
+    ClaimCounter::install();
     let smoke = !std::env::args().any(|arg| arg == "--bench");
     let long = std::env::var("RELAYBUS_PROFILE").is_ok_and(|profile| profile == "long");
     let sized = |name: &str, default: usize, tiny: usize| {
@@ -549,10 +553,10 @@ fn bus_counts() -> Result<Vec<usize>, BoxError> {
 fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
     println!(
         "\nthe server's work per 1000 deliveries (and this process's CPU time: the buses, or the \
-         floor's workers)"
+         floor's workers; and the buses' claims)"
     );
     println!(
-        "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13} {:>10}",
+        "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13} {:>10} {:>7}",
         "subject",
         "keys",
         "buses",
@@ -561,7 +565,8 @@ fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
         "keys examined",
         "docs examined",
         "docs written",
-        "bus CPU ms"
+        "bus CPU ms",
+        "claims"
     );
     for (subject, keys, buses, work) in work {
         let figure = |name: &str| {
@@ -570,7 +575,7 @@ fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
                 .map_or_else(|| "-".to_owned(), |value| format!("{value:.0}"))
         };
         println!(
-            "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13} {:>10}",
+            "{:<10} {:<8} {:>6} {:>8} {:>9} {:>14} {:>14} {:>13} {:>10} {:>7}",
             subject,
             keys,
             buses,
@@ -579,7 +584,8 @@ fn print_work(work: &[(&str, &str, usize, serde_json::Value)]) {
             figure("keys_examined"),
             figure("docs_examined"),
             figure("docs_written"),
-            figure("client_cpu_ms")
+            figure("client_cpu_ms"),
+            figure("claims")
         );
     }
 }

@@ -1,14 +1,21 @@
 //! What the benchmarks share: a store on a fresh database, the raw-driver baseline and the
 //! floor of the document model; latency summaries and the process's memory.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use futures::TryStreamExt;
 use mongodb::{
     Client, Collection, Database,
     bson::{Bson, DateTime, Document, doc, oid::ObjectId},
 };
-use relaybus::{BoxError, MongoEventStore};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
+use relaybus::{BoxError, MongoEventStore, telemetry};
 
 /// A store on `db`, set up.
 pub(crate) async fn store(client: &Client, db: &Database) -> Result<MongoEventStore, BoxError> {
@@ -363,6 +370,8 @@ pub(crate) struct ServerWork {
     keys_examined: u64,
     docs_examined: u64,
     docs_written: u64,
+    /// The claims this process's buses made ([`ClaimCounter`]).
+    claims: u64,
 }
 
 /// Commands of the server's own upkeep and of the driver's monitoring, left out of the counts.
@@ -428,12 +437,14 @@ impl ServerWork {
             keys_examined: at(&["metrics", "queryExecutor", "scanned"]).unwrap_or(0),
             docs_examined: at(&["metrics", "queryExecutor", "scannedObjects"]).unwrap_or(0),
             docs_written: written,
+            claims: CLAIMS.load(Ordering::Relaxed),
         })
     }
 
     /// The work between two readings per 1,000 deliveries, as JSON: `cpu_ms` (to 0.1 ms, `null`
     /// where the server does not report its CPU time), `commands`, `keys_examined`,
-    /// `docs_examined` and `docs_written`; `null` without both readings.
+    /// `docs_examined`, `docs_written` and `claims` (the buses' claims, counted by
+    /// [`ClaimCounter`]; `null` when they made none); `null` without both readings.
     pub(crate) fn per_thousand(
         before: Option<ServerWork>,
         after: Option<ServerWork>,
@@ -461,7 +472,72 @@ impl ServerWork {
             "keys_examined": count(after.keys_examined, before.keys_examined),
             "docs_examined": count(after.docs_examined, before.docs_examined),
             "docs_written": count(after.docs_written, before.docs_written),
+            "claims": (after.claims > before.claims)
+                .then(|| (count(after.claims, before.claims) * 10.0).round() / 10.0),
         })
+    }
+}
+
+/// The claims made in this process so far, by every bus: [`ClaimCounter`] counts them.
+static CLAIMS: AtomicU64 = AtomicU64::new(0);
+
+/// A metrics recorder that counts the buses' claims (the records of the receive operation's
+/// duration, [`telemetry::OPERATION_DURATION`], that carry no error) and drops every other
+/// metric, as no recorder would: a claim costs one atomic increment more. A claim's commands
+/// are the same whatever it hands out, so deliveries per claim tell how well a run amortizes
+/// them. Installed before any bus is built ([`ClaimCounter::install`]).
+#[derive(Debug)]
+pub(crate) struct ClaimCounter;
+
+#[allow(
+    dead_code,
+    reason = "not every benchmark sharing this module counts the buses' claims"
+)]
+impl ClaimCounter {
+    /// Installs the counter as the process's metrics recorder; a second call changes nothing.
+    pub(crate) fn install() {
+        let _ = metrics::set_global_recorder(ClaimCounter);
+    }
+}
+
+/// One claim per record.
+struct CountClaims;
+
+impl metrics::HistogramFn for CountClaims {
+    fn record(&self, _: f64) {
+        CLAIMS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl metrics::Recorder for ClaimCounter {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::noop()
+    }
+
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        let label = |name: &str| {
+            key.labels()
+                .find(|label| label.key() == name)
+                .map(|label| label.value().to_owned())
+        };
+        let claims = key.name() == telemetry::OPERATION_DURATION
+            && label(telemetry::OPERATION_ATTRIBUTE).as_deref() == Some("receive")
+            && label(telemetry::ERROR_TYPE_ATTRIBUTE).is_none();
+        if claims {
+            Histogram::from_arc(Arc::new(CountClaims))
+        } else {
+            Histogram::noop()
+        }
     }
 }
 
