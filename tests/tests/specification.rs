@@ -398,7 +398,9 @@ async fn documents_with_null_fields_are_read_as_absent_ones() {
 #[tokio::test]
 async fn purge_expired_deletes_what_the_retention_lets_go() {
     let db = test_db("spec_purge_expired").await;
+    let clock = relaybus::clock::TestClock::starting_now();
     let bus = RelayBus::builder(store(&db).await)
+        .clock(clock.clone())
         .without_registered_handlers()
         .subscribe(noop::<OrderPlaced>("projector"))
         .retention(Some(Retention {
@@ -414,11 +416,12 @@ async fn purge_expired_deletes_what_the_retention_lets_go() {
     assert_eq!(bus.run_once().await.unwrap().claimed, 3);
     let events = db.db().collection::<Document>("relaybus_events");
     assert_eq!(events.count_documents(doc! {}).await.unwrap(), 3);
-    // The cutoff is `now - 1 ms`: let the completion time fall behind it.
-    let completed = Instant::now();
-    while completed.elapsed() < Duration::from_millis(5) {
-        tokio::task::yield_now().await;
-    }
+    // Completed within a minute of their creation, the events carry no completion time: purge
+    // takes them as completed two minutes after it, at the latest.
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(bus.purge_expired().await.unwrap().events, 0);
+    // The cutoff is `now - 1 ms`.
+    clock.advance(Duration::from_secs(61));
     let purged = bus.purge_expired().await.unwrap();
     assert_eq!(purged.events, 3, "{purged:?}");
     assert_eq!(events.count_documents(doc! {}).await.unwrap(), 0);
@@ -911,10 +914,11 @@ async fn a_completion_stamps_with_majority_before_it_deletes() {
     store.setup().await.unwrap();
     let lease = published_and_claimed(&store, &envelope("o-1"), Timestamp::now()).await;
     seen.lock().unwrap().clear();
+    // More than a minute after the delivery was created: a quicker completion of a fresh event
+    // stamps nothing (see the next test).
+    let later = Timestamp::now().saturating_add(Duration::from_secs(61));
     assert_eq!(
-        Store::complete(&store, &[lease], Timestamp::now())
-            .await
-            .unwrap(),
+        Store::complete(&store, &[lease], later).await.unwrap(),
         [true]
     );
 
@@ -963,6 +967,93 @@ async fn a_completion_stamps_with_majority_before_it_deletes() {
             ),
         ],
         "{writes:?}"
+    );
+}
+
+/// A completion within a minute of a fresh event's creation deletes its delivery and stamps
+/// nothing; purge keeps the event as a completed one until two minutes after its creation
+/// (never by the dead cutoff alone), and the event detail gives that time. An event that is
+/// not fresh (created long before it was appended) and a requeued delivery are stamped.
+#[tokio::test]
+async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_latest_time() {
+    let db = test_db("spec_quick_completion").await;
+    let (options, seen) = recording_client(&db.uri).await;
+    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    let events = db.db().collection::<Document>("relaybus_events");
+    let fresh = envelope("quick-1");
+    let created = fresh.created_at();
+    let lease = published_and_claimed(&store, &fresh, Timestamp::now()).await;
+    seen.lock().unwrap().clear();
+    assert_eq!(
+        Store::complete(&store, &[lease], Timestamp::now())
+            .await
+            .unwrap(),
+        [true]
+    );
+    let writes: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|c| {
+            c.get_str("update")
+                .map(|t| format!("update {t}"))
+                .or_else(|_| c.get_str("delete").map(|t| format!("delete {t}")))
+                .ok()
+        })
+        .collect();
+    assert_eq!(writes, ["delete relaybus_deliveries"]);
+    let event = events
+        .find_one(doc! { "_id": "quick-1" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!event.contains_key("completedAt"), "{event}");
+    assert_eq!(event.get_bool("fresh"), Ok(true), "{event}");
+
+    let latest = created.saturating_add(Duration::from_secs(120));
+    let detail = Store::event_detail(&store, "quick-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(detail.completed_at, Some(latest));
+    // Kept while the completed cutoff has not passed two minutes after its creation, and by
+    // the dead cutoff alone.
+    let purge = |options: relaybus::PurgeOptions| {
+        let store = store.clone();
+        async move { Store::purge(&store, &options).await.unwrap().events }
+    };
+    let just_before = latest.saturating_sub(Duration::from_millis(1));
+    let options = relaybus::PurgeOptions::new();
+    assert_eq!(purge(options.completed_before(just_before)).await, 0);
+    let far = latest.saturating_add(Duration::from_secs(3_600));
+    assert_eq!(purge(options.dead_before(far)).await, 0);
+    assert_eq!(
+        purge(options.completed_before(latest.saturating_add(Duration::from_millis(1)))).await,
+        1
+    );
+
+    // Appended as if 30 s after its creation: not fresh, so stamped, although its delivery
+    // completes within a minute.
+    let appended = Timestamp::now().saturating_sub(Duration::from_secs(30));
+    let lease = published_and_claimed(&store, &envelope("old-1"), appended).await;
+    let at = Timestamp::now();
+    assert_eq!(Store::complete(&store, &[lease], at).await.unwrap(), [true]);
+    let event = events
+        .find_one(doc! { "_id": "old-1" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(event.get("fresh").is_none(), "{event}");
+    assert_eq!(
+        event
+            .get_datetime("completedAt")
+            .map(|d| d.timestamp_millis()),
+        Ok(at.timestamp_millis()),
+        "{event}"
     );
 }
 

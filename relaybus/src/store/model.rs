@@ -521,7 +521,9 @@ pub struct EventDetail {
     pub event: crate::EventEnvelope,
     /// Its sequence within its ordering key, if keyed.
     pub sequence: Option<i64>,
-    /// When every delivery of it completed, once they have.
+    /// When every delivery of it completed, once they have. The MongoDB store records no time
+    /// for completions within a minute of a new event's creation (see the crate documentation);
+    /// it gives its creation plus two minutes then, the latest they can have come.
     pub completed_at: Option<Timestamp>,
     /// The handlers it was delivered to.
     pub handlers: Vec<String>,

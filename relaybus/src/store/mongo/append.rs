@@ -13,7 +13,7 @@ use mongodb::{
 use super::{
     MongoEventStore,
     bson_json::object_to_document,
-    schema::{field, lane, status},
+    schema::{FRESH_BY, field, lane, status},
 };
 use crate::store::{AppendRequest, Appended};
 use crate::{
@@ -135,6 +135,16 @@ impl MongoEventStore {
                     field::SEQUENCE,
                     Bson::Int64(*slot),
                 );
+            }
+        }
+
+        // A new event created just now is fresh: the first completions of the deliveries
+        //    appended with it need not stamp it (see `field::FRESH`).
+        let fresh_by = i64::try_from(FRESH_BY.as_millis()).unwrap_or(i64::MAX);
+        for item in &mut items {
+            let created = item.event.created_at.timestamp_millis();
+            if now.timestamp_millis().abs_diff(created) <= fresh_by.unsigned_abs() {
+                item.document.insert(field::FRESH, true);
             }
         }
 
@@ -273,6 +283,9 @@ impl MongoEventStore {
                 delivery.insert(field::ATTEMPTS, 0_i32);
                 delivery.insert(field::DUE_AT, item.due_at.unwrap_or(now));
                 delivery.insert(field::CREATED_AT, now);
+                if created && item.document.get_bool(field::FRESH) == Ok(true) {
+                    delivery.insert(field::FRESH, true);
+                }
                 deliveries.push(delivery);
             }
             outcomes.push(Appended {
@@ -535,8 +548,10 @@ fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
     }
     for item in &mut items {
         item.document = event_document(item.event, &item.handlers);
-        // Count the sequence a keyed event will get, so the size check is exact.
+        // Count the sequence a keyed event will get, and the mark of a fresh one, so the size
+        // check is exact.
         let mut sized = item.document.clone();
+        sized.insert(field::FRESH, true);
         if item.event.key.is_some() {
             sized.insert(field::SEQUENCE, i64::MAX);
         }

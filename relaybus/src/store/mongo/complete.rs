@@ -18,7 +18,7 @@ use super::{
     MongoEventStore,
     lane::{int, object_ids},
     lease::{Lease, generation_filter},
-    schema::{field, path, status},
+    schema::{QUICK_COMPLETION, field, path, status},
 };
 use crate::error::{InvalidArgumentError, Result};
 
@@ -235,15 +235,19 @@ impl MongoEventStore {
         //    completion time, and no failover can roll the stamp back under an acknowledged
         //    delete. The handler has finished its work by now; if the delete then finds the
         //    claim ended (the lease changed hands meanwhile), the stamp still says when a handler
-        //    last completed the event, and the delivery runs again.
-        let event_ids = event_ids(&fenced, &found);
-        inner
-            .events
-            .update_many(
-                doc! { field::ID: { "$in": &event_ids } },
-                doc! { "$max": { field::COMPLETED_AT: now } },
-            )
-            .await?;
+        //    last completed the event, and the delivery runs again. A fresh event completed
+        //    quickly is not stamped: purge and the event detail take it as completed by its
+        //    creation plus `UNSTAMPED_BY` (see `field::FRESH`).
+        let event_ids = event_ids(&fenced, &found, Some(now));
+        if !event_ids.is_empty() {
+            inner
+                .events
+                .update_many(
+                    doc! { field::ID: { "$in": &event_ids } },
+                    doc! { "$max": { field::COMPLETED_AT: now } },
+                )
+                .await?;
+        }
         // 2. The deliveries that still have their lease's claim generation.
         let deleted = inner
             .deliveries
@@ -329,7 +333,7 @@ impl MongoEventStore {
                     .await?;
             }
         }
-        let event_ids = event_ids(&fenced, &found);
+        let event_ids = event_ids(&fenced, &found, None);
         inner
             .events
             .update_many(
@@ -357,7 +361,10 @@ impl MongoEventStore {
         lane_ids.dedup();
         let pipeline = [
             doc! { "$match": { field::ID: { "$in": ids } } },
-            doc! { "$project": { field::CLAIMS: 1, field::LANE_ID: 1, field::EVENT_ID: 1 } },
+            doc! { "$project": {
+                field::CLAIMS: 1, field::LANE_ID: 1, field::EVENT_ID: 1, field::CREATED_AT: 1,
+                field::FRESH: 1, field::REQUEUED: 1,
+            } },
             doc! { "$unionWith": {
                 "coll": inner.lanes.name(),
                 "pipeline": [
@@ -475,14 +482,39 @@ fn delete_filter(fenced: &[Lease]) -> Document {
     doc! { "$or": branches }
 }
 
-fn event_ids(fenced: &[Lease], found: &HashMap<ObjectId, Found>) -> Vec<String> {
+/// The events a completion of `fenced` stamps, each once; with `quick_at` (the completion
+/// time), not those whose deliveries all complete quickly ([`completes_quickly`]).
+fn event_ids(
+    fenced: &[Lease],
+    found: &HashMap<ObjectId, Found>,
+    quick_at: Option<DateTime>,
+) -> Vec<String> {
     let mut ids: Vec<String> = fenced
         .iter()
-        .filter_map(|lease| found.get(&lease.delivery_id())?.event_id.clone())
+        .filter_map(|lease| found.get(&lease.delivery_id()))
+        .filter(|found| quick_at.is_none_or(|now| !completes_quickly(&found.document, now)))
+        .filter_map(|found| found.event_id.clone())
         .collect();
     ids.sort_unstable();
     ids.dedup();
     ids
+}
+
+/// Whether the completion of `delivery` at `now` leaves its event unstamped: the delivery is
+/// fresh (appended with its new event, created just before), was never requeued, and was
+/// created less than [`QUICK_COMPLETION`] before `now`.
+fn completes_quickly(delivery: &Document, now: DateTime) -> bool {
+    let quick = i64::try_from(QUICK_COMPLETION.as_millis()).unwrap_or(i64::MAX);
+    delivery.get_bool(field::FRESH) == Ok(true)
+        && int(delivery, field::REQUEUED).unwrap_or(0) == 0
+        && delivery
+            .get_datetime(field::CREATED_AT)
+            .is_ok_and(|created| {
+                let age = now
+                    .timestamp_millis()
+                    .saturating_sub(created.timestamp_millis());
+                (0..quick).contains(&age)
+            })
 }
 
 /// One entry per lease: completed only when every fenced delivery was deleted. Linear in the

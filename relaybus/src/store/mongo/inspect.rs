@@ -10,6 +10,7 @@ use super::{
     claim::hand_out::envelope,
     lane::{Lane, int, string},
     operator::{aggregate_hinted, in_flight, record_from_document},
+    purge::unstamped_by,
     schema::{self, field, index, status},
     timestamp,
 };
@@ -21,7 +22,9 @@ use crate::store::{
 
 /// When an event completed: its `completedAt`, or, once no pending or dead delivery of it is
 /// left, the `completingAt` mark that completions of earlier releases wrote before the
-/// deliveries went (it stands for a stamp they wrote after the delete and lost in a failover).
+/// deliveries went (it stands for a stamp they wrote after the delete and lost in a failover),
+/// or for a fresh event whose quick completions stamped nothing, the latest they can have come
+/// ([`unstamped_by`]).
 fn completed_at(event: &Document, deliveries: &[DeliveryRecord]) -> Option<crate::Timestamp> {
     let unfinished = deliveries
         .iter()
@@ -29,7 +32,9 @@ fn completed_at(event: &Document, deliveries: &[DeliveryRecord]) -> Option<crate
     let stamp = |name: &str| event.get_datetime(name).ok().map(|at| timestamp(*at));
     match stamp(field::COMPLETED_AT) {
         Some(at) => Some(at),
-        None if !unfinished => stamp(field::COMPLETING_AT),
+        None if !unfinished => {
+            stamp(field::COMPLETING_AT).or_else(|| unstamped_by(event).flatten().map(timestamp))
+        }
         None => None,
     }
 }

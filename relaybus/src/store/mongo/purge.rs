@@ -18,7 +18,7 @@ use mongodb::{
 use super::{
     MongoEventStore, bson_date,
     operator::is_missing_index,
-    schema::{field, index, status},
+    schema::{UNSTAMPED_BY, field, index, status},
 };
 use crate::error::Result;
 use crate::store::{PurgeOptions, Purged};
@@ -29,6 +29,25 @@ enum Kind {
     Dead,
     History,
     LegacyCompleted,
+}
+
+/// For a fresh event with deliveries ([`field::FRESH`]), the latest its completions that
+/// stamped nothing can have come: its creation plus [`UNSTAMPED_BY`] (`None` inside when it has
+/// no creation time). `None` for any other event: every completion of it stamped it.
+pub(crate) fn unstamped_by(event: &Document) -> Option<Option<DateTime>> {
+    let with_deliveries = event
+        .get_array(field::HANDLERS)
+        .is_ok_and(|handlers| !handlers.is_empty());
+    if event.get_bool(field::FRESH) != Ok(true) || !with_deliveries {
+        return None;
+    }
+    let by = i64::try_from(UNSTAMPED_BY.as_millis()).unwrap_or(i64::MAX);
+    Some(
+        event
+            .get_datetime(field::CREATED_AT)
+            .ok()
+            .map(|created| DateTime::from_millis(created.timestamp_millis().saturating_add(by))),
+    )
 }
 
 impl MongoEventStore {
@@ -213,9 +232,10 @@ impl MongoEventStore {
         let events: Vec<Document> = inner
             .events
             .find(doc! { field::ID: { "$in": ids } })
-            .projection(
-                doc! { field::CREATED_AT: 1, field::COMPLETED_AT: 1, field::COMPLETING_AT: 1 },
-            )
+            .projection(doc! {
+                field::CREATED_AT: 1, field::COMPLETED_AT: 1, field::COMPLETING_AT: 1,
+                field::FRESH: 1, field::HANDLERS: 1,
+            })
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -251,12 +271,27 @@ impl MongoEventStore {
                     .iter()
                     .filter_map(|name| event.get_datetime(name).ok().copied())
                     .max();
-                let expired = match completed.ok_or(()) {
-                    Ok(completed) => options
+                let created = event.get_datetime(field::CREATED_AT).ok().copied();
+                // A fresh event with deliveries may have completed quickly, unstamped: by its
+                // creation plus `UNSTAMPED_BY` at the latest.
+                let quickly = unstamped_by(event);
+                let completed_before = |at: DateTime| {
+                    options
                         .completed_before
-                        .is_some_and(|cut| completed < bson_date(cut)),
-                    Err(_) => match (event.get_datetime(field::CREATED_AT), earliest) {
-                        (Ok(created), Some(cut)) => *created < cut,
+                        .is_some_and(|cut| at < bson_date(cut))
+                };
+                let expired = match (completed, quickly) {
+                    (Some(completed), None) => completed_before(completed),
+                    (Some(completed), Some(bound)) => {
+                        completed_before(completed.max(bound.unwrap_or(completed)))
+                    }
+                    // Fresh, unreferenced and unstamped: it completed quickly, or its deliveries
+                    // all died and went with the dead letters' purge (which the dead cutoff
+                    // allowed: created before it). Kept as a completed event, never by the dead
+                    // cutoff alone.
+                    (None, Some(bound)) => bound.is_some_and(completed_before),
+                    (None, None) => match (created, earliest) {
+                        (Some(created), Some(cut)) => created < cut,
                         _ => false,
                     },
                 };

@@ -5,7 +5,22 @@
 //! a sort that must follow an index's keys to be a distinct scan is that index's key document.
 //! `doc!` takes a constant key as it is: `doc! { field::STATUS: status::PENDING }`.
 
+use std::time::Duration;
+
 use mongodb::bson::Document;
+
+/// An event is fresh ([`field::FRESH`]) when its creation time is within this of the time it is
+/// appended, either way (clocks differ a little).
+pub(crate) const FRESH_BY: Duration = Duration::from_secs(10);
+
+/// A fresh delivery completed within this of its creation, never requeued, leaves the event's
+/// `completedAt` as it is: stamping every event costs the server a write per delivery.
+pub(crate) const QUICK_COMPLETION: Duration = Duration::from_secs(60);
+
+/// The latest, after its creation, that a fresh event's completions without a stamp came:
+/// [`FRESH_BY`] plus [`QUICK_COMPLETION`], with room for the clocks of the processes that
+/// appended and completed to differ by most of a minute.
+pub(crate) const UNSTAMPED_BY: Duration = Duration::from_secs(120);
 
 /// Field names, shared by the collections whose documents have the field.
 pub(crate) mod field {
@@ -61,6 +76,12 @@ pub(crate) mod field {
     pub(crate) const ERRORS: &str = "errors";
     /// The times a dead delivery was requeued; absent until the first.
     pub(crate) const REQUEUED: &str = "requeued";
+    /// On an event, and on the deliveries appended with it: the event was new, and created
+    /// just before it was appended (see [`super::FRESH_BY`]). A completion of such a delivery
+    /// within [`super::QUICK_COMPLETION`] of its creation, never requeued, does not stamp
+    /// `completedAt` on the event: purge and the event detail take such an event as completed
+    /// by its creation plus [`super::UNSTAMPED_BY`] at the latest.
+    pub(crate) const FRESH: &str = "fresh";
     /// An entry of `errors`: when the attempt failed.
     pub(crate) const ERROR_AT: &str = "at";
     /// An entry of `errors`: the attempt.
