@@ -10,11 +10,11 @@ use std::{
 };
 
 use futures::TryStreamExt;
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use mongodb::{
     Client, Collection, Database,
     bson::{Bson, DateTime, Document, doc, oid::ObjectId},
 };
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use relaybus::{BoxError, MongoEventStore, telemetry};
 
 /// A store on `db`, set up.
@@ -97,7 +97,8 @@ pub(crate) async fn baseline(
 /// drain the `deliveries` unkeyed deliveries the caller published to `store`, with the raw
 /// driver. Per batch they do only what the document model needs: read the due deliveries of
 /// their lanes and their events, record the batch on a lane document, then record the completion
-/// time on the events and delete the deliveries. Everything the store does to be safe is left
+/// time on the events (of the deliveries that do not complete quickly, as the store) and delete
+/// the deliveries. Everything the store does to be safe is left
 /// out: ranking and taking lanes, fencing, per-key rules. Returns deliveries/s.
 pub(crate) async fn floor(
     store: &MongoEventStore,
@@ -174,12 +175,23 @@ impl Floor {
                     doc! { "$set": { "owner": "floor", "inFlight": &ids }, "$inc": { "epoch": 1 } },
                 )
                 .await?;
-            self.events
-                .update_many(
-                    doc! { "_id": { "$in": &event_ids } },
-                    doc! { "$max": { "completedAt": DateTime::now() } },
-                )
-                .await?;
+            // The documents require a stamp only for what does not complete quickly: a
+            // delivery appended with its fresh event completed within a minute leaves the event
+            // as it is.
+            let now = DateTime::now();
+            let stamped: Vec<&str> = found
+                .iter()
+                .filter(|d| !completes_quickly(d, now))
+                .filter_map(|d| d.get_str("eventId").ok())
+                .collect();
+            if !stamped.is_empty() {
+                self.events
+                    .update_many(
+                        doc! { "_id": { "$in": &stamped } },
+                        doc! { "$max": { "completedAt": now } },
+                    )
+                    .await?;
+            }
             self.deliveries
                 .delete_many(doc! { "_id": { "$in": ids } })
                 .await?;
@@ -240,6 +252,16 @@ impl Floor {
             .await?;
         Ok(())
     }
+}
+
+/// Whether a completion of `delivery` at `now` needs no stamp on its event: it is marked
+/// `fresh`, was never requeued, and was created less than a minute before `now`.
+fn completes_quickly(delivery: &Document, now: DateTime) -> bool {
+    delivery.get_bool("fresh") == Ok(true)
+        && !delivery.contains_key("requeued")
+        && delivery.get_datetime("createdAt").is_ok_and(|created| {
+            (0..60_000).contains(&(now.timestamp_millis() - created.timestamp_millis()))
+        })
 }
 
 /// Up to `batch` documents of `collection` matching `filter`, in `sort` order if given.
