@@ -65,7 +65,10 @@ impl MongoEventStore {
     /// changes nothing. Without completion history this needs no transaction and costs three
     /// commands for any batch: read the deliveries' claim generations and the lanes (one
     /// aggregation), stamp the events' completion time (majority), and delete the
-    /// deliveries that still have their lease's generation. When fewer deliveries were deleted
+    /// deliveries that still have their lease's generation. A delivery appended with its new
+    /// event, created just before, and completed within a minute, never requeued, leaves its
+    /// event unstamped (see the crate documentation); a batch of only such deliveries costs
+    /// two commands. When fewer deliveries were deleted
     /// than passed the checks (a claim ended or changed hands meanwhile), no lease is reported
     /// completed: a missing document cannot be told from one completed by the newer claim, so
     /// success is reported only when proven. The events keep their stamp: their handlers did
@@ -74,7 +77,8 @@ impl MongoEventStore {
     /// With [`completion_history`](crate::MongoEventStoreBuilder::completion_history) the
     /// batch runs in one transaction that also inserts the completion records.
     ///
-    /// `now` is recorded as the completion time.
+    /// `now` is the completion time: what the events are stamped with, and what tells whether
+    /// a completion is quick.
     ///
     /// # Errors
     ///
