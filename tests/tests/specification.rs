@@ -105,6 +105,17 @@ async fn recording_client(uri: &str) -> (ClientOptions, Arc<Mutex<Vec<Document>>
     (options, seen)
 }
 
+/// A store set up in `db` on a client that records every command it starts.
+async fn recorded_store(db: &TestDb) -> (MongoEventStore, Arc<Mutex<Vec<Document>>>) {
+    let (options, seen) = recording_client(&db.uri).await;
+    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    (store, seen)
+}
+
 #[tokio::test]
 async fn the_default_transaction_options_read_a_snapshot_and_commit_with_majority() {
     let db = test_db("spec_tx_options").await;
@@ -906,12 +917,7 @@ async fn events_purged_completed_before(store: &MongoEventStore, cutoff: Timesta
 #[tokio::test]
 async fn a_completion_stamps_with_majority_before_it_deletes() {
     let db = test_db("spec_completion_order").await;
-    let (options, seen) = recording_client(&db.uri).await;
-    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
+    let (store, seen) = recorded_store(&db).await;
     let lease = published_and_claimed(&store, &envelope("o-1"), Timestamp::now()).await;
     seen.lock().unwrap().clear();
     // More than a minute after the delivery was created: a quicker completion of a fresh event
@@ -977,12 +983,7 @@ async fn a_completion_stamps_with_majority_before_it_deletes() {
 #[tokio::test]
 async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_latest_time() {
     let db = test_db("spec_quick_completion").await;
-    let (options, seen) = recording_client(&db.uri).await;
-    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
-        .database(&db.name)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
+    let (store, seen) = recorded_store(&db).await;
     let events = db.db().collection::<Document>("relaybus_events");
     let fresh = envelope("quick-1");
     let created = fresh.created_at();
@@ -1006,13 +1007,7 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
         })
         .collect();
     assert_eq!(writes, ["delete relaybus_deliveries"]);
-    let event = events
-        .find_one(doc! { "_id": "quick-1" })
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(!event.contains_key("completedAt"), "{event}");
-    assert_eq!(event.get_bool("fresh"), Ok(true), "{event}");
+    assert_eq!(stamp_of(&events, "quick-1").await, (true, None));
 
     let latest = created.saturating_add(Duration::from_secs(120));
     let detail = Store::event_detail(&store, "quick-1")
@@ -1042,19 +1037,39 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
     let lease = published_and_claimed(&store, &envelope("old-1"), appended).await;
     let at = Timestamp::now();
     assert_eq!(Store::complete(&store, &[lease], at).await.unwrap(), [true]);
-    let event = events
-        .find_one(doc! { "_id": "old-1" })
+    assert_eq!(stamp_of(&events, "old-1").await, (false, Some(at)));
+
+    // A requeued delivery is stamped, however quickly it completes.
+    let lease = published_and_claimed(&store, &envelope("requeued-1"), Timestamp::now()).await;
+    let now = DateTime::now();
+    assert!(store.bury(&lease, "failed for good", now).await.unwrap());
+    let requeued = store
+        .requeue(&[lease.delivery_id().to_hex()], now)
         .await
-        .unwrap()
         .unwrap();
-    assert!(event.get("fresh").is_none(), "{event}");
+    assert_eq!(requeued.requeued.len(), 1, "{requeued:?}");
+    let claimed = claim_all(&store, &["projector"]).await;
+    assert_eq!(claimed.len(), 1);
+    let at = Timestamp::now();
     assert_eq!(
+        Store::complete(&store, &[claimed[0].lease], at)
+            .await
+            .unwrap(),
+        [true]
+    );
+    assert_eq!(stamp_of(&events, "requeued-1").await, (true, Some(at)));
+}
+
+/// Whether the event `id` is marked fresh, and its `completedAt`.
+async fn stamp_of(events: &mongodb::Collection<Document>, id: &str) -> (bool, Option<Timestamp>) {
+    let event = events.find_one(doc! { "_id": id }).await.unwrap().unwrap();
+    (
+        event.get_bool("fresh") == Ok(true),
         event
             .get_datetime("completedAt")
-            .map(|d| d.timestamp_millis()),
-        Ok(at.timestamp_millis()),
-        "{event}"
-    );
+            .ok()
+            .map(|at| Timestamp::from_millis(at.timestamp_millis())),
+    )
 }
 
 /// A second event type, so that two handlers get deliveries in lanes of their own.
