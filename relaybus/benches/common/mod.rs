@@ -233,7 +233,7 @@ impl Floor {
     }
 
     /// The completion of `delivery` in the transaction of `session`: the delivery deleted, its
-    /// event stamped.
+    /// event stamped unless the completion is quick, as the store's.
     pub(crate) async fn complete_in(
         &self,
         session: &mut mongodb::ClientSession,
@@ -243,13 +243,16 @@ impl Floor {
             .delete_one(doc! { "_id": delivery.get_object_id("_id").ok() })
             .session(&mut *session)
             .await?;
-        self.events
-            .update_one(
-                doc! { "_id": delivery.get_str("eventId").unwrap_or_default() },
-                doc! { "$max": { "completedAt": DateTime::now() } },
-            )
-            .session(&mut *session)
-            .await?;
+        let now = DateTime::now();
+        if !completes_quickly(delivery, now) {
+            self.events
+                .update_one(
+                    doc! { "_id": delivery.get_str("eventId").unwrap_or_default() },
+                    doc! { "$max": { "completedAt": now } },
+                )
+                .session(&mut *session)
+                .await?;
+        }
         Ok(())
     }
 }

@@ -160,7 +160,8 @@ impl MongoEventStore {
     /// The completion of one delivery inside a transaction, each step a lookup by `_id`: the
     /// lane must still list the delivery in the lease's epoch, the delivery is deleted only
     /// while it has the lease's claim generation (the delete returns the document, for the
-    /// event's stamp and the completion history), then the event is stamped.
+    /// event's stamp and the completion history), then the event is stamped, unless the
+    /// completion is quick ([`completes_quickly`]) and there is no completion history.
     async fn complete_one_in(
         &self,
         session: &mut ClientSession,
@@ -201,7 +202,9 @@ impl MongoEventStore {
                 .session(&mut *session)
                 .await?;
         }
-        if let Ok(event_id) = deleted.get_str(field::EVENT_ID) {
+        // As without a transaction, a quick completion of a fresh delivery stamps nothing.
+        let quick = !inner.completion_history && completes_quickly(&deleted, now);
+        if let (false, Ok(event_id)) = (quick, deleted.get_str(field::EVENT_ID)) {
             inner
                 .events
                 .update_one(
