@@ -139,11 +139,11 @@ impl MongoEventStore {
         }
 
         // A new event created just now is fresh: the first completions of the deliveries
-        //    appended with it need not stamp it (see `field::FRESH`).
-        let fresh_by = i64::try_from(FRESH_BY.as_millis()).unwrap_or(i64::MAX);
+        // appended with it need not stamp it (see `field::FRESH`).
+        let fresh_by = u64::try_from(FRESH_BY.as_millis()).unwrap_or(u64::MAX);
         for item in &mut items {
             let created = item.event.created_at.timestamp_millis();
-            if now.timestamp_millis().abs_diff(created) <= fresh_by.unsigned_abs() {
+            if now.timestamp_millis().abs_diff(created) <= fresh_by {
                 item.document.insert(field::FRESH, true);
             }
         }

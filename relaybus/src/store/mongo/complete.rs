@@ -16,7 +16,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore,
-    lane::{int, object_ids},
+    lane::{add, int, object_ids},
     lease::{Lease, generation_filter},
     schema::{QUICK_COMPLETION, field, path, status},
 };
@@ -204,7 +204,7 @@ impl MongoEventStore {
         }
         // As without a transaction, a quick completion of a fresh delivery stamps nothing.
         let quick = !inner.completion_history && completes_quickly(&deleted, now);
-        if let (false, Ok(event_id)) = (quick, deleted.get_str(field::EVENT_ID)) {
+        if !quick && let Ok(event_id) = deleted.get_str(field::EVENT_ID) {
             inner
                 .events
                 .update_one(
@@ -511,16 +511,12 @@ fn event_ids(
 /// fresh (appended with its new event, created just before), was never requeued, and was
 /// created less than [`QUICK_COMPLETION`] before `now`.
 fn completes_quickly(delivery: &Document, now: DateTime) -> bool {
-    let quick = i64::try_from(QUICK_COMPLETION.as_millis()).unwrap_or(i64::MAX);
     delivery.get_bool(field::FRESH) == Ok(true)
         && int(delivery, field::REQUEUED).unwrap_or(0) == 0
         && delivery
             .get_datetime(field::CREATED_AT)
             .is_ok_and(|created| {
-                let age = now
-                    .timestamp_millis()
-                    .saturating_sub(created.timestamp_millis());
-                (0..quick).contains(&age)
+                *created <= now && add(*created, QUICK_COMPLETION).is_ok_and(|end| now < end)
             })
 }
 

@@ -17,6 +17,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore, bson_date,
+    lane::add,
     operator::is_missing_index,
     schema::{UNSTAMPED_BY, field, index, status},
 };
@@ -41,12 +42,11 @@ pub(crate) fn unstamped_by(event: &Document) -> Option<Option<DateTime>> {
     if event.get_bool(field::FRESH) != Ok(true) || !with_deliveries {
         return None;
     }
-    let by = i64::try_from(UNSTAMPED_BY.as_millis()).unwrap_or(i64::MAX);
     Some(
         event
             .get_datetime(field::CREATED_AT)
             .ok()
-            .map(|created| DateTime::from_millis(created.timestamp_millis().saturating_add(by))),
+            .and_then(|created| add(*created, UNSTAMPED_BY).ok()),
     )
 }
 
