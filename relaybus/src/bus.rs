@@ -28,6 +28,10 @@ use crate::{
 /// The default time budget of a [`RelayBus::transaction`].
 pub const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How many deliveries of one key a claim may hand a bus together, unless
+/// [`RelayBusBuilder::key_run`] says otherwise.
+pub const DEFAULT_KEY_RUN: u32 = 16;
+
 /// The event bus: publishes events into store transactions and knows which handlers subscribe to
 /// which event types.
 ///
@@ -127,6 +131,7 @@ impl<S: Store> RelayBus<S> {
             transaction_retry_limit: transaction::RETRY_LIMIT,
             owner: None,
             batch_size: 32,
+            key_run: DEFAULT_KEY_RUN,
             concurrency: 32,
             lease_duration: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
@@ -537,6 +542,7 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     transaction_retry_limit: Duration,
     owner: Option<String>,
     batch_size: u32,
+    key_run: u32,
     concurrency: usize,
     lease_duration: Duration,
     poll_interval: Duration,
@@ -661,6 +667,21 @@ impl<S: Store> RelayBusBuilder<S> {
     /// How many deliveries one claim takes at most, 32 by default (1 to 1,000).
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;
+        self
+    }
+
+    /// How many deliveries of one key a claim may hand this bus together, as a run, 16 by
+    /// default (1 to 1,000; 1: one at a time).
+    ///
+    /// A run holds a key's next deliveries in sequence order. One handler slot runs them one
+    /// after the other, each only once its predecessor's completion is durable, so the key's
+    /// order holds as without runs; when one does not complete (it failed, or its lease was
+    /// lost), the rest of the run goes back uncharged and waits for it. A backlog of few keys
+    /// then drains with fewer claims, each handing out more. Runs count as one delivery in
+    /// [`batch_size`](Self::batch_size). A store without runs (the PostgreSQL and in-memory
+    /// stores) hands out one delivery of a key at a time whatever this says.
+    pub fn key_run(mut self, deliveries: u32) -> Self {
+        self.key_run = deliveries;
         self
     }
 
@@ -856,6 +877,7 @@ impl<S: Store> RelayBusBuilder<S> {
         let settings = Settings {
             owner: self.owner.clone().unwrap_or_else(default_owner),
             batch_size: self.batch_size,
+            key_run: self.key_run,
             concurrency: self.concurrency,
             lease_duration: self.lease_duration,
             poll_interval: self.poll_interval,
@@ -905,6 +927,15 @@ impl<S: Store> RelayBusBuilder<S> {
             return invalid(
                 "batch_size",
                 format!("{} is out of range; use 1 to 1000", self.batch_size),
+            );
+        }
+        if !(1..=1_000).contains(&self.key_run) {
+            return invalid(
+                "key_run",
+                format!(
+                    "{} is out of range; use 1 to 1000 (1: one delivery of a key at a time)",
+                    self.key_run
+                ),
             );
         }
         if !(1..=10_000).contains(&self.concurrency) {

@@ -72,6 +72,7 @@ async fn claim(
             owner,
             handlers: &handlers,
             limit: 10,
+            run: 1,
             lease_duration: Duration::from_secs(30),
             now,
             reported: &[],

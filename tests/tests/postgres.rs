@@ -683,6 +683,7 @@ async fn bad_input_is_refused_and_writes_nothing() {
         owner,
         handlers: &projector,
         limit,
+        run: 1,
         lease_duration: lease,
         now: Timestamp::now(),
         reported: &[],

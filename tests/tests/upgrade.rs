@@ -159,6 +159,7 @@ async fn claim(
             owner: "w",
             handlers: &handlers,
             limit,
+            run: 1,
             lease_duration: std::time::Duration::from_secs(30),
             now: Timestamp::now(),
             reported: &[],

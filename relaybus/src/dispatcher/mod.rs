@@ -5,7 +5,7 @@ mod run;
 mod wake;
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, VecDeque},
     sync::{
         Arc, Mutex as StdMutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -15,7 +15,7 @@ use std::{
 
 use futures::future::join_all;
 use tokio::{
-    sync::{Notify, Semaphore, mpsc},
+    sync::{Notify, Semaphore, mpsc, oneshot},
     task::AbortHandle,
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -81,6 +81,8 @@ impl Default for Retention {
 pub(crate) struct Settings {
     pub(crate) owner: String,
     pub(crate) batch_size: u32,
+    /// The most deliveries of one key a claim hands out together, run one after the other.
+    pub(crate) key_run: u32,
     pub(crate) concurrency: usize,
     pub(crate) lease_duration: Duration,
     pub(crate) poll_interval: Duration,
@@ -334,7 +336,7 @@ impl<S: Store> Shared<S> {
 
     /// Claims up to `limit` deliveries, looking first where the wake-ups reported new
     /// deliveries since the last claim.
-    async fn claim(&self, limit: u32) -> Result<Vec<Claimed<S::Lease>>> {
+    async fn claim(&self, limit: u32, run: u32) -> Result<Vec<Claimed<S::Lease>>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
         let reported = self.take_reported();
@@ -346,6 +348,7 @@ impl<S: Store> Shared<S> {
                     owner: &settings.owner,
                     handlers: &self.handler_ids,
                     limit,
+                    run,
                     lease_duration: settings.lease_duration,
                     now: self.now(),
                     reported: &reported.lanes,
@@ -388,6 +391,7 @@ impl<S: Store> Shared<S> {
                 owner: &settings.owner,
                 handlers: &self.handler_ids,
                 limit,
+                run: 1,
                 lease_duration: settings.lease_duration,
                 now: self.now(),
                 reported: &[],
@@ -521,7 +525,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     }));
     let tracker = TaskTracker::new();
     let background = CancellationToken::new();
-    let (done, completions) = mpsc::unbounded_channel::<(S::Lease, bool)>();
+    let (done, completions) = mpsc::unbounded_channel::<Completion<S::Lease>>();
     let completer = tokio::spawn(complete_batches(
         Arc::clone(&shared),
         completions,
@@ -587,7 +591,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         }
         let want = available.min(settings.batch_size as usize) as u32;
         shared.claiming.store(true, Ordering::SeqCst);
-        let batch = shared.claim(want).await;
+        let batch = shared.claim(want, settings.key_run).await;
         shared.claiming.store(false, Ordering::SeqCst);
         let batch = match batch {
             Ok(batch) => batch,
@@ -606,7 +610,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         // worker holds are not left idle for a poll interval while they still have work.
         let found = !batch.is_empty();
         pacer.claimed(found);
-        for delivery in batch {
+        for run in runs(batch) {
             let seat = match Arc::clone(&semaphore).try_acquire_owned() {
                 Ok(permit) => Seat::Slot(permit),
                 Err(_) => match Arc::clone(&ahead).try_acquire_owned() {
@@ -620,7 +624,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
                     },
                 },
             };
-            starter.start(delivery, seat);
+            starter.start(run, seat);
         }
         if found {
             continue;
@@ -739,7 +743,7 @@ struct Starter<S: Store> {
     shared: Arc<Shared<S>>,
     tracker: TaskTracker,
     /// Where succeeded deliveries go to be completed in batches.
-    done: mpsc::UnboundedSender<(S::Lease, bool)>,
+    done: mpsc::UnboundedSender<Completion<S::Lease>>,
     /// Wakes the dispatch loop (a keyed delivery settled).
     wake: Arc<Notify>,
     /// The dispatcher is stopping.
@@ -759,26 +763,48 @@ impl<S: Store> Clone for Starter<S> {
 }
 
 impl<S: Store> Starter<S> {
-    /// Runs `delivery` in a task of its own, on `seat` (waiting for a slot first if it has a
-    /// place among those claimed ahead): its handler, its settlement, and the key's next
-    /// deliveries the task may claim after a transactional completion.
-    fn start(&self, delivery: Claimed<S::Lease>, seat: Seat) {
+    /// Runs `run` (one delivery, or a run of one key's deliveries in sequence order) in a task
+    /// of its own, on `seat` (waiting for a slot first if it has a place among those claimed
+    /// ahead): each handler and its settlement, the next delivery of a run only once its
+    /// predecessor's completion is durable, and the key's next deliveries the task may claim
+    /// after a transactional completion. When a delivery of a run does not complete, the rest
+    /// of the run is given back uncharged.
+    fn start(&self, run: Vec<Claimed<S::Lease>>, seat: Seat) {
         let shared = &self.shared;
-        let id = delivery.lease.delivery_id();
+        let mut run = VecDeque::from(run);
+        let Some(first) = run.pop_front() else {
+            return;
+        };
+        let id = first.lease.delivery_id();
         let transactional = shared
             .subscriptions
-            .get(&delivery.handler)
+            .get(&first.handler)
             .is_some_and(|s| s.transactional);
         let waits = matches!(seat, Seat::Ahead { .. });
-        shared.running().insert(
-            id.clone(),
-            Running {
-                lease: delivery.lease.clone(),
-                // No transaction is open while it waits: its lanes are renewed meanwhile.
-                transactional: transactional && !waits,
-                abort: None,
-            },
-        );
+        {
+            let mut running = shared.running();
+            running.insert(
+                id.clone(),
+                Running {
+                    lease: first.lease.clone(),
+                    // No transaction is open while it waits: its lanes are renewed meanwhile.
+                    transactional: transactional && !waits,
+                    abort: None,
+                },
+            );
+            // The rest of a run waits in the running set: renewed with the lane of the one
+            // that runs (unless that one runs a transaction on it), given back at shutdown.
+            for member in &run {
+                running.insert(
+                    member.lease.delivery_id(),
+                    Running {
+                        lease: member.lease.clone(),
+                        transactional: transactional && !waits,
+                        abort: None,
+                    },
+                );
+            }
+        }
         let task_shared = Arc::clone(shared);
         let done = self.done.clone();
         let wake = Arc::clone(&self.wake);
@@ -794,18 +820,23 @@ impl<S: Store> Starter<S> {
                     };
                     drop(place);
                     let Ok(permit) = permit else { return };
-                    if transactional
-                        && let Some(running) =
-                            task_shared.running().get_mut(&delivery.lease.delivery_id())
-                    {
-                        running.transactional = true;
+                    if transactional {
+                        let mut running = task_shared.running();
+                        for id in std::iter::once(first.lease.delivery_id())
+                            .chain(run.iter().map(|member| member.lease.delivery_id()))
+                        {
+                            if let Some(entry) = running.get_mut(&id) {
+                                entry.transactional = true;
+                            }
+                        }
                     }
                     permit
                 }
             };
             let started = Instant::now();
-            let mut delivery = delivery;
-            // The key's delivery this task completed last, before `delivery`.
+            let mut delivery = first;
+            // The key's delivery this task completed last, before `delivery`, when `delivery`
+            // was claimed as it committed.
             let mut finished = None;
             loop {
                 let task_id = delivery.lease.delivery_id();
@@ -813,7 +844,12 @@ impl<S: Store> Starter<S> {
                 // settled: wake the loop then, rather than leaving the key to the poll
                 // interval.
                 let keyed = delivery.event.key().is_some();
-                let follow = follow_key(&task_shared, &delivery, finished.take());
+                // The last of a run may claim the key's next delivery as it commits.
+                let follow = if run.is_empty() {
+                    follow_key(&task_shared, &delivery, finished.take())
+                } else {
+                    None
+                };
                 let lease = delivery.lease.clone();
                 let mut outcome = run_delivery(&task_shared, delivery, follow).await;
                 if let Outcome::Completed(next) = &mut outcome
@@ -840,21 +876,73 @@ impl<S: Store> Starter<S> {
                         continue;
                     }
                 }
-                match outcome {
+                // Whether the run may go on, and whether the loop is woken now: a settled keyed
+                // delivery may let the key's next one be claimed (the completer wakes it
+                // after a batched completion).
+                let (went_on, wake_now) = match outcome {
                     // The completer removes it from the running set once completed.
+                    Outcome::Succeeded(lease) if run.is_empty() => {
+                        if let Err(unsent) = done.send(Completion {
+                            lease,
+                            keyed,
+                            durable: None,
+                        }) {
+                            task_shared.running().remove(&unsent.0.lease.delivery_id());
+                        }
+                        (false, false)
+                    }
+                    // The run goes on once the completion is durable.
                     Outcome::Succeeded(lease) => {
-                        if let Err(unsent) = done.send((lease, keyed)) {
-                            task_shared.running().remove(&unsent.0.0.delivery_id());
-                        }
+                        let (durable, completed) = oneshot::channel();
+                        let durable = match done.send(Completion {
+                            lease,
+                            // The key's next delivery runs here: nothing to wake the loop for.
+                            keyed: false,
+                            durable: Some(durable),
+                        }) {
+                            Ok(()) => completed.await.unwrap_or(false),
+                            Err(unsent) => {
+                                task_shared.running().remove(&unsent.0.lease.delivery_id());
+                                false
+                            }
+                        };
+                        (durable, false)
                     }
-                    Outcome::Completed(_) | Outcome::Settled(_) => {
+                    Outcome::Completed(_) => {
                         task_shared.running().remove(&task_id);
-                        if keyed {
-                            wake.notify_one();
-                        }
+                        (true, keyed && run.is_empty())
                     }
+                    Outcome::Settled(_) => {
+                        task_shared.running().remove(&task_id);
+                        (false, keyed)
+                    }
+                };
+                if wake_now {
+                    wake.notify_one();
                 }
-                break;
+                if stopping.is_cancelled() {
+                    // The shutdown gives back what is left of the run.
+                    break;
+                }
+                match run.pop_front() {
+                    Some(next) if went_on => {
+                        let mut running = task_shared.running();
+                        let abort = running.remove(&task_id).and_then(|r| r.abort);
+                        if let Some(entry) = running.get_mut(&next.lease.delivery_id()) {
+                            entry.abort = abort;
+                        }
+                        drop(running);
+                        delivery = next;
+                    }
+                    Some(next) => {
+                        // Not completed: none of the key's later deliveries may run before it.
+                        run.push_front(next);
+                        give_back(&task_shared, run.drain(..)).await;
+                        wake.notify_one();
+                        break;
+                    }
+                    None => break,
+                }
             }
             task_shared.note_run(started.elapsed());
             drop(permit);
@@ -863,6 +951,55 @@ impl<S: Store> Starter<S> {
             entry.abort = Some(handle.abort_handle());
         }
     }
+}
+
+/// Gives back, uncharged, the deliveries of a run that will not run now.
+async fn give_back<S: Store>(shared: &Shared<S>, members: impl Iterator<Item = Claimed<S::Lease>>) {
+    let leases: Vec<S::Lease> = members.map(|member| member.lease).collect();
+    join_all(leases.iter().map(|lease| run::release(shared, lease))).await;
+    let mut running = shared.running();
+    for lease in &leases {
+        running.remove(&lease.delivery_id());
+    }
+}
+
+/// A succeeded delivery for the completer: its lease, whether it is keyed, and where to say
+/// whether its completion is durable, for a run that waits for it.
+struct Completion<L> {
+    lease: L,
+    keyed: bool,
+    durable: Option<oneshot::Sender<bool>>,
+}
+
+/// A claimed batch as the tasks run it: the deliveries of one handler and key held to their
+/// order together, in sequence order (a store that hands out runs gives several), each other
+/// delivery alone; in the order of the batch.
+fn runs<L>(batch: Vec<Claimed<L>>) -> Vec<Vec<Claimed<L>>> {
+    let mut runs: Vec<Vec<Claimed<L>>> = Vec::with_capacity(batch.len());
+    let mut of_key: HashMap<(String, String), usize> = HashMap::new();
+    for delivery in batch {
+        if !delivery.ordered || delivery.event.key().is_none() {
+            runs.push(vec![delivery]);
+            continue;
+        }
+        let key = (
+            delivery.handler.clone(),
+            delivery.event.key().unwrap_or_default().to_owned(),
+        );
+        match of_key.get(&key) {
+            Some(&at) => runs[at].push(delivery),
+            None => {
+                of_key.insert(key, runs.len());
+                runs.push(vec![delivery]);
+            }
+        }
+    }
+    for run in &mut runs {
+        if run.len() > 1 {
+            run.sort_by_key(|delivery| delivery.sequence);
+        }
+    }
+    runs
 }
 
 /// While the dispatch loop claims, claims what the wake-ups report beside its claim (a new
@@ -888,7 +1025,7 @@ async fn claim_beside_loop<S: Store>(
         for delivery in shared.claim_beside(limit).await {
             match Arc::clone(&semaphore).try_acquire_owned() {
                 Ok(permit) if !starter.stopping.is_cancelled() => {
-                    starter.start(delivery, Seat::Slot(permit));
+                    starter.start(vec![delivery], Seat::Slot(permit));
                 }
                 _ => {
                     // No slot left (the loop's claim took them) or stopping: give it back.
@@ -969,27 +1106,30 @@ pub(crate) async fn claim_next<S: Store>(
     }
 }
 
-/// Completes the deliveries whose handlers succeeded, batching those that finish close together.
+/// Completes the deliveries whose handlers succeeded, batching those that finish close together;
+/// tells the runs that wait for a completion whether it is durable.
 async fn complete_batches<S: Store>(
     shared: Arc<Shared<S>>,
-    mut completions: mpsc::UnboundedReceiver<(S::Lease, bool)>,
+    mut completions: mpsc::UnboundedReceiver<Completion<S::Lease>>,
     wake: Arc<Notify>,
 ) {
     const MAX_BATCH: usize = 1_000;
-    while let Some((first, first_keyed)) = completions.recv().await {
-        let mut batch = vec![first];
-        let mut keyed = first_keyed;
+    while let Some(first) = completions.recv().await {
+        let mut keyed = first.keyed;
+        let mut batch = vec![first.lease];
+        let mut waiting = vec![first.durable];
         while batch.len() < MAX_BATCH {
             match completions.try_recv() {
-                Ok((lease, is_keyed)) => {
-                    batch.push(lease);
-                    keyed |= is_keyed;
+                Ok(completion) => {
+                    keyed |= completion.keyed;
+                    batch.push(completion.lease);
+                    waiting.push(completion.durable);
                 }
                 Err(_) => break,
             }
         }
         let span = info_span!("relaybus.complete", deliveries = batch.len());
-        async {
+        let completed = async {
             let mut attempt = 0;
             loop {
                 attempt += 1;
@@ -1002,7 +1142,7 @@ async fn complete_batches<S: Store>(
                                 "some completions could not be proven; those deliveries may run again"
                             );
                         }
-                        break;
+                        break completed;
                     }
                     Err(error) if attempt < 3 => {
                         warn!(%error, attempt, "completion failed; trying again");
@@ -1010,7 +1150,7 @@ async fn complete_batches<S: Store>(
                     }
                     Err(error) => {
                         warn!(%error, "completion failed; the deliveries run again once their leases end");
-                        break;
+                        break Vec::new();
                     }
                 }
             }
@@ -1021,6 +1161,12 @@ async fn complete_batches<S: Store>(
             let mut running = shared.running();
             for lease in &batch {
                 running.remove(&lease.delivery_id());
+            }
+        }
+        for (at, durable) in waiting.into_iter().enumerate() {
+            if let Some(durable) = durable {
+                // A run that stopped waiting (its task was aborted) does not need the answer.
+                let _ = durable.send(completed.get(at).copied().unwrap_or(false));
             }
         }
         if keyed {

@@ -110,6 +110,10 @@ pub struct Claimed<L> {
     pub attempt: u32,
     /// The event's sequence within its ordering key, if it has a key.
     pub sequence: Option<i64>,
+    /// Held to its key's order (keyed, and not appended for an unordered handler): a claim
+    /// hands out more than one delivery of its handler and key only as a run (see
+    /// [`ClaimRequest::run`]), which the worker runs one after the other.
+    pub ordered: bool,
     /// The event.
     pub event: EventEnvelope,
 }
@@ -121,8 +125,14 @@ pub struct ClaimRequest<'a> {
     pub owner: &'a str,
     /// The handlers whose deliveries it runs.
     pub handlers: &'a [String],
-    /// At most this many deliveries.
+    /// At most this many deliveries, a run counting as one (see `run`).
     pub limit: u32,
+    /// The most deliveries of one key and handler the claim may hand out together, as a run:
+    /// the key's next deliveries in sequence order. The worker runs a run's deliveries one
+    /// after the other, each only once its predecessor's completion is durable, and gives back
+    /// the rest when one does not complete. 1: one delivery of a key at a time. A store may
+    /// always hand out fewer (a store without runs, one).
+    pub run: u32,
     /// How long the claim holds what it takes without renewal.
     pub lease_duration: Duration,
     /// The current time.
@@ -324,7 +334,7 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
     ) -> impl Future<Output = Result<()>> + Send;
 
     /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per
-    /// key and handler, in sequence order; deliveries appended for a handler named
+    /// key and handler (or one run of them, see [`ClaimRequest::run`]), in sequence order; deliveries appended for a handler named
     /// [unordered](AppendRequest::unordered) are claimed as those of unkeyed events are. With no
     /// other claimer, it returns `limit` deliveries whenever that many are claimable.
     fn claim(

@@ -248,6 +248,7 @@ pub(crate) async fn claim<S: Store>(
             owner,
             handlers: &handlers,
             limit,
+            run: 1,
             lease_duration: LEASE,
             now,
             reported: &[],

@@ -155,6 +155,8 @@ pub(super) fn claim(
             handler: delivery.handler.clone(),
             attempt: delivery.attempts.saturating_add(1),
             sequence: delivery.sequence,
+            // This store hands out one delivery of a key at a time, never a run.
+            ordered: false,
             event: event.envelope.clone(),
         });
     }

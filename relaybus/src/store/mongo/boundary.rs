@@ -137,11 +137,12 @@ impl Store for MongoEventStore {
             )
             .await;
         }
-        let claimed = MongoEventStore::claim(
+        let claimed = MongoEventStore::claim_runs(
             self,
             request.owner,
             request.handlers,
             request.limit,
+            request.run,
             request.lease_duration,
             bson_date(request.now),
         )
@@ -367,6 +368,7 @@ fn claimed_of(delivery: super::ClaimedDelivery) -> Claimed<Lease> {
         handler: delivery.handler().to_owned(),
         attempt: delivery.attempt(),
         sequence: delivery.sequence(),
+        ordered: delivery.ordered,
         event: delivery.into_event(),
     }
 }

@@ -175,6 +175,8 @@ impl PostgresEventStore {
                     handler: row.try_get("handler").map_err(db_error)?,
                     attempt: u32::try_from(attempts).unwrap_or(0).saturating_add(1),
                     sequence: row.try_get("sequence").map_err(db_error)?,
+                    // This store hands out one delivery of a key at a time, never a run.
+                    ordered: false,
                     event: event_of(row)?,
                 })
             })

@@ -221,6 +221,7 @@ impl MongoEventStore {
                         attempt: u32::try_from(candidate.attempts.max(0).saturating_add(1))
                             .unwrap_or(u32::MAX),
                         sequence: candidate.sequence,
+                        ordered: false,
                         event: envelope(&candidate.event_id, event),
                     });
                 }

@@ -220,6 +220,7 @@ impl MongoEventStore {
                             attempt: u32::try_from(pick.attempts.max(0).saturating_add(1))
                                 .unwrap_or(u32::MAX),
                             sequence: pick.sequence,
+                            ordered: pick.key.is_some(),
                             event: envelope(&pick.event_id, &event),
                             handler: pick.handler,
                         });

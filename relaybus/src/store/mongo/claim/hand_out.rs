@@ -65,7 +65,8 @@ impl MongoEventStore {
 
     /// The claimed deliveries of the recorded `picks`, each with the lease of its lane's epoch,
     /// remembered as claims this instance handed out; and the leases of the picks whose event
-    /// is missing, issued too, for the caller to give back.
+    /// is missing, issued too, for the caller to give back, with the picks of the same key that
+    /// come after one (the rest of its run: none may run before it).
     pub(super) fn hand_out(
         &self,
         picks: Vec<Candidate>,
@@ -83,6 +84,8 @@ impl MongoEventStore {
         let mut claimed = Vec::with_capacity(picks.len());
         let mut orphaned = Vec::new();
         let mut keyed = Vec::new();
+        // Keys a pick of which is given back: the rest of their runs goes back with it.
+        let mut broken: Vec<(String, String)> = Vec::new();
         for pick in picks {
             let lane = lanes
                 .iter()
@@ -90,14 +93,26 @@ impl MongoEventStore {
                 .map(|lane| lane.epoch)
                 .unwrap_or_default();
             let lease = Lease::new(pick.id, pick.lane as u32, lane, pick.claims);
+            let run_broken = pick.key.as_ref().is_some_and(|key| {
+                broken
+                    .iter()
+                    .any(|(handler, k)| *handler == pick.handler && k == key)
+            });
             let event = match events.get(&pick.event_id) {
-                Some(raw) => envelope(&pick.event_id, raw),
+                Some(raw) if !run_broken => envelope(&pick.event_id, raw),
+                Some(_) => {
+                    orphaned.push(lease);
+                    continue;
+                }
                 None => {
                     tracing::warn!(
                         delivery = %pick.id,
                         event = %pick.event_id,
                         "relaybus: a pending delivery has no event; it is given back"
                     );
+                    if let Some(key) = &pick.key {
+                        broken.push((pick.handler.clone(), key.clone()));
+                    }
                     orphaned.push(lease);
                     continue;
                 }
@@ -111,6 +126,7 @@ impl MongoEventStore {
                 handler: pick.handler,
                 attempt: u32::try_from(pick.attempts.max(0).saturating_add(1)).unwrap_or(u32::MAX),
                 sequence: pick.sequence,
+                ordered: pick.key.is_some(),
                 event,
             });
         }

@@ -61,6 +61,7 @@ mod rank;
 mod read;
 mod reconcile;
 mod record;
+pub(crate) mod runs;
 mod scan;
 mod take;
 
@@ -100,6 +101,8 @@ pub struct ClaimedDelivery {
     handler: String,
     attempt: u32,
     sequence: Option<i64>,
+    /// Held to its key's order: keyed, not unordered.
+    pub(crate) ordered: bool,
     event: EventEnvelope,
 }
 
@@ -258,6 +261,24 @@ impl MongoEventStore {
         lease_duration: Duration,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>> {
+        self.claim_runs(owner, handlers, limit, 1, lease_duration, now)
+            .await
+    }
+
+    /// [`claim`](Self::claim), handing out behind each keyed delivery the key's next
+    /// deliveries, up to `run` in all (see [`runs`]): the caller runs each key's deliveries one
+    /// after the other, in sequence order, each only once its predecessor's completion is
+    /// durable, and gives back the rest when one does not complete. `limit` counts a run as
+    /// one. A `run` of 1 is [`claim`](Self::claim).
+    pub(crate) async fn claim_runs<H: AsRef<str>>(
+        &self,
+        owner: &str,
+        handlers: &[H],
+        limit: u32,
+        run: u32,
+        lease_duration: Duration,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>> {
         check_owner(owner)?;
         // A dispatcher that never runs a transaction still sweeps the sessions of dead ones.
         self.inner.sessions.start(&self.inner).await;
@@ -286,6 +307,13 @@ impl MongoEventStore {
             )
             .into());
         }
+        if !(1..=runs::MAX_RUN).contains(&run) {
+            return Err(InvalidArgumentError::new(
+                "run",
+                format!("{run} is out of range; hand out 1 to 1000 deliveries of a key at a time"),
+            )
+            .into());
+        }
         check_lease_duration(lease_duration)?;
         let expires_at = add(now, lease_duration)?;
 
@@ -309,15 +337,29 @@ impl MongoEventStore {
         }
         state.interrupted = true;
         let mut outcome = self
-            .claim_locked(owner, &wanted, limit as usize, expires_at, now, &mut state)
+            .claim_locked(
+                owner,
+                &wanted,
+                (limit as usize, run),
+                expires_at,
+                now,
+                &mut state,
+            )
             .await;
         if matches!(outcome, Ok(None)) {
             // The owner's lanes list deliveries this instance did not hand out (a claim that
             // was dropped, or whose record landed late): reconcile, then claim again.
             outcome = match self.reconcile(owner, now).await {
                 Ok(()) => {
-                    self.claim_locked(owner, &wanted, limit as usize, expires_at, now, &mut state)
-                        .await
+                    self.claim_locked(
+                        owner,
+                        &wanted,
+                        (limit as usize, run),
+                        expires_at,
+                        now,
+                        &mut state,
+                    )
+                    .await
                 }
                 Err(error) => Err(error),
             };
@@ -339,7 +381,7 @@ impl MongoEventStore {
                         .claim_locked(
                             owner,
                             &wanted,
-                            limit as usize - claimed.len(),
+                            (limit as usize - claimed.len(), run),
                             expires_at,
                             now,
                             &mut state,
@@ -406,7 +448,7 @@ impl MongoEventStore {
         &self,
         owner: &str,
         handlers: &[&str],
-        limit: usize,
+        (limit, run): (usize, u32),
         expires_at: DateTime,
         now: DateTime,
         state: &mut OwnerState,
@@ -575,7 +617,7 @@ impl MongoEventStore {
         let Picking {
             mut picks,
             running,
-            waiting,
+            mut waiting,
             ..
         } = picking;
         let picked = picks.len();
@@ -593,6 +635,26 @@ impl MongoEventStore {
                     .as_ref()
                     .is_none_or(|key| !claims.key_issued(&pick.handler, key))
         });
+        // Behind each key it picked, the key's next deliveries, for a worker that runs them
+        // one after the other (see `runs`); they are not parked.
+        let members = {
+            let picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
+            self.runs_behind(&request, &picks, run, &mut events, |id| {
+                running.contains(id)
+                    || picked_ids.contains(id)
+                    || gate.handed_beside(id)
+                    || claims.issued(id).is_some()
+            })
+            .await?
+        };
+        if !members.is_empty() {
+            let in_runs: HashSet<ObjectId> = members.iter().map(|member| member.id).collect();
+            for waits in waiting.values_mut() {
+                waits.retain(|(id, _)| !in_runs.contains(id));
+            }
+            picks.extend(members);
+        }
+        let handed = picks.len();
         let touched = gate.touched();
         // A head it picks runs from the parked lane, as a key's next delivery claimed after its
         // predecessor does (see `next`): it is deleted when it completes, and if it does not,
@@ -661,7 +723,7 @@ impl MongoEventStore {
             && picked_all_reported
             && waiting.is_empty()
             && !recorded.raced
-            && recorded.picks.len() == picked
+            && recorded.picks.len() == handed
         {
             state.exhausted = Some(Exhausted {
                 at: now,

@@ -151,7 +151,7 @@ pub(super) fn event_lookup(events: &str) -> Document {
 }
 
 /// The fields of a delivery a scan reads (see [`Candidate`]).
-fn candidate_fields() -> Document {
+pub(super) fn candidate_fields() -> Document {
     doc! {
         field::EVENT_ID: 1, field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1,
         field::UNORDERED: 1, field::LANE_ID: 1, field::ATTEMPTS: 1, field::CLAIMS: 1,

@@ -1,0 +1,144 @@
+//! Runs: a key's next deliveries, handed out with the delivery a claim picked for the key.
+//!
+//! A worker that asks for runs (the dispatcher does) runs the deliveries of one key one after
+//! the other, each only once its predecessor's completion is durable, and gives the rest of a
+//! run back when one does not complete. A claim may then hand out, behind each keyed delivery
+//! it picked (the key's lowest pending delivery, nothing of the key running), the deliveries
+//! that follow it in sequence order: one more read, for every picked key at once, finds the
+//! key's pending deliveries with the next sequence numbers, each with its event. A run is the
+//! longest chain of them without a gap in the numbers: nothing of the key can lie between two
+//! consecutive numbers, so each is the key's lowest pending delivery once its predecessor
+//! completed. A member must be due, in the key's lane (ready or parked: a parked one runs from
+//! the parked lane, as a key's next delivery does), not handed out already, and its event must
+//! have been read with it. The record lists the members on the lane with the head, so the
+//! whole run is kept or given up together when the lane changed hands.
+//!
+//! A handler that takes only some of a key's event types sees gaps in its numbers, and its runs
+//! end at them; its next deliveries come with later claims, as without runs.
+
+use std::collections::HashMap;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Document, RawDocumentBuf, doc, oid::ObjectId};
+
+use super::{
+    Request,
+    scan::{Candidate, candidate_fields, event_lookup},
+};
+use crate::{
+    error::Result,
+    store::mongo::{
+        MongoEventStore,
+        schema::{field, index, lane, status},
+    },
+};
+
+/// The most deliveries of one key a run holds, its head included.
+pub(crate) const MAX_RUN: u32 = 1_000;
+
+impl MongoEventStore {
+    /// The runs behind the keyed picks: for each keyed pick, the deliveries of its handler and
+    /// key that follow it, up to `run - 1`, each with its event added to `events`. Deliveries
+    /// for which `taken` holds (running, handed out, picked) end a run. Nothing for a `run` of
+    /// 1 or without keyed picks, without a read.
+    pub(super) async fn runs_behind(
+        &self,
+        request: &Request<'_>,
+        picks: &[Candidate],
+        run: u32,
+        events: &mut HashMap<String, RawDocumentBuf>,
+        taken: impl Fn(&ObjectId) -> bool,
+    ) -> Result<Vec<Candidate>> {
+        if run <= 1 {
+            return Ok(Vec::new());
+        }
+        let heads: Vec<(&Candidate, &str, i64)> = picks
+            .iter()
+            .filter_map(|pick| Some((pick, pick.key.as_deref()?, pick.sequence?)))
+            .collect();
+        if heads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let branches: Vec<Document> = heads
+            .iter()
+            .map(|(pick, key, sequence)| {
+                doc! {
+                    field::HANDLER: &pick.handler,
+                    field::KEY: *key,
+                    field::SEQUENCE: {
+                        "$gt": *sequence,
+                        "$lt": sequence.saturating_add(i64::from(run)),
+                    },
+                }
+            })
+            .collect();
+        let mut fields = candidate_fields();
+        fields.insert(field::LANE, 1);
+        let found: Vec<RawDocumentBuf> = self
+            .inner
+            .deliveries
+            .aggregate([
+                doc! { "$match": {
+                    field::STATUS: status::PENDING,
+                    field::KEY: { "$exists": true },
+                    "$or": branches,
+                } },
+                doc! { "$project": fields },
+                event_lookup(self.inner.events.name()),
+            ])
+            .hint(index::hint(index::ORDERING))
+            .await?
+            .with_type::<RawDocumentBuf>()
+            .try_collect()
+            .await?;
+        // By handler, key and sequence: what each head's run may take.
+        let mut following: HashMap<(&str, &str, i64), (Candidate, RawDocumentBuf)> = HashMap::new();
+        for doc in &found {
+            let in_a_lane = matches!(doc.get_str(field::LANE), Ok(lane::READY) | Ok(lane::PARKED));
+            let Some(candidate) = Candidate::from_raw(doc) else {
+                continue;
+            };
+            let event = doc
+                .get_array("event")
+                .ok()
+                .and_then(|events| events.into_iter().next())
+                .and_then(|event| event.ok()?.as_document().map(|e| e.to_raw_document_buf()));
+            let (Some(event), true, Some(key), Some(sequence)) = (
+                event,
+                in_a_lane,
+                candidate.key.as_deref(),
+                candidate.sequence,
+            ) else {
+                continue;
+            };
+            let Some((pick, key, _)) = heads
+                .iter()
+                .find(|(pick, k, _)| pick.handler == candidate.handler && *k == key)
+            else {
+                continue;
+            };
+            following.insert((pick.handler.as_str(), key, sequence), (candidate, event));
+        }
+        let mut members = Vec::new();
+        for (head, key, sequence) in &heads {
+            let mut next = *sequence;
+            for _ in 1..run {
+                next += 1;
+                let Some((candidate, event)) =
+                    following.remove(&(head.handler.as_str(), *key, next))
+                else {
+                    break;
+                };
+                if candidate.lane != head.lane
+                    || candidate.due_at > request.now
+                    || taken(&candidate.id)
+                {
+                    break;
+                }
+                events.entry(candidate.event_id.clone()).or_insert(event);
+                members.push(candidate);
+            }
+        }
+        Ok(members)
+    }
+}
