@@ -721,6 +721,8 @@ async fn bad_builder_settings_are_refused() {
             RelayBus::builder(store.clone()).poll_interval(Duration::ZERO),
         ),
         ("owner", RelayBus::builder(store.clone()).owner("")),
+        ("key_run", RelayBus::builder(store.clone()).key_run(0)),
+        ("key_run", RelayBus::builder(store.clone()).key_run(1_001)),
         (
             "retry",
             RelayBus::builder(store.clone()).retry(RetryPolicy::new(0)),
@@ -1176,6 +1178,76 @@ async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task
         tasks.len(),
         1,
         "each delivery ran in the task of its predecessor: {tasks:?}"
+    );
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_key_s_run_runs_in_one_task_in_order_and_stops_at_a_failure_giving_the_rest_back_uncharged()
+ {
+    let db = test_db("key_run").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["runner"]);
+    for n in 1..=6 {
+        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
+    }
+    // The third delivery fails its first attempt; every run says its task.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .key_run(4)
+        .subscribe(Subscription::new(
+            "runner",
+            move |order: OrderPlaced, ctx: HandlerContext| {
+                let tx = tx.clone();
+                async move {
+                    tx.send((order.order_id, ctx.attempt(), tokio::task::try_id()))
+                        .unwrap();
+                    if ctx.sequence() == Some(3) && ctx.attempt() == 1 {
+                        return Err::<(), BoxError>("the third fails once".into());
+                    }
+                    Ok(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..7 {
+        runs.push(next(&mut rx, "the key's runs").await);
+    }
+    bus.shutdown().await.unwrap();
+    let seen: Vec<(String, u32)> = runs
+        .iter()
+        .map(|(order, attempt, _)| (order.clone(), *attempt))
+        .collect();
+    let expected: Vec<(String, u32)> = [
+        ("o-1", 1),
+        ("o-2", 1),
+        ("o-3", 1),
+        ("o-3", 2),
+        ("o-4", 1),
+        ("o-5", 1),
+        ("o-6", 1),
+    ]
+    .into_iter()
+    .map(|(order, attempt)| (order.to_owned(), attempt))
+    .collect();
+    assert_eq!(
+        seen, expected,
+        "in sequence; the fourth waited for the third's retry and was not charged"
+    );
+    assert!(rx.try_recv().is_err(), "nothing else ran");
+    // The first claim handed out a run of four: the first three ran in one task, one after
+    // the other.
+    assert!(runs[0].2.is_some());
+    assert_eq!(
+        runs[0].2, runs[1].2,
+        "the run's second ran in the first's task"
+    );
+    assert_eq!(
+        runs[1].2, runs[2].2,
+        "the run's third ran in the first's task"
     );
     assert!(deliveries(&db).await.is_empty());
 }

@@ -738,6 +738,207 @@ async fn a_lost_claim_is_charged_once_even_when_its_charge_is_replayed() {
     );
 }
 
+/// A claim of `owner` through the store boundary, handing out runs of up to `run` deliveries
+/// of a key.
+async fn claim_runs(
+    store: &MongoEventStore,
+    owner: &str,
+    run: u32,
+    now: DateTime,
+) -> Vec<relaybus::store::Claimed<Lease>> {
+    use relaybus::{Store, store::ClaimRequest};
+    let handlers = [HANDLER.to_owned()];
+    Store::claim(
+        store,
+        ClaimRequest {
+            owner,
+            handlers: &handlers,
+            limit: 32,
+            run,
+            lease_duration: LEASE,
+            now: std::time::SystemTime::from(now).into(),
+            reported: &[],
+            reports_complete: false,
+            arrivals: &[],
+        },
+    )
+    .await
+    .expect("claim")
+}
+
+/// The sequences handed out for `key`, in the order of the claim.
+fn sequences_of(claimed: &[relaybus::store::Claimed<Lease>], key: &str) -> Vec<i64> {
+    claimed
+        .iter()
+        .filter(|delivery| delivery.event.key() == Some(key))
+        .filter_map(|delivery| delivery.sequence)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_claim_with_runs_hands_out_a_keys_next_deliveries_behind_its_head() {
+    let db = test_db("runs").await;
+    let store = store(&db).await;
+    let mut events: Vec<EventEnvelope> = (1..=6)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    events.push(event("j-1", Some("j")));
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    // Key `g`: the handler takes its first and third events only, the second is another
+    // handler's: its run ends at the gap.
+    publish(&store, &[event("g-1", Some("g"))], &[HANDLER], at(0)).await;
+    publish(&store, &[event("g-2", Some("g"))], &["other"], at(0)).await;
+    publish(&store, &[event("g-3", Some("g"))], &[HANDLER], at(0)).await;
+
+    let first = claim_runs(&store, "w", 4, at(1)).await;
+    assert_eq!(sequences_of(&first, "k"), vec![1, 2, 3, 4], "a run of four");
+    assert_eq!(sequences_of(&first, "j"), vec![1]);
+    assert_eq!(
+        sequences_of(&first, "g"),
+        vec![1],
+        "the run ends at the gap"
+    );
+    assert!(first.iter().all(|delivery| delivery.ordered));
+    let k: Vec<&relaybus::store::Claimed<Lease>> = first
+        .iter()
+        .filter(|delivery| delivery.event.key() == Some("k"))
+        .collect();
+    let listed = in_flight(&lane(&db, k[0].lease.lane()).await);
+    for delivery in &k {
+        assert_eq!(delivery.lease.lane(), k[0].lease.lane());
+        assert!(
+            listed.contains(&delivery.lease.delivery_id()),
+            "listed on the lane"
+        );
+    }
+
+    // Nothing of a key whose run runs is handed out again.
+    assert!(claim_runs(&store, "w", 4, at(2)).await.is_empty());
+    let leases: Vec<Lease> = k.iter().map(|delivery| delivery.lease).collect();
+    assert!(
+        store
+            .complete_many(&leases, at(3))
+            .await
+            .unwrap()
+            .into_iter()
+            .all(|done| done)
+    );
+    let second = claim_runs(&store, "w", 4, at(4)).await;
+    assert_eq!(
+        sequences_of(&second, "k"),
+        vec![5, 6],
+        "the rest of the key"
+    );
+    assert!(
+        sequences_of(&second, "g").is_empty(),
+        "g-3 waits for g-1, which still runs"
+    );
+
+    // Without runs, one delivery of a key at a time.
+    let db = test_db("runs_one").await;
+    let store = self::store(&db).await;
+    publish(&store, &events[..6], &[HANDLER], at(0)).await;
+    assert_eq!(
+        sequences_of(&claim_runs(&store, "w", 1, at(1)).await, "k"),
+        vec![1]
+    );
+}
+
+#[tokio::test]
+async fn a_run_takes_the_parked_deliveries_behind_its_head_where_they_are() {
+    let db = test_db("runs_parked").await;
+    let store = store(&db).await;
+    let events: Vec<EventEnvelope> = (1..=40)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    let head = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(parked_count(&db).await, 39, "the key's backlog is parked");
+    assert!(store.complete(head[0].lease(), at(2)).await.unwrap());
+
+    let run = claim_runs(&store, "w", 5, at(3)).await;
+    assert_eq!(sequences_of(&run, "k"), vec![2, 3, 4, 5, 6]);
+    for delivery in &run[1..] {
+        let doc = delivery_doc(&db, delivery.lease.delivery_id()).await;
+        assert_eq!(
+            doc.get_str("lane").unwrap(),
+            "parked",
+            "a run member runs from the parked lane, unwritten"
+        );
+    }
+    let leases: Vec<Lease> = run.iter().map(|delivery| delivery.lease).collect();
+    assert!(
+        store
+            .complete_many(&leases, at(4))
+            .await
+            .unwrap()
+            .into_iter()
+            .all(|done| done)
+    );
+    let next = claim_runs(&store, "w", 5, at(5)).await;
+    assert_eq!(sequences_of(&next, "k"), vec![7, 8, 9, 10, 11]);
+}
+
+#[tokio::test]
+async fn a_run_lost_with_its_worker_charges_only_the_delivery_that_may_have_started() {
+    let db = test_db("runs_lost").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    let events: Vec<EventEnvelope> = (1..=4)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(&a, &events, &[HANDLER], at(0)).await;
+    publish_unkeyed(&a, "u", 2, at(0)).await;
+    let lost = claim_runs(&a, "a", 4, at(1)).await;
+    assert_eq!(sequences_of(&lost, "k"), vec![1, 2, 3, 4]);
+    assert_eq!(lost.len(), 6);
+
+    // The worker died; another takes its lanes over once their leases ended.
+    let taken = claim_runs(&b, "b", 4, at(40)).await;
+    assert_eq!(sequences_of(&taken, "k"), vec![1, 2, 3, 4]);
+    let attempts_of: HashMap<Option<i64>, u32> = taken
+        .iter()
+        .filter(|delivery| delivery.event.key() == Some("k"))
+        .map(|delivery| (delivery.sequence, delivery.attempt))
+        .collect();
+    assert_eq!(
+        attempts_of[&Some(1)],
+        2,
+        "the first of the run may have started"
+    );
+    for sequence in 2..=4 {
+        assert_eq!(
+            attempts_of[&Some(sequence)],
+            1,
+            "a run's later delivery waits for the first: never started"
+        );
+    }
+    for delivery in taken
+        .iter()
+        .filter(|delivery| delivery.event.key().is_none())
+    {
+        assert_eq!(
+            delivery.attempt, 2,
+            "every unkeyed delivery may have started"
+        );
+    }
+    for delivery in &lost {
+        let doc = delivery_doc(&db, delivery.lease.delivery_id()).await;
+        let charged = delivery.event.key().is_none() || delivery.sequence == Some(1);
+        assert_eq!(attempts(&doc) == 1, charged, "{doc:?}");
+        assert_eq!(doc.get_str("lastError").is_ok(), charged, "{doc:?}");
+    }
+    // The old leases, charged or not, change nothing any more.
+    for delivery in &lost {
+        assert!(!a.complete(&delivery.lease, at(41)).await.unwrap());
+    }
+}
+
+async fn delivery_doc(db: &TestDb, id: ObjectId) -> Document {
+    delivery(db, id).await.expect("the delivery")
+}
+
 /// Makes the next `update` command of the client named `app` apply its writes and then report
 /// a write concern error, as a reply lost after the write would.
 async fn lose_the_reply_of_the_next_update(db: &TestDb, app: &str) -> FailPoint {
