@@ -221,6 +221,8 @@ pub(crate) struct OwnerState {
     /// due delivery of the reported lanes: until new deliveries are reported, its next claim has
     /// nothing to find (see [`Exhausted`]).
     pub(crate) exhausted: Option<Exhausted>,
+    /// Claims in a row since the last that read every delivery its held lanes list.
+    pub(crate) vouched_reads: u32,
 }
 
 /// An idle claim that picked everything due where new deliveries were reported.

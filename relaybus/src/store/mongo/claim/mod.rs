@@ -87,6 +87,9 @@ use crate::{
     handler::validate_handler_id,
 };
 
+/// Claims in a row that take the deliveries this instance handed out for running without
+/// reading them (see `read_lanes`).
+const VOUCHED_READS: u32 = 15;
 /// Further passes of a claim after it lost lanes to other claimers.
 const RACE_RETRIES: usize = 2;
 /// The most handlers one claim serves.
@@ -499,6 +502,11 @@ impl MongoEventStore {
         // Reading the lanes. After an idle wait, the first page of the reported lanes comes
         // along. The claims outstanding are taken before: the held lanes are judged by them.
         let issued = self.inner.claims.snapshot();
+        // Most claims take the deliveries this instance handed out for running without reading
+        // them; every `VOUCHED_READS + 1`th reads them all, so that one whose settlement never
+        // reached the registry (its command failed after it applied) is found gone.
+        let vouch = state.vouched_reads < VOUCHED_READS;
+        state.vouched_reads = if vouch { state.vouched_reads + 1 } else { 0 };
         let prescan = (!reported.is_empty()).then_some((reported.as_slice(), page_window(limit)));
         // After an idle wait the claim reads the reported lanes alone: no other free lane
         // need be read.
@@ -517,6 +525,7 @@ impl MongoEventStore {
                 now,
                 prescan,
                 idle.then_some(reported.as_slice()),
+                vouch.then_some(&issued),
             )
             .await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();

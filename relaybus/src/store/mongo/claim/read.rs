@@ -279,8 +279,16 @@ impl MongoEventStore {
         now: DateTime,
         prescan: Option<(&[i32], usize)>,
         only: Option<&[i32]>,
+        vouched: Option<&HashMap<ObjectId, Issued>>,
     ) -> Result<LaneView> {
         let inner = &self.inner;
+        // With `vouched` (the claims outstanding), the deliveries this instance handed out and
+        // has not seen settled run, as far as it knows: their documents are not read (a run's
+        // waiting deliveries are many), and what the claim needs of them comes from the
+        // registry.
+        let empty = HashMap::new();
+        let issued = vouched.unwrap_or(&empty);
+        let vouched: Vec<ObjectId> = issued.keys().copied().collect();
         let instance = inner.claims.instance;
         let mine = doc! { field::OWNER: owner, field::INSTANCE: instance };
         let is_mine = doc! { "$and": [
@@ -314,11 +322,14 @@ impl MongoEventStore {
                     "_id": null,
                     "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
                 } },
-                { "$project": { "listed": { "$reduce": {
-                    "input": "$listed",
-                    "initialValue": [],
-                    "in": { "$concatArrays": ["$$value", "$$this"] },
-                } } } },
+                { "$project": { "listed": { "$setDifference": [
+                    { "$reduce": {
+                        "input": "$listed",
+                        "initialValue": [],
+                        "in": { "$concatArrays": ["$$value", "$$this"] },
+                    } },
+                    { "$literal": vouched },
+                ] } } },
                 { "$lookup": {
                     "from": inner.deliveries.name(),
                     "localField": "listed",
@@ -498,6 +509,42 @@ impl MongoEventStore {
                     .is_ok_and(|id| listed.contains(&id))
             })
             .collect();
+        // The listed deliveries this instance vouches for: as the registry has them, when it
+        // handed them out in the lane and epoch that list them; read otherwise.
+        let mut unvouched = Vec::new();
+        for lane in &view.held {
+            for id in &lane.in_flight {
+                match issued.get(id) {
+                    Some(claim) if claim.lane == lane.id && claim.epoch == lane.epoch => {
+                        let mut doc = doc! {
+                            field::ID: *id,
+                            field::CLAIMS: claim.claims,
+                            field::STATUS: status::PENDING,
+                        };
+                        if let Some((handler, key)) = inner.claims.key_of(id) {
+                            doc.insert(field::HANDLER, handler);
+                            doc.insert(field::KEY, key);
+                        }
+                        view.running_docs.push(doc);
+                    }
+                    Some(_) => unvouched.push(*id),
+                    None => {}
+                }
+            }
+        }
+        if !unvouched.is_empty() {
+            let docs: Vec<Document> = inner
+                .deliveries
+                .find(doc! { field::ID: { "$in": &unvouched } })
+                .projection(doc! {
+                    field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
+                    field::STATUS: 1,
+                })
+                .await?
+                .try_collect()
+                .await?;
+            view.running_docs.extend(docs);
+        }
         Ok(view)
     }
 

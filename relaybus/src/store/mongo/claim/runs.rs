@@ -87,6 +87,11 @@ impl MongoEventStore {
                 event_lookup(self.inner.events.name()),
             ])
             .hint(index::hint(index::ORDERING))
+            // One batch, so that no `getMore` follows.
+            .batch_size(
+                u32::try_from(heads.len().saturating_mul(run as usize - 1) + 1)
+                    .unwrap_or(u32::MAX),
+            )
             .await?
             .with_type::<RawDocumentBuf>()
             .try_collect()
