@@ -755,6 +755,7 @@ async fn claim_runs(
             handlers: &handlers,
             limit: 32,
             run,
+            runs: 8,
             lease_duration: LEASE,
             now: std::time::SystemTime::from(now).into(),
             reported: &[],
@@ -933,6 +934,41 @@ async fn a_run_lost_with_its_worker_charges_only_the_delivery_that_may_have_star
     for delivery in &lost {
         assert!(!a.complete(&delivery.lease, at(41)).await.unwrap());
     }
+}
+
+#[tokio::test]
+async fn a_delivery_gone_without_its_settlement_reaching_the_store_frees_its_key_within_16_claims()
+{
+    let db = test_db("vouched_gone").await;
+    let store = store(&db).await;
+    let events: Vec<EventEnvelope> = (1..=2)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    let first = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(first.len(), 1);
+    // Its completion applied and its reply was lost: the delivery is gone, and the store
+    // instance still counts the claim as outstanding.
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .delete_one(doc! { "_id": first[0].delivery_id() })
+        .await
+        .unwrap();
+    let mut claims = 0;
+    let next = loop {
+        claims += 1;
+        let batch = claim(&store, "w", 10, at(2)).await;
+        if !batch.is_empty() || claims > 16 {
+            break batch;
+        }
+    };
+    assert_eq!(
+        next.len(),
+        1,
+        "the key's next delivery, after {claims} claims"
+    );
+    assert_eq!(next[0].sequence(), Some(2));
+    assert!(claims <= 16, "{claims} claims");
 }
 
 async fn delivery_doc(db: &TestDb, id: ObjectId) -> Document {
@@ -2028,6 +2064,7 @@ async fn boundary_claimed_with(
             handlers: &handlers,
             limit: 32,
             run: 1,
+            runs: 0,
             lease_duration: LEASE,
             now: std::time::SystemTime::from(now).into(),
             reported,
@@ -2208,6 +2245,7 @@ async fn lanes_a_full_claim_hands_back_unread_are_not_taken_for_empty_by_the_ran
                 handlers: &handlers,
                 limit: 4,
                 run: 1,
+                runs: 0,
                 lease_duration: LEASE,
                 now: std::time::SystemTime::from(ms(step * 5)).into(),
                 reported: &[],
@@ -3662,6 +3700,7 @@ async fn claim_beside(
             handlers: &handlers,
             limit: 32,
             run: 1,
+            runs: 0,
             lease_duration: LEASE,
             now: std::time::SystemTime::from(now).into(),
             reported: &[],

@@ -73,6 +73,7 @@ async fn claim(
             handlers: &handlers,
             limit: 10,
             run: 1,
+            runs: 0,
             lease_duration: Duration::from_secs(30),
             now,
             reported: &[],

@@ -684,6 +684,7 @@ async fn bad_input_is_refused_and_writes_nothing() {
         handlers: &projector,
         limit,
         run: 1,
+        runs: 0,
         lease_duration: lease,
         now: Timestamp::now(),
         reported: &[],

@@ -563,6 +563,7 @@ async fn a_relay_that_crashed_after_the_confirm_sends_again_and_the_consumer_kee
             handlers: std::slice::from_ref(&relay_handler),
             limit: 1,
             run: 1,
+            runs: 0,
             lease_duration: Duration::from_secs(5),
             now: clock.now(),
             reported: &[],

@@ -160,6 +160,7 @@ async fn claim(
             handlers: &handlers,
             limit,
             run: 1,
+            runs: 0,
             lease_duration: std::time::Duration::from_secs(30),
             now: Timestamp::now(),
             reported: &[],

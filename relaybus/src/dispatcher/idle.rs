@@ -146,7 +146,7 @@ impl<S: Store> Shared<S> {
         if self.handler_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let claimed = self.claim(self.settings.batch_size, 1).await?;
+        let claimed = self.claim(self.settings.batch_size, (1, 0)).await?;
         let mut runs: Vec<DeliveryRun> = claimed
             .iter()
             .map(|delivery| DeliveryRun {

@@ -336,7 +336,7 @@ impl<S: Store> Shared<S> {
 
     /// Claims up to `limit` deliveries, looking first where the wake-ups reported new
     /// deliveries since the last claim.
-    async fn claim(&self, limit: u32, run: u32) -> Result<Vec<Claimed<S::Lease>>> {
+    async fn claim(&self, limit: u32, (run, runs): (u32, u32)) -> Result<Vec<Claimed<S::Lease>>> {
         let settings = &self.settings;
         let span = info_span!("relaybus.claim", owner = %settings.owner, limit);
         let reported = self.take_reported();
@@ -349,6 +349,7 @@ impl<S: Store> Shared<S> {
                     handlers: &self.handler_ids,
                     limit,
                     run,
+                    runs,
                     lease_duration: settings.lease_duration,
                     now: self.now(),
                     reported: &reported.lanes,
@@ -392,6 +393,7 @@ impl<S: Store> Shared<S> {
                 handlers: &self.handler_ids,
                 limit,
                 run: 1,
+                runs: 0,
                 lease_duration: settings.lease_duration,
                 now: self.now(),
                 reported: &[],
@@ -512,6 +514,9 @@ impl Handle {
     }
 }
 
+/// The handler slots runs leave to single deliveries: `concurrency / RUN_FREE_SLOTS`.
+const RUN_FREE_SLOTS: usize = 4;
+
 /// The dispatch loop.
 async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
     let settings = shared.settings.clone();
@@ -589,9 +594,15 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             }
             continue;
         }
+        // A run holds its slot until its last delivery: a quarter of the slots is kept for
+        // single deliveries, which free their slots at once, so that the bus still claims often
+        // enough for a new key's delivery not to wait behind the runs. Runs take free slots
+        // only, never places claimed ahead.
+        let kept = settings.concurrency / RUN_FREE_SLOTS;
+        let with_runs = semaphore.available_permits().saturating_sub(kept) as u32;
         let want = available.min(settings.batch_size as usize) as u32;
         shared.claiming.store(true, Ordering::SeqCst);
-        let batch = shared.claim(want, settings.key_run).await;
+        let batch = shared.claim(want, (settings.key_run, with_runs)).await;
         shared.claiming.store(false, Ordering::SeqCst);
         let batch = match batch {
             Ok(batch) => batch,
@@ -833,7 +844,6 @@ impl<S: Store> Starter<S> {
                     permit
                 }
             };
-            let started = Instant::now();
             let mut delivery = first;
             // The key's delivery this task completed last, before `delivery`, when `delivery`
             // was claimed as it committed.
@@ -851,7 +861,10 @@ impl<S: Store> Starter<S> {
                     None
                 };
                 let lease = delivery.lease.clone();
+                let started = Instant::now();
                 let mut outcome = run_delivery(&task_shared, delivery, follow).await;
+                // Each delivery's handler, not the task, whose run or chain takes many.
+                task_shared.note_run(started.elapsed());
                 if let Outcome::Completed(next) = &mut outcome
                     && let Some(next) = next.take()
                 {
@@ -944,7 +957,6 @@ impl<S: Store> Starter<S> {
                     None => break,
                 }
             }
-            task_shared.note_run(started.elapsed());
             drop(permit);
         });
         if let Some(entry) = shared.running().get_mut(&id) {
@@ -1249,6 +1261,56 @@ async fn purge_periodically<S: Store>(
 #[cfg(test)]
 mod tests {
     use super::{Arrival, MAX_ARRIVALS, MAX_REPORTED_LANES, Reported, Reports, WakeUp};
+    use crate::{event::EventEnvelope, store::Claimed, time::Timestamp};
+
+    /// A claimed delivery of `handler` whose lease is `id`.
+    fn claimed(
+        id: u32,
+        handler: &str,
+        key: Option<&str>,
+        sequence: Option<i64>,
+        ordered: bool,
+    ) -> Claimed<u32> {
+        let mut event = EventEnvelope::from_json("order.placed.v1", serde_json::json!({}))
+            .unwrap()
+            .with_id(format!("e-{id}"))
+            .unwrap();
+        if let Some(key) = key {
+            event = event.with_key(key).unwrap();
+        }
+        Claimed {
+            lease: id,
+            lease_expires_at: Timestamp::EPOCH,
+            handler: handler.to_owned(),
+            attempt: 1,
+            sequence,
+            ordered,
+            event,
+        }
+    }
+
+    #[test]
+    fn a_batch_runs_a_keys_ordered_deliveries_together_in_sequence_and_the_rest_alone() {
+        let batch = vec![
+            claimed(1, "h", Some("k"), Some(2), true),
+            claimed(2, "h", None, None, false),
+            claimed(3, "h", Some("k"), Some(1), true),
+            // The same key of another handler is a run of its own.
+            claimed(4, "g", Some("k"), Some(1), true),
+            // Unordered deliveries of a key run apart, at once.
+            claimed(5, "h", Some("u"), Some(1), false),
+            claimed(6, "h", Some("u"), Some(2), false),
+            claimed(7, "h", Some("k"), Some(3), true),
+        ];
+        let runs: Vec<Vec<u32>> = super::runs(batch)
+            .into_iter()
+            .map(|run| run.into_iter().map(|delivery| delivery.lease).collect())
+            .collect();
+        assert_eq!(
+            runs,
+            vec![vec![3, 1, 7], vec![2], vec![4], vec![5], vec![6]]
+        );
+    }
 
     fn at(lane: u32) -> WakeUp {
         WakeUp {

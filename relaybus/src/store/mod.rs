@@ -133,6 +133,9 @@ pub struct ClaimRequest<'a> {
     /// the rest when one does not complete. 1: one delivery of a key at a time. A store may
     /// always hand out fewer (a store without runs, one).
     pub run: u32,
+    /// At most this many of the deliveries handed out have a run behind them (a run holds the
+    /// worker's handler slot until its last delivery); the others are handed out alone.
+    pub runs: u32,
     /// How long the claim holds what it takes without renewal.
     pub lease_duration: Duration,
     /// The current time.

@@ -249,6 +249,7 @@ pub(crate) async fn claim<S: Store>(
             handlers: &handlers,
             limit,
             run: 1,
+            runs: 0,
             lease_duration: LEASE,
             now,
             reported: &[],

@@ -142,7 +142,7 @@ impl Store for MongoEventStore {
             request.owner,
             request.handlers,
             request.limit,
-            request.run,
+            (request.run, request.runs),
             request.lease_duration,
             bson_date(request.now),
         )

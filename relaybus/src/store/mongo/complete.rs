@@ -102,6 +102,10 @@ impl MongoEventStore {
             )
             .into());
         }
+        // Claims read them again from here on: they may be gone before they are settled.
+        self.inner
+            .claims
+            .completing(leases.iter().map(Lease::delivery_id));
         let outcome = if self.inner.completion_history {
             self.own_transaction((self, leases, now), |session, (store, leases, now)| {
                 Box::pin(store.complete_in(session, leases, *now))
@@ -154,6 +158,8 @@ impl MongoEventStore {
     ) -> Result<bool> {
         self.ensure_in_transaction(session, "MongoEventStore.complete_in_transaction")
             .await?;
+        // Claims read it again from here on: it may be gone before it is settled.
+        self.inner.claims.completing([lease.delivery_id()]);
         self.complete_one_in(session, lease, now).await
     }
 

@@ -307,6 +307,9 @@ pub(crate) struct ClaimRegistry {
     issued: Mutex<HashMap<ObjectId, Issued>>,
     /// The handler and ordering key of each issued claim held to its key's order.
     keys: Mutex<HashMap<ObjectId, (String, String)>>,
+    /// Issued claims whose completion was sent: their deliveries may be gone while they are
+    /// still issued, so claims do not vouch for them.
+    completing: Mutex<HashSet<ObjectId>>,
 }
 
 impl Default for ClaimRegistry {
@@ -317,6 +320,7 @@ impl Default for ClaimRegistry {
             gates: Mutex::default(),
             issued: Mutex::default(),
             keys: Mutex::default(),
+            completing: Mutex::default(),
         }
     }
 }
@@ -403,9 +407,11 @@ impl ClaimRegistry {
     pub(crate) fn forget(&self, ids: impl IntoIterator<Item = ObjectId>) {
         let mut issued = lock(&self.issued);
         let mut keys = lock(&self.keys);
+        let mut completing = lock(&self.completing);
         for id in ids {
             issued.remove(&id);
             keys.remove(&id);
+            completing.remove(&id);
         }
     }
 
@@ -422,6 +428,7 @@ impl ClaimRegistry {
             issued.remove(&lease.delivery_id);
             lock(&self.keys).remove(&lease.delivery_id);
         }
+        lock(&self.completing).remove(&lease.delivery_id);
     }
 
     /// The claim this instance handed out for `id`, if it has not seen it settled.
@@ -445,6 +452,23 @@ impl ClaimRegistry {
     /// against the registry of that moment, it is still this instance's own claim.
     pub(crate) fn snapshot(&self) -> HashMap<ObjectId, Issued> {
         lock(&self.issued).clone()
+    }
+
+    /// Notes issued claims whose completion is being sent.
+    pub(crate) fn completing(&self, ids: impl IntoIterator<Item = ObjectId>) {
+        let issued = lock(&self.issued);
+        lock(&self.completing).extend(ids.into_iter().filter(|id| issued.contains_key(id)));
+    }
+
+    /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)), those a claim
+    /// may take for running without reading them: all but those whose completion was sent.
+    pub(crate) fn vouched(&self, issued: &HashMap<ObjectId, Issued>) -> HashMap<ObjectId, Issued> {
+        let completing = lock(&self.completing);
+        issued
+            .iter()
+            .filter(|(id, _)| !completing.contains(id))
+            .map(|(id, claim)| (*id, *claim))
+            .collect()
     }
 
     /// How many claims this instance has handed out and not seen settled.

@@ -45,6 +45,9 @@
 //! documents) and those are all unkeyed and due, the claim records them on their lanes beside
 //! one read that proves the record was in time, without reading the lanes first ([`arrive`]).
 //!
+//! A claim for a worker that runs a key's deliveries one after the other hands out, behind each
+//! keyed delivery it picked, the key's next deliveries as a run ([`runs`]), listed with it.
+//!
 //! A worker that just completed a keyed delivery can claim the key's next one alone, without a
 //! whole claim ([`next`]); and while a claim runs, the worker can claim what the change stream
 //! reports meanwhile beside it, when it may run at once ([`beside`]).
@@ -264,21 +267,21 @@ impl MongoEventStore {
         lease_duration: Duration,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>> {
-        self.claim_runs(owner, handlers, limit, 1, lease_duration, now)
+        self.claim_runs(owner, handlers, limit, (1, 0), lease_duration, now)
             .await
     }
 
     /// [`claim`](Self::claim), handing out behind each keyed delivery the key's next
-    /// deliveries, up to `run` in all (see [`runs`]): the caller runs each key's deliveries one
-    /// after the other, in sequence order, each only once its predecessor's completion is
-    /// durable, and gives back the rest when one does not complete. `limit` counts a run as
-    /// one. A `run` of 1 is [`claim`](Self::claim).
+    /// deliveries, up to `run` in all, behind at most `runs` of them (see [`runs`]): the caller
+    /// runs each key's deliveries one after the other, in sequence order, each only once its
+    /// predecessor's completion is durable, and gives back the rest when one does not complete.
+    /// `limit` counts a run as one. A `run` of 1 is [`claim`](Self::claim).
     pub(crate) async fn claim_runs<H: AsRef<str>>(
         &self,
         owner: &str,
         handlers: &[H],
         limit: u32,
-        run: u32,
+        (run, runs): (u32, u32),
         lease_duration: Duration,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>> {
@@ -343,7 +346,7 @@ impl MongoEventStore {
             .claim_locked(
                 owner,
                 &wanted,
-                (limit as usize, run),
+                (limit as usize, run, runs),
                 expires_at,
                 now,
                 &mut state,
@@ -357,7 +360,7 @@ impl MongoEventStore {
                     self.claim_locked(
                         owner,
                         &wanted,
-                        (limit as usize, run),
+                        (limit as usize, run, runs),
                         expires_at,
                         now,
                         &mut state,
@@ -384,7 +387,7 @@ impl MongoEventStore {
                         .claim_locked(
                             owner,
                             &wanted,
-                            (limit as usize - claimed.len(), run),
+                            (limit as usize - claimed.len(), run, runs),
                             expires_at,
                             now,
                             &mut state,
@@ -451,7 +454,7 @@ impl MongoEventStore {
         &self,
         owner: &str,
         handlers: &[&str],
-        (limit, run): (usize, u32),
+        (limit, run, runs): (usize, u32, u32),
         expires_at: DateTime,
         now: DateTime,
         state: &mut OwnerState,
@@ -525,7 +528,7 @@ impl MongoEventStore {
                 now,
                 prescan,
                 idle.then_some(reported.as_slice()),
-                vouch.then_some(&issued),
+                vouch.then(|| self.inner.claims.vouched(&issued)).as_ref(),
             )
             .await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
@@ -648,7 +651,7 @@ impl MongoEventStore {
         // one after the other (see `runs`); they are not parked.
         let members = {
             let picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
-            self.runs_behind(&request, &picks, run, &mut events, |id| {
+            self.runs_behind(&request, &picks, (run, runs), &mut events, |id| {
                 running.contains(id)
                     || picked_ids.contains(id)
                     || gate.handed_beside(id)

@@ -37,15 +37,15 @@ use crate::{
 pub(crate) const MAX_RUN: u32 = 1_000;
 
 impl MongoEventStore {
-    /// The runs behind the keyed picks: for each keyed pick, the deliveries of its handler and
-    /// key that follow it, up to `run - 1`, each with its event added to `events`. Deliveries
-    /// for which `taken` holds (running, handed out, picked) end a run. Nothing for a `run` of
-    /// 1 or without keyed picks, without a read.
+    /// The runs behind the keyed picks: for each of the first `runs` keyed picks, the
+    /// deliveries of its handler and key that follow it, up to `run - 1`, each with its event
+    /// added to `events`. Deliveries for which `taken` holds (running, handed out, picked) end
+    /// a run. Nothing for a `run` of 1, no `runs` or no keyed picks, without a read.
     pub(super) async fn runs_behind(
         &self,
         request: &Request<'_>,
         picks: &[Candidate],
-        run: u32,
+        (run, runs): (u32, u32),
         events: &mut HashMap<String, RawDocumentBuf>,
         taken: impl Fn(&ObjectId) -> bool,
     ) -> Result<Vec<Candidate>> {
@@ -55,6 +55,7 @@ impl MongoEventStore {
         let heads: Vec<(&Candidate, &str, i64)> = picks
             .iter()
             .filter_map(|pick| Some((pick, pick.key.as_deref()?, pick.sequence?)))
+            .take(runs as usize)
             .collect();
         if heads.is_empty() {
             return Ok(Vec::new());
@@ -89,8 +90,7 @@ impl MongoEventStore {
             .hint(index::hint(index::ORDERING))
             // One batch, so that no `getMore` follows.
             .batch_size(
-                u32::try_from(heads.len().saturating_mul(run as usize - 1) + 1)
-                    .unwrap_or(u32::MAX),
+                u32::try_from(heads.len().saturating_mul(run as usize - 1) + 1).unwrap_or(u32::MAX),
             )
             .await?
             .with_type::<RawDocumentBuf>()
