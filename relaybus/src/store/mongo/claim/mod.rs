@@ -342,30 +342,17 @@ impl MongoEventStore {
             state.interrupted = false;
         }
         state.interrupted = true;
+        let asked = (limit as usize, run, runs);
         let mut outcome = self
-            .claim_locked(
-                owner,
-                &wanted,
-                (limit as usize, run, runs),
-                expires_at,
-                now,
-                &mut state,
-            )
+            .claim_locked(owner, &wanted, asked, expires_at, now, &mut state)
             .await;
         if matches!(outcome, Ok(None)) {
             // The owner's lanes list deliveries this instance did not hand out (a claim that
             // was dropped, or whose record landed late): reconcile, then claim again.
             outcome = match self.reconcile(owner, now).await {
                 Ok(()) => {
-                    self.claim_locked(
-                        owner,
-                        &wanted,
-                        (limit as usize, run, runs),
-                        expires_at,
-                        now,
-                        &mut state,
-                    )
-                    .await
+                    self.claim_locked(owner, &wanted, asked, expires_at, now, &mut state)
+                        .await
                 }
                 Err(error) => Err(error),
             };
