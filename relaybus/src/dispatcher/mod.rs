@@ -816,6 +816,7 @@ impl<S: Store> Starter<S> {
                 );
             }
         }
+        let members: Vec<_> = run.iter().map(|m| m.lease.delivery_id()).collect();
         let task_shared = Arc::clone(shared);
         let done = self.done.clone();
         let wake = Arc::clone(&self.wake);
@@ -938,15 +939,8 @@ impl<S: Store> Starter<S> {
                     break;
                 }
                 match run.pop_front() {
-                    Some(next) if went_on => {
-                        let mut running = task_shared.running();
-                        let abort = running.remove(&task_id).and_then(|r| r.abort);
-                        if let Some(entry) = running.get_mut(&next.lease.delivery_id()) {
-                            entry.abort = abort;
-                        }
-                        drop(running);
-                        delivery = next;
-                    }
+                    // Its entry in the running set has the task's abort handle already.
+                    Some(next) if went_on => delivery = next,
                     Some(next) => {
                         // Not completed: none of the key's later deliveries may run before it.
                         run.push_front(next);
@@ -959,8 +953,11 @@ impl<S: Store> Starter<S> {
             }
             drop(permit);
         });
-        if let Some(entry) = shared.running().get_mut(&id) {
-            entry.abort = Some(handle.abort_handle());
+        let mut running = shared.running();
+        for id in std::iter::once(&id).chain(&members) {
+            if let Some(entry) = running.get_mut(id) {
+                entry.abort = Some(handle.abort_handle());
+            }
         }
     }
 }
