@@ -1253,6 +1253,57 @@ async fn a_key_s_run_runs_in_one_task_in_order_and_stops_at_a_failure_giving_the
 }
 
 #[tokio::test]
+async fn shutdown_stops_a_run_hung_on_a_later_delivery_and_gives_the_rest_back_uncharged() {
+    let db = test_db("key_run_shutdown").await;
+    let store = store(&db).await;
+    let publisher = publisher(&store, &["runner"]);
+    for n in 1..=3 {
+        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
+    }
+    // The run's second delivery hangs: the shutdown deadline must stop the run's task.
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let bus = builder(&store)
+        .key_run(4)
+        .shutdown_timeout(Duration::from_millis(500))
+        .subscribe(Subscription::new(
+            "runner",
+            move |order: OrderPlaced, _: HandlerContext| {
+                let tx = started_tx.clone();
+                async move {
+                    let hangs = order.order_id == "o-2";
+                    tx.send((order.order_id, tokio::task::try_id())).unwrap();
+                    if hangs {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<(), BoxError>(())
+                }
+            },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let first = next(&mut started, "the run's first").await;
+    let second = next(&mut started, "the run's second").await;
+    assert_eq!((first.0.as_str(), second.0.as_str()), ("o-1", "o-2"));
+    assert_eq!(first.1, second.1, "one run, one task");
+    tokio::time::timeout(Duration::from_secs(20), bus.shutdown())
+        .await
+        .expect("the shutdown ends at its deadline")
+        .unwrap();
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let again = builder(&store)
+        .subscribe(reports_attempt::<OrderPlaced>("runner", tx))
+        .build()
+        .unwrap();
+    again.start().await.unwrap();
+    assert_eq!(next(&mut rx, "the second again").await, 1, "not charged");
+    assert_eq!(next(&mut rx, "the third").await, 1, "not charged");
+    again.shutdown().await.unwrap();
+    assert!(deliveries(&db).await.is_empty());
+}
+
+#[tokio::test]
 async fn a_key_s_next_delivery_claimed_while_a_commit_fails_is_given_back_uncharged_and_runs_after_it()
  {
     let db = test_db("next_of_key_commit_fails").await;
