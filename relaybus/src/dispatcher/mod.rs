@@ -786,37 +786,33 @@ impl<S: Store> Starter<S> {
         let Some(first) = run.pop_front() else {
             return;
         };
-        let id = first.lease.delivery_id();
         let transactional = shared
             .subscriptions
             .get(&first.handler)
             .is_some_and(|s| s.transactional);
         let waits = matches!(seat, Seat::Ahead { .. });
+        // The rest of a run waits in the running set with the first: renewed with the lane of
+        // the one that runs (unless that one runs a transaction on it), given back at shutdown.
+        let ids: Vec<_> = std::iter::once(&first)
+            .chain(&run)
+            .map(|delivery| delivery.lease.delivery_id())
+            .collect();
         {
             let mut running = shared.running();
-            running.insert(
-                id.clone(),
-                Running {
-                    lease: first.lease.clone(),
-                    // No transaction is open while it waits: its lanes are renewed meanwhile.
-                    transactional: transactional && !waits,
-                    abort: None,
-                },
-            );
-            // The rest of a run waits in the running set: renewed with the lane of the one
-            // that runs (unless that one runs a transaction on it), given back at shutdown.
-            for member in &run {
+            for delivery in std::iter::once(&first).chain(&run) {
                 running.insert(
-                    member.lease.delivery_id(),
+                    delivery.lease.delivery_id(),
                     Running {
-                        lease: member.lease.clone(),
+                        lease: delivery.lease.clone(),
+                        // No transaction is open while it waits: its lanes are renewed
+                        // meanwhile.
                         transactional: transactional && !waits,
                         abort: None,
                     },
                 );
             }
         }
-        let members: Vec<_> = run.iter().map(|m| m.lease.delivery_id()).collect();
+        let task_ids = ids.clone();
         let task_shared = Arc::clone(shared);
         let done = self.done.clone();
         let wake = Arc::clone(&self.wake);
@@ -834,10 +830,8 @@ impl<S: Store> Starter<S> {
                     let Ok(permit) = permit else { return };
                     if transactional {
                         let mut running = task_shared.running();
-                        for id in std::iter::once(first.lease.delivery_id())
-                            .chain(run.iter().map(|member| member.lease.delivery_id()))
-                        {
-                            if let Some(entry) = running.get_mut(&id) {
+                        for id in &task_ids {
+                            if let Some(entry) = running.get_mut(id) {
                                 entry.transactional = true;
                             }
                         }
@@ -954,7 +948,7 @@ impl<S: Store> Starter<S> {
             drop(permit);
         });
         let mut running = shared.running();
-        for id in std::iter::once(&id).chain(&members) {
+        for id in &ids {
             if let Some(entry) = running.get_mut(id) {
                 entry.abort = Some(handle.abort_handle());
             }
@@ -987,14 +981,13 @@ fn runs<L>(batch: Vec<Claimed<L>>) -> Vec<Vec<Claimed<L>>> {
     let mut runs: Vec<Vec<Claimed<L>>> = Vec::with_capacity(batch.len());
     let mut of_key: HashMap<(String, String), usize> = HashMap::new();
     for delivery in batch {
-        if !delivery.ordered || delivery.event.key().is_none() {
-            runs.push(vec![delivery]);
-            continue;
-        }
-        let key = (
-            delivery.handler.clone(),
-            delivery.event.key().unwrap_or_default().to_owned(),
-        );
+        let key = match delivery.event.key() {
+            Some(key) if delivery.ordered => (delivery.handler.clone(), key.to_owned()),
+            _ => {
+                runs.push(vec![delivery]);
+                continue;
+            }
+        };
         match of_key.get(&key) {
             Some(&at) => runs[at].push(delivery),
             None => {

@@ -636,20 +636,19 @@ impl MongoEventStore {
         });
         // Behind each key it picked, the key's next deliveries, for a worker that runs them
         // one after the other (see `runs`); they are not parked.
-        let members = {
-            let picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
-            self.runs_behind(&request, &picks, (run, runs), &mut events, |id| {
+        let mut picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
+        let members = self
+            .runs_behind(&request, &picks, (run, runs), &mut events, |id| {
                 running.contains(id)
                     || picked_ids.contains(id)
                     || gate.handed_beside(id)
                     || claims.issued(id).is_some()
             })
-            .await?
-        };
+            .await?;
         if !members.is_empty() {
-            let in_runs: HashSet<ObjectId> = members.iter().map(|member| member.id).collect();
+            picked_ids.extend(members.iter().map(|member| member.id));
             for waits in waiting.values_mut() {
-                waits.retain(|(id, _)| !in_runs.contains(id));
+                waits.retain(|(id, _)| !picked_ids.contains(id));
             }
             picks.extend(members);
         }
@@ -659,7 +658,6 @@ impl MongoEventStore {
         // predecessor does (see `next`): it is deleted when it completes, and if it does not,
         // the level-triggered unparking of a later claim sends it back once nothing of its key
         // runs. The heads it does not pick go back to their lanes now.
-        let picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
         let deferred_ids: Vec<ObjectId> = deferred
             .iter()
             .map(|head| head.id)

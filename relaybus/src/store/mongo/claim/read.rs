@@ -533,17 +533,8 @@ impl MongoEventStore {
             }
         }
         if !unvouched.is_empty() {
-            let docs: Vec<Document> = inner
-                .deliveries
-                .find(doc! { field::ID: { "$in": &unvouched } })
-                .projection(doc! {
-                    field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
-                    field::STATUS: 1,
-                })
-                .await?
-                .try_collect()
-                .await?;
-            view.running_docs.extend(docs);
+            view.running_docs
+                .extend(self.listed_documents(&unvouched).await?);
         }
         Ok(view)
     }
@@ -661,19 +652,25 @@ impl MongoEventStore {
         if listed.is_empty() {
             return Ok(running_of(&[]));
         }
-        let docs: Vec<Document> = self
+        Ok(running_of(&self.listed_documents(&listed).await?))
+    }
+
+    /// The documents of the listed deliveries `ids` that exist, with what a claim judges them
+    /// by: handler, key, `unordered`, claim generation and status. One read.
+    async fn listed_documents(&self, ids: &[ObjectId]) -> Result<Vec<Document>> {
+        Ok(self
             .inner
             .deliveries
-            .find(doc! { field::ID: { "$in": &listed } })
-            .projection(
-                doc! { field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1 },
-            )
-            .limit(listed.len() as i64)
-            .batch_size(u32::try_from(listed.len()).unwrap_or(u32::MAX))
+            .find(doc! { field::ID: { "$in": ids } })
+            .projection(doc! {
+                field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
+                field::STATUS: 1,
+            })
+            .limit(ids.len() as i64)
+            .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
             .await?
             .try_collect()
-            .await?;
-        Ok(running_of(&docs))
+            .await?)
     }
 }
 

@@ -96,8 +96,14 @@ impl MongoEventStore {
             .with_type::<RawDocumentBuf>()
             .try_collect()
             .await?;
-        // By handler, key and sequence: what each head's run may take.
-        let mut following: HashMap<(&str, &str, i64), (Candidate, RawDocumentBuf)> = HashMap::new();
+        // Each head by its handler and key, and what each head's run may take by head and
+        // sequence.
+        let head_of: HashMap<(&str, &str), usize> = heads
+            .iter()
+            .enumerate()
+            .map(|(at, (pick, key, _))| ((pick.handler.as_str(), *key), at))
+            .collect();
+        let mut following: HashMap<(usize, i64), (Candidate, RawDocumentBuf)> = HashMap::new();
         for doc in &found {
             let in_a_lane = matches!(doc.get_str(field::LANE), Ok(lane::READY) | Ok(lane::PARKED));
             let Some(candidate) = Candidate::from_raw(doc) else {
@@ -116,22 +122,17 @@ impl MongoEventStore {
             ) else {
                 continue;
             };
-            let Some((pick, key, _)) = heads
-                .iter()
-                .find(|(pick, k, _)| pick.handler == candidate.handler && *k == key)
-            else {
+            let Some(&at) = head_of.get(&(candidate.handler.as_str(), key)) else {
                 continue;
             };
-            following.insert((pick.handler.as_str(), key, sequence), (candidate, event));
+            following.insert((at, sequence), (candidate, event));
         }
         let mut members = Vec::new();
-        for (head, key, sequence) in &heads {
+        for (at, (head, _, sequence)) in heads.iter().enumerate() {
             let mut next = *sequence;
             for _ in 1..run {
                 next += 1;
-                let Some((candidate, event)) =
-                    following.remove(&(head.handler.as_str(), *key, next))
-                else {
+                let Some((candidate, event)) = following.remove(&(at, next)) else {
                     break;
                 };
                 if candidate.lane != head.lane
