@@ -1536,8 +1536,8 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
     assert_eq!(store.statistics().await.unwrap().parked, 76);
 }
 
-/// Publishes two events for each of `keys` keys (`k<i>-1`, `k<i>-2`) and parks every second
-/// one behind its first, as claims leave them.
+/// Publishes two events for each of `keys` keys (`k<i>-1`, `k<i>-2`), every second one parked
+/// behind its first (the append writes it so; this makes sure).
 async fn publish_parked_pairs(store: &MongoEventStore, db: &TestDb, keys: usize) {
     let events: Vec<EventEnvelope> = (0..keys)
         .flat_map(|i| {
@@ -1555,7 +1555,8 @@ async fn publish_parked_pairs(store: &MongoEventStore, db: &TestDb, keys: usize)
         )
         .await
         .unwrap();
-    assert_eq!(parked.modified_count, keys as u64);
+    assert_eq!(parked.matched_count, keys as u64);
+    assert_eq!(parked.modified_count, 0, "written parked by the append");
 }
 
 #[tokio::test]
@@ -1651,6 +1652,15 @@ async fn the_park_threshold_decides_when_a_keys_backlog_is_parked() {
             .map(|n| event(&format!("k-{n}"), Some("k")))
             .collect();
         publish(&store, &events, &[HANDLER], at(0)).await;
+        // The append wrote the 39 behind the first parked, unless parking is off.
+        let born = if threshold == u32::MAX { 0 } else { 39 };
+        assert_eq!(parked_count(&db).await, born, "threshold {threshold}");
+        // Written ready, as a requeue or an earlier version leaves them, the claim finds them.
+        db.db()
+            .collection::<Document>("relaybus_deliveries")
+            .update_many(doc! {}, doc! { "$set": { "lane": "ready" } })
+            .await
+            .unwrap();
         let head = claim(&store, "w", 10, at(1)).await;
         assert_eq!(head.len(), 1);
         assert_eq!(head[0].sequence(), Some(1));
@@ -2349,9 +2359,15 @@ async fn an_idle_claim_that_took_every_reported_delivery_spares_the_claim_right_
     assert_eq!(got, 0);
     assert!(next > 0, "the claim after it read the lanes");
 
-    // Not when a reported delivery was left behind: two of one key, the second waits.
+    // Not when a reported delivery was left behind: two of one key, the second waits in its
+    // lane (written parked, it is moved back as a requeue leaves it).
     let keyed = [event("keyed-0", Some("k")), event("keyed-1", Some("k"))];
     publish(&store, &keyed, &[HANDLER], at(0)).await;
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .update_many(doc! { "key": "k" }, doc! { "$set": { "lane": "ready" } })
+        .await
+        .unwrap();
     let (_, got) = boundary_claim(
         &store,
         &count,
@@ -3872,7 +3888,14 @@ async fn a_running_claim_does_not_hand_out_again_what_was_claimed_and_completed_
 #[tokio::test]
 async fn a_claim_beside_takes_only_what_may_run_at_once() {
     let db = test_db("beside_rules").await;
-    let store = store(&db).await;
+    // Parking off: the second delivery of a key is written ready, as a requeue leaves it (a
+    // delivery written parked is left to the owner's next claim).
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .park_threshold(u32::MAX)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
     let other = store_with(&db.client, &db, false).await;
     let mut stream = wake_up_stream(&db).await;
     // Two deliveries of key `k`: the first runs, so the second waits.
@@ -4124,4 +4147,134 @@ async fn an_idle_claim_hands_out_no_reported_delivery_buried_between_its_read_an
         0,
         "its write was taken back: {lane:?}"
     );
+}
+
+/// The lane (`ready` or `parked`) of each pending delivery, by event id, sorted.
+async fn lanes_by_event(db: &TestDb) -> Vec<(String, String)> {
+    let mut lanes: Vec<(String, String)> = deliveries(db)
+        .await
+        .iter()
+        .map(|d| {
+            (
+                d.get_str("eventId").unwrap().to_owned(),
+                d.get_str("lane").unwrap().to_owned(),
+            )
+        })
+        .collect();
+    lanes.sort();
+    lanes
+}
+
+#[tokio::test]
+async fn an_append_writes_parked_what_waits_behind_a_pending_delivery_of_its_key() {
+    let db = test_db("born_parked").await;
+    let store = store(&db).await;
+    publish(
+        &store,
+        &[event("k-0", Some("k")), event("j-0", Some("j"))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    // While k-0 is pending, k-1 and k-2 wait behind it, appended alone or with others; the first
+    // delivery of a new key and an unkeyed one do not wait.
+    publish(&store, &[event("k-1", Some("k"))], &[HANDLER], at(0)).await;
+    publish(
+        &store,
+        &[
+            event("k-2", Some("k")),
+            event("n-0", Some("n")),
+            event("n-1", Some("n")),
+            event("u-0", None),
+        ],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let expected = [
+        ("j-0", "ready"),
+        ("k-0", "ready"),
+        ("k-1", "parked"),
+        ("k-2", "parked"),
+        ("n-0", "ready"),
+        ("n-1", "parked"),
+        ("u-0", "ready"),
+    ]
+    .map(|(id, lane)| (id.to_owned(), lane.to_owned()));
+    assert_eq!(lanes_by_event(&db).await, expected);
+
+    // Each key goes on in order, one delivery of it per claim, each found by the claim after
+    // its predecessor completed.
+    let mut order: Vec<String> = Vec::new();
+    for round in 0..3 {
+        let batch = claim(&store, "w", 10, at(1 + round * 2)).await;
+        let keys: Vec<&str> = batch.iter().filter_map(|d| d.key()).collect();
+        let distinct: HashSet<&str> = keys.iter().copied().collect();
+        assert_eq!(
+            keys.len(),
+            distinct.len(),
+            "one delivery of a key at a time"
+        );
+        order.extend(
+            batch
+                .iter()
+                .filter(|d| d.key() == Some("k"))
+                .map(|d| d.event_id().to_owned()),
+        );
+        for delivery in &batch {
+            assert!(
+                store
+                    .complete(delivery.lease(), at(2 + round * 2))
+                    .await
+                    .unwrap()
+            );
+        }
+    }
+    assert_eq!(order, ["k-0", "k-1", "k-2"]);
+    assert!(
+        deliveries(&db).await.is_empty(),
+        "all drained in three claims"
+    );
+}
+
+#[tokio::test]
+async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_is_claimed_when_reported()
+ {
+    let db = test_db("born_parked_race").await;
+    let (store, count) = counted_store(&db).await;
+    publish(&store, &[event("k-0", Some("k"))], &[HANDLER], at(0)).await;
+    let (_, head) = boundary_claimed(&store, &count, ms(0), &[], true).await;
+    assert_eq!(head.len(), 1);
+    let lease = head[0].lease;
+
+    // k-1 is appended while k-0 runs; k-0 completes before the append commits, and the owner's
+    // next claim finds nothing (k-1 is not committed yet) and goes idle.
+    let next = event("k-1", Some("k"));
+    let handlers = [HANDLER.to_owned()];
+    let completed = AtomicBool::new(false);
+    store
+        .transaction(async |session| {
+            let appended = store
+                .append(session, &[AppendRequest::new(&next, &handlers)], at(0))
+                .await?;
+            if !completed.swap(true, Ordering::SeqCst) {
+                assert!(store.complete(&lease, ms(1)).await?);
+                let (_, none) = boundary_claimed(&store, &count, ms(2), &[], true).await;
+                assert!(none.is_empty());
+            }
+            Ok(appended)
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        lanes_by_event(&db).await,
+        [("k-1".to_owned(), "parked".to_owned())],
+        "written behind a delivery that was pending when the append read"
+    );
+
+    // Its insert is reported: the idle claim takes it, nothing being pending before it.
+    let reported = [lane_of(Some("k"), "k-1")];
+    let (_, got) = boundary_claimed(&store, &count, ms(3), &reported, true).await;
+    let ids: Vec<&str> = got.iter().map(|c| c.event.id()).collect();
+    assert_eq!(ids, ["k-1"]);
 }

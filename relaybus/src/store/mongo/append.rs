@@ -1,6 +1,6 @@
 //! Appending events and their deliveries inside the caller's transaction.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, hash_map::Entry};
 
 use futures::TryStreamExt;
 use mongodb::{
@@ -24,6 +24,11 @@ use crate::{
 
 /// MongoDB's largest document, in bytes.
 pub(crate) const MAX_DOCUMENT_BYTES: usize = 16 * 1024 * 1024;
+
+/// Keys one read of [`MongoEventStore::park_born_behind`] looks up.
+const BORN_PARKED_KEYS_PER_READ: usize = 1_000;
+/// Reads one append makes at most to find the keys whose new deliveries wait.
+const BORN_PARKED_READS: usize = 5;
 
 /// An event as this append sees it: the envelope and the handlers asked for.
 struct Item<'a> {
@@ -231,6 +236,8 @@ impl MongoEventStore {
 
         // 4. The deliveries, in one insert.
         let mut deliveries = Vec::new();
+        // Whether each delivery is of an event this append created.
+        let mut born = Vec::new();
         let mut outcomes = Vec::with_capacity(items.len());
         for (item, created) in items.iter().zip(created) {
             let event = item.event;
@@ -253,6 +260,7 @@ impl MongoEventStore {
                 ),
             };
             let lane = lane_of(key, &event.id) as i32;
+            born.extend(std::iter::repeat_n(created, handlers.len()));
             for handler in &handlers {
                 // An unordered delivery keeps the key and sequence for operators; the flag
                 // makes claims treat it as unkeyed, in the lane of its event id.
@@ -296,6 +304,8 @@ impl MongoEventStore {
             });
         }
         if !deliveries.is_empty() {
+            self.park_born_behind(session, &mut deliveries, &born)
+                .await?;
             inner
                 .deliveries
                 .insert_many(deliveries)
@@ -303,6 +313,108 @@ impl MongoEventStore {
                 .await?;
         }
         Ok(outcomes)
+    }
+
+    /// Writes to the parked lane the new keyed deliveries that wait behind a pending
+    /// predecessor: of the deliveries of new events (`created`), every delivery of a handler and
+    /// key but the lowest, and the lowest when the store holds a pending delivery of the same
+    /// handler and key, whose sequence number is lower (the numbers were just taken). One read,
+    /// of the keys' counters with their pending deliveries looked up, for up to
+    /// [`BORN_PARKED_KEYS_PER_READ`] keys. A claim would park them once it found them waiting;
+    /// written parked, they cost no write of their own. Unparking is level-triggered (see
+    /// `park`): a delivery written parked whose predecessor completes before this transaction
+    /// commits goes back to its lane with the next claim.
+    async fn park_born_behind(
+        &self,
+        session: &mut ClientSession,
+        deliveries: &mut [Document],
+        created: &[bool],
+    ) -> Result<()> {
+        if self.inner.park_threshold == u32::MAX {
+            // Parking is off.
+            return Ok(());
+        }
+        // The lowest sequence number of each handler and key, and where it is.
+        let mut lowest: HashMap<(&str, &str), (i64, usize)> = HashMap::new();
+        let mut behind = Vec::new();
+        for (index, delivery) in deliveries.iter().enumerate() {
+            let (true, Ok(handler), Ok(key), Ok(sequence)) = (
+                created[index],
+                delivery.get_str(field::HANDLER),
+                delivery.get_str(field::KEY),
+                delivery.get_i64(field::SEQUENCE),
+            ) else {
+                continue;
+            };
+            if delivery.get_bool(field::UNORDERED) == Ok(true) {
+                continue;
+            }
+            match lowest.entry((handler, key)) {
+                Entry::Vacant(entry) => {
+                    entry.insert((sequence, index));
+                }
+                Entry::Occupied(mut entry) => {
+                    let (low, at) = *entry.get();
+                    if sequence < low {
+                        behind.push(at);
+                        entry.insert((sequence, index));
+                    } else {
+                        behind.push(index);
+                    }
+                }
+            }
+        }
+        let mut keys: Vec<&str> = lowest.keys().map(|(_, key)| *key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let mut handlers: Vec<&str> = lowest.keys().map(|(handler, _)| *handler).collect();
+        handlers.sort_unstable();
+        handlers.dedup();
+        for chunk in keys
+            .chunks(BORN_PARKED_KEYS_PER_READ)
+            .take(BORN_PARKED_READS)
+        {
+            let mut pipeline = vec![doc! { "$match": { field::ID: { "$in": chunk } } }];
+            for (at, handler) in handlers.iter().enumerate() {
+                pipeline.push(doc! { "$lookup": {
+                    "from": self.inner.deliveries.name(),
+                    "localField": field::ID,
+                    "foreignField": field::KEY,
+                    "pipeline": [
+                        { "$match": { field::STATUS: status::PENDING, field::HANDLER: *handler } },
+                        { "$limit": 1 },
+                        { "$project": { field::ID: 1 } },
+                    ],
+                    "as": format!("h{at}"),
+                } });
+            }
+            let found: Vec<Document> = self
+                .inner
+                .key_sequences
+                .aggregate(pipeline)
+                .session(&mut *session)
+                .await?
+                .stream(&mut *session)
+                .try_collect()
+                .await?;
+            for doc in &found {
+                let Ok(key) = doc.get_str(field::ID) else {
+                    continue;
+                };
+                for (at, handler) in handlers.iter().enumerate() {
+                    let waits = doc
+                        .get_array(format!("h{at}"))
+                        .is_ok_and(|pending| !pending.is_empty());
+                    if waits && let Some((_, index)) = lowest.get(&(*handler, key)) {
+                        behind.push(*index);
+                    }
+                }
+            }
+        }
+        for index in behind {
+            deliveries[index].insert(field::LANE, lane::PARKED);
+        }
+        Ok(())
     }
 
     /// Takes `count` sequence numbers from the counter of each key, returning the value each

@@ -274,6 +274,11 @@ impl MongoEventStoreBuilder {
     /// parks no backlog. A claim that hands a lane back still parks what waits there, however
     /// few.
     ///
+    /// An append writes parked the deliveries of new events that wait behind a pending delivery
+    /// of their handler and key (one read in its transaction; see the README's differences
+    /// from the specification), unless the threshold is `u32::MAX`: they cost no write of
+    /// their own then.
+    ///
     /// Parking spares the claims a scan over the waiting deliveries of a blocked key, at the
     /// price of two more writes of each of them (parked, then moved back) and of index entries
     /// the claims' reads step over until the storage engine purges them. Which drains a

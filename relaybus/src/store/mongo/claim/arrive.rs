@@ -264,6 +264,7 @@ impl MongoEventStore {
             batch: Batch {
                 claimed,
                 raced: false,
+                again: false,
             },
             all,
         })

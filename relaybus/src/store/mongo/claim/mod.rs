@@ -176,6 +176,9 @@ struct Batch {
     claimed: Vec<ClaimedDelivery>,
     /// Some picks were given up because another claimer took their lane first.
     raced: bool,
+    /// A claim after an idle wait that found nothing sent parked deliveries back to lanes it
+    /// did not read after: the claim right after it reads those lanes (see `claim_locked`).
+    again: bool,
 }
 
 /// What every phase of one claim goes by: who claims, for which handlers, the lease expiry the
@@ -361,6 +364,7 @@ impl MongoEventStore {
             Ok(Batch {
                 mut claimed,
                 mut raced,
+                mut again,
             }) => {
                 // Lanes another claimer took first were given up at the record. A claim left
                 // with nothing tries other lanes, a few times at most: an empty claim sends its
@@ -368,7 +372,7 @@ impl MongoEventStore {
                 // dispatcher claims again at once, for a whole batch, where another pass here
                 // would read every lane again for the few deliveries missing.
                 let mut retries = 0;
-                while raced && claimed.is_empty() && retries < RACE_RETRIES {
+                while (raced || again) && claimed.is_empty() && retries < RACE_RETRIES {
                     retries += 1;
                     let more = self
                         .claim_locked(
@@ -384,6 +388,7 @@ impl MongoEventStore {
                         Ok(Some(more)) => {
                             claimed.extend(more.claimed);
                             raced = more.raced;
+                            again = more.again;
                         }
                         Ok(None) => break,
                         Err(error) => {
@@ -584,16 +589,19 @@ impl MongoEventStore {
                     .collect::<Vec<i32>>()
             })
         };
-        if let Some(rest) = rest {
-            // The heads unparking left to this claim come before the held lanes' scan, after
-            // the reported lanes: the oldest of their keys, found without a scan. They go back
-            // to their lanes with the record.
+        // The heads unparking left to this claim come before the held lanes' scan, after the
+        // reported lanes: the oldest of their keys, found without a scan. They go back to their
+        // lanes with the record. After an idle wait too: a delivery written parked behind a
+        // predecessor that completed before its append committed is reported, and found here.
+        if !scan.picking.full() {
             scan.picking.offer(
                 deferred
                     .iter()
                     .filter_map(|head| Candidate::from_parked(head, now))
                     .collect(),
             );
+        }
+        if let Some(rest) = rest {
             self.scan_lanes(&rest, handlers, now, &mut scan).await?;
             self.scan_free_lanes(
                 &request,
@@ -742,9 +750,25 @@ impl MongoEventStore {
                 tracing::warn!(%error, "relaybus: giving back a delivery the claim did not hand out failed");
             }
         }
+        // After an idle wait, the reported lanes were read before unparking sent deliveries
+        // back to lanes: a delivery written parked whose predecessor completed before its
+        // append committed may be among them. A claim that found nothing reads them next.
+        let mut again = false;
+        // (Heads left to the claim were offered to it above.)
+        if idle
+            && claimed.is_empty()
+            && deferred.is_empty()
+            && let Some(lanes) = &unparked
+            && !lanes.is_empty()
+        {
+            state.hints = lanes.iter().copied().collect();
+            state.reports_complete = false;
+            again = true;
+        }
         Ok(Some(Batch {
             claimed,
             raced: recorded.raced,
+            again,
         }))
     }
 }
