@@ -746,6 +746,15 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
     })
     .await
     .unwrap();
+    // The append wrote the 39 behind the first parked: ready, as a requeue leaves them, the
+    // claim finds them waiting.
+    let moved = db
+        .db()
+        .collection::<mongodb::bson::Document>("relaybus_deliveries")
+        .update_many(doc! { "lane": "parked" }, doc! { "$set": { "lane": "ready" } })
+        .await
+        .unwrap();
+    assert_eq!(moved.modified_count, 39);
 
     // Every update of a delivery fails: parking is one; the claim's own record is on a lane.
     let _broken = fail_command(
