@@ -751,7 +751,10 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
     let moved = db
         .db()
         .collection::<mongodb::bson::Document>("relaybus_deliveries")
-        .update_many(doc! { "lane": "parked" }, doc! { "$set": { "lane": "ready" } })
+        .update_many(
+            doc! { "lane": "parked" },
+            doc! { "$set": { "lane": "ready" } },
+        )
         .await
         .unwrap();
     assert_eq!(moved.modified_count, 39);

@@ -1,5 +1,7 @@
 //! Parked backlogs: deliveries of a key that wait behind an unfinished predecessor, moved out of
-//! the claim index so that claims do not scan them again and again.
+//! the claim index so that claims do not scan them again and again. An append writes a new
+//! delivery parked when it waits behind a pending one of its handler and key; claims park what
+//! they find waiting otherwise.
 //!
 //! Parking is an optimisation and never fails a claim. Unparking is level-triggered: every claim
 //! looks at the current state (the lowest parked delivery of each key, and whether anything
