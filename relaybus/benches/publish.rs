@@ -7,6 +7,10 @@
 //! against the floor is the cost of the library's own work; the floor against the baseline is the
 //! cost of the document model.
 //!
+//! Keyed, over 100 keys, relaybus writes a new delivery that waits behind a pending one of its key
+//! to the parked lane, found by one read in the transaction; the same bus with parking off
+//! (`park_threshold(u32::MAX)`) makes no read. The keyed rows set one against the other.
+//!
 //! Run with `cargo bench -p relaybus --bench publish`. It uses the replica set at
 //! `RELAYBUS_BENCH_MONGODB_URI`, or starts a local one. `RELAYBUS_BENCH_SECONDS` sets the length
 //! of each measured run (default 2); `RELAYBUS_BENCH_ROUNDS` the number of alternating rounds
@@ -44,7 +48,15 @@ enum Subject {
     Relaybus,
     Baseline,
     Floor,
+    /// Relaybus publishing events keyed over [`KEYS`] keys: a new delivery that waits behind a
+    /// pending one of its key is written parked, found by one read in the transaction.
+    Keyed,
+    /// The same with parking off (`park_threshold(u32::MAX)`): no read, every delivery ready.
+    KeyedUnparked,
 }
+
+/// The keys of the keyed subjects.
+const KEYS: u64 = 100;
 
 impl Subject {
     fn name(self) -> &'static str {
@@ -52,6 +64,8 @@ impl Subject {
             Subject::Relaybus => "relaybus",
             Subject::Baseline => "baseline",
             Subject::Floor => "floor",
+            Subject::Keyed => "keyed",
+            Subject::KeyedUnparked => "keyed-unparked",
         }
     }
 }
@@ -59,6 +73,8 @@ impl Subject {
 #[derive(Clone)]
 struct Target {
     bus: RelayBus,
+    /// A bus on a store of the same database with parking off.
+    unparked_bus: RelayBus,
     client: Client,
     orders: Collection<Document>,
     outbox: Collection<Document>,
@@ -99,14 +115,23 @@ async fn main() -> Result<(), BoxError> {
     db.create_collection("outbox").await?;
     let events = db.collection(&store.collection_name("events"));
     let deliveries = db.collection(&store.collection_name("deliveries"));
-    let bus = RelayBus::builder(store)
-        .subscribe(Subscription::new(
-            "send-confirmation",
-            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
-        ))
+    let unparked = MongoEventStore::builder(client.clone())
+        .database(&db_name)
+        .park_threshold(u32::MAX)
         .build()?;
+    let bus_of = |store: MongoEventStore| {
+        RelayBus::builder(store)
+            .subscribe(Subscription::new(
+                "send-confirmation",
+                |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
+            ))
+            .build()
+    };
+    let bus = bus_of(store)?;
+    let unparked_bus = bus_of(unparked)?;
     let target = Target {
         bus,
+        unparked_bus,
         client: client.clone(),
         orders: db.collection("orders"),
         outbox: db.collection("outbox"),
@@ -153,6 +178,42 @@ async fn main() -> Result<(), BoxError> {
             results.push(figures);
         }
     }
+    // Keyed: the read that writes a waiting delivery parked, against no read. Nothing consumes
+    // the deliveries, so after the first events of a key every new one waits.
+    println!(
+        "{:<10} {:>8} {:>10} {:>12} {:>12} {:>7}",
+        "keyed", "per tx", "publishers", "parked/s", "unparked/s", "ratio"
+    );
+    let mut keyed = Vec::new();
+    for per_tx in [1_usize, 100] {
+        for publishers in [1_usize, 8] {
+            let mut parked = Vec::new();
+            let mut unparked = Vec::new();
+            for _ in 0..rounds {
+                unparked
+                    .push(run(&target, Subject::KeyedUnparked, per_tx, publishers, seconds).await?);
+                parked.push(run(&target, Subject::Keyed, per_tx, publishers, seconds).await?);
+            }
+            let (parked, unparked) = (median(parked), median(unparked));
+            println!(
+                "{:<10} {:>8} {:>10} {:>12.0} {:>12.0} {:>7.2}",
+                "keyed",
+                per_tx,
+                publishers,
+                parked,
+                unparked,
+                parked / unparked
+            );
+            keyed.push(serde_json::json!({
+                "events_per_transaction": per_tx,
+                "publishers": publishers,
+                "keys": KEYS,
+                "written_parked_events_per_sec": parked.round(),
+                "parking_off_events_per_sec": unparked.round(),
+                "ratio": round3(parked / unparked),
+            }));
+        }
+    }
     db.drop().await?;
 
     let headline = results.iter().find(|r| r.per_tx == 1 && r.publishers == 8);
@@ -184,6 +245,7 @@ async fn main() -> Result<(), BoxError> {
             "seconds_per_run": seconds,
             "rounds": rounds,
             "runs": runs,
+            "keyed_runs": keyed,
             "floor_ratio": round3(floor_ratio),
             "ratio": round3(ratio),
         })
@@ -240,7 +302,19 @@ async fn run(
                 n += 1;
                 let prefix = format!("{}-{publisher}-{n}-{}", subject.name(), uuid_ish());
                 match subject {
-                    Subject::Relaybus => relaybus_tx(&target, &prefix, per_tx).await?,
+                    Subject::Relaybus => relaybus_tx(&target, &prefix, per_tx, None).await?,
+                    Subject::Keyed | Subject::KeyedUnparked => {
+                        let bus = if subject == Subject::Keyed {
+                            &target.bus
+                        } else {
+                            &target.unparked_bus
+                        };
+                        let keyed = Keyed {
+                            bus,
+                            first: publisher as u64 * 37 + n,
+                        };
+                        relaybus_tx(&target, &prefix, per_tx, Some(keyed)).await?
+                    }
                     Subject::Baseline => baseline_tx(&target, &prefix, per_tx).await?,
                     Subject::Floor => floor_tx(&target, &prefix, per_tx).await?,
                 }
@@ -273,18 +347,36 @@ fn orders_for(prefix: &str, per_tx: usize) -> Vec<Document> {
         .collect()
 }
 
-async fn relaybus_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(), BoxError> {
+/// How a keyed subject publishes: with which bus, its events keyed from `first` on.
+struct Keyed<'a> {
+    bus: &'a RelayBus,
+    first: u64,
+}
+
+async fn relaybus_tx(
+    target: &Target,
+    prefix: &str,
+    per_tx: usize,
+    keyed: Option<Keyed<'_>>,
+) -> Result<(), BoxError> {
     let orders = orders_for(prefix, per_tx);
     let envelopes = (0..per_tx)
         .map(|i| {
-            EventEnvelope::new(&OrderPlaced {
+            let envelope = EventEnvelope::new(&OrderPlaced {
                 order_id: format!("{prefix}-{i}"),
                 total_cents: 1250,
-            })
+            })?;
+            match &keyed {
+                Some(keyed) => {
+                    envelope.with_key(format!("customer-{}", (keyed.first + i as u64) % KEYS))
+                }
+                None => Ok(envelope),
+            }
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let bus = keyed.map_or(&target.bus, |keyed| keyed.bus);
     let body = {
-        let (bus, collection) = (target.bus.clone(), target.orders.clone());
+        let (bus, collection) = (bus.clone(), target.orders.clone());
         async move |session: &mut mongodb::ClientSession| {
             collection
                 .insert_many(orders.clone())
@@ -294,7 +386,7 @@ async fn relaybus_tx(target: &Target, prefix: &str, per_tx: usize) -> Result<(),
             Ok(())
         }
     };
-    target.bus.transaction(body).await?;
+    bus.transaction(body).await?;
     Ok(())
 }
 

@@ -789,6 +789,43 @@ fn sequences_of(claimed: &[relaybus::store::Claimed<Lease>], key: &str) -> Vec<i
 }
 
 #[tokio::test]
+async fn a_run_ends_before_a_member_whose_event_is_missing_and_gives_the_rest_back() {
+    let db = test_db("run_missing_event").await;
+    let store = store(&db).await;
+    let events: Vec<EventEnvelope> = (1..=4)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    // The third delivery's event is gone (a purge that went too far).
+    db.db()
+        .collection::<Document>("relaybus_events")
+        .delete_one(doc! { "_id": "k-3" })
+        .await
+        .unwrap();
+
+    let claimed = claim_runs(&store, "w", 16, at(1)).await;
+    assert_eq!(
+        sequences_of(&claimed, "k"),
+        [1, 2],
+        "the run stops before k-3"
+    );
+    // What was not handed out is not listed on the lane, nor charged.
+    let listed: Vec<ObjectId> = lanes_of(&db, "w")
+        .await
+        .iter()
+        .flat_map(in_flight)
+        .collect();
+    assert_eq!(listed.len(), 2, "only the two handed out stay listed");
+    for d in deliveries(&db).await {
+        let sequence = d.get_i64("sequence").unwrap();
+        if sequence > 2 {
+            assert_eq!(attempts(&d), 0, "not charged: {d:?}");
+            assert!(!listed.contains(&d.get_object_id("_id").unwrap()));
+        }
+    }
+}
+
+#[tokio::test]
 async fn a_claim_with_runs_hands_out_a_keys_next_deliveries_behind_its_head() {
     let db = test_db("runs").await;
     let store = store(&db).await;

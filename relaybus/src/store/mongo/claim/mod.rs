@@ -646,7 +646,7 @@ impl MongoEventStore {
         // one after the other (see `runs`); they are not parked.
         let mut picked_ids: HashSet<ObjectId> = picks.iter().map(|pick| pick.id).collect();
         let members = self
-            .runs_behind(&request, &picks, (run, runs), &mut events, |id| {
+            .runs_behind(&request, &picks, (run, runs), |id| {
                 running.contains(id)
                     || picked_ids.contains(id)
                     || gate.handed_beside(id)

@@ -5,13 +5,15 @@
 //! run back when one does not complete. A claim may then hand out, behind each keyed delivery
 //! it picked (the key's lowest pending delivery, nothing of the key running), the deliveries
 //! that follow it in sequence order: one more read, for every picked key at once, finds the
-//! key's pending deliveries with the next sequence numbers, each with its event. A run is the
+//! key's pending deliveries with the next sequence numbers. A run is the
 //! longest chain of them without a gap in the numbers: nothing of the key can lie between two
 //! consecutive numbers, so each is the key's lowest pending delivery once its predecessor
 //! completed. A member must be due, in the key's lane (ready or parked: a parked one runs from
-//! the parked lane, as a key's next delivery does), not handed out already, and its event must
-//! have been read with it. The record lists the members on the lane with the head, so the
-//! whole run is kept or given up together when the lane changed hands.
+//! the parked lane, as a key's next delivery does) and not handed out already. Their events are
+//! read with those of the other picks the scans did not bring, beside the record (a `$lookup`
+//! per member cost the server more than the rest of the read); a member whose event is missing
+//! is given back with the rest of its run. The record lists the members on the lane with the
+//! head, so the whole run is kept or given up together when the lane changed hands.
 //!
 //! A handler that takes only some of a key's event types sees gaps in its numbers, and its runs
 //! end at them; its next deliveries come with later claims, as without runs.
@@ -23,7 +25,7 @@ use mongodb::bson::{Document, RawDocumentBuf, doc, oid::ObjectId};
 
 use super::{
     Request,
-    scan::{Candidate, candidate_fields, event_lookup},
+    scan::{Candidate, candidate_fields},
 };
 use crate::{
     error::Result,
@@ -38,15 +40,14 @@ pub(crate) const MAX_RUN: u32 = 1_000;
 
 impl MongoEventStore {
     /// The runs behind the keyed picks: for each of the first `runs` keyed picks, the
-    /// deliveries of its handler and key that follow it, up to `run - 1`, each with its event
-    /// added to `events`. Deliveries for which `taken` holds (running, handed out, picked) end
-    /// a run. Nothing for a `run` of 1, no `runs` or no keyed picks, without a read.
+    /// deliveries of its handler and key that follow it, up to `run - 1`. Deliveries for which
+    /// `taken` holds (running, handed out, picked) end a run. Nothing for a `run` of 1, no
+    /// `runs` or no keyed picks, without a read.
     pub(super) async fn runs_behind(
         &self,
         request: &Request<'_>,
         picks: &[Candidate],
         (run, runs): (u32, u32),
-        events: &mut HashMap<String, RawDocumentBuf>,
         taken: impl Fn(&ObjectId) -> bool,
     ) -> Result<Vec<Candidate>> {
         if run <= 1 {
@@ -85,7 +86,6 @@ impl MongoEventStore {
                     "$or": branches,
                 } },
                 doc! { "$project": fields },
-                event_lookup(self.inner.events.name()),
             ])
             .hint(index::hint(index::ORDERING))
             // One batch, so that no `getMore` follows.
@@ -103,36 +103,28 @@ impl MongoEventStore {
             .enumerate()
             .map(|(at, (pick, key, _))| ((pick.handler.as_str(), *key), at))
             .collect();
-        let mut following: HashMap<(usize, i64), (Candidate, RawDocumentBuf)> = HashMap::new();
+        let mut following: HashMap<(usize, i64), Candidate> = HashMap::new();
         for doc in &found {
             let in_a_lane = matches!(doc.get_str(field::LANE), Ok(lane::READY) | Ok(lane::PARKED));
             let Some(candidate) = Candidate::from_raw(doc) else {
                 continue;
             };
-            let event = doc
-                .get_array("event")
-                .ok()
-                .and_then(|events| events.into_iter().next())
-                .and_then(|event| event.ok()?.as_document().map(|e| e.to_raw_document_buf()));
-            let (Some(event), true, Some(key), Some(sequence)) = (
-                event,
-                in_a_lane,
-                candidate.key.as_deref(),
-                candidate.sequence,
-            ) else {
+            let (true, Some(key), Some(sequence)) =
+                (in_a_lane, candidate.key.as_deref(), candidate.sequence)
+            else {
                 continue;
             };
             let Some(&at) = head_of.get(&(candidate.handler.as_str(), key)) else {
                 continue;
             };
-            following.insert((at, sequence), (candidate, event));
+            following.insert((at, sequence), candidate);
         }
         let mut members = Vec::new();
         for (at, (head, _, sequence)) in heads.iter().enumerate() {
             let mut next = *sequence;
             for _ in 1..run {
                 next += 1;
-                let Some((candidate, event)) = following.remove(&(at, next)) else {
+                let Some(candidate) = following.remove(&(at, next)) else {
                     break;
                 };
                 if candidate.lane != head.lane
@@ -141,7 +133,6 @@ impl MongoEventStore {
                 {
                     break;
                 }
-                events.entry(candidate.event_id.clone()).or_insert(event);
                 members.push(candidate);
             }
         }
