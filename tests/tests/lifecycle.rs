@@ -1465,6 +1465,13 @@ async fn a_parked_backlog_of_5000_unparks_level_triggered_after_its_head_complet
         .collect();
     publish(&store, &backlog, &[HANDLER], at(0)).await;
     publish_unkeyed(&store, "cold", 5, at(1)).await;
+    // The appends wrote parked what waits behind the first of each; ready, as a requeue or an
+    // earlier version leaves them, the claim finds the backlog waiting.
+    db.db()
+        .collection::<Document>("relaybus_deliveries")
+        .update_many(doc! { "key": "hot" }, doc! { "$set": { "lane": "ready" } })
+        .await
+        .unwrap();
 
     let first = claim(&store, "w", 10, at(2)).await;
     assert_eq!(first.len(), 6, "the head of the hot key and the 5 others");
@@ -4203,9 +4210,40 @@ async fn lanes_by_event(db: &TestDb) -> Vec<(String, String)> {
 }
 
 #[tokio::test]
+async fn an_append_writes_parked_what_waits_behind_a_delivery_of_the_same_append() {
+    let db = test_db("born_parked_batch").await;
+    let store = store(&db).await;
+    assert!(!store.park_behind_pending(), "off by default");
+    publish(&store, &[event("k-0", Some("k"))], &[HANDLER], at(0)).await;
+    // Without looking up what is pending: k-1 is its append's first of `k`, k-2 waits behind
+    // it in the same append.
+    publish(
+        &store,
+        &[event("k-1", Some("k")), event("k-2", Some("k"))],
+        &[HANDLER],
+        at(0),
+    )
+    .await;
+    let expected = [("k-0", "ready"), ("k-1", "ready"), ("k-2", "parked")]
+        .map(|(id, lane)| (id.to_owned(), lane.to_owned()));
+    assert_eq!(lanes_by_event(&db).await, expected);
+}
+
+/// A store over `db` whose appends look up the pending deliveries of their keys.
+async fn store_parking_behind_pending(client: &Client, db: &TestDb) -> MongoEventStore {
+    let store = MongoEventStore::builder(client.clone())
+        .database(&db.name)
+        .park_behind_pending(true)
+        .build()
+        .expect("valid options");
+    store.setup().await.expect("setup");
+    store
+}
+
+#[tokio::test]
 async fn an_append_writes_parked_what_waits_behind_a_pending_delivery_of_its_key() {
     let db = test_db("born_parked").await;
-    let store = store(&db).await;
+    let store = store_parking_behind_pending(&db.client, &db).await;
     publish(
         &store,
         &[event("k-0", Some("k")), event("j-0", Some("j"))],
@@ -4278,7 +4316,8 @@ async fn an_append_writes_parked_what_waits_behind_a_pending_delivery_of_its_key
 async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_is_claimed_when_reported()
  {
     let db = test_db("born_parked_race").await;
-    let (store, count) = counted_store(&db).await;
+    let (client, count, _) = counting_client(&db).await;
+    let store = store_parking_behind_pending(&client, &db).await;
     publish(&store, &[event("k-0", Some("k"))], &[HANDLER], at(0)).await;
     let (_, head) = boundary_claimed(&store, &count, ms(0), &[], true).await;
     assert_eq!(head.len(), 1);

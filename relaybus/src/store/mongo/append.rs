@@ -317,11 +317,11 @@ impl MongoEventStore {
 
     /// Writes to the parked lane the new keyed deliveries that wait behind a pending
     /// predecessor: of the deliveries of new events (`created`), every delivery of a handler and
-    /// key but the lowest, and the lowest when the store holds a pending delivery of the same
-    /// handler and key, whose sequence number is lower (the numbers were just taken). One read,
-    /// of the keys' counters with their pending deliveries looked up, for up to
-    /// [`BORN_PARKED_KEYS_PER_READ`] keys. A claim would park them once it found them waiting;
-    /// written parked, they cost no write of their own. Unparking is level-triggered (see
+    /// key but the lowest, and, with `park_behind_pending`, the lowest when the store holds a
+    /// pending delivery of the same handler and key, whose sequence number is lower (the
+    /// numbers were just taken): one read, of the keys' counters with their pending deliveries
+    /// looked up, for up to [`BORN_PARKED_KEYS_PER_READ`] keys. A claim would park them once it
+    /// found them waiting; written parked, they cost no write of their own. Unparking is level-triggered (see
     /// `park`): a delivery written parked whose predecessor completes before this transaction
     /// commits goes back to its lane with the next claim.
     async fn park_born_behind(
@@ -363,6 +363,9 @@ impl MongoEventStore {
                     }
                 }
             }
+        }
+        if !self.inner.park_behind_pending {
+            lowest.clear();
         }
         let mut keys: Vec<&str> = lowest.keys().map(|(_, key)| *key).collect();
         keys.sort_unstable();
