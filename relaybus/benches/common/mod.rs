@@ -205,7 +205,8 @@ impl Floor {
 )]
 impl Floor {
     /// The lowest pending delivery of `handler` and `key` with its event read, recorded on its
-    /// lane; `None` when the key has nothing pending.
+    /// lane; `None` when the key has nothing pending. Ready or parked: an append writes parked
+    /// what waits behind a delivery of the same append.
     pub(crate) async fn next_of_key(
         &self,
         handler: &str,
@@ -213,7 +214,7 @@ impl Floor {
     ) -> Result<Option<Document>, mongodb::error::Error> {
         let next = self
             .deliveries
-            .find_one(doc! { "lane": "ready", "handler": handler, "key": key, "status": "pending" })
+            .find_one(doc! { "status": "pending", "handler": handler, "key": key })
             .sort(doc! { "sequence": 1 })
             .await?;
         let Some(next) = next else {
