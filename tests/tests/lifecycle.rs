@@ -19,7 +19,8 @@ use mongodb::{
 };
 use relaybus::{
     AppendRequest, ClaimedDelivery, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
-    EventEnvelope, Lease, LeaseError, MongoEventStore, PurgeOptions, event::lane_of,
+    EventEnvelope, Lease, LeaseError, MongoEventStore, MongoEventStoreBuilder, PurgeOptions,
+    event::lane_of,
 };
 use relaybus_harness::{FailPoint, TestDb, test_db};
 use relaybus_tests::support::{bare_store, deliveries};
@@ -37,26 +38,27 @@ fn at(seconds: i64) -> DateTime {
     DateTime::from_millis(T0 + seconds * 1000)
 }
 
-async fn store_with(client: &Client, db: &TestDb, history: bool) -> MongoEventStore {
-    let store = MongoEventStore::builder(client.clone())
-        .database(&db.name)
-        .completion_history(history)
+/// A store over `db` on `client`, built with `options` and set up.
+async fn store_built(
+    client: &Client,
+    db: &TestDb,
+    options: impl FnOnce(MongoEventStoreBuilder) -> MongoEventStoreBuilder,
+) -> MongoEventStore {
+    let store = options(MongoEventStore::builder(client.clone()).database(&db.name))
         .build()
         .expect("valid options");
     store.setup().await.expect("setup");
     store
 }
 
+async fn store_with(client: &Client, db: &TestDb, history: bool) -> MongoEventStore {
+    store_built(client, db, |builder| builder.completion_history(history)).await
+}
+
 /// A store without the crash-recovery heartbeat, for tests whose fail point takes the next
 /// `update` of their client: the heartbeat's could take it first.
 async fn store_without_heartbeat(client: &Client, db: &TestDb) -> MongoEventStore {
-    let store = MongoEventStore::builder(client.clone())
-        .database(&db.name)
-        .crash_recovery(false)
-        .build()
-        .expect("valid options");
-    store.setup().await.expect("setup");
-    store
+    store_built(client, db, |builder| builder.crash_recovery(false)).await
 }
 
 async fn store(db: &TestDb) -> MongoEventStore {
@@ -3934,12 +3936,7 @@ async fn a_claim_beside_takes_only_what_may_run_at_once() {
     let db = test_db("beside_rules").await;
     // Parking off: the second delivery of a key is written ready, as a requeue leaves it (a
     // delivery written parked is left to the owner's next claim).
-    let store = MongoEventStore::builder(db.client.clone())
-        .database(&db.name)
-        .park_threshold(u32::MAX)
-        .build()
-        .unwrap();
-    store.setup().await.unwrap();
+    let store = store_built(&db.client, &db, |builder| builder.park_threshold(u32::MAX)).await;
     let other = store_with(&db.client, &db, false).await;
     let mut stream = wake_up_stream(&db).await;
     // Two deliveries of key `k`: the first runs, so the second waits.
@@ -4231,13 +4228,7 @@ async fn an_append_writes_parked_what_waits_behind_a_delivery_of_the_same_append
 
 /// A store over `db` whose appends look up the pending deliveries of their keys.
 async fn store_parking_behind_pending(client: &Client, db: &TestDb) -> MongoEventStore {
-    let store = MongoEventStore::builder(client.clone())
-        .database(&db.name)
-        .park_behind_pending(true)
-        .build()
-        .expect("valid options");
-    store.setup().await.expect("setup");
-    store
+    store_built(client, db, |builder| builder.park_behind_pending(true)).await
 }
 
 #[tokio::test]
