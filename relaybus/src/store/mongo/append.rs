@@ -321,9 +321,9 @@ impl MongoEventStore {
     /// pending delivery of the same handler and key, whose sequence number is lower (the
     /// numbers were just taken): one read, of the keys' counters with their pending deliveries
     /// looked up, for up to [`BORN_PARKED_KEYS_PER_READ`] keys. A claim would park them once it
-    /// found them waiting; written parked, they cost no write of their own. Unparking is level-triggered (see
-    /// `park`): a delivery written parked whose predecessor completes before this transaction
-    /// commits goes back to its lane with the next claim.
+    /// found them waiting; written parked, they cost no write of their own. Unparking is
+    /// level-triggered (see `park`): a delivery written parked whose predecessor completes
+    /// before this transaction commits goes back to its lane with the next claim.
     async fn park_born_behind(
         &self,
         session: &mut ClientSession,
@@ -364,9 +364,24 @@ impl MongoEventStore {
                 }
             }
         }
-        if !self.inner.park_behind_pending {
-            lowest.clear();
+        if self.inner.park_behind_pending {
+            self.look_up_pending(session, &lowest, &mut behind).await?;
         }
+        for index in behind {
+            deliveries[index].insert(field::LANE, lane::PARKED);
+        }
+        Ok(())
+    }
+
+    /// Adds to `behind` the index of each of the `lowest` new deliveries of a handler and key
+    /// for which a delivery of the same handler and key is pending: one read per
+    /// [`BORN_PARKED_KEYS_PER_READ`] keys, [`BORN_PARKED_READS`] at most.
+    async fn look_up_pending(
+        &self,
+        session: &mut ClientSession,
+        lowest: &HashMap<(&str, &str), (i64, usize)>,
+        behind: &mut Vec<usize>,
+    ) -> Result<()> {
         let mut keys: Vec<&str> = lowest.keys().map(|(_, key)| *key).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -413,9 +428,6 @@ impl MongoEventStore {
                     }
                 }
             }
-        }
-        for index in behind {
-            deliveries[index].insert(field::LANE, lane::PARKED);
         }
         Ok(())
     }

@@ -593,14 +593,12 @@ impl MongoEventStore {
         // reported lanes: the oldest of their keys, found without a scan. They go back to their
         // lanes with the record. After an idle wait too: a delivery written parked behind a
         // predecessor that completed before its append committed is reported, and found here.
-        if !scan.picking.full() {
-            scan.picking.offer(
-                deferred
-                    .iter()
-                    .filter_map(|head| Candidate::from_parked(head, now))
-                    .collect(),
-            );
-        }
+        scan.picking.offer(
+            deferred
+                .iter()
+                .filter_map(|head| Candidate::from_parked(head, now))
+                .collect(),
+        );
         if let Some(rest) = rest {
             self.scan_lanes(&rest, handlers, now, &mut scan).await?;
             self.scan_free_lanes(
