@@ -522,6 +522,63 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
     }
 }
 
+/// `count` event ids whose unkeyed deliveries land in `lane`.
+fn ids_in_lane(lane: u32, count: usize) -> Vec<String> {
+    (0..)
+        .map(|n| format!("lane-{lane}-{n}"))
+        .filter(|id| lane_of(None, id) == lane)
+        .take(count)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_ranking_that_reads_past_its_first_thousand_entries_still_takes_the_oldest_lanes() {
+    let db = test_db("spec_lane_ranking_deep").await;
+    let store = store(&db).await;
+    // The four lowest lanes hold 300 recent deliveries each, more than a ranking's first pass
+    // over the claim index reads; lane 1 also holds one of the four oldest, and lanes 200 to
+    // 202, which the first pass does not reach, the other three.
+    let now = Timestamp::now();
+    let recent = now.saturating_sub(Duration::from_secs(10));
+    let mut due: Vec<(String, Timestamp)> = Vec::new();
+    for lane in 0..4 {
+        for id in ids_in_lane(lane, 300) {
+            due.push((id, recent));
+        }
+    }
+    let oldest = [1_u32, 200, 201, 202];
+    for (n, lane) in oldest.iter().enumerate() {
+        let id = (0..)
+            .map(|k| format!("old-{lane}-{k}"))
+            .find(|id| lane_of(None, id) == *lane)
+            .unwrap();
+        due.push((id, now.saturating_sub(Duration::from_secs(700 - n as u64))));
+    }
+    let events: Vec<(EventEnvelope, Timestamp)> =
+        due.iter().map(|(id, at)| (envelope(id), *at)).collect();
+    let handlers = ["projector".to_owned()];
+    transaction::run(&store, None, async |session| {
+        let requests: Vec<AppendRequest<'_>> = events
+            .iter()
+            .map(|(e, at)| AppendRequest::new(e, &handlers).due_at(*at))
+            .collect();
+        Store::append(&store, session, &requests, now).await
+    })
+    .await
+    .unwrap();
+
+    // Alone, a claim of 4 takes the 4 lanes with the oldest due deliveries, and runs those.
+    let batch = claim_as(&store, "claimer", &handlers, 4, now).await;
+    let mut taken: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
+    taken.sort_unstable();
+    assert_eq!(taken, oldest, "the lanes of the oldest due deliveries");
+    assert!(
+        batch.iter().all(|c| c.event.id().starts_with("old-")),
+        "the oldest deliveries: {:?}",
+        batch.iter().map(|c| c.event.id()).collect::<Vec<_>>()
+    );
+}
+
 /// A client named `app` whose started commands are sent on a channel.
 async fn announcing_client(
     db: &TestDb,

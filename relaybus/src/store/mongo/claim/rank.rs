@@ -4,8 +4,14 @@
 //! A claim that needs more than its held lanes gave looks at free lanes in rounds of twice as
 //! many lanes each (4 at first, more for a big claim). With other live holders around, it picks
 //! among a wider set of old lanes at random, so that concurrent claimers mostly look at
-//! different lanes. Ranking reads one index range per free lane and scanning a few lanes does
-//! not, so the rest of a ranking is kept for the owner's next claims, for a second.
+//! different lanes. Ranking costs more than scanning a few lanes, so the rest of a ranking is
+//! kept for the owner's next claims, for a second.
+//!
+//! A ranking first reads the free lanes' due entries in the claim index's own order, up to 1,024
+//! of them, and ranks only the lanes past where that pass stopped by a merge of one index range
+//! per lane (see `rank_lanes`): a merge over lanes just drained reads the entries their
+//! completions left behind once per lane, which cost a drained collection more than every other
+//! read of a claim together.
 //!
 //! A ranking that saw every due delivery of the free lanes it read (it read fewer index entries
 //! than it could) also says that the lanes it did not list had nothing due. While the change
@@ -51,6 +57,8 @@ const DELIVERIES_PER_LANE: usize = 8;
 const MAX_FIRST_ROUND: usize = 64;
 /// Index entries one free-lane discovery query reads per group of lanes, at most.
 const DISCOVERY_WINDOW: i64 = 512;
+/// Index entries the probe of the free lanes reads at most (see `rank_lanes`).
+const PROBE_WINDOW: i64 = 1024;
 /// The most claimers a claim assumes it competes with when it spreads over free lanes.
 const MAX_SPREAD: usize = 8;
 
@@ -219,6 +227,15 @@ impl MongoEventStore {
     /// index show (enough to find `count` lanes, unless a few lanes hold all the oldest work),
     /// the lane with the oldest due delivery first; and whether these are all the `free` lanes
     /// with due deliveries (the queries read fewer entries than they could).
+    ///
+    /// A probe reads the free lanes' due entries first, in index order (lane by lane, each
+    /// lane's oldest first), up to [`PROBE_WINDOW`] of them: the lanes it reaches are known with
+    /// their oldest due delivery. Only the lanes past where it stopped are ranked by the oldest
+    /// entries across lanes, a merge of one index range per lane. That merge starts every range
+    /// at its beginning, and a range whose deliveries were just completed or parked is a run of
+    /// deleted entries the storage engine keeps until it cleans the page up: read once per lane,
+    /// a few hundred such lanes cost a drained collection tens of milliseconds of the server's
+    /// time per ranking, where the probe's one pass in index order costs well under one.
     async fn rank_lanes(
         &self,
         free: &[i32],
@@ -226,10 +243,11 @@ impl MongoEventStore {
         now: DateTime,
         count: usize,
     ) -> Result<(Vec<i32>, bool)> {
+        let (mut oldest, unprobed) = self.probe_lanes(free, handlers, now).await?;
         // Enough index entries to find `count` lanes unless a few lanes hold all the oldest
         // work; the next round then looks again without them.
         let window = (count as i64 * 8).clamp(32, DISCOVERY_WINDOW);
-        let queries = free.chunks(LANES_PER_QUERY).map(|group| async move {
+        let queries = unprobed.chunks(LANES_PER_QUERY).map(|group| async move {
             let docs: Vec<Document> = self
                 .inner
                 .deliveries
@@ -245,17 +263,11 @@ impl MongoEventStore {
             let seen_all = (docs.len() as i64) < window;
             Ok::<_, Error>((docs, seen_all))
         });
-        let mut oldest: HashMap<i32, DateTime> = HashMap::new();
         let mut seen_all = true;
         for (docs, all) in future::try_join_all(queries).await? {
             seen_all &= all;
             for doc in docs {
-                let (Some(lane), Ok(due)) =
-                    (int(&doc, field::LANE_ID), doc.get_datetime(field::DUE_AT))
-                else {
-                    continue;
-                };
-                let Ok(lane) = i32::try_from(lane) else {
+                let (Some(lane), Ok(due)) = (lane_of(&doc), doc.get_datetime(field::DUE_AT)) else {
                     continue;
                 };
                 let entry = oldest.entry(lane).or_insert(*due);
@@ -268,6 +280,64 @@ impl MongoEventStore {
         ranked.sort();
         Ok((ranked.into_iter().map(|(_, lane)| lane).collect(), seen_all))
     }
+
+    /// The oldest due delivery of each `free` lane the probe reached, and the free lanes it did
+    /// not reach: none when it read every due entry of the free lanes. One pass over the claim
+    /// index in its own order, up to [`PROBE_WINDOW`] entries: the lanes come in ascending
+    /// order, each with its oldest entry first, so every lane it reached is known whole, and
+    /// those past the highest it reached were not read.
+    async fn probe_lanes(
+        &self,
+        free: &[i32],
+        handlers: &[&str],
+        now: DateTime,
+    ) -> Result<(HashMap<i32, DateTime>, Vec<i32>)> {
+        let docs: Vec<Document> = self
+            .inner
+            .deliveries
+            .aggregate([
+                doc! { "$match": scan_filter(free, handlers, now) },
+                doc! { "$project": { field::ID: 0, field::LANE_ID: 1, field::DUE_AT: 1 } },
+                doc! { "$limit": PROBE_WINDOW },
+                doc! { "$group": {
+                    "_id": format!("${}", field::LANE_ID),
+                    "due": { "$min": format!("${}", field::DUE_AT) },
+                    "entries": { "$sum": 1 },
+                } },
+            ])
+            .hint(index::hint(index::CLAIM))
+            .await?
+            .try_collect()
+            .await?;
+        let mut oldest = HashMap::with_capacity(docs.len());
+        let mut entries = 0;
+        let mut highest = i32::MIN;
+        for doc in &docs {
+            entries += int(doc, "entries").unwrap_or(0);
+            let (Some(lane), Ok(due)) = (
+                int(doc, "_id").and_then(|lane| i32::try_from(lane).ok()),
+                doc.get_datetime("due"),
+            ) else {
+                continue;
+            };
+            highest = highest.max(lane);
+            oldest.insert(lane, *due);
+        }
+        let unprobed = if entries < PROBE_WINDOW {
+            Vec::new()
+        } else {
+            free.iter()
+                .copied()
+                .filter(|lane| *lane > highest)
+                .collect()
+        };
+        Ok((oldest, unprobed))
+    }
+}
+
+/// The lane of an entry read by a ranking.
+fn lane_of(doc: &Document) -> Option<i32> {
+    int(doc, field::LANE_ID).and_then(|lane| i32::try_from(lane).ok())
 }
 
 #[cfg(test)]
