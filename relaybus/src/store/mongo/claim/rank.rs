@@ -7,9 +7,9 @@
 //! different lanes. Ranking costs more than scanning a few lanes, so the rest of a ranking is
 //! kept for the owner's next claims, for a second.
 //!
-//! A ranking first reads the free lanes' due entries in the claim index's own order, up to 1,024
-//! of them, and ranks only the lanes past where that pass stopped by a merge of one index range
-//! per lane (see `rank_lanes`): a merge over lanes just drained reads the entries their
+//! A ranking first reads the free lanes' due entries in the claim index's own order, as many as
+//! the merge would, and ranks only the lanes past where that pass stopped by a merge of one
+//! index range per lane (see `rank_lanes`): a merge over lanes just drained reads the entries their
 //! completions left behind once per lane, which cost a drained collection more than every other
 //! read of a claim together.
 //!
@@ -57,8 +57,6 @@ const DELIVERIES_PER_LANE: usize = 8;
 const MAX_FIRST_ROUND: usize = 64;
 /// Index entries one free-lane discovery query reads per group of lanes, at most.
 const DISCOVERY_WINDOW: i64 = 512;
-/// Index entries the probe of the free lanes reads at most (see `rank_lanes`).
-const PROBE_WINDOW: i64 = 1024;
 /// The most claimers a claim assumes it competes with when it spreads over free lanes.
 const MAX_SPREAD: usize = 8;
 
@@ -229,7 +227,7 @@ impl MongoEventStore {
     /// with due deliveries (the queries read fewer entries than they could).
     ///
     /// A probe reads the free lanes' due entries first, in index order (lane by lane, each
-    /// lane's oldest first), up to [`PROBE_WINDOW`] of them: the lanes it reaches are known with
+    /// lane's oldest first), as many as the merge reads: the lanes it reaches are known with
     /// their oldest due delivery. Only the lanes past where it stopped are ranked by the oldest
     /// entries across lanes, a merge of one index range per lane. That merge starts every range
     /// at its beginning, and a range whose deliveries were just completed or parked is a run of
@@ -243,10 +241,10 @@ impl MongoEventStore {
         now: DateTime,
         count: usize,
     ) -> Result<(Vec<i32>, bool)> {
-        let (mut oldest, unprobed) = self.probe_lanes(free, handlers, now).await?;
         // Enough index entries to find `count` lanes unless a few lanes hold all the oldest
         // work; the next round then looks again without them.
         let window = (count as i64 * 8).clamp(32, DISCOVERY_WINDOW);
+        let (mut oldest, unprobed) = self.probe_lanes(free, handlers, now, window).await?;
         let queries = unprobed.chunks(LANES_PER_QUERY).map(|group| async move {
             let docs: Vec<Document> = self
                 .inner
@@ -283,7 +281,7 @@ impl MongoEventStore {
 
     /// The oldest due delivery of each `free` lane the probe reached, and the free lanes it did
     /// not reach: none when it read every due entry of the free lanes. One pass over the claim
-    /// index in its own order, up to [`PROBE_WINDOW`] entries: the lanes come in ascending
+    /// index in its own order, up to `window` entries: the lanes come in ascending
     /// order, each with its oldest entry first, so every lane it reached is known whole, and
     /// those past the highest it reached were not read.
     async fn probe_lanes(
@@ -291,6 +289,7 @@ impl MongoEventStore {
         free: &[i32],
         handlers: &[&str],
         now: DateTime,
+        window: i64,
     ) -> Result<(HashMap<i32, DateTime>, Vec<i32>)> {
         let docs: Vec<Document> = self
             .inner
@@ -298,7 +297,7 @@ impl MongoEventStore {
             .aggregate([
                 doc! { "$match": scan_filter(free, handlers, now) },
                 doc! { "$project": { field::ID: 0, field::LANE_ID: 1, field::DUE_AT: 1 } },
-                doc! { "$limit": PROBE_WINDOW },
+                doc! { "$limit": window },
                 doc! { "$group": {
                     "_id": format!("${}", field::LANE_ID),
                     "due": { "$min": format!("${}", field::DUE_AT) },
@@ -323,7 +322,7 @@ impl MongoEventStore {
             highest = highest.max(lane);
             oldest.insert(lane, *due);
         }
-        let unprobed = if entries < PROBE_WINDOW {
+        let unprobed = if entries < window {
             Vec::new()
         } else {
             free.iter()
