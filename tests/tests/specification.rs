@@ -532,7 +532,7 @@ fn ids_in_lane(lane: u32, count: usize) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn a_ranking_that_reads_past_its_first_thousand_entries_still_takes_the_oldest_lanes() {
+async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
     let db = test_db("spec_lane_ranking_deep").await;
     let store = store(&db).await;
     // The four lowest lanes hold 300 recent deliveries each, more than a ranking's first pass
