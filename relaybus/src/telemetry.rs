@@ -27,7 +27,8 @@
 //! deployment at a time, the one that holds the store's `gauges` lead
 //! ([`Store::lead`](crate::store::Store::lead)), so that N processes do not report N copies.
 //! A bus that loses the lead sets its gauges to zero, so summing them across processes
-//! counts each delivery once.
+//! counts each delivery once. Buses that share a store instance share its lead, and sample
+//! with one count ([`Store::gauge_statistics`](crate::store::Store::gauge_statistics)).
 //!
 //! The attributes: `messaging.system` is always `relaybus`; the destination
 //! (`messaging.destination.name`) is the event type; the consumer group

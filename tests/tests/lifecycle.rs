@@ -3012,6 +3012,68 @@ async fn headers_of_any_json_value_reach_the_handler_as_text() {
 }
 
 #[tokio::test]
+async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
+    use relaybus::Store;
+    let db = test_db("gauge_sample").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    publish_unkeyed(&store, "g", 1, at(0)).await;
+    let pending = |stats: &[relaybus::HandlerStatistics]| -> Vec<u64> {
+        stats.iter().map(|handler| handler.pending).collect()
+    };
+
+    // What one count sends.
+    let before = count.load(Ordering::SeqCst);
+    assert_eq!(
+        pending(&Store::handler_statistics(&store).await.unwrap()),
+        [1]
+    );
+    let one_count = count.load(Ordering::SeqCst) - before;
+    assert!(one_count > 0);
+
+    // Two buses of one instance sampling at once: one count.
+    let age = Duration::from_secs(60);
+    let before = count.load(Ordering::SeqCst);
+    names.lock().unwrap().clear();
+    let other = store.clone();
+    let (first, second) = futures::join!(
+        Store::gauge_statistics(&store, age),
+        Store::gauge_statistics(&other, age)
+    );
+    let (first, second) = (first.unwrap(), second.unwrap());
+    assert_eq!(pending(&first), [1]);
+    assert_eq!(first, second);
+    assert_eq!(
+        count.load(Ordering::SeqCst) - before,
+        one_count,
+        "{:?}",
+        names.lock().unwrap()
+    );
+
+    // A delivery later: a sample within the age reports the count it shares; one that asks
+    // for a newer count, and the operators' statistics, count again.
+    publish_unkeyed(&store, "h", 1, at(0)).await;
+    let before = count.load(Ordering::SeqCst);
+    let shared = Store::gauge_statistics(&store, age).await.unwrap();
+    assert_eq!(pending(&shared), [1]);
+    assert_eq!(count.load(Ordering::SeqCst), before, "no command");
+    let fresh = Store::gauge_statistics(&store, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(pending(&fresh), [2]);
+    assert_eq!(
+        pending(&Store::handler_statistics(&store).await.unwrap()),
+        [2]
+    );
+    // Another instance counts for itself.
+    let apart = store_with(&client, &db, false).await;
+    assert_eq!(
+        pending(&Store::gauge_statistics(&apart, age).await.unwrap()),
+        [2]
+    );
+}
+
+#[tokio::test]
 async fn statistics_and_listings_work_after_the_listing_indexes_are_dropped() {
     let db = test_db("dropped_listing_indexes").await;
     let store = store(&db).await;

@@ -444,6 +444,18 @@ pub trait Store: Clone + Send + Sync + fmt::Debug + 'static {
     /// listed once, in handler order: what the `relaybus.deliveries` gauges report.
     fn handler_statistics(&self) -> impl Future<Output = Result<Vec<HandlerStatistics>>> + Send;
 
+    /// [`handler_statistics`](Self::handler_statistics) for the delivery gauges, which a
+    /// started bus samples on its interval: a store instance that several buses share may
+    /// answer them with one count taken less than `max_age` ago, and count once for callers
+    /// that ask at the same time. By default, a new count for every call.
+    fn gauge_statistics(
+        &self,
+        max_age: Duration,
+    ) -> impl Future<Output = Result<Vec<HandlerStatistics>>> + Send {
+        let _ = max_age;
+        self.handler_statistics()
+    }
+
     /// Takes or keeps the lead of `role` for `period`: `true` when this store instance holds it
     /// now, `false` when another instance, of this process or another, holds it and its lead
     /// has not expired. For work one process of a deployment does at a time (sampling the

@@ -112,6 +112,10 @@ pub(crate) struct StoreInner {
     pub(crate) processes: Collection<Document>,
     /// The server sessions this instance starts transactions on.
     pub(crate) sessions: sessions::SessionRegistry,
+    /// The last count of deliveries by handler for the gauges, and when it was taken: the buses
+    /// that share this instance sample with one count (see `gauge_statistics`).
+    pub(crate) gauge_sample:
+        tokio::sync::Mutex<Option<(std::time::Instant, Vec<crate::HandlerStatistics>)>>,
 }
 
 impl std::fmt::Debug for MongoEventStore {
@@ -466,6 +470,7 @@ impl MongoEventStoreBuilder {
             park_behind_pending: self.park_behind_pending,
             topology_checked: OnceCell::new(),
             claims: lease::ClaimRegistry::default(),
+            gauge_sample: tokio::sync::Mutex::new(None),
         };
         Ok(MongoEventStore {
             inner: Arc::new(inner),
