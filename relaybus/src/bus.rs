@@ -298,13 +298,14 @@ impl<S: Store> RelayBus<S> {
     /// Samples the delivery gauges now, as a started bus does every
     /// [`gauge_interval`](RelayBusBuilder::gauge_interval), if this bus leads their sampling
     /// (see [`telemetry`](crate::telemetry)): `true` when it sampled, `false` when another bus
-    /// leads.
+    /// leads. It always counts anew, where a started bus on its interval may report a count
+    /// that another bus of the same store instance took less than half an interval before.
     ///
     /// # Errors
     ///
     /// The store's errors.
     pub async fn sample_gauges(&self) -> Result<bool> {
-        self.inner.shared.sample_gauges().await
+        self.inner.shared.sample_gauges(false).await
     }
 
     /// Deletes what the retention settings let go now, as the dispatcher does on its

@@ -431,8 +431,9 @@ impl<S: Store> Shared<S> {
     }
 
     /// Samples the delivery gauges if this bus leads their sampling (see [`crate::telemetry`]);
-    /// a bus that no longer leads sets its gauges to zero. Whether it sampled.
-    pub(crate) async fn sample_gauges(&self) -> Result<bool> {
+    /// a bus that no longer leads sets its gauges to zero. Whether it sampled. `shared`: a
+    /// count another bus of the store instance took in the last half interval will do.
+    pub(crate) async fn sample_gauges(&self, shared: bool) -> Result<bool> {
         let interval = self
             .settings
             .gauge_interval
@@ -448,9 +449,10 @@ impl<S: Store> Shared<S> {
             }
             return Ok(false);
         }
-        // Buses sharing a store instance sample with one count: whichever asks first in half
-        // an interval counts, the others report what it found.
-        let statistics = self.store.gauge_statistics(interval / 2).await?;
+        // Buses sharing a store instance sample on their interval with one count: whichever
+        // asks first in half an interval counts, the others report what it found.
+        let max_age = if shared { interval / 2 } else { Duration::ZERO };
+        let statistics = self.store.gauge_statistics(max_age).await?;
         let mut reported = self.gauges.lock().unwrap_or_else(|e| e.into_inner());
         telemetry::record_gauges(&statistics, self.now(), &mut reported);
         Ok(true)
@@ -1222,7 +1224,7 @@ async fn sample_periodically<S: Store>(
     cancel: CancellationToken,
 ) {
     loop {
-        if let Err(error) = shared.sample_gauges().await {
+        if let Err(error) = shared.sample_gauges(true).await {
             debug!(%error, "sampling the delivery gauges failed; trying again at the next interval");
         }
         tokio::select! {
