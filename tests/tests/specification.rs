@@ -458,10 +458,16 @@ async fn purge_expired_deletes_what_the_retention_lets_go() {
 
 /// An event id whose unkeyed deliveries land in `lane`.
 fn id_in_lane(lane: u32) -> String {
+    ids_in_lane("lane", lane, 1).remove(0)
+}
+
+/// `count` event ids starting with `prefix` whose unkeyed deliveries land in `lane`.
+fn ids_in_lane(prefix: &str, lane: u32, count: usize) -> Vec<String> {
     (0..)
-        .map(|n| format!("lane-{lane}-{n}"))
-        .find(|id| lane_of(None, id) == lane)
-        .unwrap()
+        .map(|n| format!("{prefix}-{lane}-{n}"))
+        .filter(|id| lane_of(None, id) == lane)
+        .take(count)
+        .collect()
 }
 
 #[tokio::test]
@@ -522,15 +528,6 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
     }
 }
 
-/// `count` event ids whose unkeyed deliveries land in `lane`.
-fn ids_in_lane(lane: u32, count: usize) -> Vec<String> {
-    (0..)
-        .map(|n| format!("lane-{lane}-{n}"))
-        .filter(|id| lane_of(None, id) == lane)
-        .take(count)
-        .collect()
-}
-
 #[tokio::test]
 async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
     let db = test_db("spec_lane_ranking_deep").await;
@@ -542,16 +539,13 @@ async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
     let recent = now.saturating_sub(Duration::from_secs(10));
     let mut due: Vec<(String, Timestamp)> = Vec::new();
     for lane in 0..4 {
-        for id in ids_in_lane(lane, 300) {
+        for id in ids_in_lane("lane", lane, 300) {
             due.push((id, recent));
         }
     }
     let oldest = [1_u32, 200, 201, 202];
     for (n, lane) in oldest.iter().enumerate() {
-        let id = (0..)
-            .map(|k| format!("old-{lane}-{k}"))
-            .find(|id| lane_of(None, id) == *lane)
-            .unwrap();
+        let id = ids_in_lane("old", *lane, 1).remove(0);
         due.push((id, now.saturating_sub(Duration::from_secs(700 - n as u64))));
     }
     let events: Vec<(EventEnvelope, Timestamp)> =
