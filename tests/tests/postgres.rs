@@ -773,3 +773,51 @@ async fn bad_input_is_refused_and_writes_nothing() {
     let stats = store.statistics().await.unwrap();
     assert_eq!((stats.pending, stats.dead), (0, 0));
 }
+
+/// The buses that share a store instance sample the delivery gauges with one count while it is
+/// young; a sample that asks for a newer count, the operators' statistics and another instance
+/// count anew.
+#[tokio::test]
+async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
+    let (store, _schema) = store("gauge_sample").await;
+    let projector = handlers(&["projector"]);
+    let append = async |id: &str| {
+        let placed = event(id, None);
+        transaction::run(&store, None, async |session| {
+            store
+                .append(
+                    session,
+                    &[AppendRequest::new(&placed, &projector)],
+                    Timestamp::now(),
+                )
+                .await
+        })
+        .await
+        .unwrap();
+    };
+    let pending = |stats: Vec<relaybus::HandlerStatistics>| -> Vec<u64> {
+        stats.iter().map(|handler| handler.pending).collect()
+    };
+    let age = Duration::from_secs(60);
+
+    append("g-1").await;
+    assert_eq!(pending(store.gauge_statistics(age).await.unwrap()), [1]);
+    append("g-2").await;
+    let other = store.clone();
+    assert_eq!(
+        pending(other.gauge_statistics(age).await.unwrap()),
+        [1],
+        "shared"
+    );
+    assert_eq!(
+        pending(store.gauge_statistics(Duration::ZERO).await.unwrap()),
+        [2]
+    );
+    append("g-3").await;
+    assert_eq!(pending(store.handler_statistics().await.unwrap()), [3]);
+    let apart = PostgresEventStore::builder(store.pool().clone())
+        .schema(store.schema())
+        .build()
+        .unwrap();
+    assert_eq!(pending(apart.gauge_statistics(age).await.unwrap()), [3]);
+}

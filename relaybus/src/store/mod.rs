@@ -704,3 +704,32 @@ impl Store for NoStore {
         match *self {}
     }
 }
+
+/// The last count of deliveries by handler a store instance took for the delivery gauges, which
+/// the buses sharing the instance report (see [`Store::gauge_statistics`]).
+#[cfg(any(feature = "mongodb", feature = "postgres"))]
+#[derive(Debug, Default)]
+pub(crate) struct GaugeSample(
+    tokio::sync::Mutex<Option<(std::time::Instant, Vec<HandlerStatistics>)>>,
+);
+
+#[cfg(any(feature = "mongodb", feature = "postgres"))]
+impl GaugeSample {
+    /// The last count if it is younger than `max_age`, else a new one from `count`. One count at
+    /// a time: callers that ask while it runs take its result.
+    pub(crate) async fn get_or_count(
+        &self,
+        max_age: Duration,
+        count: impl Future<Output = Result<Vec<HandlerStatistics>>>,
+    ) -> Result<Vec<HandlerStatistics>> {
+        let mut last = self.0.lock().await;
+        if let Some((at, statistics)) = last.as_ref()
+            && at.elapsed() < max_age
+        {
+            return Ok(statistics.clone());
+        }
+        let statistics = count.await?;
+        *last = Some((std::time::Instant::now(), statistics.clone()));
+        Ok(statistics)
+    }
+}

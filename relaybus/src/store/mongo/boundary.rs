@@ -266,16 +266,10 @@ impl Store for MongoEventStore {
     }
 
     async fn gauge_statistics(&self, max_age: Duration) -> Result<Vec<HandlerStatistics>> {
-        // One count at a time for this instance: callers that ask while it runs take its result.
-        let mut last = self.inner.gauge_sample.lock().await;
-        if let Some((at, statistics)) = last.as_ref()
-            && at.elapsed() < max_age
-        {
-            return Ok(statistics.clone());
-        }
-        let statistics = MongoEventStore::handler_statistics(self).await?;
-        *last = Some((std::time::Instant::now(), statistics.clone()));
-        Ok(statistics)
+        self.inner
+            .gauge_sample
+            .get_or_count(max_age, MongoEventStore::handler_statistics(self))
+            .await
     }
 
     async fn lead(&self, role: &str, period: Duration) -> Result<bool> {

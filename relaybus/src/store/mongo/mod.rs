@@ -114,8 +114,7 @@ pub(crate) struct StoreInner {
     pub(crate) sessions: sessions::SessionRegistry,
     /// The last count of deliveries by handler for the gauges, and when it was taken: the buses
     /// that share this instance sample with one count (see `gauge_statistics`).
-    pub(crate) gauge_sample:
-        tokio::sync::Mutex<Option<(std::time::Instant, Vec<crate::HandlerStatistics>)>>,
+    pub(crate) gauge_sample: crate::store::GaugeSample,
 }
 
 impl std::fmt::Debug for MongoEventStore {
@@ -470,7 +469,7 @@ impl MongoEventStoreBuilder {
             park_behind_pending: self.park_behind_pending,
             topology_checked: OnceCell::new(),
             claims: lease::ClaimRegistry::default(),
-            gauge_sample: tokio::sync::Mutex::new(None),
+            gauge_sample: crate::store::GaugeSample::default(),
         };
         Ok(MongoEventStore {
             inner: Arc::new(inner),

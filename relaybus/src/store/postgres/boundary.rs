@@ -188,6 +188,13 @@ impl Store for PostgresEventStore {
         self.count_handler_statistics().await
     }
 
+    async fn gauge_statistics(&self, max_age: Duration) -> Result<Vec<HandlerStatistics>> {
+        self.inner
+            .gauge_sample
+            .get_or_count(max_age, self.count_handler_statistics())
+            .await
+    }
+
     async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
         self.take_lead(role, period).await
     }

@@ -230,6 +230,9 @@ pub(crate) struct Inner {
     pub(crate) purge_batch_size: u32,
     /// This store instance, for leases handed back by `relinquish` and for leads.
     pub(crate) instance: String,
+    /// The last count of deliveries by handler for the gauges: the buses that share this
+    /// instance sample with one count.
+    pub(crate) gauge_sample: crate::store::GaugeSample,
 }
 
 impl fmt::Debug for PostgresEventStore {
@@ -367,6 +370,7 @@ impl PostgresEventStoreBuilder {
                 completion_history: self.completion_history,
                 purge_batch_size: self.purge_batch_size,
                 instance: uuid::Uuid::now_v7().to_string(),
+                gauge_sample: crate::store::GaugeSample::default(),
             }),
         })
     }
