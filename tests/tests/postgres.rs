@@ -139,6 +139,25 @@ fn handlers(names: &[&str]) -> Vec<String> {
     names.iter().map(|h| (*h).to_owned()).collect()
 }
 
+/// Appends `event` for `handlers` in a transaction of its own.
+async fn append_alone(
+    store: &PostgresEventStore,
+    event: &EventEnvelope,
+    handlers: &[String],
+) -> Vec<relaybus::store::Appended> {
+    transaction::run(store, None, async |session| {
+        store
+            .append(
+                session,
+                &[AppendRequest::new(event, handlers)],
+                Timestamp::now(),
+            )
+            .await
+    })
+    .await
+    .unwrap()
+}
+
 /// A user transaction that fails after writing its row and appending its event leaves
 /// neither; the same body that succeeds leaves both.
 #[tokio::test]
@@ -342,17 +361,7 @@ async fn concurrent_setups_succeed() {
     let store = &stores[0];
     let projector = handlers(&["projector"]);
     let placed = event("e-1", Some("k"));
-    let appended = transaction::run(store, None, async |session| {
-        store
-            .append(
-                session,
-                &[AppendRequest::new(&placed, &projector)],
-                Timestamp::now(),
-            )
-            .await
-    })
-    .await
-    .unwrap();
+    let appended = append_alone(store, &placed, &projector).await;
     assert_eq!(appended[0].sequence, Some(1));
     let tables: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM information_schema.tables WHERE table_schema = $1",
@@ -782,18 +791,7 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     let (store, _schema) = store("gauge_sample").await;
     let projector = handlers(&["projector"]);
     let append = async |id: &str| {
-        let placed = event(id, None);
-        transaction::run(&store, None, async |session| {
-            store
-                .append(
-                    session,
-                    &[AppendRequest::new(&placed, &projector)],
-                    Timestamp::now(),
-                )
-                .await
-        })
-        .await
-        .unwrap();
+        append_alone(&store, &event(id, None), &projector).await;
     };
     let pending = |stats: Vec<relaybus::HandlerStatistics>| -> Vec<u64> {
         stats.iter().map(|handler| handler.pending).collect()
