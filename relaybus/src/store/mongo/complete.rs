@@ -16,7 +16,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore,
-    lane::{add, int, object_ids},
+    lane::{add, int, int32, object_ids},
     lease::{Lease, generation_filter},
     schema::{QUICK_COMPLETION, field, path, status},
 };
@@ -420,7 +420,7 @@ fn listing_projection(ids: &[ObjectId]) -> Document {
 fn listings_of(docs: &[Document]) -> Listings {
     docs.iter()
         .filter_map(|doc| {
-            let id = i32::try_from(int(doc, field::ID)?).ok()?;
+            let id = int32(doc, field::ID)?;
             let epoch = int(doc, field::EPOCH).unwrap_or(0);
             Some((
                 id,

@@ -47,7 +47,7 @@ pub(crate) struct Lane {
 
 impl Lane {
     pub(crate) fn from_document(doc: &Document) -> Option<Lane> {
-        let id = int(doc, field::ID).and_then(|id| i32::try_from(id).ok())?;
+        let id = int32(doc, field::ID)?;
         let lost = match doc.get(field::LOST) {
             Some(Bson::Array(items)) => items
                 .iter()
@@ -217,6 +217,12 @@ pub(crate) fn int(doc: &Document, key: &str) -> Option<i64> {
         Bson::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(*f as i64),
         _ => None,
     }
+}
+
+/// A lane id or another 32-bit integer field, whatever numeric type it was stored as; `None`
+/// when it does not fit.
+pub(crate) fn int32(doc: &Document, key: &str) -> Option<i32> {
+    int(doc, key).and_then(|n| i32::try_from(n).ok())
 }
 
 /// An integer field of a raw document, whatever numeric type it was stored as.

@@ -15,7 +15,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore, bson_date,
-    lane::{check_owner, int, object_ids, string},
+    lane::{check_owner, int, int32, object_ids, string},
     schema,
     schema::{field, index, path, status},
     timestamp,
@@ -660,7 +660,7 @@ impl MongoEventStore {
         let mut lane_ids: Vec<i32> = dead
             .iter()
             .filter(|doc| ordered_key_of(doc).is_some())
-            .filter_map(|doc| int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok()))
+            .filter_map(|doc| int32(doc, field::LANE_ID))
             .collect();
         lane_ids.sort_unstable();
         lane_ids.dedup();

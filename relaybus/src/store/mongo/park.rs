@@ -16,7 +16,7 @@ use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
 
 use super::{
     MongoEventStore,
-    lane::int,
+    lane::{int, int32},
     schema::{field, index, lane, path, status},
 };
 use crate::error::Result;
@@ -60,7 +60,7 @@ impl ParkedHead {
             key: key.to_owned(),
             id,
             sequence,
-            lane: int(doc, field::LANE_ID).and_then(|lane| i32::try_from(lane).ok()),
+            lane: int32(doc, field::LANE_ID),
             event_id: doc.get_str(field::EVENT_ID).ok().map(str::to_owned),
             attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
             claims: int(doc, field::CLAIMS).unwrap_or(0),

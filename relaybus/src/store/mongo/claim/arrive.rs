@@ -38,7 +38,7 @@ use crate::{
         Arrival,
         mongo::{
             MongoEventStore,
-            lane::{int, object_ids},
+            lane::{int, int32, object_ids},
             lease::Lease,
             schema::{field, lane, path, status},
         },
@@ -391,7 +391,7 @@ impl MongoEventStore {
             .await?;
         let mut seen = HashMap::with_capacity(docs.len());
         for doc in docs {
-            let Some(id) = int(&doc, field::ID).and_then(|id| i32::try_from(id).ok()) else {
+            let Some(id) = int32(&doc, field::ID) else {
                 continue;
             };
             let mut deliveries = HashMap::new();

@@ -43,7 +43,7 @@ use crate::{
     error::{Error, Result},
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, int},
+        lane::{Lane, int, int32},
         lease::{RankedLanes, same_handlers},
         schema::{field, index},
     },
@@ -265,7 +265,9 @@ impl MongoEventStore {
         for (docs, all) in future::try_join_all(queries).await? {
             seen_all &= all;
             for doc in docs {
-                let (Some(lane), Ok(due)) = (lane_of(&doc), doc.get_datetime(field::DUE_AT)) else {
+                let (Some(lane), Ok(due)) =
+                    (int32(&doc, field::LANE_ID), doc.get_datetime(field::DUE_AT))
+                else {
                     continue;
                 };
                 let entry = oldest.entry(lane).or_insert(*due);
@@ -313,10 +315,7 @@ impl MongoEventStore {
         let mut highest = i32::MIN;
         for doc in &docs {
             entries += int(doc, "entries").unwrap_or(0);
-            let (Some(lane), Ok(due)) = (
-                int(doc, "_id").and_then(|lane| i32::try_from(lane).ok()),
-                doc.get_datetime("due"),
-            ) else {
+            let (Some(lane), Ok(due)) = (int32(doc, "_id"), doc.get_datetime("due")) else {
                 continue;
             };
             highest = highest.max(lane);
@@ -332,11 +331,6 @@ impl MongoEventStore {
         };
         Ok((oldest, unprobed))
     }
-}
-
-/// The lane of an entry read by a ranking.
-fn lane_of(doc: &Document) -> Option<i32> {
-    int(doc, field::LANE_ID).and_then(|lane| i32::try_from(lane).ok())
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, MAX_CLAIM_LIMIT, int, raw_int, string},
+        lane::{Lane, MAX_CLAIM_LIMIT, int, int32, raw_int, string},
         park::ParkedHead,
         schema::{field, index, lane, status},
     },
@@ -84,7 +84,7 @@ impl Candidate {
     pub(super) fn from_document(doc: &Document) -> Option<Candidate> {
         Some(Candidate {
             id: doc.get_object_id(field::ID).ok()?,
-            lane: int(doc, field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
+            lane: int32(doc, field::LANE_ID)?,
             event_id: string(doc, field::EVENT_ID)?,
             handler: string(doc, field::HANDLER)?,
             key: string(doc, field::KEY).filter(|_| doc.get_bool(field::UNORDERED) != Ok(true)),
