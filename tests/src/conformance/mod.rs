@@ -118,6 +118,7 @@ macro_rules! conformance_tests {
             complete_in_transaction_commits_with_the_callers_writes,
             statistics_count_deliveries_by_state,
             handler_statistics_count_each_handlers_deliveries,
+            gauge_statistics_count_as_handler_statistics,
             discard_deletes_dead_letters_only,
             list_deliveries_filters_and_pages,
             list_deliveries_filters_by_state_key_event_and_error,

@@ -67,6 +67,43 @@ pub async fn handler_statistics_count_each_handlers_deliveries<S: Store>(store: 
     );
 }
 
+/// `gauge_statistics` counts as `handler_statistics` does: a new count when asked for one no
+/// older than now, and within a longer age either a new count or one taken before by the same
+/// store instance.
+pub async fn gauge_statistics_count_as_handler_statistics<S: Store>(store: &S) {
+    let age = std::time::Duration::from_secs(60);
+    let fresh = std::time::Duration::ZERO;
+    publish(store, &[event("g-1", None)], &[PROJECTOR], at(0)).await;
+    let first = store.handler_statistics().await.unwrap();
+    assert_eq!(
+        store.gauge_statistics(fresh).await.unwrap(),
+        first,
+        "{}",
+        S::NAME
+    );
+    assert_eq!(
+        store.gauge_statistics(age).await.unwrap(),
+        first,
+        "{}",
+        S::NAME
+    );
+    publish(store, &[event("g-2", None)], &[PROJECTOR], at(0)).await;
+    let second = store.handler_statistics().await.unwrap();
+    assert_ne!(first, second, "{}", S::NAME);
+    let within_age = store.gauge_statistics(age).await.unwrap();
+    assert!(
+        within_age == first || within_age == second,
+        "{}: {within_age:?} is neither count",
+        S::NAME
+    );
+    assert_eq!(
+        store.gauge_statistics(fresh).await.unwrap(),
+        second,
+        "{}",
+        S::NAME
+    );
+}
+
 /// `statistics` counts deliveries by state: pending ones (running ones included), running
 /// ones, dead ones, none parked without keys, and the due time of the oldest pending one.
 pub async fn statistics_count_deliveries_by_state<S: Store>(store: &S) {
