@@ -8,9 +8,9 @@
 //! any). Held lanes that list a claim this instance did not hand out send the claim to
 //! reconciliation first.
 //!
-//! A claim after an idle wait reads the documents of its held and reported lanes alone, and the
-//! lanes other live owners hold as one summary: it picks from the reported lanes only, so it
-//! needs no other free lane.
+//! A claim after an idle wait reads the documents of its held and reported lanes and of the
+//! lanes other live owners hold, no other: it picks from the reported lanes only, so it needs no
+//! other free lane.
 
 use std::collections::{HashMap, HashSet};
 
@@ -38,45 +38,18 @@ use crate::{
 /// handlers unparks with one aggregation per handler.
 const PARKED_IN_LANE_READ: usize = 32;
 
-/// The field of the summary of the lanes other live owners hold, in a read of some lanes only.
-const TAKEN_BY_OTHERS: &str = "takenByOthers";
+/// The field of the lane read's document that lists the deliveries the held lanes run.
+const RUNNING: &str = "running";
 
-/// The field of the lane read's first document that lists the lane documents read.
-const LANE_READ: &str = "laneRead";
-
-/// The fields that mark the documents of a lane read: the lanes' own pass and the documents
-/// the deliveries collection adds after it.
-const MARKERS: [&str; 4] = ["prescanned", "parkedKey", "lowestHandler", LANE_READ];
+/// The fields that mark the documents of a lane read other than the lanes': what the held
+/// lanes run, and the documents the deliveries collection adds.
+const MARKERS: [&str; 4] = ["prescanned", "parkedKey", "lowestHandler", RUNNING];
 
 /// Which of [`MARKERS`] a document of the lane read has: one pass over its fields.
 fn marker(raw: &RawDocument) -> Option<&'static str> {
     raw.iter()
         .filter_map(Result::ok)
         .find_map(|(name, _)| MARKERS.into_iter().find(|marker| *marker == name))
-}
-
-/// Reads the summary of the lanes other live owners hold: their ids, and their holders (owner
-/// and store instance).
-fn taken_summary(
-    raw: &RawDocument,
-    taken: &mut HashSet<i32>,
-    holders: &mut HashSet<(String, Option<ObjectId>)>,
-) {
-    if let Ok(ids) = raw.get_array(TAKEN_BY_OTHERS) {
-        taken.extend(ids.into_iter().filter_map(|id| match id.ok()? {
-            RawBsonRef::Int32(id) => Some(id),
-            RawBsonRef::Int64(id) => i32::try_from(id).ok(),
-            RawBsonRef::Double(id) if id.fract() == 0.0 => Some(id as i32),
-            _ => None,
-        }));
-    }
-    if let Ok(found) = raw.get_array("holders") {
-        for holder in found.into_iter().filter_map(|h| h.ok()?.as_document()) {
-            if let Ok(owner) = holder.get_str("o") {
-                holders.insert((owner.to_owned(), holder.get_object_id("i").ok()));
-            }
-        }
-    }
 }
 
 /// What the claim's first read finds.
@@ -262,16 +235,14 @@ impl MongoEventStore {
     /// The claim's first read, one aggregation: every lane document; the documents of the
     /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
     /// lowest parked delivery of each of their keys; and, when asked, the first page of a scan
-    /// of some lanes. The lanes are read first, in one pass whose branches give the lanes and
-    /// what the held ones run: deliveries read after them can only be newer, so a lane taken
-    /// and handed back meanwhile shows a new epoch to the record's condition. The in-flight and
-    /// lost lists of lanes held elsewhere come cut to one id, which tells whether they are
-    /// empty.
+    /// of some lanes. The lanes are read first, as stored, and then what the held ones run:
+    /// deliveries read after them can only be newer, so a lane taken and handed back meanwhile
+    /// shows a new epoch to the record's condition. What the held lanes run is looked up from
+    /// their lists as a second pass reads them; only the ids the first pass listed count.
     ///
     /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
-    /// lane documents read are those of the lanes `owner` holds on this instance and of `only`;
-    /// the lanes other live owners hold come as one summary (their ids and holders), and no
-    /// other free lane is listed.
+    /// lane documents read are those of the lanes `owner` holds on this instance, of `only` and
+    /// of the lanes other live owners hold; no other free lane is listed.
     pub(super) async fn read_lanes(
         &self,
         owner: &str,
@@ -291,77 +262,54 @@ impl MongoEventStore {
         let vouched: Vec<ObjectId> = issued.keys().copied().collect();
         let instance = inner.claims.instance;
         let mine = doc! { field::OWNER: owner, field::INSTANCE: instance };
-        let is_mine = doc! { "$and": [
-            { "$eq": [path::OWNER, { "$literal": owner }] },
-            { "$eq": [path::INSTANCE, instance] },
-        ] };
-        // Another holder's lists are only looked at for whether they are empty: one id of each
-        // is enough, and keeps the read small however much other workers run.
-        let trimmed = |list: &str| {
-            doc! { "$cond": [&is_mine, list, { "$slice": [{ "$ifNull": [list, []] }, 1] }] }
-        };
+        // The lane documents come as they are stored: a stage that reshapes them (trimming
+        // other holders' lists, say) costs the server more than sending them whole. With
+        // `only`, the lanes other live owners hold come along, for who holds what.
         let listed = match only {
-            Some(lanes) => doc! { "$or": [&mine, { field::ID: { "$in": lanes } }] },
+            Some(lanes) => doc! { "$or": [
+                &mine,
+                { field::ID: { "$in": lanes } },
+                {
+                    field::OWNER: { "$ne": null },
+                    field::LEASE_EXPIRES_AT: { "$gt": now },
+                },
+            ] },
             None => doc! {},
         };
-        // One pass over the lane documents, whose branches run on what it read: the lanes
-        // listed, what the held lanes run, and with `only` the summary of other holders.
-        let mut facet = doc! {
-            LANE_READ: [
-                { "$match": listed },
-                { "$set": {
-                    field::IN_FLIGHT: trimmed(path::IN_FLIGHT),
-                    field::LOST: trimmed(path::LOST),
-                } },
-            ],
-            "running": [
-                { "$match": &mine },
-                // One lookup for all held lanes: a `$lookup` runs its query once per input
-                // document, so the lanes' lists are joined first.
-                { "$group": {
-                    "_id": null,
-                    "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
-                } },
-                { "$project": { "listed": { "$setDifference": [
-                    { "$reduce": {
-                        "input": "$listed",
-                        "initialValue": [],
-                        "in": { "$concatArrays": ["$$value", "$$this"] },
-                    } },
-                    { "$literal": vouched },
-                ] } } },
-                { "$lookup": {
-                    "from": inner.deliveries.name(),
-                    "localField": "listed",
-                    "foreignField": field::ID,
-                    "pipeline": [{ "$project": {
-                        field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
-                        field::STATUS: 1,
-                    } }],
-                    "as": "running",
-                } },
-                { "$project": { field::ID: 0, "running": 1 } },
-            ],
-        };
-        if only.is_some() {
-            facet.insert(
-                "taken",
-                vec![
-                    doc! { "$match": {
-                        field::OWNER: { "$ne": null },
-                        field::LEASE_EXPIRES_AT: { "$gt": now },
-                        "$nor": [&mine],
-                    } },
-                    doc! { "$group": {
+        let mut pipeline = vec![
+            doc! { "$match": listed },
+            // What the held lanes run: one lookup for all of them (a `$lookup` runs its query
+            // once per input document, so the lanes' lists are joined first).
+            doc! { "$unionWith": {
+                "coll": inner.lanes.name(),
+                "pipeline": [
+                    { "$match": &mine },
+                    { "$group": {
                         "_id": null,
-                        TAKEN_BY_OTHERS: { "$push": path::ID },
-                        "holders": { "$addToSet": { "o": path::OWNER, "i": path::INSTANCE } },
+                        "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
                     } },
-                    doc! { "$project": { field::ID: 0 } },
+                    { "$project": { "listed": { "$setDifference": [
+                        { "$reduce": {
+                            "input": "$listed",
+                            "initialValue": [],
+                            "in": { "$concatArrays": ["$$value", "$$this"] },
+                        } },
+                        { "$literal": vouched },
+                    ] } } },
+                    { "$lookup": {
+                        "from": inner.deliveries.name(),
+                        "localField": "listed",
+                        "foreignField": field::ID,
+                        "pipeline": [{ "$project": {
+                            field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1,
+                            field::CLAIMS: 1, field::STATUS: 1,
+                        } }],
+                        "as": RUNNING,
+                    } },
+                    { "$project": { field::ID: 0, RUNNING: 1 } },
                 ],
-            );
-        }
-        let mut pipeline = vec![doc! { "$facet": facet }];
+            } },
+        ];
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
         if fold_parked {
             for handler in handlers {
@@ -404,34 +352,21 @@ impl MongoEventStore {
         let mut listed_docs = Vec::new();
         let mut lanes: Vec<&RawDocument> = Vec::new();
         let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
-        let documents = |raw: &'_ RawDocument, name: &str| -> Vec<RawDocumentBuf> {
-            raw.get_array(name)
-                .map(|array| {
-                    array
-                        .into_iter()
-                        .filter_map(|item| Some(item.ok()?.as_document()?.to_raw_document_buf()))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        let mut read: Option<&RawDocumentBuf> = None;
         for raw in &docs {
             let Some(marker) = marker(raw) else {
+                // A lane document: the only ones with a number for an id.
+                if raw_int(raw, field::ID).is_some() {
+                    lanes.push(raw);
+                }
                 continue;
             };
-            if marker == LANE_READ {
-                read = Some(raw);
-                for taken in documents(raw, "taken") {
-                    taken_summary(&taken, &mut view.taken_by_others, &mut others);
-                }
-                for running in documents(raw, "running") {
-                    if let Ok(running) = running.get_array("running") {
-                        listed_docs.extend(
-                            running
-                                .into_iter()
-                                .filter_map(|d| Document::try_from(d.ok()?.as_document()?).ok()),
-                        );
-                    }
+            if marker == RUNNING {
+                if let Ok(running) = raw.get_array(RUNNING) {
+                    listed_docs.extend(
+                        running
+                            .into_iter()
+                            .filter_map(|d| Document::try_from(d.ok()?.as_document()?).ok()),
+                    );
                 }
                 continue;
             }
@@ -453,15 +388,6 @@ impl MongoEventStore {
                     }
                 }
             }
-        }
-        if let Some(read) = read
-            && let Ok(listed) = read.get_array(LANE_READ)
-        {
-            lanes.extend(
-                listed
-                    .into_iter()
-                    .filter_map(|lane| lane.ok()?.as_document()),
-            );
         }
         for raw in lanes {
             let owned_by = raw.get_str(field::OWNER).ok();
