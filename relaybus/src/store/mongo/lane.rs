@@ -227,7 +227,12 @@ pub(crate) fn int32(doc: &Document, key: &str) -> Option<i32> {
 
 /// An integer field of a raw document, whatever numeric type it was stored as.
 pub(crate) fn raw_int(doc: &RawDocument, key: &str) -> Option<i64> {
-    match doc.get(key).ok()?? {
+    whole_number(doc.get(key).ok()??)
+}
+
+/// A whole number stored as any of BSON's number types.
+pub(crate) fn whole_number(value: RawBsonRef<'_>) -> Option<i64> {
+    match value {
         RawBsonRef::Int32(i) => Some(i64::from(i)),
         RawBsonRef::Int64(i) => Some(i),
         RawBsonRef::Double(f) if f.fract() == 0.0 && f.is_finite() => Some(f as i64),

@@ -27,7 +27,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, int, raw_int, string},
+        lane::{Lane, int, string, whole_number},
         lease::{ClaimRegistry, Issued},
         park::{LowestPending, ParkedHead, lowest_of_parked_stages, parked_heads_stages},
         schema::{field, path, status},
@@ -90,34 +90,74 @@ pub(super) struct FreeLane {
 }
 
 impl FreeLane {
-    /// Reads a lane document found free, without decoding its lists: a lane that lists
-    /// anything is taken with a write that reads them.
-    fn from_raw(raw: &RawDocument) -> Option<FreeLane> {
-        let value = |name: &str| {
-            raw.get(name)
-                .ok()
-                .flatten()
+    /// A lane document found free, from its fields, without decoding its lists: a lane that
+    /// lists anything is taken with a write that reads them.
+    fn from_fields(fields: &LaneFields<'_>) -> Option<FreeLane> {
+        let value = |found: Option<RawBsonRef<'_>>| {
+            found
                 .and_then(|value| Bson::try_from(value).ok())
                 .unwrap_or(Bson::Null)
         };
-        let empty = |name: &str| match raw.get(name).ok().flatten() {
-            None | Some(RawBsonRef::Null) => true,
-            Some(RawBsonRef::Array(items)) => items.into_iter().next().is_none(),
-            Some(_) => false,
-        };
         Some(FreeLane {
             lane: Lane {
-                id: raw_int(raw, field::ID).and_then(|id| i32::try_from(id).ok())?,
-                epoch: raw_int(raw, field::EPOCH).unwrap_or(0),
-                lease_expires_at: raw.get_datetime(field::LEASE_EXPIRES_AT).ok(),
+                id: fields.id?,
+                epoch: fields.epoch.and_then(whole_number).unwrap_or(0),
+                lease_expires_at: fields.lease_expires_at,
                 in_flight: Vec::new(),
                 lost: Vec::new(),
-                requeues: value(field::REQUEUES),
+                requeues: value(fields.requeues),
             },
-            clean: empty(field::IN_FLIGHT) && empty(field::LOST),
-            stored_epoch: value(field::EPOCH),
+            clean: !fields.lists,
+            stored_epoch: value(fields.epoch),
         })
     }
+}
+
+/// The fields of a lane document the read looks at, found in one pass over the document.
+#[derive(Debug, Default)]
+struct LaneFields<'a> {
+    id: Option<i32>,
+    owner: Option<&'a str>,
+    instance: Option<ObjectId>,
+    lease_expires_at: Option<DateTime>,
+    epoch: Option<RawBsonRef<'a>>,
+    requeues: Option<RawBsonRef<'a>>,
+    /// Something in flight or lost.
+    lists: bool,
+}
+
+impl<'a> LaneFields<'a> {
+    fn of(raw: &'a RawDocument) -> LaneFields<'a> {
+        let mut fields = LaneFields::default();
+        for (name, value) in raw.iter().filter_map(Result::ok) {
+            match name {
+                field::ID => fields.id = whole_number(value).and_then(|id| i32::try_from(id).ok()),
+                field::OWNER => fields.owner = value.as_str(),
+                field::INSTANCE => fields.instance = value.as_object_id(),
+                field::LEASE_EXPIRES_AT => fields.lease_expires_at = value.as_datetime(),
+                field::EPOCH => fields.epoch = Some(value),
+                field::REQUEUES => fields.requeues = Some(value),
+                field::IN_FLIGHT | field::LOST => {
+                    fields.lists |= match value {
+                        RawBsonRef::Null => false,
+                        RawBsonRef::Array(items) => items.into_iter().next().is_some(),
+                        _ => true,
+                    }
+                }
+                _ => {}
+            }
+        }
+        fields
+    }
+}
+
+/// Whether a document of the lane read is a lane's: the only ones whose first field is a
+/// numeric `_id`.
+fn is_lane(raw: &RawDocument) -> bool {
+    matches!(
+        raw.iter().next(),
+        Some(Ok((field::ID, value))) if whole_number(value).is_some()
+    )
 }
 
 /// What runs in the lanes this owner holds.
@@ -353,11 +393,11 @@ impl MongoEventStore {
         let mut lanes: Vec<&RawDocument> = Vec::new();
         let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
         for raw in &docs {
+            if is_lane(raw) {
+                lanes.push(raw);
+                continue;
+            }
             let Some(marker) = marker(raw) else {
-                // A lane document: the only ones with a number for an id.
-                if raw_int(raw, field::ID).is_some() {
-                    lanes.push(raw);
-                }
                 continue;
             };
             if marker == RUNNING {
@@ -390,9 +430,8 @@ impl MongoEventStore {
             }
         }
         for raw in lanes {
-            let owned_by = raw.get_str(field::OWNER).ok();
-            let held_by = raw.get_object_id(field::INSTANCE).ok();
-            if owned_by == Some(owner) && held_by == Some(instance) {
+            let fields = LaneFields::of(raw);
+            if fields.owner == Some(owner) && fields.instance == Some(instance) {
                 if let Some(lane) = Document::try_from(raw)
                     .ok()
                     .as_ref()
@@ -402,22 +441,15 @@ impl MongoEventStore {
                 }
                 continue;
             }
-            let expired = raw
-                .get_datetime(field::LEASE_EXPIRES_AT)
-                .ok()
-                .is_none_or(|expiry| expiry <= now);
-            if owned_by.is_none() || expired {
-                if let Some(lane) = FreeLane::from_raw(raw) {
-                    view.free.push(lane);
+            let expired = fields.lease_expires_at.is_none_or(|expiry| expiry <= now);
+            match fields.owner {
+                Some(holder) if !expired => {
+                    if let Some(id) = fields.id {
+                        others.insert((holder.to_owned(), fields.instance));
+                        view.taken_by_others.insert(id);
+                    }
                 }
-            } else {
-                if let (Some(owner), Some(id)) = (
-                    owned_by,
-                    raw_int(raw, field::ID).and_then(|id| i32::try_from(id).ok()),
-                ) {
-                    others.insert((owner.to_owned(), held_by));
-                    view.taken_by_others.insert(id);
-                }
+                _ => view.free.extend(FreeLane::from_fields(&fields)),
             }
         }
         view.contenders = 1 + others.len();
@@ -606,9 +638,11 @@ mod tests {
 
     #[test]
     fn a_free_lane_is_clean_only_with_empty_lists() {
-        let read = |doc: Document| {
-            FreeLane::from_raw(&RawDocumentBuf::from_document(&doc).unwrap()).unwrap()
+        let free = |doc: Document| {
+            let raw = RawDocumentBuf::from_document(&doc).unwrap();
+            FreeLane::from_fields(&LaneFields::of(&raw))
         };
+        let read = |doc: Document| free(doc).unwrap();
         let clean =
             read(doc! { "_id": 3, "epoch": 7_i64, "owner": null, "inFlight": [], "lost": [] });
         assert!(clean.clean);
@@ -625,10 +659,38 @@ mod tests {
         let lost =
             read(doc! { "_id": 6, "inFlight": [], "lost": [{ "d": ObjectId::new(), "e": 1_i64 }] });
         assert!(!lost.clean);
-        assert!(
-            FreeLane::from_raw(&RawDocumentBuf::from_document(&doc! { "_id": "x" }).unwrap())
-                .is_none()
-        );
+        assert!(free(doc! { "_id": "x" }).is_none());
+    }
+
+    #[test]
+    fn one_pass_reads_a_lane_and_tells_lanes_from_the_other_documents() {
+        let instance = ObjectId::new();
+        let expires = DateTime::from_millis(1_000);
+        let raw = RawDocumentBuf::from_document(&doc! {
+            "_id": 9,
+            "owner": "worker",
+            "instance": instance,
+            "leaseExpiresAt": expires,
+            "epoch": 4.0,
+            "inFlight": [],
+            "lost": null,
+        })
+        .unwrap();
+        let fields = LaneFields::of(&raw);
+        assert_eq!(fields.id, Some(9));
+        assert_eq!(fields.owner, Some("worker"));
+        assert_eq!(fields.instance, Some(instance));
+        assert_eq!(fields.lease_expires_at, Some(expires));
+        assert_eq!(fields.epoch.and_then(whole_number), Some(4));
+        assert!(!fields.lists);
+        assert!(is_lane(&raw));
+        let delivery = RawDocumentBuf::from_document(&doc! {
+            "_id": ObjectId::new(), "prescanned": true,
+        })
+        .unwrap();
+        assert!(!is_lane(&delivery));
+        let head = RawDocumentBuf::from_document(&doc! { "parkedKey": "k", "id": 1 }).unwrap();
+        assert!(!is_lane(&head));
     }
 
     #[test]
