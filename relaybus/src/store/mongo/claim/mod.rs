@@ -5,7 +5,7 @@
 //!
 //! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes are
 //!   free, which this owner holds on this store instance; after an idle wait, only the held and
-//!   reported lanes' documents, with the lanes other owners hold summarized), the deliveries its
+//!   reported lanes' documents and those of the lanes other live owners hold), the deliveries its
 //!   held lanes list, the lowest parked delivery of each key of its handlers, and the lowest
 //!   pending delivery of those keys. Then, at the same time, parked deliveries whose predecessors
 //!   finished go back to the ready lane (for the keys of every lane no other live owner holds and
