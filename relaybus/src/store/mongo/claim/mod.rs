@@ -15,7 +15,9 @@
 //!   lane, and the others go back with an update sent with its record. Held lanes that list a
 //!   claim this instance did not hand out are reconciled before the claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
-//!   leaving out the ones the owner already runs, a page at a time.
+//!   leaving out the ones the owner already runs, a page at a time. Their first page comes with
+//!   the first read, unless lanes were reported (then theirs does) or unparking sent deliveries
+//!   back to a held lane after it.
 //! - **Ranking free lanes** ([`rank`]) and **taking** them ([`take`]), if the claim needs more:
 //!   free lanes (no holder, or an expired lease) with due deliveries of its handlers, the lanes
 //!   with the oldest due deliveries first, in rounds of twice as many lanes each, scanned in turn.
@@ -75,7 +77,7 @@ use mongodb::bson::{DateTime, oid::ObjectId};
 use self::{
     arrive::Arrived,
     pick::Picking,
-    read::{LaneView, Running, Unparking, lists_foreign_claims},
+    read::{FirstPage, LaneView, Running, Unparking, lists_foreign_claims},
     scan::{Candidate, Scan, page_window},
     take::Hold,
 };
@@ -502,7 +504,13 @@ impl MongoEventStore {
         // reached the registry (its command failed after it applied) is found gone.
         let vouch = state.vouched_reads < VOUCHED_READS;
         state.vouched_reads = if vouch { state.vouched_reads + 1 } else { 0 };
-        let prescan = (!reported.is_empty()).then_some((reported.as_slice(), page_window(limit)));
+        // The first page of the lanes scanned first comes with the read: the reported lanes,
+        // or, without any, the held lanes.
+        let first = if reported.is_empty() {
+            FirstPage::Held(page_window(limit))
+        } else {
+            FirstPage::Reported(&reported, page_window(limit))
+        };
         // After an idle wait the claim reads the reported lanes alone: no other free lane
         // need be read.
         let LaneView {
@@ -513,12 +521,13 @@ impl MongoEventStore {
             contenders,
             parked,
             prescanned,
+            held_page,
         } = self
             .read_lanes(
                 owner,
                 handlers,
                 now,
-                prescan,
+                first,
                 idle.then_some(reported.as_slice()),
                 vouch.then(|| self.inner.claims.vouched(&issued)).as_ref(),
             )
@@ -600,7 +609,24 @@ impl MongoEventStore {
                 .collect(),
         );
         if let Some(rest) = rest {
-            self.scan_lanes(&rest, handlers, now, &mut scan).await?;
+            // The page read with the lanes holds when it read the same held lanes, and nothing
+            // went back to them from the parked lane since.
+            let first = held_page.filter(|read| {
+                reported.is_empty()
+                    && read.lanes.len() == rest.len()
+                    && rest.iter().all(|lane| read.lanes.contains(lane))
+                    && unparked
+                        .as_ref()
+                        .is_some_and(|lanes| rest.iter().all(|lane| !lanes.contains(lane)))
+            });
+            self.scan_lanes_from(
+                &rest,
+                handlers,
+                now,
+                &mut scan,
+                first.map(|read| (read.page, read.window)),
+            )
+            .await?;
             self.scan_free_lanes(
                 &request,
                 free,

@@ -21,7 +21,7 @@ use mongodb::bson::{
 
 use super::{
     pick::KeyOf,
-    scan::{page_with_events, scan_filter},
+    scan::{candidate_fields, due_filter, page_with_events, scan_filter},
 };
 use crate::{
     error::Result,
@@ -40,6 +40,11 @@ const PARKED_IN_LANE_READ: usize = 32;
 
 /// The field of the lane read's document that lists the deliveries the held lanes run.
 const RUNNING: &str = "running";
+
+/// The fields of that document with the held lanes as its pass read them, and the first page of
+/// their scan.
+const HELD: &str = "held";
+const HELD_PAGE: &str = "heldPage";
 
 /// The fields that mark the documents of a lane read other than the lanes': what the held
 /// lanes run, and the documents the deliveries collection adds.
@@ -68,6 +73,29 @@ pub(super) struct LaneView {
     pub(super) parked: Option<ParkedKeys>,
     /// The first page of a scan of the lanes the read was asked to look into, with events.
     pub(super) prescanned: Vec<Document>,
+    /// The first page of a scan of the held lanes, when the read was asked for it and found
+    /// lanes held.
+    pub(super) held_page: Option<HeldPage>,
+}
+
+/// The first page of a scan the lane read brings along, at most `window` deliveries.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum FirstPage<'a> {
+    /// Of the lanes where new deliveries were reported, with their events.
+    Reported(&'a [i32], usize),
+    /// Of the lanes the owner holds ([`HeldPage`]).
+    Held(usize),
+}
+
+/// The first page of a scan of the held lanes, read with the lanes: their due, ready
+/// deliveries in `(dueAt, _id)` order, without those this instance vouches for.
+#[derive(Debug, Default)]
+pub(super) struct HeldPage {
+    /// The held lanes, as the pass that read the page found them.
+    pub(super) lanes: HashSet<i32>,
+    /// The page, at most `window` deliveries ([`candidate_fields`]).
+    pub(super) page: Vec<RawDocumentBuf>,
+    pub(super) window: usize,
 }
 
 /// What the claim's first read found of the parked keys.
@@ -274,11 +302,13 @@ pub(super) fn lists_foreign_claims(
 impl MongoEventStore {
     /// The claim's first read, one aggregation: every lane document; the documents of the
     /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
-    /// lowest parked delivery of each of their keys; and, when asked, the first page of a scan
-    /// of some lanes. The lanes are read first, as stored, and then what the held ones run:
-    /// deliveries read after them can only be newer, so a lane taken and handed back meanwhile
-    /// shows a new epoch to the record's condition. What the held lanes run is looked up from
-    /// their lists as a second pass reads them; only the ids the first pass listed count.
+    /// lowest parked delivery of each of their keys; and the first page of a scan, of the
+    /// reported lanes or of the held ones ([`FirstPage`]). The lanes are read first, as stored,
+    /// and then what the held ones run: deliveries read after them can only be newer, so a lane
+    /// taken and handed back meanwhile shows a new epoch to the record's condition. What the
+    /// held lanes run, and their page, are looked up from the held lanes as a second pass reads
+    /// them; only the ids the first pass listed count, and the page only when that pass found
+    /// the same lanes held.
     ///
     /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
     /// lane documents read are those of the lanes `owner` holds on this instance, of `only` and
@@ -288,10 +318,14 @@ impl MongoEventStore {
         owner: &str,
         handlers: &[&str],
         now: DateTime,
-        prescan: Option<(&[i32], usize)>,
+        first: FirstPage<'_>,
         only: Option<&[i32]>,
         vouched: Option<&HashMap<ObjectId, Issued>>,
     ) -> Result<LaneView> {
+        let held_page = match first {
+            FirstPage::Held(window) => Some(window),
+            FirstPage::Reported(..) => None,
+        };
         let inner = &self.inner;
         // With `vouched` (the claims outstanding), the deliveries this instance handed out and
         // has not seen settled run, as far as it knows: their documents are not read (a run's
@@ -316,39 +350,59 @@ impl MongoEventStore {
             ] },
             None => doc! {},
         };
+        let mut running = vec![
+            doc! { "$match": &mine },
+            doc! { "$group": {
+                "_id": null,
+                HELD: { "$push": path::ID },
+                "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
+            } },
+            doc! { "$project": {
+                HELD: 1,
+                "listed": { "$setDifference": [
+                    { "$reduce": {
+                        "input": "$listed",
+                        "initialValue": [],
+                        "in": { "$concatArrays": ["$$value", "$$this"] },
+                    } },
+                    { "$literal": &vouched },
+                ] },
+            } },
+            doc! { "$lookup": {
+                "from": inner.deliveries.name(),
+                "localField": "listed",
+                "foreignField": field::ID,
+                "pipeline": [{ "$project": {
+                    field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1,
+                    field::CLAIMS: 1, field::STATUS: 1,
+                } }],
+                "as": RUNNING,
+            } },
+        ];
+        if let Some(window) = held_page {
+            // The first page of the held lanes' scan, leaving out what this instance vouches
+            // for (on the claim index's keys); the picking passes over the rest that runs.
+            let mut filter = due_filter(handlers, now);
+            filter.insert(field::ID, doc! { "$nin": &vouched });
+            running.push(doc! { "$lookup": {
+                "from": inner.deliveries.name(),
+                "localField": HELD,
+                "foreignField": field::LANE_ID,
+                "pipeline": [
+                    { "$match": filter },
+                    { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
+                    { "$limit": i64::try_from(window).unwrap_or(i64::MAX) },
+                    { "$project": candidate_fields() },
+                ],
+                "as": HELD_PAGE,
+            } });
+        }
+        running.push(doc! { "$project": { field::ID: 0, HELD: 1, RUNNING: 1, HELD_PAGE: 1 } });
         let mut pipeline = vec![
             doc! { "$match": listed },
             // What the held lanes run: one lookup for all of them (a `$lookup` runs its query
             // once per input document, so the lanes' lists are joined first).
-            doc! { "$unionWith": {
-                "coll": inner.lanes.name(),
-                "pipeline": [
-                    { "$match": &mine },
-                    { "$group": {
-                        "_id": null,
-                        "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
-                    } },
-                    { "$project": { "listed": { "$setDifference": [
-                        { "$reduce": {
-                            "input": "$listed",
-                            "initialValue": [],
-                            "in": { "$concatArrays": ["$$value", "$$this"] },
-                        } },
-                        { "$literal": vouched },
-                    ] } } },
-                    { "$lookup": {
-                        "from": inner.deliveries.name(),
-                        "localField": "listed",
-                        "foreignField": field::ID,
-                        "pipeline": [{ "$project": {
-                            field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1,
-                            field::CLAIMS: 1, field::STATUS: 1,
-                        } }],
-                        "as": RUNNING,
-                    } },
-                    { "$project": { field::ID: 0, RUNNING: 1 } },
-                ],
-            } },
+            doc! { "$unionWith": { "coll": inner.lanes.name(), "pipeline": running } },
         ];
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
         if fold_parked {
@@ -363,7 +417,7 @@ impl MongoEventStore {
                 } });
             }
         }
-        if let Some((lanes, window)) = prescan {
+        if let FirstPage::Reported(lanes, window) = first {
             let mut stages = page_with_events(
                 scan_filter(lanes, handlers, now),
                 window,
@@ -407,6 +461,21 @@ impl MongoEventStore {
                             .into_iter()
                             .filter_map(|d| Document::try_from(d.ok()?.as_document()?).ok()),
                     );
+                }
+                if let (Some(window), Ok(page)) = (held_page, raw.get_array(HELD_PAGE)) {
+                    view.held_page = Some(HeldPage {
+                        lanes: raw
+                            .get_array(HELD)
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|id| whole_number(id.ok()?)?.try_into().ok())
+                            .collect(),
+                        page: page
+                            .into_iter()
+                            .filter_map(|d| Some(d.ok()?.as_document()?.to_raw_document_buf()))
+                            .collect(),
+                        window,
+                    });
                 }
                 continue;
             }

@@ -161,8 +161,14 @@ pub(super) fn candidate_fields() -> Document {
 
 /// The filter of a scan of `lanes`.
 pub(super) fn scan_filter(lanes: &[i32], handlers: &[&str], now: DateTime) -> Document {
+    let mut filter = doc! { field::LANE_ID: { "$in": lanes } };
+    filter.extend(due_filter(handlers, now));
+    filter
+}
+
+/// The filter of a scan, but for the lanes: due, ready deliveries of `handlers`.
+pub(super) fn due_filter(handlers: &[&str], now: DateTime) -> Document {
     doc! {
-        field::LANE_ID: { "$in": lanes },
         field::STATUS: status::PENDING,
         field::LANE: lane::READY,
         field::DUE_AT: { "$lte": now },
@@ -180,6 +186,22 @@ impl MongoEventStore {
         now: DateTime,
         scan: &mut Scan,
     ) -> Result<()> {
+        self.scan_lanes_from(lanes, handlers, now, scan, None).await
+    }
+
+    /// [`scan_lanes`](Self::scan_lanes), with the first page of `lanes` already read (`first`:
+    /// the page and the most it could hold), when they fit in one query.
+    pub(super) async fn scan_lanes_from(
+        &self,
+        lanes: &[i32],
+        handlers: &[&str],
+        now: DateTime,
+        scan: &mut Scan,
+        mut first: Option<(Vec<RawDocumentBuf>, usize)>,
+    ) -> Result<()> {
+        if lanes.len() > LANES_PER_QUERY {
+            first = None;
+        }
         for group in lanes.chunks(LANES_PER_QUERY) {
             if scan.picking.full() {
                 return Ok(());
@@ -190,36 +212,12 @@ impl MongoEventStore {
             // already running are left out on the index keys. The events of the picks are read
             // afterwards, in one query: for a big page, a `$lookup` here costs the server more
             // than that extra round trip, and it would read events of deliveries not picked.
-            let window = page_window(scan.picking.limit - scan.picking.picks.len());
-            let mut first = filter.clone();
-            if !scan.picking.running.is_empty() {
-                let running: Vec<ObjectId> = scan.picking.running.iter().copied().collect();
-                first.insert(field::ID, doc! { "$nin": running });
-            }
-            let raw: Vec<RawDocumentBuf> = if scan.with_events {
-                self.inner
-                    .deliveries
-                    .aggregate(page_with_events(first, window, self.inner.events.name()))
-                    .hint(index::hint(index::CLAIM))
-                    .batch_size(window as u32 + 1)
-                    .await?
-                    .with_type::<RawDocumentBuf>()
-                    .try_collect()
-                    .await?
-            } else {
-                self.inner
-                    .deliveries
-                    .clone_with_type::<RawDocumentBuf>()
-                    .find(first)
-                    .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
-                    .projection(projection.clone())
-                    .hint(index::hint(index::CLAIM))
-                    .limit(window as i64)
-                    // One more than the page holds, so that the first batch ends the cursor.
-                    .batch_size(window as u32 + 1)
-                    .await?
-                    .try_collect()
-                    .await?
+            let (raw, window) = match first.take() {
+                Some(read) => read,
+                None => {
+                    let window = page_window(scan.picking.limit - scan.picking.picks.len());
+                    (self.first_page(filter.clone(), window, scan).await?, window)
+                }
             };
             let mut page = Vec::with_capacity(raw.len());
             for doc in &raw {
@@ -279,6 +277,46 @@ impl MongoEventStore {
             }
         }
         Ok(())
+    }
+
+    /// The first page of a scan with `filter`, at most `window` deliveries, leaving out those
+    /// the claim already knows run (on the index keys); with their events when the scan reads
+    /// them.
+    async fn first_page(
+        &self,
+        mut filter: Document,
+        window: usize,
+        scan: &Scan,
+    ) -> Result<Vec<RawDocumentBuf>> {
+        if !scan.picking.running.is_empty() {
+            let running: Vec<ObjectId> = scan.picking.running.iter().copied().collect();
+            filter.insert(field::ID, doc! { "$nin": running });
+        }
+        Ok(if scan.with_events {
+            self.inner
+                .deliveries
+                .aggregate(page_with_events(filter, window, self.inner.events.name()))
+                .hint(index::hint(index::CLAIM))
+                .batch_size(window as u32 + 1)
+                .await?
+                .with_type::<RawDocumentBuf>()
+                .try_collect()
+                .await?
+        } else {
+            self.inner
+                .deliveries
+                .clone_with_type::<RawDocumentBuf>()
+                .find(filter)
+                .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
+                .projection(candidate_fields())
+                .hint(index::hint(index::CLAIM))
+                .limit(window as i64)
+                // One more than the page holds, so that the first batch ends the cursor.
+                .batch_size(window as u32 + 1)
+                .await?
+                .try_collect()
+                .await?
+        })
     }
 
     /// After an idle wait: scans the lanes where new deliveries were `reported` meanwhile, held
