@@ -610,14 +610,16 @@ impl MongoEventStore {
         );
         if let Some(rest) = rest {
             // The page read with the lanes holds when it read the same held lanes, and nothing
-            // went back to them from the parked lane since.
+            // went back to them from the parked lane since: unparking sent nothing to a held
+            // lane, or left every head it freed to this claim (they are still parked).
             let first = held_page.filter(|read| {
                 reported.is_empty()
                     && read.lanes.len() == rest.len()
                     && rest.iter().all(|lane| read.lanes.contains(lane))
-                    && unparked
-                        .as_ref()
-                        .is_some_and(|lanes| rest.iter().all(|lane| !lanes.contains(lane)))
+                    && (!deferred.is_empty()
+                        || unparked
+                            .as_ref()
+                            .is_some_and(|lanes| rest.iter().all(|lane| !lanes.contains(lane))))
             });
             self.scan_lanes_from(
                 &rest,
