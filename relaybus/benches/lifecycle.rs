@@ -118,6 +118,9 @@ async fn main() -> Result<(), BoxError> {
             let floor_store = store_with(&client, &db, listing_indexes).await?;
             let appended = timed_publish(&floor_store, deliveries).await?;
             let rate = floor(&floor_store, deliveries, batch, claimers).await?;
+            // The store goes first: its heartbeat would write to the dropped database again
+            // and leave it behind on the server.
+            drop(floor_store);
             db.drop().await?;
             if claimers == 4 {
                 // The other half of what an index costs: its entry of each inserted delivery.
