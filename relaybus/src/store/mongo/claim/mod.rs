@@ -609,12 +609,12 @@ impl MongoEventStore {
                 .collect(),
         );
         if let Some(rest) = rest {
-            // The page read with the lanes holds when it read the same held lanes, and nothing
-            // went back to them from the parked lane since: unparking sent nothing to a held
-            // lane, or left every head it freed to this claim (they are still parked).
-            let first = held_page.filter(|read| {
-                reported.is_empty()
-                    && read.lanes.len() == rest.len()
+            // The page read with the lanes (asked for only when no lane was reported) holds
+            // when it read the same held lanes, and nothing went back to them from the parked
+            // lane since: unparking sent nothing to a held lane, or left every head it freed to
+            // this claim (they are still parked).
+            let page = held_page.filter(|read| {
+                read.lanes.len() == rest.len()
                     && rest.iter().all(|lane| read.lanes.contains(lane))
                     && (!deferred.is_empty()
                         || unparked
@@ -626,7 +626,7 @@ impl MongoEventStore {
                 handlers,
                 now,
                 &mut scan,
-                first.map(|read| (read.page, read.window)),
+                page.map(|read| (read.page, read.window)),
             )
             .await?;
             self.scan_free_lanes(

@@ -89,7 +89,7 @@ pub(super) enum FirstPage<'a> {
 
 /// The first page of a scan of the held lanes, read with the lanes: their due, ready
 /// deliveries in `(dueAt, _id)` order, without those this instance vouches for.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct HeldPage {
     /// The held lanes, as the pass that read the page found them.
     pub(super) lanes: HashSet<i32>,
