@@ -217,6 +217,10 @@ pub(crate) struct OwnerState {
     /// goes on to its other lanes when the reported ones do not fill it. After an empty claim
     /// (an idle worker, nothing older was due) the reported lanes are read alone.
     pub(crate) busy: bool,
+    /// The lanes the owner held on this instance when its last claim ended, as it recorded
+    /// them: the next claim reads the first page of their scan before it reads the lanes, and
+    /// uses it only if they are still the lanes the owner holds.
+    pub(crate) held: Vec<i32>,
     /// The owner's last claim came after an idle wait, with complete reports, and picked every
     /// due delivery of the reported lanes: until new deliveries are reported, its next claim has
     /// nothing to find (see [`Exhausted`]).

@@ -16,8 +16,9 @@
 //!   claim this instance did not hand out are reconciled before the claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
 //!   leaving out the ones the owner already runs, a page at a time. Their first page comes with
-//!   the first read, unless lanes were reported (then theirs does) or unparking sent deliveries
-//!   back to a held lane after it.
+//!   the first read (ahead of the lanes, for the lanes held when the owner's last claim ended),
+//!   unless lanes were reported (then theirs does), the owner holds other lanes now, or
+//!   unparking sent deliveries back to a held lane after it.
 //! - **Ranking free lanes** ([`rank`]) and **taking** them ([`take`]), if the claim needs more:
 //!   free lanes (no holder, or an expired lease) with due deliveries of its handlers, the lanes
 //!   with the oldest due deliveries first, in rounds of twice as many lanes each, scanned in turn.
@@ -505,9 +506,14 @@ impl MongoEventStore {
         let vouch = state.vouched_reads < VOUCHED_READS;
         state.vouched_reads = if vouch { state.vouched_reads + 1 } else { 0 };
         // The first page of the lanes scanned first comes with the read: the reported lanes,
-        // or, without any, the held lanes.
+        // or, without any, the lanes held when the owner's last claim ended.
+        let expected = std::mem::take(&mut state.held);
         let first = if reported.is_empty() {
-            FirstPage::Held(page_window(limit))
+            FirstPage::Held {
+                lanes: &expected,
+                window: page_window(limit),
+                issued: &issued,
+            }
         } else {
             FirstPage::Reported(&reported, page_window(limit))
         };
@@ -710,6 +716,12 @@ impl MongoEventStore {
             self.unpark_ids(deferred_ids.clone()),
         );
         let recorded = recorded?;
+        state.held = recorded
+            .lanes
+            .iter()
+            .map(|lane| lane.id)
+            .filter(|lane| !recorded.handed_back.contains(lane))
+            .collect();
         events.extend(read?);
         if let Err(error) = moved {
             // A later claim sends them back.

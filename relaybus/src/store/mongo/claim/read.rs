@@ -21,7 +21,7 @@ use mongodb::bson::{
 
 use super::{
     pick::KeyOf,
-    scan::{candidate_fields, due_filter, page_with_events, scan_filter},
+    scan::{LANES_PER_QUERY, candidate_fields, page_with_events, scan_filter},
 };
 use crate::{
     error::Result,
@@ -30,7 +30,7 @@ use crate::{
         lane::{Lane, int, string, whole_number},
         lease::{ClaimRegistry, Issued},
         park::{LowestPending, ParkedHead, lowest_of_parked_stages, parked_heads_stages},
-        schema::{field, path, status},
+        schema::{field, index, path, status},
     },
 };
 
@@ -41,14 +41,18 @@ const PARKED_IN_LANE_READ: usize = 32;
 /// The field of the lane read's document that lists the deliveries the held lanes run.
 const RUNNING: &str = "running";
 
-/// The fields of that document with the held lanes as its pass read them, and the first page of
-/// their scan.
-const HELD: &str = "held";
+/// The field that marks the deliveries of the held lanes' first page.
 const HELD_PAGE: &str = "heldPage";
 
 /// The fields that mark the documents of a lane read other than the lanes': what the held
 /// lanes run, and the documents the deliveries collection adds.
-const MARKERS: [&str; 4] = ["prescanned", "parkedKey", "lowestHandler", RUNNING];
+const MARKERS: [&str; 5] = [
+    HELD_PAGE,
+    "prescanned",
+    "parkedKey",
+    "lowestHandler",
+    RUNNING,
+];
 
 /// Which of [`MARKERS`] a document of the lane read has: one pass over its fields.
 fn marker(raw: &RawDocument) -> Option<&'static str> {
@@ -83,15 +87,22 @@ pub(super) struct LaneView {
 pub(super) enum FirstPage<'a> {
     /// Of the lanes where new deliveries were reported, with their events.
     Reported(&'a [i32], usize),
-    /// Of the lanes the owner holds ([`HeldPage`]).
-    Held(usize),
+    /// Of the lanes the owner held when its last claim ended ([`HeldPage`]), leaving out every
+    /// delivery in `issued` (the claims this instance handed out and has not seen settled).
+    Held {
+        lanes: &'a [i32],
+        window: usize,
+        issued: &'a HashMap<ObjectId, Issued>,
+    },
 }
 
 /// The first page of a scan of the held lanes, read with the lanes: their due, ready
-/// deliveries in `(dueAt, _id)` order, without those this instance vouches for.
+/// deliveries in `(dueAt, _id)` order, without those this instance handed out and has not seen
+/// settled.
 #[derive(Debug)]
 pub(super) struct HeldPage {
-    /// The held lanes, as the pass that read the page found them.
+    /// The lanes the page was read for: those the owner held when its last claim ended. The
+    /// page holds only if the lanes read after it show the owner holding the same ones.
     pub(super) lanes: HashSet<i32>,
     /// The page, at most `window` deliveries ([`candidate_fields`]).
     pub(super) page: Vec<RawDocumentBuf>,
@@ -299,16 +310,43 @@ pub(super) fn lists_foreign_claims(
     })
 }
 
+/// The stages that read the held lanes' first page ([`FirstPage::Held`]): the due, ready
+/// deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order, at most `window` of them,
+/// marked with [`HELD_PAGE`]. Every delivery in `issued` is left out (on the claim index's
+/// keys), those whose completion was sent too: read before the lanes, the page then holds
+/// nothing that was running from this instance when it was read, although a delivery the page
+/// holds may complete before the lanes are read and no longer be listed there.
+fn held_page_stages(
+    lanes: &[i32],
+    handlers: &[&str],
+    now: DateTime,
+    window: usize,
+    issued: &HashMap<ObjectId, Issued>,
+) -> [Document; 4] {
+    let mut filter = scan_filter(lanes, handlers, now);
+    let handed_out: Vec<ObjectId> = issued.keys().copied().collect();
+    filter.insert(field::ID, doc! { "$nin": handed_out });
+    let mut fields = candidate_fields();
+    fields.insert(HELD_PAGE, doc! { "$literal": true });
+    [
+        doc! { "$match": filter },
+        doc! { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
+        doc! { "$limit": i64::try_from(window).unwrap_or(i64::MAX) },
+        doc! { "$project": fields },
+    ]
+}
+
 impl MongoEventStore {
     /// The claim's first read, one aggregation: every lane document; the documents of the
     /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
     /// lowest parked delivery of each of their keys; and the first page of a scan, of the
-    /// reported lanes or of the held ones ([`FirstPage`]). The lanes are read first, as stored,
-    /// and then what the held ones run: deliveries read after them can only be newer, so a lane
+    /// reported lanes or of the held ones ([`FirstPage`]). The lanes are read as stored, and
+    /// then what the held ones run: deliveries read after them can only be newer, so a lane
     /// taken and handed back meanwhile shows a new epoch to the record's condition. What the
-    /// held lanes run, and their page, are looked up from the held lanes as a second pass reads
-    /// them; only the ids the first pass listed count, and the page only when that pass found
-    /// the same lanes held.
+    /// held lanes run is looked up from the held lanes as a second pass reads them; only the
+    /// ids the first pass listed count. The held lanes' page comes first, read on the claim
+    /// index, for the lanes the owner held when its last claim ended; it counts only when the
+    /// lanes read after it show the same lanes held.
     ///
     /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
     /// lane documents read are those of the lanes `owner` holds on this instance, of `only` and
@@ -323,8 +361,14 @@ impl MongoEventStore {
         vouched: Option<&HashMap<ObjectId, Issued>>,
     ) -> Result<LaneView> {
         let held_page = match first {
-            FirstPage::Held(window) => Some(window),
-            FirstPage::Reported(..) => None,
+            FirstPage::Held {
+                lanes,
+                window,
+                issued,
+            } if !lanes.is_empty() && lanes.len() <= LANES_PER_QUERY => {
+                Some((lanes, window, issued))
+            }
+            _ => None,
         };
         let inner = &self.inner;
         // With `vouched` (the claims outstanding), the deliveries this instance handed out and
@@ -350,15 +394,14 @@ impl MongoEventStore {
             ] },
             None => doc! {},
         };
-        let mut running = vec![
+        let running = vec![
             doc! { "$match": &mine },
             doc! { "$group": {
                 "_id": null,
-                HELD: { "$push": path::ID },
                 "listed": { "$push": { "$ifNull": [path::IN_FLIGHT, []] } },
             } },
             doc! { "$project": {
-                HELD: 1,
+                "_id": 0,
                 "listed": { "$setDifference": [
                     { "$reduce": {
                         "input": "$listed",
@@ -378,32 +421,24 @@ impl MongoEventStore {
                 } }],
                 "as": RUNNING,
             } },
+            doc! { "$project": { RUNNING: 1 } },
         ];
-        if let Some(window) = held_page {
-            // The first page of the held lanes' scan, leaving out what this instance vouches
-            // for (on the claim index's keys); the picking passes over the rest that runs.
-            let mut filter = due_filter(handlers, now);
-            filter.insert(field::ID, doc! { "$nin": &vouched });
-            running.push(doc! { "$lookup": {
-                "from": inner.deliveries.name(),
-                "localField": HELD,
-                "foreignField": field::LANE_ID,
-                "pipeline": [
-                    { "$match": filter },
-                    { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
-                    { "$limit": i64::try_from(window).unwrap_or(i64::MAX) },
-                    { "$project": candidate_fields() },
-                ],
-                "as": HELD_PAGE,
+        let mut pipeline = Vec::new();
+        if let Some((lanes, window, issued)) = held_page {
+            // The held lanes' first page leads, read on the claim index it is told to use: a
+            // query in a `$lookup` or a `$unionWith` cannot be told, and the server then plans
+            // it anew, trying every index it could use, on most claims.
+            pipeline.extend(held_page_stages(lanes, handlers, now, window, issued));
+            pipeline.push(doc! { "$unionWith": {
+                "coll": inner.lanes.name(),
+                "pipeline": [{ "$match": listed }],
             } });
+        } else {
+            pipeline.push(doc! { "$match": listed });
         }
-        running.push(doc! { "$project": { field::ID: 0, HELD: 1, RUNNING: 1, HELD_PAGE: 1 } });
-        let mut pipeline = vec![
-            doc! { "$match": listed },
-            // What the held lanes run: one lookup for all of them (a `$lookup` runs its query
-            // once per input document, so the lanes' lists are joined first).
-            doc! { "$unionWith": { "coll": inner.lanes.name(), "pipeline": running } },
-        ];
+        // What the held lanes run: one lookup for all of them (a `$lookup` runs its query once
+        // per input document, so the lanes' lists are joined first).
+        pipeline.push(doc! { "$unionWith": { "coll": inner.lanes.name(), "pipeline": running } });
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
         if fold_parked {
             for handler in handlers {
@@ -429,21 +464,26 @@ impl MongoEventStore {
                 "pipeline": stages,
             } });
         }
-        let docs: Vec<RawDocumentBuf> = inner
-            .lanes
-            .aggregate(pipeline)
-            // Large enough that the first batch ends the cursor.
-            .batch_size(100_000)
-            .await?
-            .with_type::<RawDocumentBuf>()
-            .try_collect()
-            .await?;
+        // A batch large enough that the first one ends the cursor.
+        let cursor = match held_page {
+            Some(_) => {
+                inner
+                    .deliveries
+                    .aggregate(pipeline)
+                    .hint(index::hint(index::CLAIM))
+                    .batch_size(100_000)
+                    .await?
+            }
+            None => inner.lanes.aggregate(pipeline).batch_size(100_000).await?,
+        };
+        let docs: Vec<RawDocumentBuf> = cursor.with_type::<RawDocumentBuf>().try_collect().await?;
 
         let mut view = LaneView {
             parked: fold_parked.then(ParkedKeys::default),
             ..LaneView::default()
         };
         let mut listed_docs = Vec::new();
+        let mut page = Vec::new();
         let mut lanes: Vec<&RawDocument> = Vec::new();
         let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
         for raw in &docs {
@@ -454,6 +494,10 @@ impl MongoEventStore {
             let Some(marker) = marker(raw) else {
                 continue;
             };
+            if marker == HELD_PAGE {
+                page.push(raw.clone());
+                continue;
+            }
             if marker == RUNNING {
                 if let Ok(running) = raw.get_array(RUNNING) {
                     listed_docs.extend(
@@ -461,21 +505,6 @@ impl MongoEventStore {
                             .into_iter()
                             .filter_map(|d| Document::try_from(d.ok()?.as_document()?).ok()),
                     );
-                }
-                if let (Some(window), Ok(page)) = (held_page, raw.get_array(HELD_PAGE)) {
-                    view.held_page = Some(HeldPage {
-                        lanes: raw
-                            .get_array(HELD)
-                            .into_iter()
-                            .flatten()
-                            .filter_map(|id| whole_number(id.ok()?)?.try_into().ok())
-                            .collect(),
-                        page: page
-                            .into_iter()
-                            .filter_map(|d| Some(d.ok()?.as_document()?.to_raw_document_buf()))
-                            .collect(),
-                        window,
-                    });
                 }
                 continue;
             }
@@ -497,6 +526,13 @@ impl MongoEventStore {
                     }
                 }
             }
+        }
+        if let Some((lanes, window, _)) = held_page {
+            view.held_page = Some(HeldPage {
+                lanes: lanes.iter().copied().collect(),
+                page,
+                window,
+            });
         }
         for raw in lanes {
             let fields = LaneFields::of(raw);
@@ -704,6 +740,47 @@ impl MongoEventStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::mongo::lease::Lease;
+
+    #[test]
+    fn the_held_page_leaves_out_every_claim_handed_out_even_while_it_completes() {
+        let registry = ClaimRegistry::default();
+        let (running, completing) = (ObjectId::new(), ObjectId::new());
+        registry.issue([
+            Lease::new(running, 3, 1, 1),
+            Lease::new(completing, 4, 1, 1),
+        ]);
+        registry.completing([completing]);
+        let issued = registry.snapshot();
+        // A completion that was sent may have applied: the lanes' read does not vouch for it.
+        assert!(!registry.vouched(&issued).contains_key(&completing));
+
+        let now = DateTime::from_millis(1_000);
+        let stages = held_page_stages(&[3, 4], &["projector"], now, 40, &issued);
+        let filter = stages[0].get_document("$match").unwrap();
+        let mut left_out: Vec<ObjectId> = filter
+            .get_document("_id")
+            .unwrap()
+            .get_array("$nin")
+            .unwrap()
+            .iter()
+            .map(|id| id.as_object_id().unwrap())
+            .collect();
+        left_out.sort();
+        let mut expected = vec![running, completing];
+        expected.sort();
+        assert_eq!(left_out, expected);
+        assert_eq!(
+            filter.get_document("laneId").unwrap(),
+            &doc! { "$in": [3, 4] }
+        );
+        assert_eq!(stages[2], doc! { "$limit": 40_i64 });
+        let fields = stages[3].get_document("$project").unwrap();
+        assert_eq!(
+            marker(&RawDocumentBuf::from_document(fields).unwrap()),
+            Some(HELD_PAGE)
+        );
+    }
 
     #[test]
     fn a_free_lane_is_clean_only_with_empty_lists() {

@@ -167,7 +167,7 @@ pub(super) fn scan_filter(lanes: &[i32], handlers: &[&str], now: DateTime) -> Do
 }
 
 /// The filter of a scan, but for the lanes: due, ready deliveries of `handlers`.
-pub(super) fn due_filter(handlers: &[&str], now: DateTime) -> Document {
+fn due_filter(handlers: &[&str], now: DateTime) -> Document {
     doc! {
         field::STATUS: status::PENDING,
         field::LANE: lane::READY,
