@@ -161,9 +161,9 @@ pub(crate) struct Relist {
 /// The update statements that relist `relists`, extending each lane's lease to at least
 /// `expires_at` and clearing its lost claims, with the number of lane documents they match when
 /// every condition holds. Several lanes go in one multi-document statement: its filter is the
-/// lanes' conditions joined by `$or`, and the lane's `_id` picks what it adds, so that the
-/// server parses and plans one statement instead of one per lane (a keyed claim writes about
-/// one lane per delivery). A delivery is listed in one lane only, so the ids to take off can be
+/// lanes' `_id`s, then their conditions joined by `$or`, and the lane's `_id` picks what it
+/// adds, so that the server parses and plans one statement instead of one per lane (a keyed
+/// claim writes about one lane per delivery), and reads the lanes with one scan of `_id`. A delivery is listed in one lane only, so the ids to take off can be
 /// taken off every lane.
 pub(crate) fn relist_statements(relists: &[Relist], expires_at: DateTime) -> (Vec<Document>, u64) {
     let set = |in_flight: Document| {
@@ -199,8 +199,11 @@ pub(crate) fn relist_statements(relists: &[Relist], expires_at: DateTime) -> (Ve
             } else {
                 Bson::Document(doc! { "$switch": { "branches": branches, "default": [] } })
             };
+            // The lanes' ids lead the filter, so that the server reads them by `_id` as one
+            // index scan: an `$or` at the root would have it plan each branch on its own.
+            let ids: Vec<i32> = many.iter().map(|r| r.lane).collect();
             let statement = doc! {
-                "q": { "$or": filters },
+                "q": { field::ID: { "$in": ids }, "$or": filters },
                 "u": set(relisted(&gone, added)),
                 "multi": true,
             };
@@ -348,6 +351,26 @@ pub(crate) fn reply_count(reply: &Document) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lanes_relisted_together_are_read_by_id_first() {
+        let relist = |lane: i32| Relist {
+            lane,
+            filter: doc! { "_id": lane, "owner": "worker", "epoch": 2_i64 },
+            gone: Vec::new(),
+            added: vec![ObjectId::new()],
+        };
+        let (statements, matched) =
+            relist_statements(&[relist(3), relist(7)], DateTime::from_millis(1_000));
+        assert_eq!((statements.len(), matched), (1, 2));
+        let filter = statements[0].get_document("q").unwrap();
+        // The `_id`s lead: a filter whose root is the `$or` is planned branch by branch.
+        assert_eq!(filter.keys().next().map(String::as_str), Some("_id"));
+        assert_eq!(filter.get_document("_id").unwrap(), &doc! { "$in": [3, 7] });
+        let branches = filter.get_array("$or").unwrap();
+        assert_eq!(branches.len(), 2);
+        assert_eq!(branches[1].as_document().unwrap(), &relist(7).filter);
+    }
 
     #[test]
     fn lane_documents_parse() {

@@ -41,18 +41,9 @@ const PARKED_IN_LANE_READ: usize = 32;
 /// The field of the lane read's document that lists the deliveries the held lanes run.
 const RUNNING: &str = "running";
 
-/// The field that marks the deliveries of the held lanes' first page.
-const HELD_PAGE: &str = "heldPage";
-
-/// The fields that mark the documents of a lane read other than the lanes': what the held
-/// lanes run, and the documents the deliveries collection adds.
-const MARKERS: [&str; 5] = [
-    HELD_PAGE,
-    "prescanned",
-    "parkedKey",
-    "lowestHandler",
-    RUNNING,
-];
+/// The fields that mark the documents of a lane read other than the lanes' and the held lanes'
+/// page's: what the held lanes run, and the documents the deliveries collection adds.
+const MARKERS: [&str; 4] = ["prescanned", "parkedKey", "lowestHandler", RUNNING];
 
 /// Which of [`MARKERS`] a document of the lane read has: one pass over its fields.
 fn marker(raw: &RawDocument) -> Option<&'static str> {
@@ -199,6 +190,16 @@ fn is_lane(raw: &RawDocument) -> bool {
     )
 }
 
+/// Whether a document of the lane read without a marker is a delivery of the held lanes' page:
+/// the only ones whose first field is an `ObjectId` `_id` (the page's projection keeps only
+/// plain fields, so that the server applies it as it reads).
+fn is_page_delivery(raw: &RawDocument) -> bool {
+    matches!(
+        raw.iter().next(),
+        Some(Ok((field::ID, RawBsonRef::ObjectId(_))))
+    )
+}
+
 /// What runs in the lanes this owner holds.
 #[derive(Debug, Default)]
 pub(super) struct Running {
@@ -312,7 +313,7 @@ pub(super) fn lists_foreign_claims(
 
 /// The stages that read the held lanes' first page ([`FirstPage::Held`]): the due, ready
 /// deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order, at most `window` of them,
-/// marked with [`HELD_PAGE`]. Every delivery in `issued` is left out (on the claim index's
+/// their first field the `_id` ([`is_page_delivery`]). Every delivery in `issued` is left out (on the claim index's
 /// keys), those whose completion was sent too: read before the lanes, the page then holds
 /// nothing that was running from this instance when it was read, although a delivery the page
 /// holds may complete before the lanes are read and no longer be listed there.
@@ -326,13 +327,11 @@ fn held_page_stages(
     let mut filter = scan_filter(lanes, handlers, now);
     let handed_out: Vec<ObjectId> = issued.keys().copied().collect();
     filter.insert(field::ID, doc! { "$nin": handed_out });
-    let mut fields = candidate_fields();
-    fields.insert(HELD_PAGE, doc! { "$literal": true });
     [
         doc! { "$match": filter },
         doc! { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
         doc! { "$limit": i64::try_from(window).unwrap_or(i64::MAX) },
-        doc! { "$project": fields },
+        doc! { "$project": candidate_fields() },
     ]
 }
 
@@ -421,7 +420,7 @@ impl MongoEventStore {
                 } }],
                 "as": RUNNING,
             } },
-            doc! { "$project": { RUNNING: 1 } },
+            doc! { "$project": { field::ID: 0, RUNNING: 1 } },
         ];
         let mut pipeline = Vec::new();
         if let Some((lanes, window, issued)) = held_page {
@@ -492,12 +491,11 @@ impl MongoEventStore {
                 continue;
             }
             let Some(marker) = marker(raw) else {
+                if held_page.is_some() && is_page_delivery(raw) {
+                    page.push(raw.clone());
+                }
                 continue;
             };
-            if marker == HELD_PAGE {
-                page.push(raw.clone());
-                continue;
-            }
             if marker == RUNNING {
                 if let Ok(running) = raw.get_array(RUNNING) {
                     listed_docs.extend(
@@ -775,11 +773,7 @@ mod tests {
             &doc! { "$in": [3, 4] }
         );
         assert_eq!(stages[2], doc! { "$limit": 40_i64 });
-        let fields = stages[3].get_document("$project").unwrap();
-        assert_eq!(
-            marker(&RawDocumentBuf::from_document(fields).unwrap()),
-            Some(HELD_PAGE)
-        );
+        assert_eq!(stages[3], doc! { "$project": candidate_fields() });
     }
 
     #[test]
@@ -837,6 +831,12 @@ mod tests {
         assert!(!is_lane(&delivery));
         let head = RawDocumentBuf::from_document(&doc! { "parkedKey": "k", "id": 1 }).unwrap();
         assert!(!is_lane(&head));
+        assert!(!is_page_delivery(&raw) && !is_page_delivery(&head));
+        let paged = RawDocumentBuf::from_document(&doc! {
+            "_id": ObjectId::new(), "eventId": "e", "laneId": 9,
+        })
+        .unwrap();
+        assert!(!is_lane(&paged) && is_page_delivery(&paged) && marker(&paged).is_none());
     }
 
     #[test]
