@@ -2101,6 +2101,67 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     assert_eq!(completes, vec![3, 3, 3]);
 }
 
+/// A completion of claims this store instance handed out and has not seen settled reads only
+/// their lanes: the claims noted what it needs of the deliveries. Another instance, which did
+/// not hand them out, reads the deliveries too. Either way a lease completes once, and a lease
+/// whose lane was taken over completes nothing, its delivery left as it is.
+#[tokio::test]
+async fn a_completion_of_its_own_claims_reads_only_their_lanes() {
+    let db = test_db("own_completions").await;
+    let (client, _, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let events: Vec<EventEnvelope> = (0..5).map(|n| event(&format!("own-{n}"), None)).collect();
+    publish(&store, &events, &[HANDLER], at(0)).await;
+    let batch = claim(&store, "w", 4, at(1)).await;
+    assert_eq!(batch.len(), 4);
+    let all = leases(&batch);
+
+    names.lock().unwrap().clear();
+    let done = store.complete_many(&all[..2], at(2)).await.unwrap();
+    let sent = names.lock().unwrap().clone();
+    assert_eq!(done, [true, true]);
+    assert_eq!(sent.first().map(String::as_str), Some("find"), "{sent:?}");
+    assert!(!sent.iter().any(|name| name == "aggregate"), "{sent:?}");
+
+    let other = store_with(&client, &db, false).await;
+    names.lock().unwrap().clear();
+    let done = other.complete_many(&all[2..], at(2)).await.unwrap();
+    let sent = names.lock().unwrap().clone();
+    assert_eq!(done, [true, true]);
+    assert_eq!(
+        sent.first().map(String::as_str),
+        Some("aggregate"),
+        "{sent:?}"
+    );
+    assert_eq!(
+        store.complete_many(&all[..1], at(3)).await.unwrap(),
+        [false]
+    );
+    assert_eq!(
+        other.complete_many(&all[2..3], at(3)).await.unwrap(),
+        [false]
+    );
+
+    // The last one, claimed here, taken over by the other instance once its lease expired: this
+    // instance still has the claim as issued, and its lane fences it.
+    let stale = claim(&store, "w", 1, at(4)).await;
+    assert_eq!(stale.len(), 1);
+    let taken = claim(&other, "w", 1, at(4 + LEASE.as_secs() as i64 + 1)).await;
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].delivery_id(), stale[0].delivery_id());
+    let before = delivery(&db, stale[0].delivery_id()).await;
+    names.lock().unwrap().clear();
+    let done = store.complete_many(&leases(&stale), at(50)).await.unwrap();
+    let sent = names.lock().unwrap().clone();
+    assert_eq!(done, [false]);
+    assert!(!sent.iter().any(|name| name == "aggregate"), "{sent:?}");
+    assert_eq!(delivery(&db, stale[0].delivery_id()).await, before);
+    assert_eq!(
+        other.complete_many(&leases(&taken), at(51)).await.unwrap(),
+        [true]
+    );
+}
+
 /// A claim through the store boundary, as the dispatcher makes it: with the lanes reported since
 /// the last claim and whether they are all. How many commands it sent, and how many deliveries
 /// it got.

@@ -17,7 +17,7 @@ use mongodb::{
 use super::{
     MongoEventStore,
     lane::{add, int, int32, object_ids},
-    lease::{Lease, generation_filter},
+    lease::{Facts, Lease, generation_filter},
     schema::{QUICK_COMPLETION, field, path, status},
 };
 use crate::error::{InvalidArgumentError, Result};
@@ -65,7 +65,9 @@ impl MongoEventStore {
     /// changes nothing. Without completion history this needs no transaction and costs three
     /// commands for any batch: read the deliveries' claim generations and the lanes (one
     /// aggregation), stamp the events' completion time (majority), and delete the
-    /// deliveries that still have their lease's generation. A delivery appended with its new
+    /// deliveries that still have their lease's generation. When every lease is a claim this
+    /// store instance handed out and has not seen settled, the read is of the lanes alone:
+    /// the claim noted the generation and what the stamp needs. A delivery appended with its new
     /// event, created just before, and completed within a minute, never requeued, leaves its
     /// event unstamped (see the crate documentation); a batch of only such deliveries costs
     /// two commands. When fewer deliveries were deleted
@@ -230,6 +232,9 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<Vec<bool>> {
         let inner = &self.inner;
+        if let Some(facts) = inner.claims.facts_of(leases) {
+            return self.complete_issued(leases, &facts, now).await;
+        }
         let ids = unique_ids(leases);
         let (found, lanes) = self.read_fence(leases, &ids).await?;
         let current: Vec<&Lease> = leases
@@ -355,6 +360,71 @@ impl MongoEventStore {
             )
             .session(&mut *session)
             .await?;
+        Ok(outcome(leases, &fenced, deleted))
+    }
+
+    /// The completion of claims this instance issued and has not seen settled, whose
+    /// deliveries' facts (`facts`, one per lease) the claims noted: their documents are not
+    /// read. The lanes fence the leases as in [`complete_without_transaction`]; the delete is
+    /// conditional on each lease's claim generation, which only a takeover of the lane (that
+    /// the fence catches) or a settlement of the claim (which would have been seen) moves on.
+    ///
+    /// [`complete_without_transaction`]: Self::complete_without_transaction
+    async fn complete_issued(
+        &self,
+        leases: &[Lease],
+        facts: &[Facts],
+        now: DateTime,
+    ) -> Result<Vec<bool>> {
+        let inner = &self.inner;
+        let ids = unique_ids(leases);
+        let mut lane_ids: Vec<i32> = leases.iter().map(Lease::lane_i32).collect();
+        lane_ids.sort_unstable();
+        lane_ids.dedup();
+        let docs: Vec<Document> = inner
+            .lanes
+            .find(doc! { field::ID: { "$in": &lane_ids } })
+            // Only the leased ids of each in-flight list come back, not the whole list.
+            .projection(listing_projection(&ids))
+            // One more than can come: the first batch then ends the cursor.
+            .batch_size(u32::try_from(lane_ids.len() + 1).unwrap_or(u32::MAX))
+            .await?
+            .try_collect()
+            .await?;
+        let all: Vec<&Lease> = leases.iter().collect();
+        let fenced = fence(&all, &listings_of(&docs));
+        if fenced.is_empty() {
+            return Ok(vec![false; leases.len()]);
+        }
+        // As in the read one: the events first, unless the completion is quick.
+        let fenced_ids: HashSet<ObjectId> = fenced.iter().map(Lease::delivery_id).collect();
+        let mut event_ids: Vec<&str> = leases
+            .iter()
+            .zip(facts)
+            .filter(|(lease, facts)| {
+                fenced_ids.contains(&lease.delivery_id())
+                    && !facts
+                        .quick_since
+                        .is_some_and(|created| quick_at(created, now))
+            })
+            .map(|(_, facts)| facts.event_id.as_str())
+            .collect();
+        event_ids.sort_unstable();
+        event_ids.dedup();
+        if !event_ids.is_empty() {
+            inner
+                .events
+                .update_many(
+                    doc! { field::ID: { "$in": &event_ids } },
+                    doc! { "$max": { field::COMPLETED_AT: now } },
+                )
+                .await?;
+        }
+        let deleted = inner
+            .deliveries
+            .delete_many(delete_filter(&fenced))
+            .await?
+            .deleted_count;
         Ok(outcome(leases, &fenced, deleted))
     }
 
@@ -521,9 +591,13 @@ fn completes_quickly(delivery: &Document, now: DateTime) -> bool {
         && int(delivery, field::REQUEUED).unwrap_or(0) == 0
         && delivery
             .get_datetime(field::CREATED_AT)
-            .is_ok_and(|created| {
-                *created <= now && add(*created, QUICK_COMPLETION).is_ok_and(|end| now < end)
-            })
+            .is_ok_and(|created| quick_at(*created, now))
+}
+
+/// Whether a completion at `now` of a delivery a completion may leave unstamped, created at
+/// `created`, is quick: less than [`QUICK_COMPLETION`] after its creation.
+fn quick_at(created: DateTime, now: DateTime) -> bool {
+    created <= now && add(created, QUICK_COMPLETION).is_ok_and(|end| now < end)
 }
 
 /// One entry per lease: completed only when every fenced delivery was deleted. Linear in the

@@ -14,7 +14,7 @@ use std::{
     sync::{Arc, Mutex, MutexGuard, atomic::AtomicBool},
 };
 
-use mongodb::bson::{Bson, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, oid::ObjectId};
 
 use crate::{
     error::{LeaseError, truncate_for_message},
@@ -239,7 +239,7 @@ pub(crate) struct OwnerState {
 #[derive(Debug)]
 pub(crate) struct Exhausted {
     /// The `now` of the claim.
-    pub(crate) at: mongodb::bson::DateTime,
+    pub(crate) at: DateTime,
     /// The handlers it claimed for.
     pub(crate) handlers: Vec<String>,
 }
@@ -249,7 +249,7 @@ impl Exhausted {
     const FOR: std::time::Duration = std::time::Duration::from_millis(250);
 
     /// Whether a claim for `handlers` at `now` may take it that nothing is claimable.
-    pub(crate) fn holds(&self, handlers: &[&str], now: mongodb::bson::DateTime) -> bool {
+    pub(crate) fn holds(&self, handlers: &[&str], now: DateTime) -> bool {
         let age = now.timestamp_millis() - self.at.timestamp_millis();
         (0..=Self::FOR.as_millis() as i64).contains(&age) && same_handlers(&self.handlers, handlers)
     }
@@ -267,7 +267,7 @@ pub(crate) struct RankedLanes {
     /// The handlers the ranking was for.
     pub(crate) handlers: Vec<String>,
     /// The `now` of the claim that ranked them.
-    pub(crate) at: mongodb::bson::DateTime,
+    pub(crate) at: DateTime,
     /// Lane ids, oldest due delivery first.
     pub(crate) lanes: Vec<i32>,
     /// The free lanes the ranking read in full, when it saw every due delivery in them (it read
@@ -314,6 +314,17 @@ pub(crate) struct ClaimRegistry {
     /// Issued claims whose completion was sent: their deliveries may be gone while they are
     /// still issued, so claims do not vouch for them.
     completing: Mutex<HashSet<ObjectId>>,
+    /// What a completion needs of each issued claim's delivery, when the claim read it.
+    facts: Mutex<HashMap<ObjectId, Facts>>,
+}
+
+/// What a completion of an issued claim needs of its delivery, as the claim read it: the event
+/// to stamp, and, for a delivery a completion may leave unstamped (appended with its new event,
+/// never requeued), when it was created. Neither changes while the claim holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Facts {
+    pub(crate) event_id: String,
+    pub(crate) quick_since: Option<DateTime>,
 }
 
 impl Default for ClaimRegistry {
@@ -325,6 +336,7 @@ impl Default for ClaimRegistry {
             issued: Mutex::default(),
             keys: Mutex::default(),
             completing: Mutex::default(),
+            facts: Mutex::default(),
         }
     }
 }
@@ -383,7 +395,10 @@ impl ClaimRegistry {
     /// Remembers claims handed out to a caller.
     pub(crate) fn issue(&self, leases: impl IntoIterator<Item = Lease>) {
         let mut issued = lock(&self.issued);
+        let mut facts = lock(&self.facts);
         for lease in leases {
+            // What an earlier claim of the delivery noted is not this claim's.
+            facts.remove(&lease.delivery_id);
             issued.insert(
                 lease.delivery_id,
                 Issued {
@@ -407,15 +422,42 @@ impl ClaimRegistry {
         lock(&self.keys).get(id).cloned()
     }
 
+    /// Remembers what a completion needs of claims handed out (see [`Facts`]).
+    pub(crate) fn issue_facts(&self, facts: impl IntoIterator<Item = (ObjectId, Facts)>) {
+        lock(&self.facts).extend(facts);
+    }
+
+    /// What a completion needs of each lease's delivery, in order, when every lease is the
+    /// claim this instance issued for its delivery, not seen settled, with its facts noted;
+    /// `None` otherwise.
+    pub(crate) fn facts_of(&self, leases: &[Lease]) -> Option<Vec<Facts>> {
+        let issued = lock(&self.issued);
+        let facts = lock(&self.facts);
+        leases
+            .iter()
+            .map(|lease| {
+                let current = issued.get(&lease.delivery_id)
+                    == Some(&Issued {
+                        lane: lease.lane_i32(),
+                        epoch: lease.epoch,
+                        claims: lease.claims,
+                    });
+                current.then(|| facts.get(&lease.delivery_id).cloned())?
+            })
+            .collect()
+    }
+
     /// Forgets claims that ended (settled, lost, or found gone).
     pub(crate) fn forget(&self, ids: impl IntoIterator<Item = ObjectId>) {
         let mut issued = lock(&self.issued);
         let mut keys = lock(&self.keys);
         let mut completing = lock(&self.completing);
+        let mut facts = lock(&self.facts);
         for id in ids {
             issued.remove(&id);
             keys.remove(&id);
             completing.remove(&id);
+            facts.remove(&id);
         }
     }
 
@@ -431,6 +473,7 @@ impl ClaimRegistry {
         if issued.get(&lease.delivery_id) == Some(&current) {
             issued.remove(&lease.delivery_id);
             lock(&self.keys).remove(&lease.delivery_id);
+            lock(&self.facts).remove(&lease.delivery_id);
         }
         lock(&self.completing).remove(&lease.delivery_id);
     }
@@ -576,5 +619,28 @@ mod tests {
         let a = registry.owner("w");
         let b = registry.owner("w");
         assert!(Arc::ptr_eq(&a, &b));
+    }
+
+    #[test]
+    fn a_completion_knows_only_the_claims_issued_as_leased_with_their_facts() {
+        let registry = ClaimRegistry::default();
+        let lease = Lease::parse(ID, "3:4:5").unwrap();
+        let facts = Facts {
+            event_id: "e-1".into(),
+            quick_since: None,
+        };
+        registry.issue([lease]);
+        assert_eq!(registry.facts_of(&[lease]), None, "no facts noted");
+        registry.issue_facts([(lease.delivery_id(), facts.clone())]);
+        assert_eq!(registry.facts_of(&[lease]), Some(vec![facts.clone()]));
+        let older = Lease::parse(ID, "3:3:5").unwrap();
+        assert_eq!(registry.facts_of(&[lease, older]), None, "another claim");
+        // A new claim of the delivery does not inherit what the last one noted.
+        let newer = Lease::parse(ID, "3:5:6").unwrap();
+        registry.issue([newer]);
+        assert_eq!(registry.facts_of(&[newer]), None);
+        registry.issue_facts([(newer.delivery_id(), facts.clone())]);
+        registry.settled(&newer);
+        assert_eq!(registry.facts_of(&[newer]), None, "settled");
     }
 }

@@ -14,7 +14,7 @@ use crate::{
         MongoEventStore,
         bson_json::{raw_document_to_json, raw_to_json},
         lane::Lane,
-        lease::Lease,
+        lease::{Facts, Lease},
         schema::field,
     },
     time::Timestamp,
@@ -84,6 +84,7 @@ impl MongoEventStore {
         let mut claimed = Vec::with_capacity(picks.len());
         let mut orphaned = Vec::new();
         let mut keyed = Vec::new();
+        let mut facts = Vec::with_capacity(picks.len());
         // Keys a pick of which is given back: the rest of their runs goes back with it.
         let mut broken: Vec<(String, String)> = Vec::new();
         for pick in picks {
@@ -120,6 +121,13 @@ impl MongoEventStore {
             if let Some(key) = &pick.key {
                 keyed.push((pick.id, (pick.handler.clone(), key.clone())));
             }
+            facts.push((
+                pick.id,
+                Facts {
+                    event_id: pick.event_id,
+                    quick_since: pick.quick_since,
+                },
+            ));
             claimed.push(ClaimedDelivery {
                 lease,
                 lease_expires_at: lane_expiry.get(&pick.lane).copied().unwrap_or(expires_at),
@@ -137,6 +145,7 @@ impl MongoEventStore {
                 .chain(orphaned.iter().copied()),
         );
         self.inner.claims.issue_keys(keyed);
+        self.inner.claims.issue_facts(facts);
         (claimed, orphaned)
     }
 }
@@ -199,6 +208,7 @@ mod tests {
             attempts: 0,
             claims: 0,
             due_at: DateTime::from_millis(0),
+            quick_since: None,
         };
         let raw = RawDocumentBuf::from_document(&doc! {
             "_id": "e-1",

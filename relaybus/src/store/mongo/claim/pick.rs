@@ -158,6 +158,7 @@ mod tests {
             attempts: 0,
             claims: 0,
             due_at: DateTime::from_millis(0),
+            quick_since: None,
         }
     }
 

@@ -45,6 +45,9 @@ pub(super) struct Candidate {
     pub(super) attempts: i64,
     pub(super) claims: i64,
     pub(super) due_at: DateTime,
+    /// When the delivery was created, if a completion may leave its event unstamped: appended
+    /// with its new event (`fresh`) and never requeued. `None` when not, or not read.
+    pub(super) quick_since: Option<DateTime>,
 }
 
 impl Candidate {
@@ -61,6 +64,10 @@ impl Candidate {
             attempts: int(field::ATTEMPTS).unwrap_or(0),
             claims: int(field::CLAIMS).unwrap_or(0),
             due_at: doc.get_datetime(field::DUE_AT).ok()?,
+            quick_since: (doc.get_bool(field::FRESH) == Ok(true)
+                && int(field::REQUEUED).unwrap_or(0) == 0)
+                .then(|| doc.get_datetime(field::CREATED_AT).ok())
+                .flatten(),
         })
     }
 
@@ -78,6 +85,7 @@ impl Candidate {
             attempts: head.attempts,
             claims: head.claims,
             due_at,
+            quick_since: None,
         })
     }
 
@@ -92,6 +100,10 @@ impl Candidate {
             attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
             claims: int(doc, field::CLAIMS).unwrap_or(0),
             due_at: *doc.get_datetime(field::DUE_AT).ok()?,
+            quick_since: (doc.get_bool(field::FRESH) == Ok(true)
+                && int(doc, field::REQUEUED).unwrap_or(0) == 0)
+                .then(|| doc.get_datetime(field::CREATED_AT).ok().copied())
+                .flatten(),
         })
     }
 }
@@ -155,7 +167,7 @@ pub(super) fn candidate_fields() -> Document {
     doc! {
         field::EVENT_ID: 1, field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1,
         field::UNORDERED: 1, field::LANE_ID: 1, field::ATTEMPTS: 1, field::CLAIMS: 1,
-        field::DUE_AT: 1,
+        field::DUE_AT: 1, field::FRESH: 1, field::REQUEUED: 1, field::CREATED_AT: 1,
     }
 }
 
@@ -408,5 +420,37 @@ impl MongoEventStore {
         }
         scan.picking.pick(page);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_candidate_notes_its_creation_only_when_a_completion_may_leave_it_unstamped() {
+        let created = DateTime::from_millis(5_000);
+        let read = |extra: Document| {
+            let mut doc = doc! {
+                "_id": ObjectId::new(), "laneId": 3, "eventId": "e", "handler": "h",
+                "dueAt": created, "createdAt": created,
+            };
+            doc.extend(extra);
+            let raw = RawDocumentBuf::from_document(&doc).unwrap();
+            let (from_raw, from_document) = (
+                Candidate::from_raw(&raw).unwrap(),
+                Candidate::from_document(&doc).unwrap(),
+            );
+            assert_eq!(from_raw.quick_since, from_document.quick_since);
+            from_raw.quick_since
+        };
+        assert_eq!(read(doc! { "fresh": true }), Some(created));
+        assert_eq!(read(doc! { "fresh": true, "requeued": 1 }), None);
+        assert_eq!(read(doc! { "fresh": false }), None);
+        assert_eq!(read(doc! {}), None);
+        let projected = candidate_fields();
+        for field in ["fresh", "requeued", "createdAt"] {
+            assert!(projected.contains_key(field), "{field} is not read");
+        }
     }
 }
