@@ -1617,6 +1617,37 @@ async fn publish_parked_pairs(store: &MongoEventStore, db: &TestDb, keys: usize)
     assert_eq!(parked.modified_count, 0, "written parked by the append");
 }
 
+/// The parked deliveries a claim takes once their predecessors completed are completed without
+/// being read again: the claim noted what their completion needs, as for the rest.
+#[tokio::test]
+async fn parked_heads_are_completed_as_read_by_their_claim() {
+    const KEYS: usize = 3;
+    let db = test_db("parked_heads_completed").await;
+    let (client, _, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    publish_parked_pairs(&store, &db, KEYS).await;
+    let first = claim(&store, "w", 100, at(1)).await;
+    assert_eq!(first.len(), KEYS);
+    assert!(
+        store
+            .complete_many(&leases(&first), at(2))
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+    let heads = claim(&store, "w", 100, at(3)).await;
+    let mut ids: Vec<&str> = heads.iter().map(ClaimedDelivery::event_id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["k0-2", "k1-2", "k2-2"]);
+
+    names.lock().unwrap().clear();
+    let done = store.complete_many(&leases(&heads), at(4)).await.unwrap();
+    let sent = names.lock().unwrap().clone();
+    assert!(done.iter().all(|d| *d));
+    assert_eq!(sent, ["find", "update", "delete"]);
+}
+
 #[tokio::test]
 async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees() {
     const KEYS: usize = 40;

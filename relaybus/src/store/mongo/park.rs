@@ -42,6 +42,8 @@ pub(crate) struct ParkedHead {
     pub(crate) attempts: i64,
     pub(crate) claims: i64,
     pub(crate) due_at: Option<DateTime>,
+    /// Whether a completion may leave its event unstamped (see `scan::quick_since`).
+    pub(crate) quick_since: Option<Option<DateTime>>,
 }
 
 impl ParkedHead {
@@ -65,6 +67,11 @@ impl ParkedHead {
             attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
             claims: int(doc, field::CLAIMS).unwrap_or(0),
             due_at: doc.get_datetime(field::DUE_AT).ok().copied(),
+            quick_since: crate::store::mongo::claim::quick_since(
+                doc.get_bool(field::FRESH) == Ok(true),
+                int(doc, field::REQUEUED).unwrap_or(0),
+                doc.get_datetime(field::CREATED_AT).ok().copied(),
+            ),
         })
     }
 }
@@ -98,6 +105,9 @@ pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
             field::ATTEMPTS: { "$first": path::ATTEMPTS },
             field::CLAIMS: { "$first": path::CLAIMS },
             field::DUE_AT: { "$first": path::DUE_AT },
+            field::FRESH: { "$first": path::FRESH },
+            field::REQUEUED: { "$first": path::REQUEUED },
+            field::CREATED_AT: { "$first": path::CREATED_AT },
         } },
         doc! { "$project": {
             "_id": 0,
@@ -110,6 +120,9 @@ pub(crate) fn parked_heads_stages(handler: &str) -> Vec<Document> {
             field::ATTEMPTS: 1,
             field::CLAIMS: 1,
             field::DUE_AT: 1,
+            field::FRESH: 1,
+            field::REQUEUED: 1,
+            field::CREATED_AT: 1,
         } },
     ]
 }
@@ -386,5 +399,37 @@ impl MongoEventStore {
             parked += result.modified_count;
         }
         Ok(parked)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mongodb::bson::doc;
+
+    use super::*;
+
+    #[test]
+    fn a_parked_head_is_read_with_what_its_completion_needs() {
+        let created = DateTime::from_millis(7_000);
+        let stages = parked_heads_stages("projector");
+        let group = stages[2].get_document("$group").unwrap();
+        let project = stages[3].get_document("$project").unwrap();
+        for field in [field::FRESH, field::REQUEUED, field::CREATED_AT] {
+            assert!(
+                group.contains_key(field) && project.contains_key(field),
+                "{field}"
+            );
+        }
+        let head = |extra: Document| {
+            let mut doc = doc! {
+                "parkedHandler": "projector", "parkedKey": "k", "id": ObjectId::new(),
+                "sequence": 2_i64, "laneId": 4, "eventId": "e", "createdAt": created,
+            };
+            doc.extend(extra);
+            ParkedHead::from_document(&doc).unwrap().quick_since
+        };
+        assert_eq!(head(doc! { "fresh": true }), Some(Some(created)));
+        assert_eq!(head(doc! { "fresh": true, "requeued": 1 }), Some(None));
+        assert_eq!(head(doc! {}), Some(None));
     }
 }

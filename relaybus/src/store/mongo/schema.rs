@@ -159,6 +159,12 @@ pub(crate) mod path {
     pub(crate) const EVENT_ID: &str = "$eventId";
     /// `$dueAt`.
     pub(crate) const DUE_AT: &str = "$dueAt";
+    /// `$fresh`.
+    pub(crate) const FRESH: &str = "$fresh";
+    /// `$requeued`.
+    pub(crate) const REQUEUED: &str = "$requeued";
+    /// `$createdAt`.
+    pub(crate) const CREATED_AT: &str = "$createdAt";
     /// `$leaseExpiresAt`.
     pub(crate) const LEASE_EXPIRES_AT: &str = "$leaseExpiresAt";
     /// `$epoch`.

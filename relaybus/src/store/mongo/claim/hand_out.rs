@@ -121,13 +121,15 @@ impl MongoEventStore {
             if let Some(key) = &pick.key {
                 keyed.push((pick.id, (pick.handler.clone(), key.clone())));
             }
-            facts.push((
-                pick.id,
-                Facts {
-                    event_id: pick.event_id,
-                    quick_since: pick.quick_since,
-                },
-            ));
+            if let Some(quick_since) = pick.quick_since {
+                facts.push((
+                    pick.id,
+                    Facts {
+                        event_id: pick.event_id,
+                        quick_since,
+                    },
+                ));
+            }
             claimed.push(ClaimedDelivery {
                 lease,
                 lease_expires_at: lane_expiry.get(&pick.lane).copied().unwrap_or(expires_at),

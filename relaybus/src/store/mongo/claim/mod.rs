@@ -71,6 +71,8 @@ pub(crate) mod runs;
 mod scan;
 mod take;
 
+pub(crate) use self::scan::quick_since;
+
 use std::{collections::HashSet, sync::atomic::Ordering, time::Duration};
 
 use mongodb::bson::{DateTime, oid::ObjectId};

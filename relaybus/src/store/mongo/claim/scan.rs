@@ -45,9 +45,20 @@ pub(super) struct Candidate {
     pub(super) attempts: i64,
     pub(super) claims: i64,
     pub(super) due_at: DateTime,
-    /// When the delivery was created, if a completion may leave its event unstamped: appended
-    /// with its new event (`fresh`) and never requeued. `None` when not, or not read.
-    pub(super) quick_since: Option<DateTime>,
+    /// Whether a completion may leave the delivery's event unstamped ([`quick_since`]).
+    pub(super) quick_since: Option<Option<DateTime>>,
+}
+
+/// Whether a completion may leave a delivery's event unstamped, from what a read found of it:
+/// its creation time when it was appended with its new event (`fresh`) and never requeued,
+/// `Some(None)` when not, and `None` when the read did not include its creation (nor, then, the
+/// rest).
+pub(crate) fn quick_since(
+    fresh: bool,
+    requeued: i64,
+    created: Option<DateTime>,
+) -> Option<Option<DateTime>> {
+    created.map(|created| (fresh && requeued == 0).then_some(created))
 }
 
 impl Candidate {
@@ -64,10 +75,11 @@ impl Candidate {
             attempts: int(field::ATTEMPTS).unwrap_or(0),
             claims: int(field::CLAIMS).unwrap_or(0),
             due_at: doc.get_datetime(field::DUE_AT).ok()?,
-            quick_since: (doc.get_bool(field::FRESH) == Ok(true)
-                && int(field::REQUEUED).unwrap_or(0) == 0)
-                .then(|| doc.get_datetime(field::CREATED_AT).ok())
-                .flatten(),
+            quick_since: quick_since(
+                doc.get_bool(field::FRESH) == Ok(true),
+                int(field::REQUEUED).unwrap_or(0),
+                doc.get_datetime(field::CREATED_AT).ok(),
+            ),
         })
     }
 
@@ -85,7 +97,7 @@ impl Candidate {
             attempts: head.attempts,
             claims: head.claims,
             due_at,
-            quick_since: None,
+            quick_since: head.quick_since,
         })
     }
 
@@ -100,10 +112,11 @@ impl Candidate {
             attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
             claims: int(doc, field::CLAIMS).unwrap_or(0),
             due_at: *doc.get_datetime(field::DUE_AT).ok()?,
-            quick_since: (doc.get_bool(field::FRESH) == Ok(true)
-                && int(doc, field::REQUEUED).unwrap_or(0) == 0)
-                .then(|| doc.get_datetime(field::CREATED_AT).ok().copied())
-                .flatten(),
+            quick_since: quick_since(
+                doc.get_bool(field::FRESH) == Ok(true),
+                int(doc, field::REQUEUED).unwrap_or(0),
+                doc.get_datetime(field::CREATED_AT).ok().copied(),
+            ),
         })
     }
 }
@@ -444,10 +457,19 @@ mod tests {
             assert_eq!(from_raw.quick_since, from_document.quick_since);
             from_raw.quick_since
         };
-        assert_eq!(read(doc! { "fresh": true }), Some(created));
-        assert_eq!(read(doc! { "fresh": true, "requeued": 1 }), None);
-        assert_eq!(read(doc! { "fresh": false }), None);
-        assert_eq!(read(doc! {}), None);
+        assert_eq!(read(doc! { "fresh": true }), Some(Some(created)));
+        assert_eq!(read(doc! { "fresh": true, "requeued": 1 }), Some(None));
+        assert_eq!(read(doc! { "fresh": false }), Some(None));
+        assert_eq!(read(doc! {}), Some(None));
+        // Read without its creation time: nothing is known.
+        let mut unread = doc! {
+            "_id": ObjectId::new(), "laneId": 3, "eventId": "e", "handler": "h",
+            "dueAt": created, "fresh": true,
+        };
+        assert_eq!(Candidate::from_document(&unread).unwrap().quick_since, None);
+        unread.remove("fresh");
+        let raw = RawDocumentBuf::from_document(&unread).unwrap();
+        assert_eq!(Candidate::from_raw(&raw).unwrap().quick_since, None);
         let projected = candidate_fields();
         for field in ["fresh", "requeued", "createdAt"] {
             assert!(projected.contains_key(field), "{field} is not read");
