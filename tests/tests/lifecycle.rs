@@ -1594,6 +1594,16 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
     assert_eq!(store.statistics().await.unwrap().parked, 76);
 }
 
+/// [`publish_parked_pairs`], then claims and completes every key's first event: each second
+/// one is a parked head free to come back.
+async fn complete_parked_pairs_firsts(store: &MongoEventStore, db: &TestDb, keys: usize) {
+    publish_parked_pairs(store, db, keys).await;
+    let first = claim(store, "w", 1000, at(1)).await;
+    assert_eq!(first.len(), keys);
+    let done = store.complete_many(&leases(&first), at(2)).await.unwrap();
+    assert!(done.iter().all(|d| *d));
+}
+
 /// Publishes two events for each of `keys` keys (`k<i>-1`, `k<i>-2`), every second one parked
 /// behind its first (the append writes it so; this makes sure).
 async fn publish_parked_pairs(store: &MongoEventStore, db: &TestDb, keys: usize) {
@@ -1625,17 +1635,7 @@ async fn parked_heads_are_completed_as_read_by_their_claim() {
     let db = test_db("parked_heads_completed").await;
     let (client, _, names) = counting_client(&db).await;
     let store = store_with(&client, &db, false).await;
-    publish_parked_pairs(&store, &db, KEYS).await;
-    let first = claim(&store, "w", 100, at(1)).await;
-    assert_eq!(first.len(), KEYS);
-    assert!(
-        store
-            .complete_many(&leases(&first), at(2))
-            .await
-            .unwrap()
-            .iter()
-            .all(|d| *d)
-    );
+    complete_parked_pairs_firsts(&store, &db, KEYS).await;
     let heads = claim(&store, "w", 100, at(3)).await;
     let mut ids: Vec<&str> = heads.iter().map(ClaimedDelivery::event_id).collect();
     ids.sort_unstable();
@@ -1654,17 +1654,7 @@ async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees
     let db = test_db("reported_before_heads").await;
     let (client, count, _) = counting_client(&db).await;
     let store = store_with(&client, &db, false).await;
-    publish_parked_pairs(&store, &db, KEYS).await;
-    let first = claim(&store, "w", 1000, at(1)).await;
-    assert_eq!(first.len(), KEYS);
-    assert!(
-        store
-            .complete_many(&leases(&first), at(2))
-            .await
-            .unwrap()
-            .iter()
-            .all(|d| *d)
-    );
+    complete_parked_pairs_firsts(&store, &db, KEYS).await;
 
     // More heads free to come back than one claim takes, and a new key's delivery reported.
     let fresh = event("fresh-1", Some("fresh"));

@@ -256,23 +256,39 @@ impl MongoEventStore {
         //    last completed the event, and the delivery runs again. A fresh event completed
         //    quickly is not stamped: purge and the event detail take it as completed by its
         //    creation plus `UNSTAMPED_BY` (see `field::FRESH`).
+        // 2. Then the deliveries that still have their lease's claim generation go.
         let event_ids = event_ids(&fenced, &found, Some(now));
+        self.stamp_and_delete(leases, &fenced, &event_ids, now)
+            .await
+    }
+
+    /// A completion's writes once its leases are fenced: the events of `event_ids` stamped
+    /// (majority), then the `fenced` deliveries that still have their lease's claim generation
+    /// deleted; the outcome of each of `leases`.
+    async fn stamp_and_delete<E: AsRef<str>>(
+        &self,
+        leases: &[Lease],
+        fenced: &[Lease],
+        event_ids: &[E],
+        now: DateTime,
+    ) -> Result<Vec<bool>> {
+        let inner = &self.inner;
         if !event_ids.is_empty() {
+            let ids: Vec<&str> = event_ids.iter().map(AsRef::as_ref).collect();
             inner
                 .events
                 .update_many(
-                    doc! { field::ID: { "$in": &event_ids } },
+                    doc! { field::ID: { "$in": ids } },
                     doc! { "$max": { field::COMPLETED_AT: now } },
                 )
                 .await?;
         }
-        // 2. The deliveries that still have their lease's claim generation.
         let deleted = inner
             .deliveries
-            .delete_many(delete_filter(&fenced))
+            .delete_many(delete_filter(fenced))
             .await?
             .deleted_count;
-        Ok(outcome(leases, &fenced, deleted))
+        Ok(outcome(leases, fenced, deleted))
     }
 
     /// The completion inside a transaction: the store's own (completion history) or the
@@ -411,21 +427,8 @@ impl MongoEventStore {
             .collect();
         event_ids.sort_unstable();
         event_ids.dedup();
-        if !event_ids.is_empty() {
-            inner
-                .events
-                .update_many(
-                    doc! { field::ID: { "$in": &event_ids } },
-                    doc! { "$max": { field::COMPLETED_AT: now } },
-                )
-                .await?;
-        }
-        let deleted = inner
-            .deliveries
-            .delete_many(delete_filter(&fenced))
-            .await?
-            .deleted_count;
-        Ok(outcome(leases, &fenced, deleted))
+        self.stamp_and_delete(leases, &fenced, &event_ids, now)
+            .await
     }
 
     /// The claim generations of the leased deliveries and the listings of their lanes, in one
