@@ -220,9 +220,10 @@ impl MongoEventStore {
     ///
     /// # Cost
     ///
-    /// With its lanes already held, an unkeyed claim costs the same four commands whatever
-    /// `limit` is (lanes, deliveries, then their events and the record together), and writes no
-    /// delivery document. Each round over free lanes adds two reads (one per 128 lanes ranked, in
+    /// With its lanes already held, an unkeyed claim costs the same three commands whatever
+    /// `limit` is (the lanes with the first page of their deliveries, then their events and the
+    /// record together), and writes no delivery document; one more when the page does not fill
+    /// it or the owner holds other lanes than when its last claim ended. Each round over free lanes adds two reads (one per 128 lanes ranked, in
     /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
     /// is read. A keyed claim adds one lookup per key, in parallel; the lanes' read looks up the
     /// parked keys (up to 500 per handler, one lookup per 500 beyond), which serves both: a key
