@@ -2122,6 +2122,118 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     assert_eq!(completes, vec![3, 3, 3]);
 }
 
+/// A client that records, for each command it sends, its name, its collection and, for a read,
+/// how many lane documents its reply returned (those with a numeric `_id` and an epoch).
+async fn lane_reading_client(db: &TestDb) -> (Client, Arc<Mutex<Vec<(String, String, usize)>>>) {
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(format!("{}-lanes", db.name));
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let started: Arc<Mutex<HashMap<i32, (String, String)>>> = Arc::default();
+    let record = Arc::clone(&sent);
+    options.command_event_handler = Some(EventHandler::callback(move |event| match event {
+        CommandEvent::Started(command) => {
+            let target = command
+                .command
+                .get_str(&command.command_name)
+                .unwrap_or_default()
+                .to_owned();
+            started
+                .lock()
+                .unwrap()
+                .insert(command.request_id, (command.command_name, target));
+        }
+        CommandEvent::Succeeded(done) => {
+            let Some((name, target)) = started.lock().unwrap().remove(&done.request_id) else {
+                return;
+            };
+            if target == "relaybus_processes" {
+                return;
+            }
+            let lanes = done
+                .reply
+                .get_document("cursor")
+                .and_then(|cursor| cursor.get_array("firstBatch"))
+                .map(|batch| {
+                    batch
+                        .iter()
+                        .filter_map(Bson::as_document)
+                        .filter(|doc| {
+                            matches!(doc.get("_id"), Some(Bson::Int32(_)))
+                                && doc.contains_key("epoch")
+                        })
+                        .count()
+                })
+                .unwrap_or(0);
+            record.lock().unwrap().push((name, target, lanes));
+        }
+        _ => {}
+    }));
+    (Client::with_options(options).unwrap(), sent)
+}
+
+/// A claim its held lanes fill reads their lane documents alone, not every lane's; one they do
+/// not fill reads the other lanes after them and goes on to free lanes as before.
+#[tokio::test]
+async fn a_claim_its_held_lanes_fill_reads_no_other_lane() {
+    let db = test_db("held_lanes_alone").await;
+    let (client, sent) = lane_reading_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    let in_lane = |lane: u32, count: usize, prefix: &str| -> Vec<EventEnvelope> {
+        (0..)
+            .map(|n| format!("{prefix}-{n}"))
+            .filter(|id| lane_of(None, id) == lane)
+            .take(count)
+            .map(|id| event(&id, None))
+            .collect()
+    };
+    publish(&store, &in_lane(7, 20, "seven"), &[HANDLER], at(0)).await;
+    sent.lock().unwrap().clear();
+    let first = claim(&store, "w", 5, at(1)).await;
+    assert_eq!(first.len(), 5);
+    let read_all: usize = sent.lock().unwrap().iter().map(|(_, _, lanes)| lanes).sum();
+    assert_eq!(
+        read_all, 256,
+        "the first claim holds nothing and reads every lane"
+    );
+
+    sent.lock().unwrap().clear();
+    let second = claim(&store, "w", 5, at(2)).await;
+    assert_eq!(second.len(), 5);
+    let commands = sent.lock().unwrap().clone();
+    let lanes_read: usize = commands.iter().map(|(_, _, lanes)| lanes).sum();
+    assert_eq!(lanes_read, 1, "only the held lane's document: {commands:?}");
+    assert_eq!(commands.len(), 3, "{commands:?}");
+
+    // The held lane has 10 left: a claim of 20 reads the other lanes after it, and takes the
+    // free lane where 5 more wait.
+    publish(&store, &in_lane(9, 5, "nine"), &[HANDLER], at(3)).await;
+    sent.lock().unwrap().clear();
+    let third = claim(&store, "w", 20, at(4)).await;
+    let commands = sent.lock().unwrap().clone();
+    let mut ids: Vec<&str> = third.iter().map(ClaimedDelivery::event_id).collect();
+    ids.sort_unstable();
+    let mut expected: Vec<String> = first
+        .iter()
+        .chain(&second)
+        .map(|d| d.event_id().to_owned())
+        .collect();
+    expected.sort_unstable();
+    assert_eq!(third.len(), 15, "{commands:?}");
+    assert!(ids.iter().filter(|id| id.starts_with("nine")).count() == 5);
+    assert!(ids.iter().all(|id| !expected.iter().any(|e| e == id)));
+    let other_lanes = commands
+        .iter()
+        .filter(|(name, target, _)| name == "find" && target == "relaybus_lanes")
+        .map(|(_, _, lanes)| *lanes)
+        .collect::<Vec<_>>();
+    assert_eq!(other_lanes, [255], "the other lanes, once: {commands:?}");
+    let mut lanes: Vec<u32> = third.iter().map(|d| d.lease().lane()).collect();
+    lanes.dedup();
+    lanes.sort_unstable();
+    lanes.dedup();
+    assert_eq!(lanes, [7, 9]);
+}
+
 /// A completion of claims this store instance handed out and has not seen settled reads only
 /// their lanes: the claims noted what it needs of the deliveries. Another instance, which did
 /// not hand them out, reads the deliveries too. Either way a lease completes once, and a lease
