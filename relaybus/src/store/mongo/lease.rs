@@ -227,10 +227,6 @@ pub(crate) struct OwnerState {
     pub(crate) exhausted: Option<Exhausted>,
     /// Claims in a row since the last that read every delivery its held lanes list.
     pub(crate) vouched_reads: u32,
-    /// Claims still to read every lane because a recent one found parked keys to look at:
-    /// unparking needs to know which lanes other owners hold, and keyed work would otherwise
-    /// read those lanes in a second command on most claims.
-    pub(crate) parked_reads: u32,
 }
 
 /// An idle claim that picked everything due where new deliveries were reported.

@@ -80,11 +80,8 @@ use mongodb::bson::{DateTime, oid::ObjectId};
 use self::{
     arrive::Arrived,
     pick::Picking,
-    read::{
-        FirstPage, LaneView, OtherLanes, PARKED_IN_LANE_READ, Running, Scope, Unparking,
-        lists_foreign_claims,
-    },
-    scan::{Candidate, LANES_PER_QUERY, Scan, page_window},
+    read::{FirstPage, LaneView, Running, Unparking, lists_foreign_claims},
+    scan::{Candidate, Scan, page_window},
     take::Hold,
 };
 use super::{
@@ -101,8 +98,6 @@ use crate::{
 /// Claims in a row that take the deliveries this instance handed out for running without
 /// reading them (see `read_lanes`).
 const VOUCHED_READS: u32 = 15;
-/// Claims that read every lane after one found parked keys to look at (see `claim_locked`).
-const PARKED_READS: u32 = 16;
 /// Further passes of a claim after it lost lanes to other claimers.
 const RACE_RETRIES: usize = 2;
 /// The most handlers one claim serves.
@@ -526,27 +521,13 @@ impl MongoEventStore {
             FirstPage::Reported(&reported, page_window(limit))
         };
         // After an idle wait the claim reads the reported lanes alone: no other free lane
-        // need be read. A busy claim from the lanes it held when its last claim ended reads
-        // those first, and the other lanes only if it needs them: most such claims are filled
-        // by the held lanes. Not while keys of its handlers were found parked recently:
-        // unparking them needs the other lanes at once.
-        let scope = if idle {
-            Scope::Reported(&reported)
-        } else if reported.is_empty()
-            && !expected.is_empty()
-            && expected.len() <= LANES_PER_QUERY
-            && handlers.len() <= PARKED_IN_LANE_READ
-            && state.parked_reads == 0
-        {
-            Scope::Held
-        } else {
-            Scope::All
-        };
-        state.parked_reads = state.parked_reads.saturating_sub(1);
+        // need be read.
         let LaneView {
             held,
             running_docs,
-            others,
+            free,
+            taken_by_others,
+            contenders,
             parked,
             prescanned,
             held_page,
@@ -556,25 +537,10 @@ impl MongoEventStore {
                 handlers,
                 now,
                 first,
-                scope,
+                idle.then_some(reported.as_slice()),
                 vouch.then(|| self.inner.claims.vouched(&issued)).as_ref(),
             )
             .await?;
-        let mut others = others;
-        if parked
-            .as_ref()
-            .is_some_and(|parked| !parked.heads.is_empty())
-        {
-            state.parked_reads = PARKED_READS;
-            if others.is_none() {
-                others = Some(self.read_other_lanes(owner, now).await?);
-            }
-        }
-        // Without parked heads, unparking needs nothing of the other lanes.
-        let none_taken = HashSet::new();
-        let taken_by_others = others
-            .as_ref()
-            .map_or(&none_taken, |others| &others.taken_by_others);
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
         // What unparking looked up of the keys of held lanes still holds unless claims lost in
         // them were charged since; only then may the claim pick the heads it sends back itself.
@@ -583,7 +549,7 @@ impl MongoEventStore {
             self.unpark_for_claim(
                 handlers,
                 parked,
-                taken_by_others,
+                &taken_by_others,
                 &running_docs,
                 &held_set,
                 nothing_lost,
@@ -629,12 +595,7 @@ impl MongoEventStore {
         } else {
             picked_all_reported = self
                 .scan_reported_lanes(
-                    &request,
-                    &reported,
-                    others.as_ref().map_or(&[], |others| &others.free),
-                    prescanned,
-                    &mut lanes,
-                    &mut scan,
+                    &request, &reported, &free, prescanned, &mut lanes, &mut scan,
                 )
                 .await?;
             // A busy worker looks at the reported lanes first, so that new deliveries do not
@@ -677,23 +638,15 @@ impl MongoEventStore {
                 page.map(|read| (read.page, read.window)),
             )
             .await?;
-            if !scan.picking.full() {
-                let OtherLanes {
-                    free, contenders, ..
-                } = match others {
-                    Some(others) => others,
-                    None => self.read_other_lanes(owner, now).await?,
-                };
-                self.scan_free_lanes(
-                    &request,
-                    free,
-                    contenders,
-                    &mut state.ranked,
-                    &mut lanes,
-                    &mut scan,
-                )
-                .await?;
-            }
+            self.scan_free_lanes(
+                &request,
+                free,
+                contenders,
+                &mut state.ranked,
+                &mut lanes,
+                &mut scan,
+            )
+            .await?;
         }
 
         // Recording, with the events of the picks the scans did not bring read at the same

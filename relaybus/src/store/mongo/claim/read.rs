@@ -36,7 +36,7 @@ use crate::{
 
 /// Handlers whose parked keys the claim's first read looks up itself; a claim for more
 /// handlers unparks with one aggregation per handler.
-pub(super) const PARKED_IN_LANE_READ: usize = 32;
+const PARKED_IN_LANE_READ: usize = 32;
 
 /// The field of the lane read's document that lists the deliveries the held lanes run.
 const RUNNING: &str = "running";
@@ -52,20 +52,6 @@ fn marker(raw: &RawDocument) -> Option<&'static str> {
         .find_map(|(name, _)| MARKERS.into_iter().find(|marker| *marker == name))
 }
 
-/// Which lane documents the claim's first read returns.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Scope<'a> {
-    /// Every lane's.
-    All,
-    /// After an idle wait: those of the lanes the owner holds on this instance, of these
-    /// reported lanes and of the lanes other live owners hold.
-    Reported(&'a [i32]),
-    /// Those of the lanes the owner holds on this instance alone: a claim that its held lanes
-    /// fill needs no other. The other lanes are read when the claim needs them
-    /// ([`MongoEventStore::read_other_lanes`]).
-    Held,
-}
-
 /// What the claim's first read finds.
 #[derive(Debug, Default)]
 pub(super) struct LaneView {
@@ -73,8 +59,10 @@ pub(super) struct LaneView {
     pub(super) held: Vec<Lane>,
     /// The documents of the deliveries those lanes list: `_id`, `handler`, `key`, `claims`.
     pub(super) running_docs: Vec<Document>,
-    /// The other lanes, unless the read was of the held lanes alone ([`Scope::Held`]).
-    pub(super) others: Option<OtherLanes>,
+    pub(super) free: Vec<FreeLane>,
+    pub(super) taken_by_others: HashSet<i32>,
+    /// This claimer plus the other live holders of lanes.
+    pub(super) contenders: usize,
     /// The lowest parked delivery of each key and the lowest pending delivery of those keys,
     /// when the read looked them up.
     pub(super) parked: Option<ParkedKeys>,
@@ -119,55 +107,6 @@ pub(super) struct ParkedKeys {
     pub(super) heads: Vec<ParkedHead>,
     /// The lowest pending delivery of those keys (of up to 500 per handler).
     pub(super) lowest: LowestPending,
-}
-
-/// The lanes a read found that this owner does not hold on this instance.
-#[derive(Debug, Default)]
-pub(super) struct OtherLanes {
-    pub(super) free: Vec<FreeLane>,
-    pub(super) taken_by_others: HashSet<i32>,
-    /// This claimer plus the other live holders of lanes.
-    pub(super) contenders: usize,
-}
-
-impl OtherLanes {
-    /// Sorts the lane documents of a read: those `owner` holds on `instance`, decoded whole,
-    /// and the others.
-    fn sort<'a>(
-        lanes: impl IntoIterator<Item = &'a RawDocument>,
-        owner: &str,
-        instance: ObjectId,
-        now: DateTime,
-    ) -> (Vec<Lane>, OtherLanes) {
-        let mut held = Vec::new();
-        let mut others = OtherLanes::default();
-        let mut holders: HashSet<(&str, Option<ObjectId>)> = HashSet::new();
-        for raw in lanes {
-            let fields = LaneFields::of(raw);
-            if fields.owner == Some(owner) && fields.instance == Some(instance) {
-                if let Some(lane) = Document::try_from(raw)
-                    .ok()
-                    .as_ref()
-                    .and_then(Lane::from_document)
-                {
-                    held.push(lane);
-                }
-                continue;
-            }
-            let expired = fields.lease_expires_at.is_none_or(|expiry| expiry <= now);
-            match fields.owner {
-                Some(holder) if !expired => {
-                    if let Some(id) = fields.id {
-                        holders.insert((holder, fields.instance));
-                        others.taken_by_others.insert(id);
-                    }
-                }
-                _ => others.free.extend(FreeLane::from_fields(&fields)),
-            }
-        }
-        others.contenders = 1 + holders.len();
-        (held, others)
-    }
 }
 
 /// A lane no live holder has.
@@ -397,7 +336,7 @@ fn held_page_stages(
 }
 
 impl MongoEventStore {
-    /// The claim's first read, one aggregation: the lane documents of `scope`; the documents of the
+    /// The claim's first read, one aggregation: every lane document; the documents of the
     /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
     /// lowest parked delivery of each of their keys; and the first page of a scan, of the
     /// reported lanes or of the held ones ([`FirstPage`]). The lanes are read as stored, and
@@ -408,17 +347,16 @@ impl MongoEventStore {
     /// index, for the lanes the owner held when its last claim ended; it counts only when the
     /// lanes read after it show the same lanes held.
     ///
-    /// Returning the lane documents is most of the read's cost to the server, and decoding them
-    /// most of the bus's: a claim after an idle wait, which reads the reported lanes alone,
-    /// lists no other free lane ([`Scope::Reported`]); a claim its held lanes may fill reads
-    /// those alone ([`Scope::Held`]).
+    /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
+    /// lane documents read are those of the lanes `owner` holds on this instance, of `only` and
+    /// of the lanes other live owners hold; no other free lane is listed.
     pub(super) async fn read_lanes(
         &self,
         owner: &str,
         handlers: &[&str],
         now: DateTime,
         first: FirstPage<'_>,
-        scope: Scope<'_>,
+        only: Option<&[i32]>,
         vouched: Option<&HashMap<ObjectId, Issued>>,
     ) -> Result<LaneView> {
         let held_page = match first {
@@ -442,11 +380,10 @@ impl MongoEventStore {
         let instance = inner.claims.instance;
         let mine = doc! { field::OWNER: owner, field::INSTANCE: instance };
         // The lane documents come as they are stored: a stage that reshapes them (trimming
-        // other holders' lists, say) costs the server more than sending them whole. After an
-        // idle wait, the lanes other live owners hold come along, for who holds what.
-        let listed = match scope {
-            Scope::All => doc! {},
-            Scope::Reported(lanes) => doc! { "$or": [
+        // other holders' lists, say) costs the server more than sending them whole. With
+        // `only`, the lanes other live owners hold come along, for who holds what.
+        let listed = match only {
+            Some(lanes) => doc! { "$or": [
                 &mine,
                 { field::ID: { "$in": lanes } },
                 {
@@ -454,7 +391,7 @@ impl MongoEventStore {
                     field::LEASE_EXPIRES_AT: { "$gt": now },
                 },
             ] },
-            Scope::Held => mine.clone(),
+            None => doc! {},
         };
         let running = vec![
             doc! { "$match": &mine },
@@ -547,6 +484,7 @@ impl MongoEventStore {
         let mut listed_docs = Vec::new();
         let mut page = Vec::new();
         let mut lanes: Vec<&RawDocument> = Vec::new();
+        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
         for raw in &docs {
             if is_lane(raw) {
                 lanes.push(raw);
@@ -594,9 +532,30 @@ impl MongoEventStore {
                 window,
             });
         }
-        let (held, others) = OtherLanes::sort(lanes, owner, instance, now);
-        view.held = held;
-        view.others = (!matches!(scope, Scope::Held)).then_some(others);
+        for raw in lanes {
+            let fields = LaneFields::of(raw);
+            if fields.owner == Some(owner) && fields.instance == Some(instance) {
+                if let Some(lane) = Document::try_from(raw)
+                    .ok()
+                    .as_ref()
+                    .and_then(Lane::from_document)
+                {
+                    view.held.push(lane);
+                }
+                continue;
+            }
+            let expired = fields.lease_expires_at.is_none_or(|expiry| expiry <= now);
+            match fields.owner {
+                Some(holder) if !expired => {
+                    if let Some(id) = fields.id {
+                        others.insert((holder.to_owned(), fields.instance));
+                        view.taken_by_others.insert(id);
+                    }
+                }
+                _ => view.free.extend(FreeLane::from_fields(&fields)),
+            }
+        }
+        view.contenders = 1 + others.len();
         // The documents of the deliveries the held lanes list, as read; a lane that changed
         // hands between the two reads lists other ids, and conditions its writes on that.
         let listed: HashSet<ObjectId> = view
@@ -639,25 +598,6 @@ impl MongoEventStore {
                 .extend(self.listed_documents(&unvouched).await?);
         }
         Ok(view)
-    }
-
-    /// The lane documents a read of the held lanes alone ([`Scope::Held`]) left out, for a claim
-    /// that needs free lanes, or that unparks and needs to know which lanes other live owners
-    /// hold. Read after the claim's first read: each free lane is taken on condition that it is
-    /// unchanged since this read, as after the first.
-    pub(super) async fn read_other_lanes(&self, owner: &str, now: DateTime) -> Result<OtherLanes> {
-        let instance = self.inner.claims.instance;
-        let docs: Vec<RawDocumentBuf> = self
-            .inner
-            .lanes
-            .clone_with_type::<RawDocumentBuf>()
-            .find(doc! { "$nor": [{ field::OWNER: owner, field::INSTANCE: instance }] })
-            .batch_size(100_000)
-            .await?
-            .try_collect()
-            .await?;
-        let (_, others) = OtherLanes::sort(docs.iter().map(AsRef::as_ref), owner, instance, now);
-        Ok(others)
     }
 
     /// Unparks, level-triggered, the keys of every lane not held by another live owner (that
