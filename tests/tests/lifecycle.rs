@@ -2122,6 +2122,70 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     assert_eq!(completes, vec![3, 3, 3]);
 }
 
+/// Every `ObjectId` in a command, at any depth.
+fn object_ids_in(value: &Bson, found: &mut HashSet<ObjectId>) {
+    match value {
+        Bson::ObjectId(id) => {
+            found.insert(*id);
+        }
+        Bson::Document(doc) => doc.values().for_each(|v| object_ids_in(v, found)),
+        Bson::Array(items) => items.iter().for_each(|v| object_ids_in(v, found)),
+        _ => {}
+    }
+}
+
+/// The registry of a store instance holds the claims of all its owners; an owner's lane read
+/// sends only the ids of those handed out in the lanes it held, not the other owners'.
+#[tokio::test]
+async fn a_lane_read_sends_only_the_claims_of_its_own_lanes() {
+    let db = test_db("own_lanes_ids").await;
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(format!("{}-ids", db.name));
+    let aggregates: Arc<Mutex<Vec<Document>>> = Arc::default();
+    let seen = Arc::clone(&aggregates);
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "aggregate"
+        {
+            seen.lock().unwrap().push(started.command);
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let store = store_with(&client, &db, false).await;
+    let in_lane = |lane: u32, prefix: &str| -> Vec<EventEnvelope> {
+        (0..)
+            .map(|n| format!("{prefix}-{n}"))
+            .filter(|id| lane_of(None, id) == lane)
+            .take(10)
+            .map(|id| event(&id, None))
+            .collect()
+    };
+    publish(&store, &in_lane(7, "seven"), &[HANDLER], at(0)).await;
+    publish(&store, &in_lane(9, "nine"), &[HANDLER], at(1)).await;
+    let a = claim(&store, "a", 5, at(2)).await;
+    let b = claim(&store, "b", 5, at(2)).await;
+    assert!(a.iter().all(|d| d.lease().lane() == 7), "the oldest lane");
+    assert!(b.iter().all(|d| d.lease().lane() == 9), "lane 7 is held");
+
+    aggregates.lock().unwrap().clear();
+    let again = claim(&store, "a", 2, at(3)).await;
+    assert_eq!(again.len(), 2);
+    assert!(again.iter().all(|d| d.lease().lane() == 7));
+    let mut sent = HashSet::new();
+    for command in aggregates.lock().unwrap().iter() {
+        object_ids_in(&Bson::Document(command.clone()), &mut sent);
+    }
+    let a_ids: HashSet<ObjectId> = a.iter().map(ClaimedDelivery::delivery_id).collect();
+    assert!(
+        a_ids.is_subset(&sent),
+        "its own claims are left out of its page"
+    );
+    assert!(
+        b.iter().all(|d| !sent.contains(&d.delivery_id())),
+        "the other owner's claims were sent"
+    );
+}
+
 /// A completion of claims this store instance handed out and has not seen settled reads only
 /// their lanes: the claims noted what it needs of the deliveries. Another instance, which did
 /// not hand them out, reads the deliveries too. Either way a lease completes once, and a lease

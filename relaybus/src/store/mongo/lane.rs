@@ -6,7 +6,7 @@
 //! to be charged; `requeues` counts the requeues of dead deliveries of the lane and is absent
 //! until the first one.
 
-use mongodb::bson::{Bson, DateTime, Document, RawBsonRef, RawDocument, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, Document, RawBsonRef, doc, oid::ObjectId};
 
 use super::{
     MongoEventStore,
@@ -226,11 +226,6 @@ pub(crate) fn int(doc: &Document, key: &str) -> Option<i64> {
 /// when it does not fit.
 pub(crate) fn int32(doc: &Document, key: &str) -> Option<i32> {
     int(doc, key).and_then(|n| i32::try_from(n).ok())
-}
-
-/// An integer field of a raw document, whatever numeric type it was stored as.
-pub(crate) fn raw_int(doc: &RawDocument, key: &str) -> Option<i64> {
-    whole_number(doc.get(key).ok()??)
 }
 
 /// A whole number stored as any of BSON's number types.

@@ -520,6 +520,15 @@ impl MongoEventStore {
         } else {
             FirstPage::Reported(&reported, page_window(limit))
         };
+        // The registry holds the claims of every owner on this instance, and the read sends
+        // the ids it vouches for: only those handed out in the lanes the owner held when its
+        // last claim ended go. A delivery another lane of the owner's lists is read instead.
+        let vouched = vouch.then(|| {
+            let lanes: HashSet<i32> = expected.iter().copied().collect();
+            let mut vouched = self.inner.claims.vouched(&issued);
+            vouched.retain(|_, claim| lanes.contains(&claim.lane));
+            vouched
+        });
         // After an idle wait the claim reads the reported lanes alone: no other free lane
         // need be read.
         let LaneView {
@@ -538,7 +547,7 @@ impl MongoEventStore {
                 now,
                 first,
                 idle.then_some(reported.as_slice()),
-                vouch.then(|| self.inner.claims.vouched(&issued)).as_ref(),
+                vouched.as_ref(),
             )
             .await?;
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();

@@ -313,8 +313,8 @@ pub(super) fn lists_foreign_claims(
 
 /// The stages that read the held lanes' first page ([`FirstPage::Held`]): the due, ready
 /// deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order, at most `window` of them,
-/// their first field the `_id` ([`is_page_delivery`]). Every delivery in `issued` is left out (on the claim index's
-/// keys), those whose completion was sent too: read before the lanes, the page then holds
+/// their first field the `_id` ([`is_page_delivery`]). Every delivery in `issued` handed out in
+/// one of `lanes` is left out (on the claim index's keys), those whose completion was sent too: read before the lanes, the page then holds
 /// nothing that was running from this instance when it was read, although a delivery the page
 /// holds may complete before the lanes are read and no longer be listed there.
 fn held_page_stages(
@@ -325,7 +325,14 @@ fn held_page_stages(
     issued: &HashMap<ObjectId, Issued>,
 ) -> [Document; 4] {
     let mut filter = scan_filter(lanes, handlers, now);
-    let handed_out: Vec<ObjectId> = issued.keys().copied().collect();
+    // Only the claims handed out in these lanes can be in the page: the other buses of this
+    // store instance have theirs in the registry too.
+    let in_lanes: HashSet<i32> = lanes.iter().copied().collect();
+    let handed_out: Vec<ObjectId> = issued
+        .iter()
+        .filter(|(_, claim)| in_lanes.contains(&claim.lane))
+        .map(|(id, _)| *id)
+        .collect();
     filter.insert(field::ID, doc! { "$nin": handed_out });
     [
         doc! { "$match": filter },
@@ -741,12 +748,14 @@ mod tests {
     use crate::store::mongo::lease::Lease;
 
     #[test]
-    fn the_held_page_leaves_out_every_claim_handed_out_even_while_it_completes() {
+    fn the_held_page_leaves_out_every_claim_handed_out_in_its_lanes_even_while_it_completes() {
         let registry = ClaimRegistry::default();
-        let (running, completing) = (ObjectId::new(), ObjectId::new());
+        let (running, completing, elsewhere) = (ObjectId::new(), ObjectId::new(), ObjectId::new());
         registry.issue([
             Lease::new(running, 3, 1, 1),
             Lease::new(completing, 4, 1, 1),
+            // Another bus's claim, in a lane the page does not read.
+            Lease::new(elsewhere, 9, 1, 1),
         ]);
         registry.completing([completing]);
         let issued = registry.snapshot();

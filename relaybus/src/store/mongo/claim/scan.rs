@@ -20,7 +20,7 @@ use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, MAX_CLAIM_LIMIT, int, int32, raw_int, string},
+        lane::{Lane, MAX_CLAIM_LIMIT, int, int32, string, whole_number},
         park::ParkedHead,
         schema::{field, index, lane, status},
     },
@@ -62,24 +62,49 @@ pub(crate) fn quick_since(
 }
 
 impl Candidate {
+    /// A scanned delivery, from its raw document in one pass over its fields (a lookup by
+    /// name walks the document each time, and pages are read on every claim). A field of an
+    /// unexpected type counts as absent; the first of two fields of one name counts.
     pub(super) fn from_raw(doc: &RawDocument) -> Option<Candidate> {
-        let int = |name: &str| raw_int(doc, name);
-        let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
+        /// Keeps the first value found.
+        fn first<T>(slot: &mut Option<T>, value: Option<T>) {
+            if slot.is_none() {
+                *slot = value;
+            }
+        }
+        let (mut id, mut lane, mut event_id, mut handler, mut key) = (None, None, None, None, None);
+        let (mut unordered, mut sequence, mut attempts, mut claims) = (None, None, None, None);
+        let (mut due_at, mut fresh, mut requeued, mut created_at) = (None, None, None, None);
+        for (name, value) in doc.iter().filter_map(Result::ok) {
+            let text = || value.as_str();
+            match name {
+                field::ID => first(&mut id, value.as_object_id()),
+                field::LANE_ID => first(&mut lane, whole_number(value)),
+                field::EVENT_ID => first(&mut event_id, text()),
+                field::HANDLER => first(&mut handler, text()),
+                field::KEY => first(&mut key, text()),
+                field::UNORDERED => first(&mut unordered, value.as_bool()),
+                field::SEQUENCE => first(&mut sequence, whole_number(value)),
+                field::ATTEMPTS => first(&mut attempts, whole_number(value)),
+                field::CLAIMS => first(&mut claims, whole_number(value)),
+                field::DUE_AT => first(&mut due_at, value.as_datetime()),
+                field::FRESH => first(&mut fresh, value.as_bool()),
+                field::REQUEUED => first(&mut requeued, whole_number(value)),
+                field::CREATED_AT => first(&mut created_at, value.as_datetime()),
+                _ => {}
+            }
+        }
         Some(Candidate {
-            id: doc.get_object_id(field::ID).ok()?,
-            lane: int(field::LANE_ID).and_then(|l| i32::try_from(l).ok())?,
-            event_id: text(field::EVENT_ID)?,
-            handler: text(field::HANDLER)?,
-            key: text(field::KEY).filter(|_| doc.get_bool(field::UNORDERED) != Ok(true)),
-            sequence: int(field::SEQUENCE),
-            attempts: int(field::ATTEMPTS).unwrap_or(0),
-            claims: int(field::CLAIMS).unwrap_or(0),
-            due_at: doc.get_datetime(field::DUE_AT).ok()?,
-            quick_since: quick_since(
-                doc.get_bool(field::FRESH) == Ok(true),
-                int(field::REQUEUED).unwrap_or(0),
-                doc.get_datetime(field::CREATED_AT).ok(),
-            ),
+            id: id?,
+            lane: lane.and_then(|lane| i32::try_from(lane).ok())?,
+            event_id: event_id?.to_owned(),
+            handler: handler?.to_owned(),
+            key: key.filter(|_| unordered != Some(true)).map(str::to_owned),
+            sequence,
+            attempts: attempts.unwrap_or(0),
+            claims: claims.unwrap_or(0),
+            due_at: due_at?,
+            quick_since: quick_since(fresh == Some(true), requeued.unwrap_or(0), created_at),
         })
     }
 
@@ -473,6 +498,60 @@ mod tests {
         let projected = candidate_fields();
         for field in ["fresh", "requeued", "createdAt"] {
             assert!(projected.contains_key(field), "{field} is not read");
+        }
+    }
+
+    /// The raw reading, one pass over the fields, finds what the decoded one finds.
+    #[test]
+    fn a_candidate_reads_the_same_raw_or_decoded() {
+        let due = DateTime::from_millis(7_000);
+        let fields = |doc: &Candidate| {
+            (
+                doc.id,
+                doc.lane,
+                doc.event_id.clone(),
+                doc.handler.clone(),
+                doc.key.clone(),
+                doc.sequence,
+                doc.attempts,
+                doc.claims,
+                doc.due_at,
+                doc.quick_since,
+            )
+        };
+        let id = ObjectId::new();
+        let base = doc! {
+            "_id": id, "laneId": 3_i64, "eventId": "e-1", "handler": "h", "key": "k",
+            "sequence": 4.0, "attempts": 2, "claims": 5_i64, "dueAt": due,
+        };
+        let variants = [
+            doc! {},
+            doc! { "unordered": true },
+            doc! { "unordered": false, "fresh": true, "createdAt": due },
+            doc! { "key": 7, "sequence": "x", "attempts": 1.5 },
+        ];
+        for extra in variants {
+            let mut doc = base.clone();
+            doc.extend(extra.clone());
+            let raw = RawDocumentBuf::from_document(&doc).unwrap();
+            let (from_raw, from_document) = (
+                Candidate::from_raw(&raw).unwrap(),
+                Candidate::from_document(&doc).unwrap(),
+            );
+            assert_eq!(fields(&from_raw), fields(&from_document), "{extra}");
+        }
+        let unordered = doc! { "unordered": true };
+        let mut doc = base.clone();
+        doc.extend(unordered);
+        let raw = RawDocumentBuf::from_document(&doc).unwrap();
+        let read = Candidate::from_raw(&raw).unwrap();
+        assert_eq!((read.key, read.sequence, read.lane), (None, Some(4), 3));
+        // Without what a claim needs, no candidate.
+        for missing in ["_id", "laneId", "eventId", "handler", "dueAt"] {
+            let mut doc = base.clone();
+            doc.remove(missing);
+            let raw = RawDocumentBuf::from_document(&doc).unwrap();
+            assert!(Candidate::from_raw(&raw).is_none(), "{missing}");
         }
     }
 }
