@@ -79,7 +79,8 @@ pub(super) enum FirstPage<'a> {
     /// Of the lanes where new deliveries were reported, with their events.
     Reported(&'a [i32], usize),
     /// Of the lanes the owner held when its last claim ended ([`HeldPage`]), leaving out every
-    /// delivery in `issued` (the claims this instance handed out and has not seen settled).
+    /// delivery in `issued` (the claims this instance handed out and has not seen settled) that
+    /// was handed out in one of those lanes.
     Held {
         lanes: &'a [i32],
         window: usize,
@@ -88,8 +89,8 @@ pub(super) enum FirstPage<'a> {
 }
 
 /// The first page of a scan of the held lanes, read with the lanes: their due, ready
-/// deliveries in `(dueAt, _id)` order, without those this instance handed out and has not seen
-/// settled.
+/// deliveries in `(dueAt, _id)` order, without those this instance handed out there and has not
+/// seen settled.
 #[derive(Debug)]
 pub(super) struct HeldPage {
     /// The lanes the page was read for: those the owner held when its last claim ended. The
@@ -377,10 +378,11 @@ impl MongoEventStore {
             _ => None,
         };
         let inner = &self.inner;
-        // With `vouched` (the claims outstanding), the deliveries this instance handed out and
-        // has not seen settled run, as far as it knows: their documents are not read (a run's
-        // waiting deliveries are many), and what the claim needs of them comes from the
-        // registry.
+        // With `vouched` (claims outstanding: those handed out in the lanes the owner held), the
+        // deliveries this instance handed out and has not seen settled run, as far as it knows:
+        // their documents are not read (a run's waiting deliveries are many), and what the
+        // claim needs of them comes from the registry. A listed delivery it does not vouch for
+        // is read.
         let empty = HashMap::new();
         let issued = vouched.unwrap_or(&empty);
         let vouched: Vec<ObjectId> = issued.keys().copied().collect();
