@@ -394,9 +394,7 @@ impl MongoEventStore {
     ) -> Result<Vec<bool>> {
         let inner = &self.inner;
         let ids = unique_ids(leases);
-        let mut lane_ids: Vec<i32> = leases.iter().map(Lease::lane_i32).collect();
-        lane_ids.sort_unstable();
-        lane_ids.dedup();
+        let lane_ids = unique_lanes(leases);
         let docs: Vec<Document> = inner
             .lanes
             .find(doc! { field::ID: { "$in": &lane_ids } })
@@ -442,9 +440,7 @@ impl MongoEventStore {
         ids: &[ObjectId],
     ) -> Result<(HashMap<ObjectId, Found>, Listings)> {
         let inner = &self.inner;
-        let mut lane_ids: Vec<i32> = leases.iter().map(Lease::lane_i32).collect();
-        lane_ids.sort_unstable();
-        lane_ids.dedup();
+        let lane_ids = unique_lanes(leases);
         let pipeline = [
             doc! { "$match": { field::ID: { "$in": ids } } },
             doc! { "$project": {
@@ -511,6 +507,14 @@ fn unique_ids(leases: &[Lease]) -> Vec<ObjectId> {
     ids.sort_unstable();
     ids.dedup();
     ids
+}
+
+/// The lanes of the leases, each once, in order.
+fn unique_lanes(leases: &[Lease]) -> Vec<i32> {
+    let mut lanes: Vec<i32> = leases.iter().map(Lease::lane_i32).collect();
+    lanes.sort_unstable();
+    lanes.dedup();
+    lanes
 }
 
 fn found(docs: Vec<Document>) -> HashMap<ObjectId, Found> {

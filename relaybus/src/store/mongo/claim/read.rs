@@ -492,16 +492,16 @@ impl MongoEventStore {
         };
         let mut listed_docs = Vec::new();
         let mut page = Vec::new();
-        let mut lanes: Vec<&RawDocument> = Vec::new();
+        let mut lanes: Vec<RawDocumentBuf> = Vec::new();
         let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
-        for raw in &docs {
-            if is_lane(raw) {
+        for raw in docs {
+            if is_lane(&raw) {
                 lanes.push(raw);
                 continue;
             }
-            let Some(marker) = marker(raw) else {
-                if held_page.is_some() && is_page_delivery(raw) {
-                    page.push(raw.clone());
+            let Some(marker) = marker(&raw) else {
+                if held_page.is_some() && is_page_delivery(&raw) {
+                    page.push(raw);
                 }
                 continue;
             };
@@ -541,10 +541,10 @@ impl MongoEventStore {
                 window,
             });
         }
-        for raw in lanes {
+        for raw in &lanes {
             let fields = LaneFields::of(raw);
             if fields.owner == Some(owner) && fields.instance == Some(instance) {
-                if let Some(lane) = Document::try_from(raw)
+                if let Some(lane) = Document::try_from(raw.as_ref())
                     .ok()
                     .as_ref()
                     .and_then(Lane::from_document)
