@@ -12,11 +12,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
+use mongodb::bson::{DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
 
 use super::{
     MongoEventStore,
-    lane::{int, int32},
+    lane::{int, whole_number},
     schema::{field, index, lane, path, status},
 };
 use crate::error::Result;
@@ -46,31 +46,57 @@ pub(crate) struct ParkedHead {
     pub(crate) quick_since: Option<Option<DateTime>>,
 }
 
+/// Keeps the first value found of a field: a raw document is read in one pass, and the first of
+/// two fields of one name is the one a lookup by name finds.
+fn first<T>(slot: &mut Option<T>, value: Option<T>) {
+    if slot.is_none() {
+        *slot = value;
+    }
+}
+
 impl ParkedHead {
     /// Reads one document of [`parked_heads_stages`].
     pub(crate) fn from_document(doc: &Document) -> Option<ParkedHead> {
-        let (Ok(handler), Ok(key), Ok(id), Some(sequence)) = (
-            doc.get_str("parkedHandler"),
-            doc.get_str("parkedKey"),
-            doc.get_object_id("id"),
-            int(doc, field::SEQUENCE),
-        ) else {
-            return None;
-        };
+        ParkedHead::from_raw(&RawDocumentBuf::from_document(doc).ok()?)
+    }
+
+    /// Reads one document of [`parked_heads_stages`] as the reply brought it, in one pass over
+    /// its fields. A field of an unexpected type counts as absent.
+    pub(crate) fn from_raw(doc: &RawDocument) -> Option<ParkedHead> {
+        let (mut handler, mut key, mut id, mut sequence, mut lane) = (None, None, None, None, None);
+        let (mut event_id, mut attempts, mut claims, mut due_at) = (None, None, None, None);
+        let (mut fresh, mut requeued, mut created_at) = (None, None, None);
+        for (name, value) in doc.iter().filter_map(Result::ok) {
+            match name {
+                "parkedHandler" => first(&mut handler, value.as_str()),
+                "parkedKey" => first(&mut key, value.as_str()),
+                "id" => first(&mut id, value.as_object_id()),
+                field::SEQUENCE => first(&mut sequence, whole_number(value)),
+                field::LANE_ID => first(&mut lane, whole_number(value)),
+                field::EVENT_ID => first(&mut event_id, value.as_str()),
+                field::ATTEMPTS => first(&mut attempts, whole_number(value)),
+                field::CLAIMS => first(&mut claims, whole_number(value)),
+                field::DUE_AT => first(&mut due_at, value.as_datetime()),
+                field::FRESH => first(&mut fresh, value.as_bool()),
+                field::REQUEUED => first(&mut requeued, whole_number(value)),
+                field::CREATED_AT => first(&mut created_at, value.as_datetime()),
+                _ => {}
+            }
+        }
         Some(ParkedHead {
-            handler: handler.to_owned(),
-            key: key.to_owned(),
-            id,
-            sequence,
-            lane: int32(doc, field::LANE_ID),
-            event_id: doc.get_str(field::EVENT_ID).ok().map(str::to_owned),
-            attempts: int(doc, field::ATTEMPTS).unwrap_or(0),
-            claims: int(doc, field::CLAIMS).unwrap_or(0),
-            due_at: doc.get_datetime(field::DUE_AT).ok().copied(),
+            handler: handler?.to_owned(),
+            key: key?.to_owned(),
+            id: id?,
+            sequence: sequence?,
+            lane: lane.and_then(|lane| i32::try_from(lane).ok()),
+            event_id: event_id.map(str::to_owned),
+            attempts: attempts.unwrap_or(0),
+            claims: claims.unwrap_or(0),
+            due_at,
             quick_since: crate::store::mongo::claim::quick_since(
-                doc.get_bool(field::FRESH) == Ok(true),
-                int(doc, field::REQUEUED).unwrap_or(0),
-                doc.get_datetime(field::CREATED_AT).ok().copied(),
+                fresh == Some(true),
+                requeued.unwrap_or(0),
+                created_at,
             ),
         })
     }
@@ -176,25 +202,32 @@ pub(crate) struct LowestPending {
 }
 
 impl LowestPending {
-    /// Adds one document of [`lowest_of_parked_stages`]; `false` if it is not one.
-    pub(crate) fn add(&mut self, doc: &Document) -> bool {
+    /// Adds one document of [`lowest_of_parked_stages`], as the reply brought it (each of its
+    /// documents read in one pass over its fields); `false` if it is not one.
+    pub(crate) fn add(&mut self, doc: &RawDocument) -> bool {
         let Ok(handler) = doc.get_str("lowestHandler") else {
             return false;
         };
-        for key in doc.get_array("lowestKeys").into_iter().flatten() {
+        let array = |name: &str| doc.get_array(name).ok().into_iter().flatten();
+        for key in array("lowestKeys").filter_map(Result::ok) {
             if let Some(key) = key.as_str() {
                 self.looked_up.insert((handler.to_owned(), key.to_owned()));
             }
         }
-        for found in doc.get_array("lowest").into_iter().flatten() {
+        for found in array("lowest").filter_map(Result::ok) {
             let Some(found) = found.as_document() else {
                 continue;
             };
-            if let (Ok(key), Ok(id), Some(sequence)) = (
-                found.get_str(field::ID),
-                found.get_object_id("id"),
-                int(found, field::SEQUENCE),
-            ) {
+            let (mut key, mut id, mut sequence) = (None, None, None);
+            for (name, value) in found.iter().filter_map(Result::ok) {
+                match name {
+                    field::ID => first(&mut key, value.as_str()),
+                    "id" => first(&mut id, value.as_object_id()),
+                    field::SEQUENCE => first(&mut sequence, whole_number(value)),
+                    _ => {}
+                }
+            }
+            if let (Some(key), Some(id), Some(sequence)) = (key, id, sequence) {
                 self.lowest
                     .insert((handler.to_owned(), key.to_owned()), (id, sequence));
             }
@@ -431,5 +464,56 @@ mod tests {
         assert_eq!(head(doc! { "fresh": true }), Some(Some(created)));
         assert_eq!(head(doc! { "fresh": true, "requeued": 1 }), Some(None));
         assert_eq!(head(doc! {}), Some(None));
+    }
+
+    /// The parked keys' documents are read as the reply brought them: what a lookup by name
+    /// would find, numbers of any type, a field of another type as absent.
+    #[test]
+    fn parked_keys_are_read_raw() {
+        let (id, lowest_id) = (ObjectId::new(), ObjectId::new());
+        let due = DateTime::from_millis(9_000);
+        let base = doc! {
+            "parkedHandler": "projector", "parkedKey": "k", "id": id, "sequence": 2.0,
+            "laneId": 4_i64, "eventId": "e", "attempts": 1, "claims": 3_i64, "dueAt": due,
+        };
+        let raw = |doc: &Document| RawDocumentBuf::from_document(doc).unwrap();
+        let head = ParkedHead::from_raw(&raw(&base)).unwrap();
+        assert_eq!(
+            (
+                head.handler.as_str(),
+                head.key.as_str(),
+                head.id,
+                head.sequence,
+                head.lane
+            ),
+            ("projector", "k", id, 2, Some(4))
+        );
+        assert_eq!((head.attempts, head.claims, head.due_at), (1, 3, Some(due)));
+        assert_eq!(head.event_id.as_deref(), Some("e"));
+        let mut odd = base.clone();
+        odd.extend(doc! { "eventId": 5, "laneId": 5_000_000_000_i64, "attempts": "x" });
+        let head = ParkedHead::from_raw(&raw(&odd)).unwrap();
+        assert_eq!((head.event_id, head.lane, head.attempts), (None, None, 0));
+        for needed in ["parkedHandler", "parkedKey", "id", "sequence"] {
+            let mut doc = base.clone();
+            doc.remove(needed);
+            assert!(ParkedHead::from_raw(&raw(&doc)).is_none(), "{needed}");
+        }
+
+        let mut lowest = LowestPending::default();
+        let found = doc! {
+            "lowestHandler": "projector",
+            "lowestKeys": ["a", "b", 7],
+            "lowest": [
+                { "_id": "a", "id": lowest_id, "sequence": 3_i64 },
+                { "_id": "b", "id": "not an id", "sequence": 1 },
+                "not a document",
+            ],
+        };
+        assert!(lowest.add(&raw(&found)));
+        let key = |k: &str| ("projector".to_owned(), k.to_owned());
+        assert_eq!(lowest.looked_up, HashSet::from([key("a"), key("b")]));
+        assert_eq!(lowest.lowest, HashMap::from([(key("a"), (lowest_id, 3))]));
+        assert!(!lowest.add(&raw(&doc! { "parkedKey": "k" })));
     }
 }

@@ -515,19 +515,19 @@ impl MongoEventStore {
                 }
                 continue;
             }
-            let Ok(doc) = Document::try_from(raw.as_ref()) else {
-                continue;
-            };
+            // The parked keys' documents are read as they came, without decoding them.
             match marker {
-                "prescanned" => view.prescanned.push(doc),
+                "prescanned" => view
+                    .prescanned
+                    .extend(Document::try_from(raw.as_ref()).ok()),
                 "lowestHandler" => {
                     if let Some(parked) = view.parked.as_mut() {
-                        parked.lowest.add(&doc);
+                        parked.lowest.add(&raw);
                     }
                 }
                 _ => {
                     if let Some(parked) = view.parked.as_mut()
-                        && let Some(head) = ParkedHead::from_document(&doc)
+                        && let Some(head) = ParkedHead::from_raw(&raw)
                     {
                         parked.heads.push(head);
                     }
