@@ -16,7 +16,8 @@ use mongodb::bson::{DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::O
 
 use super::{
     MongoEventStore,
-    lane::{int, whole_number},
+    claim::DeliveryFields,
+    lane::int,
     schema::{field, index, lane, path, status},
 };
 use crate::error::Result;
@@ -46,14 +47,6 @@ pub(crate) struct ParkedHead {
     pub(crate) quick_since: Option<Option<DateTime>>,
 }
 
-/// Keeps the first value found of a field: a raw document is read in one pass, and the first of
-/// two fields of one name is the one a lookup by name finds.
-fn first<T>(slot: &mut Option<T>, value: Option<T>) {
-    if slot.is_none() {
-        *slot = value;
-    }
-}
-
 impl ParkedHead {
     /// Reads one document of [`parked_heads_stages`].
     pub(crate) fn from_document(doc: &Document) -> Option<ParkedHead> {
@@ -61,43 +54,20 @@ impl ParkedHead {
     }
 
     /// Reads one document of [`parked_heads_stages`] as the reply brought it, in one pass over
-    /// its fields. A field of an unexpected type counts as absent.
+    /// its fields ([`DeliveryFields`]).
     pub(crate) fn from_raw(doc: &RawDocument) -> Option<ParkedHead> {
-        let (mut handler, mut key, mut id, mut sequence, mut lane) = (None, None, None, None, None);
-        let (mut event_id, mut attempts, mut claims, mut due_at) = (None, None, None, None);
-        let (mut fresh, mut requeued, mut created_at) = (None, None, None);
-        for (name, value) in doc.iter().filter_map(Result::ok) {
-            match name {
-                "parkedHandler" => first(&mut handler, value.as_str()),
-                "parkedKey" => first(&mut key, value.as_str()),
-                "id" => first(&mut id, value.as_object_id()),
-                field::SEQUENCE => first(&mut sequence, whole_number(value)),
-                field::LANE_ID => first(&mut lane, whole_number(value)),
-                field::EVENT_ID => first(&mut event_id, value.as_str()),
-                field::ATTEMPTS => first(&mut attempts, whole_number(value)),
-                field::CLAIMS => first(&mut claims, whole_number(value)),
-                field::DUE_AT => first(&mut due_at, value.as_datetime()),
-                field::FRESH => first(&mut fresh, value.as_bool()),
-                field::REQUEUED => first(&mut requeued, whole_number(value)),
-                field::CREATED_AT => first(&mut created_at, value.as_datetime()),
-                _ => {}
-            }
-        }
+        let read = DeliveryFields::of(doc);
         Some(ParkedHead {
-            handler: handler?.to_owned(),
-            key: key?.to_owned(),
-            id: id?,
-            sequence: sequence?,
-            lane: lane.and_then(|lane| i32::try_from(lane).ok()),
-            event_id: event_id.map(str::to_owned),
-            attempts: attempts.unwrap_or(0),
-            claims: claims.unwrap_or(0),
-            due_at,
-            quick_since: crate::store::mongo::claim::quick_since(
-                fresh == Some(true),
-                requeued.unwrap_or(0),
-                created_at,
-            ),
+            handler: read.parked_handler?.to_owned(),
+            key: read.parked_key?.to_owned(),
+            id: read.parked_id?,
+            sequence: read.sequence?,
+            lane: read.lane_id(),
+            event_id: read.event_id.map(str::to_owned),
+            attempts: read.attempts.unwrap_or(0),
+            claims: read.claims.unwrap_or(0),
+            due_at: read.due_at,
+            quick_since: read.quick_since(),
         })
     }
 }
@@ -218,16 +188,10 @@ impl LowestPending {
             let Some(found) = found.as_document() else {
                 continue;
             };
-            let (mut key, mut id, mut sequence) = (None, None, None);
-            for (name, value) in found.iter().filter_map(Result::ok) {
-                match name {
-                    field::ID => first(&mut key, value.as_str()),
-                    "id" => first(&mut id, value.as_object_id()),
-                    field::SEQUENCE => first(&mut sequence, whole_number(value)),
-                    _ => {}
-                }
-            }
-            if let (Some(key), Some(id), Some(sequence)) = (key, id, sequence) {
+            // `_id` the key, `id` the delivery.
+            let read = DeliveryFields::of(found);
+            let key = found.get_str(field::ID).ok();
+            if let (Some(key), Some(id), Some(sequence)) = (key, read.parked_id, read.sequence) {
                 self.lowest
                     .insert((handler.to_owned(), key.to_owned()), (id, sequence));
             }

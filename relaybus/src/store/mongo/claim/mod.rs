@@ -71,7 +71,7 @@ pub(crate) mod runs;
 mod scan;
 mod take;
 
-pub(crate) use self::scan::quick_since;
+pub(crate) use self::scan::DeliveryFields;
 
 use std::{collections::HashSet, sync::atomic::Ordering, time::Duration};
 

@@ -61,50 +61,97 @@ pub(crate) fn quick_since(
     created.map(|created| (fresh && requeued == 0).then_some(created))
 }
 
-impl Candidate {
-    /// A scanned delivery, from its raw document in one pass over its fields (a lookup by
-    /// name walks the document each time, and pages are read on every claim). A field of an
-    /// unexpected type counts as absent; the first of two fields of one name counts.
-    pub(super) fn from_raw(doc: &RawDocument) -> Option<Candidate> {
+/// The fields of a delivery document a claim reads, found in one pass over the raw document (a
+/// lookup by name walks the document each time, and pages are read on every claim). A field of
+/// an unexpected type counts as absent; of two fields of one name, the first counts, as a lookup
+/// by name finds it. Parked heads ([`ParkedHead`]) name their handler, key and id apart.
+#[derive(Debug, Default)]
+pub(crate) struct DeliveryFields<'a> {
+    pub(crate) id: Option<ObjectId>,
+    pub(crate) lane: Option<i64>,
+    pub(crate) event_id: Option<&'a str>,
+    pub(crate) handler: Option<&'a str>,
+    pub(crate) key: Option<&'a str>,
+    pub(crate) unordered: Option<bool>,
+    pub(crate) sequence: Option<i64>,
+    pub(crate) attempts: Option<i64>,
+    pub(crate) claims: Option<i64>,
+    pub(crate) due_at: Option<DateTime>,
+    fresh: Option<bool>,
+    requeued: Option<i64>,
+    created_at: Option<DateTime>,
+    pub(crate) parked_handler: Option<&'a str>,
+    pub(crate) parked_key: Option<&'a str>,
+    pub(crate) parked_id: Option<ObjectId>,
+}
+
+impl<'a> DeliveryFields<'a> {
+    pub(crate) fn of(doc: &'a RawDocument) -> DeliveryFields<'a> {
         /// Keeps the first value found.
         fn first<T>(slot: &mut Option<T>, value: Option<T>) {
             if slot.is_none() {
                 *slot = value;
             }
         }
-        let (mut id, mut lane, mut event_id, mut handler, mut key) = (None, None, None, None, None);
-        let (mut unordered, mut sequence, mut attempts, mut claims) = (None, None, None, None);
-        let (mut due_at, mut fresh, mut requeued, mut created_at) = (None, None, None, None);
+        let mut read = DeliveryFields::default();
         for (name, value) in doc.iter().filter_map(Result::ok) {
             let text = || value.as_str();
             match name {
-                field::ID => first(&mut id, value.as_object_id()),
-                field::LANE_ID => first(&mut lane, whole_number(value)),
-                field::EVENT_ID => first(&mut event_id, text()),
-                field::HANDLER => first(&mut handler, text()),
-                field::KEY => first(&mut key, text()),
-                field::UNORDERED => first(&mut unordered, value.as_bool()),
-                field::SEQUENCE => first(&mut sequence, whole_number(value)),
-                field::ATTEMPTS => first(&mut attempts, whole_number(value)),
-                field::CLAIMS => first(&mut claims, whole_number(value)),
-                field::DUE_AT => first(&mut due_at, value.as_datetime()),
-                field::FRESH => first(&mut fresh, value.as_bool()),
-                field::REQUEUED => first(&mut requeued, whole_number(value)),
-                field::CREATED_AT => first(&mut created_at, value.as_datetime()),
+                field::ID => first(&mut read.id, value.as_object_id()),
+                field::LANE_ID => first(&mut read.lane, whole_number(value)),
+                field::EVENT_ID => first(&mut read.event_id, text()),
+                field::HANDLER => first(&mut read.handler, text()),
+                field::KEY => first(&mut read.key, text()),
+                field::UNORDERED => first(&mut read.unordered, value.as_bool()),
+                field::SEQUENCE => first(&mut read.sequence, whole_number(value)),
+                field::ATTEMPTS => first(&mut read.attempts, whole_number(value)),
+                field::CLAIMS => first(&mut read.claims, whole_number(value)),
+                field::DUE_AT => first(&mut read.due_at, value.as_datetime()),
+                field::FRESH => first(&mut read.fresh, value.as_bool()),
+                field::REQUEUED => first(&mut read.requeued, whole_number(value)),
+                field::CREATED_AT => first(&mut read.created_at, value.as_datetime()),
+                "parkedHandler" => first(&mut read.parked_handler, text()),
+                "parkedKey" => first(&mut read.parked_key, text()),
+                "id" => first(&mut read.parked_id, value.as_object_id()),
                 _ => {}
             }
         }
+        read
+    }
+
+    /// The lane id, if it fits one.
+    pub(crate) fn lane_id(&self) -> Option<i32> {
+        self.lane.and_then(|lane| i32::try_from(lane).ok())
+    }
+
+    /// Whether a completion may leave the event unstamped ([`quick_since`]).
+    pub(crate) fn quick_since(&self) -> Option<Option<DateTime>> {
+        quick_since(
+            self.fresh == Some(true),
+            self.requeued.unwrap_or(0),
+            self.created_at,
+        )
+    }
+}
+
+impl Candidate {
+    /// A scanned delivery, from its raw document ([`DeliveryFields`]).
+    pub(super) fn from_raw(doc: &RawDocument) -> Option<Candidate> {
+        let read = DeliveryFields::of(doc);
         Some(Candidate {
-            id: id?,
-            lane: lane.and_then(|lane| i32::try_from(lane).ok())?,
-            event_id: event_id?.to_owned(),
-            handler: handler?.to_owned(),
-            key: key.filter(|_| unordered != Some(true)).map(str::to_owned),
-            sequence,
-            attempts: attempts.unwrap_or(0),
-            claims: claims.unwrap_or(0),
-            due_at: due_at?,
-            quick_since: quick_since(fresh == Some(true), requeued.unwrap_or(0), created_at),
+            id: read.id?,
+            lane: read.lane_id()?,
+            event_id: read.event_id?.to_owned(),
+            handler: read.handler?.to_owned(),
+            key: read
+                .key
+                .filter(|_| read.unordered != Some(true))
+                .map(str::to_owned),
+            sequence: read.sequence,
+            attempts: read.attempts.unwrap_or(0),
+            claims: read.claims.unwrap_or(0),
+            due_at: read.due_at?,
+            quick_since: read.quick_since(),
         })
     }
 
