@@ -1648,6 +1648,93 @@ async fn parked_heads_are_completed_as_read_by_their_claim() {
     assert_eq!(sent, ["find", "update", "delete"]);
 }
 
+/// A lane read looks up a handler's parked deliveries while the last lookup found some, when
+/// this store instance parked deliveries since, or 250 ms of claim time after a lookup that
+/// found none; the keys' lowest pending deliveries come along only while the last lookup found
+/// parked deliveries. The claim whose read finds the first of them looks their keys up itself,
+/// and unparks nothing whose predecessor is pending.
+#[tokio::test]
+async fn a_lane_read_looks_up_parked_deliveries_while_some_may_be_parked() {
+    const KEYS: usize = 3;
+    let db = test_db("lookups_while_parked").await;
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(format!("{}-reads", db.name));
+    let aggregates: Arc<Mutex<Vec<Document>>> = Arc::default();
+    let seen = Arc::clone(&aggregates);
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "aggregate"
+        {
+            seen.lock().unwrap().push(started.command);
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    let store = store_with(&client, &db, false).await;
+    // The lane reads since the last call, how many of them looked up parked deliveries, and
+    // how many the lowest pending deliveries of parked keys.
+    let reads = || {
+        let sent = std::mem::take(&mut *aggregates.lock().unwrap());
+        let lane_reads: Vec<String> = sent
+            .iter()
+            .map(Document::to_string)
+            .filter(|command| command.contains("\"running\""))
+            .collect();
+        let with = |marker: &str| {
+            lane_reads
+                .iter()
+                .filter(|command| command.contains(marker))
+                .count()
+        };
+        (
+            lane_reads.len(),
+            with("parkedHandler"),
+            with("lowestHandler"),
+        )
+    };
+    let complete = async |claimed: &[ClaimedDelivery], now: DateTime| {
+        let done = store.complete_many(&leases(claimed), now).await.unwrap();
+        assert!(done.iter().all(|done| *done));
+    };
+    let at_ms = |ms: i64| DateTime::from_millis(at(1).timestamp_millis() + ms);
+
+    publish(&store, &[event("plain-1", None)], &[HANDLER], at(0)).await;
+    reads();
+    let plain = claim(&store, "w", 10, at_ms(0)).await;
+    assert_eq!(plain.len(), 1);
+    assert_eq!(reads(), (1, 1, 0), "the first read looks");
+    complete(&plain, at_ms(1)).await;
+    assert!(claim(&store, "w", 10, at_ms(100)).await.is_empty());
+    assert_eq!(reads(), (1, 0, 0), "nothing was parked 100 ms before");
+    assert!(claim(&store, "w", 10, at_ms(250)).await.is_empty());
+    assert_eq!(reads(), (1, 1, 0), "250 ms after the last look");
+
+    // Appends of this instance that park: the next read looks.
+    publish_parked_pairs(&store, &db, KEYS).await;
+    reads();
+    let first = claim(&store, "w", 1000, at_ms(260)).await;
+    assert_eq!(first.len(), KEYS, "every key's first delivery");
+    assert_eq!(
+        reads(),
+        (1, 1, 0),
+        "the read that finds the first parked keys"
+    );
+    assert_eq!(parked_count(&db).await, KEYS, "no head came back early");
+
+    complete(&first, at_ms(270)).await;
+    let heads = claim(&store, "w", 1000, at_ms(280)).await;
+    assert_eq!(heads.len(), KEYS, "every key's head came back");
+    assert_eq!(
+        reads(),
+        (1, 1, 1),
+        "parked keys were seen: the lowest come along"
+    );
+    complete(&heads, at_ms(290)).await;
+    assert!(claim(&store, "w", 1000, at_ms(300)).await.is_empty());
+    assert_eq!(reads(), (1, 1, 1), "the last read found parked keys");
+    assert!(claim(&store, "w", 1000, at_ms(310)).await.is_empty());
+    assert_eq!(reads(), (1, 0, 0), "the last read found none");
+}
+
 #[tokio::test]
 async fn a_busy_claim_takes_a_reported_delivery_before_the_parked_heads_it_frees() {
     const KEYS: usize = 40;
@@ -2653,8 +2740,10 @@ async fn an_idle_claim_unparks_only_the_keys_of_lanes_no_other_live_owner_holds(
         .unwrap();
     assert_eq!(held.matched_count, 1);
 
+    // Parked by hand, as another process would: the store's claims look again for parked
+    // deliveries 250 ms of claim time after their last look found none.
     let (_, claimed) =
-        boundary_claimed(&store, &count, ms(10), &[lane_of(None, &fresh)], true).await;
+        boundary_claimed(&store, &count, ms(260), &[lane_of(None, &fresh)], true).await;
     let ids: Vec<&str> = claimed.iter().map(|c| c.event.id()).collect();
     assert_eq!(ids, [fresh.as_str()], "the reported lane alone");
     let lane_of_event = async |id: &str| {
@@ -4554,6 +4643,12 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
     let (_, head) = boundary_claimed(&store, &count, ms(0), &[], true).await;
     assert_eq!(head.len(), 1);
     let lease = head[0].lease;
+    let mut wake_ups = {
+        use relaybus::Store;
+        Store::watch(&store, &[HANDLER.to_owned()])
+            .await
+            .expect("watch")
+    };
 
     // k-1 is appended while k-0 runs; k-0 completes before the append commits, and the owner's
     // next claim finds nothing (k-1 is not committed yet) and goes idle.
@@ -4580,7 +4675,12 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
         "written behind a delivery that was pending when the append read"
     );
 
-    // Its insert is reported: the idle claim takes it, nothing being pending before it.
+    // Its insert is reported, written parked (the store's claims look for parked deliveries
+    // again): the idle claim takes it, nothing being pending before it.
+    assert_eq!(
+        woken_event_ids(&next_wake_ups(&mut wake_ups, 1).await),
+        ["k-1"]
+    );
     let reported = [lane_of(Some("k"), "k-1")];
     let (_, got) = boundary_claimed(&store, &count, ms(3), &reported, true).await;
     let ids: Vec<&str> = got.iter().map(|c| c.event.id()).collect();

@@ -367,6 +367,10 @@ impl MongoEventStore {
         if self.inner.park_behind_pending {
             self.look_up_pending(session, &lowest, &mut behind).await?;
         }
+        if !behind.is_empty() {
+            // Lane reads of this instance look for parked deliveries again (see `ParkedLookup`).
+            self.inner.claims.note_parking();
+        }
         for index in behind {
             deliveries[index].insert(field::LANE, lane::PARKED);
         }

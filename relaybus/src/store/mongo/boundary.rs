@@ -341,10 +341,19 @@ impl Store for MongoEventStore {
             .deliveries
             .clone_with_type::<mongodb::bson::RawDocumentBuf>();
         let stream = PacedStream::open(deliveries, pipeline, pace).await?;
+        let store = self.clone();
         Ok(stream
             .into_stream()
-            .map_ok(|change| {
+            .map_ok(move |change| {
                 let document = change.full_document;
+                // A delivery written parked, by any store instance: this one's lane reads look
+                // for parked deliveries again (see `ParkedLookup`).
+                if document
+                    .as_ref()
+                    .is_some_and(|doc| doc.get_str(field::LANE) == Ok(super::schema::lane::PARKED))
+                {
+                    store.inner.claims.note_parking();
+                }
                 WakeUp {
                     at: document
                         .as_ref()

@@ -316,6 +316,46 @@ pub(crate) struct ClaimRegistry {
     completing: Mutex<HashSet<ObjectId>>,
     /// What a completion needs of each issued claim's delivery, when the claim read it.
     facts: Mutex<HashMap<ObjectId, Facts>>,
+    /// What the lane reads found of each handler's parked deliveries, and this instance's own
+    /// parking writes since.
+    parked: Mutex<ParkedLooks>,
+}
+
+/// How long, in claim time, lane reads go without looking up the parked deliveries of a handler
+/// whose last lookup found none, unless this store instance parks deliveries meanwhile: the
+/// longest a delivery another instance parks can wait for this one to look.
+pub(crate) const PARKED_LOOKUP_INTERVAL_MS: i64 = 250;
+
+/// What lane reads found of the handlers' parked deliveries (see [`ParkedLookup`]).
+#[derive(Debug, Default)]
+struct ParkedLooks {
+    /// Bumped by each write of this instance that parks deliveries (or may, once committed).
+    parkings: u64,
+    by_handler: HashMap<String, ParkedLook>,
+}
+
+/// The last lookup of one handler's parked deliveries.
+#[derive(Debug, Clone, Copy)]
+struct ParkedLook {
+    /// Whether it found any.
+    found: bool,
+    /// The claim time it was made at.
+    at: DateTime,
+    /// [`ParkedLooks::parkings`] when the read that made it began.
+    parkings: u64,
+}
+
+/// What a lane read looks up of one handler's parked deliveries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ParkedLookup {
+    /// Nothing: the last lookup, less than [`PARKED_LOOKUP_INTERVAL_MS`] ago, found none, and
+    /// this instance parked nothing since it began.
+    Skip,
+    /// The lowest parked delivery of each key.
+    Heads,
+    /// The lowest parked delivery of each key and the keys' lowest pending deliveries: the last
+    /// lookup found parked deliveries.
+    HeadsAndLowest,
 }
 
 /// What a completion of an issued claim needs of its delivery, as the claim read it: the event
@@ -337,6 +377,7 @@ impl Default for ClaimRegistry {
             keys: Mutex::default(),
             completing: Mutex::default(),
             facts: Mutex::default(),
+            parked: Mutex::default(),
         }
     }
 }
@@ -420,6 +461,62 @@ impl ClaimRegistry {
     /// held to its key's order.
     pub(crate) fn key_of(&self, id: &ObjectId) -> Option<(String, String)> {
         lock(&self.keys).get(id).cloned()
+    }
+
+    /// What a lane read starting at claim time `now` looks up of `handler`'s parked deliveries.
+    pub(crate) fn parked_lookup(&self, handler: &str, now: DateTime) -> ParkedLookup {
+        let looks = lock(&self.parked);
+        match looks.by_handler.get(handler) {
+            Some(look) if look.found => ParkedLookup::HeadsAndLowest,
+            Some(look)
+                if look.parkings == looks.parkings
+                    && (look.at.timestamp_millis()
+                        ..look.at.timestamp_millis() + PARKED_LOOKUP_INTERVAL_MS)
+                        .contains(&now.timestamp_millis()) =>
+            {
+                ParkedLookup::Skip
+            }
+            _ => ParkedLookup::Heads,
+        }
+    }
+
+    /// This instance's parking writes so far: taken before a lane read, for
+    /// [`note_parked_lookup`](Self::note_parked_lookup).
+    pub(crate) fn parkings(&self) -> u64 {
+        lock(&self.parked).parkings
+    }
+
+    /// Notes that deliveries were parked: by a write of this instance (an append's, once its
+    /// transaction commits), or by any, as the change stream reported. The next lane reads look
+    /// up every handler's parked deliveries.
+    pub(crate) fn note_parking(&self) {
+        let mut looks = lock(&self.parked);
+        looks.parkings = looks.parkings.wrapping_add(1);
+    }
+
+    /// Notes what a lane read that began at claim time `now`, after `parkings` parking writes,
+    /// found of the parked deliveries of the handlers it `looked` up: `found` those with some.
+    pub(crate) fn note_parked_lookup<'a>(
+        &self,
+        looked: impl IntoIterator<Item = &'a str>,
+        found: &HashSet<&str>,
+        now: DateTime,
+        parkings: u64,
+    ) {
+        let mut looks = lock(&self.parked);
+        for handler in looked {
+            let look = ParkedLook {
+                found: found.contains(handler),
+                at: now,
+                parkings,
+            };
+            match looks.by_handler.get_mut(handler) {
+                Some(known) => *known = look,
+                None => {
+                    looks.by_handler.insert(handler.to_owned(), look);
+                }
+            }
+        }
     }
 
     /// Remembers what a completion needs of claims handed out (see [`Facts`]).
@@ -507,13 +604,18 @@ impl ClaimRegistry {
         lock(&self.completing).extend(ids.into_iter().filter(|id| issued.contains_key(id)));
     }
 
-    /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)), those a claim
-    /// may take for running without reading them: all but those whose completion was sent.
-    pub(crate) fn vouched(&self, issued: &HashMap<ObjectId, Issued>) -> HashMap<ObjectId, Issued> {
+    /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)) handed out in
+    /// `lanes`, those a claim may take for running without reading them: all but those whose
+    /// completion was sent.
+    pub(crate) fn vouched(
+        &self,
+        issued: &HashMap<ObjectId, Issued>,
+        lanes: &HashSet<i32>,
+    ) -> HashMap<ObjectId, Issued> {
         let completing = lock(&self.completing);
         issued
             .iter()
-            .filter(|(id, _)| !completing.contains(id))
+            .filter(|(id, claim)| lanes.contains(&claim.lane) && !completing.contains(id))
             .map(|(id, claim)| (*id, *claim))
             .collect()
     }
@@ -642,5 +744,44 @@ mod tests {
         registry.issue_facts([(newer.delivery_id(), facts.clone())]);
         registry.settled(&newer);
         assert_eq!(registry.facts_of(&[newer]), None, "settled");
+    }
+
+    #[test]
+    fn parked_deliveries_are_looked_up_while_some_may_be_parked() {
+        let registry = ClaimRegistry::default();
+        let at = DateTime::from_millis;
+        assert_eq!(
+            registry.parked_lookup("h", at(0)),
+            ParkedLookup::Heads,
+            "never looked"
+        );
+
+        let parkings = registry.parkings();
+        registry.note_parked_lookup(["h"], &HashSet::new(), at(1_000), parkings);
+        assert_eq!(registry.parked_lookup("h", at(1_000)), ParkedLookup::Skip);
+        assert_eq!(registry.parked_lookup("h", at(1_249)), ParkedLookup::Skip);
+        assert_eq!(registry.parked_lookup("h", at(1_250)), ParkedLookup::Heads);
+        assert_eq!(
+            registry.parked_lookup("h", at(999)),
+            ParkedLookup::Heads,
+            "clock behind"
+        );
+        assert_eq!(
+            registry.parked_lookup("other", at(1_000)),
+            ParkedLookup::Heads
+        );
+
+        // A parking while a read ran: that read's lookup may have missed it.
+        let parkings = registry.parkings();
+        registry.note_parking();
+        registry.note_parked_lookup(["h"], &HashSet::new(), at(2_000), parkings);
+        assert_eq!(registry.parked_lookup("h", at(2_000)), ParkedLookup::Heads);
+
+        let parkings = registry.parkings();
+        registry.note_parked_lookup(["h"], &HashSet::from(["h"]), at(3_000), parkings);
+        assert_eq!(
+            registry.parked_lookup("h", at(3_000)),
+            ParkedLookup::HeadsAndLowest
+        );
     }
 }

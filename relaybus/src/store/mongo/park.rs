@@ -379,6 +379,9 @@ impl MongoEventStore {
 
     /// Moves waiting deliveries to the parked lane. Best effort: the caller logs a failure.
     pub(crate) async fn park(&self, ids: &[ObjectId]) -> Result<u64> {
+        if !ids.is_empty() {
+            self.inner.claims.note_parking();
+        }
         let mut parked = 0;
         for chunk in ids.chunks(IDS_PER_UPDATE) {
             let result = self

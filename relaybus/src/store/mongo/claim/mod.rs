@@ -7,13 +7,14 @@
 //!   free, which this owner holds on this store instance; after an idle wait, only the held and
 //!   reported lanes' documents and those of the lanes other live owners hold), the deliveries its
 //!   held lanes list, the lowest parked delivery of each key of its handlers, and the lowest
-//!   pending delivery of those keys. Then, at the same time, parked deliveries whose predecessors
-//!   finished go back to the ready lane (for the keys of every lane no other live owner holds and
-//!   in which nothing of the key runs), and the claims an earlier holder lost in the held lanes are
-//!   charged. When every such head is in a lane the owner holds, the claim picks the heads itself
-//!   (after the reported lanes, before the held lanes' scan): those it picks run from the parked
-//!   lane, and the others go back with an update sent with its record. Held lanes that list a
-//!   claim this instance did not hand out are reconciled before the claim starts again.
+//!   pending delivery of those keys (for the handlers whose parked deliveries the last such read
+//!   found). Then, at the same time, parked deliveries whose predecessors finished go back to the
+//!   ready lane (for the keys of every lane no other live owner holds and in which nothing of the
+//!   key runs), and the claims an earlier holder lost in the held lanes are charged. When every
+//!   such head is in a lane the owner holds, the claim picks the heads itself (after the reported
+//!   lanes, before the held lanes' scan): those it picks run from the parked lane, and the others
+//!   go back with an update sent with its record. Held lanes that list a claim this instance did
+//!   not hand out are reconciled before the claim starts again.
 //! - **Scanning** ([`scan`]) the held lanes: their due, ready deliveries in `(dueAt, _id)` order,
 //!   leaving out the ones the owner already runs, a page at a time. Their first page comes with
 //!   the first read (ahead of the lanes, for the lanes held when the owner's last claim ended),
@@ -222,14 +223,16 @@ impl MongoEventStore {
     ///
     /// With its lanes already held, an unkeyed claim costs the same three commands whatever
     /// `limit` is (the lanes with the first page of their deliveries, then their events and the
-    /// record together), and writes no delivery document; one more when the page does not fill
-    /// it or the owner holds other lanes than when its last claim ended. Each round over free lanes adds two reads (one per 128 lanes ranked, in
-    /// parallel, and one scan); a free lane with lost claims to charge adds one write before it
-    /// is read. A keyed claim adds one lookup per key, in parallel; the lanes' read looks up the
-    /// parked keys (up to 500 per handler, one lookup per 500 beyond), which serves both: a key
-    /// unparked in a lane the owner holds is not looked up again. Unparking adds one write,
-    /// unless every parked delivery it would send back is the head of its key in a lane the
-    /// owner holds and the claim picks it: it then runs from the parked lane.
+    /// record together), and writes no delivery document; one more when the page does not fill it
+    /// or the owner holds other lanes than when its last claim ended. Each round over free lanes
+    /// adds two reads (one per 128 lanes ranked, in parallel, and one scan); a free lane with lost
+    /// claims to charge adds one write before it is read. A keyed claim adds one lookup per key, in
+    /// parallel; the lanes' read looks up the parked keys (up to 500 per handler, one lookup per
+    /// 500 beyond), which serves both: a key unparked in a lane the owner holds is not looked up
+    /// again; a read that finds a handler's first parked keys leaves their lookup to unparking, one
+    /// aggregation more. Unparking adds one write, unless every parked delivery it would send back
+    /// is the head of its key in a lane the owner holds and the claim picks it: it then runs from
+    /// the parked lane.
     ///
     /// # Errors
     ///
@@ -525,9 +528,7 @@ impl MongoEventStore {
         // last claim ended go. A delivery another lane of the owner's lists is read instead.
         let vouched = vouch.then(|| {
             let lanes: HashSet<i32> = expected.iter().copied().collect();
-            let mut vouched = self.inner.claims.vouched(&issued);
-            vouched.retain(|_, claim| lanes.contains(&claim.lane));
-            vouched
+            self.inner.claims.vouched(&issued, &lanes)
         });
         // After an idle wait the claim reads the reported lanes alone: no other free lane
         // need be read.

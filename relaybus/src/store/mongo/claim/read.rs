@@ -28,7 +28,7 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, int, string, whole_number},
-        lease::{ClaimRegistry, Issued},
+        lease::{ClaimRegistry, Issued, ParkedLookup},
         park::{LowestPending, ParkedHead, lowest_of_parked_stages, parked_heads_stages},
         schema::{field, index, path, status},
     },
@@ -312,12 +312,13 @@ pub(super) fn lists_foreign_claims(
     })
 }
 
-/// The stages that read the held lanes' first page ([`FirstPage::Held`]): the due, ready
-/// deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order, at most `window` of them,
-/// their first field the `_id` ([`is_page_delivery`]). Every delivery in `issued` handed out in
-/// one of `lanes` is left out (on the claim index's keys), those whose completion was sent too: read before the lanes, the page then holds
-/// nothing that was running from this instance when it was read, although a delivery the page
-/// holds may complete before the lanes are read and no longer be listed there.
+/// The stages that read the held lanes' first page ([`FirstPage::Held`]): the due, ready deliveries
+/// of `handlers` in `lanes`, in `(dueAt, _id)` order, at most `window` of them, their first field
+/// the `_id` ([`is_page_delivery`]). Every delivery in `issued` handed out in one of `lanes` is
+/// left out (on the claim index's keys), those whose completion was sent too: read before the
+/// lanes, the page then holds nothing that was running from this instance when it was read,
+/// although a delivery the page holds may complete before the lanes are read and no longer be
+/// listed there.
 fn held_page_stages(
     lanes: &[i32],
     handlers: &[&str],
@@ -346,7 +347,9 @@ fn held_page_stages(
 impl MongoEventStore {
     /// The claim's first read, one aggregation: every lane document; the documents of the
     /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
-    /// lowest parked delivery of each of their keys; and the first page of a scan, of the
+    /// lowest parked delivery of each of their keys, and the lowest pending delivery of those
+    /// keys for each handler whose parked deliveries this instance's last such read found
+    /// (unparking looks up the others' itself); and the first page of a scan, of the
     /// reported lanes or of the held ones ([`FirstPage`]). The lanes are read as stored, and
     /// then what the held ones run: deliveries read after them can only be newer, so a lane
     /// taken and handed back meanwhile shows a new epoch to the record's condition. What the
@@ -447,17 +450,32 @@ impl MongoEventStore {
         // What the held lanes run: one lookup for all of them (a `$lookup` runs its query once
         // per input document, so the lanes' lists are joined first).
         pipeline.push(doc! { "$unionWith": { "coll": inner.lanes.name(), "pipeline": running } });
+        // The parked deliveries of the handlers this instance may find some of (see
+        // `ParkedLookup`): a lookup is two sub-pipelines the server parses and plans on every
+        // read, for nothing where no delivery is parked.
         let fold_parked = handlers.len() <= PARKED_IN_LANE_READ;
+        let parkings = inner.claims.parkings();
+        let mut looked = Vec::new();
         if fold_parked {
             for handler in handlers {
+                let lookup = inner.claims.parked_lookup(handler, now);
+                if lookup == ParkedLookup::Skip {
+                    continue;
+                }
+                looked.push(*handler);
                 pipeline.push(doc! { "$unionWith": {
                     "coll": inner.deliveries.name(),
                     "pipeline": parked_heads_stages(handler),
                 } });
-                pipeline.push(doc! { "$unionWith": {
-                    "coll": inner.deliveries.name(),
-                    "pipeline": lowest_of_parked_stages(handler, inner.deliveries.name()),
-                } });
+                // The keys' lowest pending deliveries come along while the handler has parked
+                // deliveries; a read that finds the first of them leaves their lookup to
+                // unparking.
+                if lookup == ParkedLookup::HeadsAndLowest {
+                    pipeline.push(doc! { "$unionWith": {
+                        "coll": inner.deliveries.name(),
+                        "pipeline": lowest_of_parked_stages(handler, inner.deliveries.name()),
+                    } });
+                }
             }
         }
         if let FirstPage::Reported(lanes, window) = first {
@@ -533,6 +551,16 @@ impl MongoEventStore {
                     }
                 }
             }
+        }
+        if let Some(parked) = &view.parked {
+            let found: HashSet<&str> = parked
+                .heads
+                .iter()
+                .map(|head| head.handler.as_str())
+                .collect();
+            inner
+                .claims
+                .note_parked_lookup(looked.iter().copied(), &found, now, parkings);
         }
         if let Some((lanes, window, _)) = held_page {
             view.held_page = Some(HeldPage {
@@ -762,7 +790,13 @@ mod tests {
         registry.completing([completing]);
         let issued = registry.snapshot();
         // A completion that was sent may have applied: the lanes' read does not vouch for it.
-        assert!(!registry.vouched(&issued).contains_key(&completing));
+        let vouched = registry.vouched(&issued, &HashSet::from([3, 4]));
+        assert!(!vouched.contains_key(&completing));
+        assert!(vouched.contains_key(&running));
+        assert!(
+            !vouched.contains_key(&elsewhere),
+            "handed out in another lane"
+        );
 
         let now = DateTime::from_millis(1_000);
         let stages = held_page_stages(&[3, 4], &["projector"], now, 40, &issued);

@@ -38,11 +38,11 @@ pub(super) struct Recorded {
 }
 
 impl MongoEventStore {
-    /// Records `picks` on the claim's `lanes` in one command, and hands back the lanes that
-    /// yielded nothing and run nothing. Deliveries a held lane lists that no longer exist (not
-    /// in `running`) are taken off it; a lane listing one of `handing_over`, or `touched` by a
-    /// claim beside this one, is kept. When a write did not match, keeps only the picks of the lanes that list them under the epoch
-    /// they were read in.
+    /// Records `picks` on the claim's `lanes` in one command, and hands back the lanes that yielded
+    /// nothing and run nothing. Deliveries a held lane lists that no longer exist (not in
+    /// `running`) are taken off it; a lane listing one of `handing_over`, or `touched` by a claim
+    /// beside this one, is kept. When a write did not match, keeps only the picks of the lanes that
+    /// list them under the epoch they were read in.
     pub(super) async fn record(
         &self,
         request: &Request<'_>,
