@@ -91,6 +91,22 @@ async fn counting_client(db: &TestDb) -> (Client, Arc<AtomicUsize>, Arc<Mutex<Ve
     (Client::with_options(options).unwrap(), count, names)
 }
 
+/// A client named after `db` and `app` that keeps every `aggregate` command it sends.
+async fn aggregates_client(db: &TestDb, app: &str) -> (Client, Arc<Mutex<Vec<Document>>>) {
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(format!("{}-{app}", db.name));
+    let aggregates: Arc<Mutex<Vec<Document>>> = Arc::default();
+    let seen = Arc::clone(&aggregates);
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "aggregate"
+        {
+            seen.lock().unwrap().push(started.command);
+        }
+    }));
+    (Client::with_options(options).unwrap(), aggregates)
+}
+
 /// A client named `app` that notifies the returned `Notify` of each command event `tells`
 /// accepts while the returned flag is set.
 async fn client_telling(
@@ -1657,18 +1673,7 @@ async fn parked_heads_are_completed_as_read_by_their_claim() {
 async fn a_lane_read_looks_up_parked_deliveries_while_some_may_be_parked() {
     const KEYS: usize = 3;
     let db = test_db("lookups_while_parked").await;
-    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
-    options.app_name = Some(format!("{}-reads", db.name));
-    let aggregates: Arc<Mutex<Vec<Document>>> = Arc::default();
-    let seen = Arc::clone(&aggregates);
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(started) = event
-            && started.command_name == "aggregate"
-        {
-            seen.lock().unwrap().push(started.command);
-        }
-    }));
-    let client = Client::with_options(options).unwrap();
+    let (client, aggregates) = aggregates_client(&db, "reads").await;
     let store = store_with(&client, &db, false).await;
     // The lane reads since the last call, how many of them looked up parked deliveries, and
     // how many the lowest pending deliveries of parked keys.
@@ -1713,21 +1718,13 @@ async fn a_lane_read_looks_up_parked_deliveries_while_some_may_be_parked() {
     reads();
     let first = claim(&store, "w", 1000, at_ms(260)).await;
     assert_eq!(first.len(), KEYS, "every key's first delivery");
-    assert_eq!(
-        reads(),
-        (1, 1, 0),
-        "the read that finds the first parked keys"
-    );
+    assert_eq!(reads(), (1, 1, 0), "the first parked keys found");
     assert_eq!(parked_count(&db).await, KEYS, "no head came back early");
 
     complete(&first, at_ms(270)).await;
     let heads = claim(&store, "w", 1000, at_ms(280)).await;
     assert_eq!(heads.len(), KEYS, "every key's head came back");
-    assert_eq!(
-        reads(),
-        (1, 1, 1),
-        "parked keys were seen: the lowest come along"
-    );
+    assert_eq!(reads(), (1, 1, 1), "parked keys seen: lowest too");
     complete(&heads, at_ms(290)).await;
     assert!(claim(&store, "w", 1000, at_ms(300)).await.is_empty());
     assert_eq!(reads(), (1, 1, 1), "the last read found parked keys");
@@ -2226,18 +2223,7 @@ fn object_ids_in(value: &Bson, found: &mut HashSet<ObjectId>) {
 #[tokio::test]
 async fn a_lane_read_sends_only_the_claims_of_its_own_lanes() {
     let db = test_db("own_lanes_ids").await;
-    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
-    options.app_name = Some(format!("{}-ids", db.name));
-    let aggregates: Arc<Mutex<Vec<Document>>> = Arc::default();
-    let seen = Arc::clone(&aggregates);
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(started) = event
-            && started.command_name == "aggregate"
-        {
-            seen.lock().unwrap().push(started.command);
-        }
-    }));
-    let client = Client::with_options(options).unwrap();
+    let (client, aggregates) = aggregates_client(&db, "ids").await;
     let store = store_with(&client, &db, false).await;
     let in_lane = |lane: u32, prefix: &str| -> Vec<EventEnvelope> {
         (0..)
