@@ -3,11 +3,13 @@
 //! delivery parked when it waits behind a pending one of its handler and key; claims park what
 //! they find waiting otherwise.
 //!
-//! Parking is an optimisation and never fails a claim. Unparking is level-triggered: every claim
-//! looks at the current state (the lowest parked delivery of each key, and whether anything
-//! pending precedes it), never at an event, so a crash while parking, or a predecessor that
-//! finished while its followers were being parked, delays a key until the next claim and never
-//! strands it.
+//! Parking is an optimisation and never fails a claim. Unparking is level-triggered: claims look
+//! at the current state (the lowest parked delivery of each key, and whether anything pending
+//! precedes it), never at an event, so a crash while parking, or a predecessor that finished
+//! while its followers were being parked, delays a key until a later claim looks and never
+//! strands it. A store instance's claims look on every claim while they find parked deliveries
+//! or the instance saw some parked, and otherwise every 250 ms of claim time (see
+//! `lease::ParkedLookup`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
