@@ -324,12 +324,13 @@ pub(crate) struct ClaimRegistry {
 /// How long, in claim time, lane reads go without looking up the parked deliveries of a handler
 /// whose last lookup found none, unless this store instance parks deliveries meanwhile: the
 /// longest a delivery another instance parks can wait for this one to look.
-pub(crate) const PARKED_LOOKUP_INTERVAL_MS: i64 = 250;
+const PARKED_LOOKUP_INTERVAL_MS: i64 = 250;
 
 /// What lane reads found of the handlers' parked deliveries (see [`ParkedLookup`]).
 #[derive(Debug, Default)]
 struct ParkedLooks {
-    /// Bumped by each write of this instance that parks deliveries (or may, once committed).
+    /// Bumped by each write of this instance that parks deliveries (or may, once committed),
+    /// and by each delivery written parked that the change stream reports.
     parkings: u64,
     by_handler: HashMap<String, ParkedLook>,
 }
