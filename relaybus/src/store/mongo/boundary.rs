@@ -187,6 +187,7 @@ impl Store for MongoEventStore {
     }
 
     fn completion_committed(&self, lease: &Lease) {
+        self.inner.claims.completed([lease.delivery_id()]);
         self.inner.claims.settled(lease);
     }
 

@@ -116,6 +116,15 @@ impl MongoEventStore {
         } else {
             self.complete_without_transaction(leases, now).await?
         };
+        // Noted gone before they are settled: a claim that no longer finds one issued finds it
+        // gone.
+        self.inner.claims.completed(
+            leases
+                .iter()
+                .zip(&outcome)
+                .filter(|(_, completed)| **completed)
+                .map(|(lease, _)| lease.delivery_id()),
+        );
         for lease in leases {
             self.inner.claims.settled(lease);
         }

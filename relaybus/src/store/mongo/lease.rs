@@ -316,9 +316,27 @@ pub(crate) struct ClaimRegistry {
     completing: Mutex<HashSet<ObjectId>>,
     /// What a completion needs of each issued claim's delivery, when the claim read it.
     facts: Mutex<HashMap<ObjectId, Facts>>,
+    /// Deliveries this instance completed, their documents deleted, that their lanes may still
+    /// list: a completion writes no lane document, and the next record of the lane takes them
+    /// off. A lane read takes them as gone without reading them.
+    gone: Mutex<HashSet<ObjectId>>,
     /// What the lane reads found of each handler's parked deliveries, and this instance's own
     /// parking writes since.
     parked: Mutex<ParkedLooks>,
+}
+
+/// The most completed deliveries a store instance notes as gone while their lanes may list
+/// them ([`ClaimRegistry::completed`]).
+const MAX_GONE: usize = 100_000;
+
+/// What a claim knows of the claims its instance handed out in the lanes the owner held when
+/// its last claim ended ([`ClaimRegistry::vouched`]).
+#[derive(Debug, Default)]
+pub(crate) struct Vouched {
+    /// Those it takes for running without reading them.
+    pub(crate) running: HashMap<ObjectId, Issued>,
+    /// Those whose completion was sent: their deliveries may be gone, and are read.
+    pub(crate) completing: Vec<ObjectId>,
 }
 
 /// How long, in claim time, lane reads go without looking up the parked deliveries of a handler
@@ -377,6 +395,7 @@ impl Default for ClaimRegistry {
             issued: Mutex::default(),
             keys: Mutex::default(),
             completing: Mutex::default(),
+            gone: Mutex::default(),
             facts: Mutex::default(),
             parked: Mutex::default(),
         }
@@ -551,12 +570,40 @@ impl ClaimRegistry {
         let mut keys = lock(&self.keys);
         let mut completing = lock(&self.completing);
         let mut facts = lock(&self.facts);
+        let mut gone = lock(&self.gone);
         for id in ids {
             issued.remove(&id);
             keys.remove(&id);
             completing.remove(&id);
             facts.remove(&id);
+            gone.remove(&id);
         }
+    }
+
+    /// Notes deliveries this instance completed: their documents are deleted. Their lanes
+    /// stop listing them at the next record, which [`forget`](Self::forget)s them here. At
+    /// most [`MAX_GONE`] are kept; past that the notes start over, and a lane read reads what
+    /// it no longer knows.
+    pub(crate) fn completed(&self, ids: impl IntoIterator<Item = ObjectId>) {
+        let mut gone = lock(&self.gone);
+        for id in ids {
+            if gone.len() >= MAX_GONE {
+                gone.clear();
+            }
+            gone.insert(id);
+        }
+    }
+
+    /// Which of `ids` this instance completed and its lanes may still list.
+    pub(crate) fn gone_among<'a>(
+        &self,
+        ids: impl IntoIterator<Item = &'a ObjectId>,
+    ) -> HashSet<ObjectId> {
+        let gone = lock(&self.gone);
+        ids.into_iter()
+            .filter(|id| gone.contains(id))
+            .copied()
+            .collect()
     }
 
     /// Forgets the claim of `lease` if it is the one this instance remembers for its delivery:
@@ -607,18 +654,25 @@ impl ClaimRegistry {
 
     /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)) handed out in
     /// `lanes`, those a claim may take for running without reading them: all but those whose
-    /// completion was sent.
+    /// completion was sent, which come as the second list.
     pub(crate) fn vouched(
         &self,
         issued: &HashMap<ObjectId, Issued>,
         lanes: &HashSet<i32>,
-    ) -> HashMap<ObjectId, Issued> {
+    ) -> Vouched {
         let completing = lock(&self.completing);
-        issued
-            .iter()
-            .filter(|(id, claim)| lanes.contains(&claim.lane) && !completing.contains(id))
-            .map(|(id, claim)| (*id, *claim))
-            .collect()
+        let mut vouched = Vouched::default();
+        for (id, claim) in issued {
+            if !lanes.contains(&claim.lane) {
+                continue;
+            }
+            if completing.contains(id) {
+                vouched.completing.push(*id);
+            } else {
+                vouched.running.insert(*id, *claim);
+            }
+        }
+        vouched
     }
 
     /// How many claims this instance has handed out and not seen settled.
@@ -745,6 +799,28 @@ mod tests {
         registry.issue_facts([(newer.delivery_id(), facts.clone())]);
         registry.settled(&newer);
         assert_eq!(registry.facts_of(&[newer]), None, "settled");
+    }
+
+    #[test]
+    fn completed_deliveries_are_known_gone_until_a_record_takes_them_off() {
+        let registry = ClaimRegistry::default();
+        let (completed, other) = (ObjectId::new(), ObjectId::new());
+        registry.completed([completed]);
+        assert_eq!(
+            registry.gone_among([&completed, &other]),
+            HashSet::from([completed])
+        );
+        // A record took it off its lane.
+        registry.forget([completed]);
+        assert!(registry.gone_among([&completed]).is_empty());
+        // The notes are bounded: past the most, they start over.
+        registry.completed((0..MAX_GONE).map(|_| ObjectId::new()));
+        registry.completed([completed]);
+        assert_eq!(lock(&registry.gone).len(), 1);
+        assert_eq!(
+            registry.gone_among([&completed]),
+            HashSet::from([completed])
+        );
     }
 
     #[test]

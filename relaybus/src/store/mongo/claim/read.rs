@@ -28,7 +28,7 @@ use crate::{
     store::mongo::{
         MongoEventStore,
         lane::{Lane, int, string, whole_number},
-        lease::{ClaimRegistry, Issued, ParkedLookup},
+        lease::{ClaimRegistry, Issued, ParkedLookup, Vouched},
         park::{LowestPending, ParkedHead, lowest_of_parked_stages, parked_heads_stages},
         schema::{field, index, path, status},
     },
@@ -368,7 +368,7 @@ impl MongoEventStore {
         now: DateTime,
         first: FirstPage<'_>,
         only: Option<&[i32]>,
-        vouched: Option<&HashMap<ObjectId, Issued>>,
+        vouched: Option<&Vouched>,
     ) -> Result<LaneView> {
         let held_page = match first {
             FirstPage::Held {
@@ -387,8 +387,7 @@ impl MongoEventStore {
         // claim needs of them comes from the registry. A listed delivery it does not vouch for
         // is read.
         let empty = HashMap::new();
-        let issued = vouched.unwrap_or(&empty);
-        let vouched: Vec<ObjectId> = issued.keys().copied().collect();
+        let issued = vouched.map_or(&empty, |vouched| &vouched.running);
         let instance = inner.claims.instance;
         let mine = doc! { field::OWNER: owner, field::INSTANCE: instance };
         // The lane documents come as they are stored: a stage that reshapes them (trimming
@@ -413,14 +412,11 @@ impl MongoEventStore {
             } },
             doc! { "$project": {
                 "_id": 0,
-                "listed": { "$setDifference": [
-                    { "$reduce": {
-                        "input": "$listed",
-                        "initialValue": [],
-                        "in": { "$concatArrays": ["$$value", "$$this"] },
-                    } },
-                    { "$literal": &vouched },
-                ] },
+                "listed": { "$reduce": {
+                    "input": "$listed",
+                    "initialValue": [],
+                    "in": { "$concatArrays": ["$$value", "$$this"] },
+                } },
             } },
             doc! { "$lookup": {
                 "from": inner.deliveries.name(),
@@ -447,9 +443,36 @@ impl MongoEventStore {
         } else {
             pipeline.push(doc! { "$match": listed });
         }
-        // What the held lanes run: one lookup for all of them (a `$lookup` runs its query once
-        // per input document, so the lanes' lists are joined first).
-        pipeline.push(doc! { "$unionWith": { "coll": inner.lanes.name(), "pipeline": running } });
+        // What the held lanes run. A read that vouches for the claims handed out there reads
+        // only those whose completion was sent, by `_id`: what else the lanes list is either
+        // known gone (completed by this instance) or read after the lanes, in a second command.
+        // A read that does not, the held lanes' lists (one lookup for all of them: a `$lookup`
+        // runs its query once per input document, so the lanes' lists are joined first).
+        match vouched {
+            Some(Vouched { completing, .. }) if completing.is_empty() => {}
+            Some(Vouched { completing, .. }) => pipeline.push(doc! { "$unionWith": {
+                "coll": inner.deliveries.name(),
+                "pipeline": [
+                    { "$match": { field::ID: { "$in": completing } } },
+                    { "$group": {
+                        "_id": null,
+                        RUNNING: { "$push": {
+                            field::ID: path::ID,
+                            field::HANDLER: path::HANDLER,
+                            field::KEY: path::KEY,
+                            field::UNORDERED: path::UNORDERED,
+                            field::CLAIMS: path::CLAIMS,
+                            field::STATUS: path::STATUS,
+                        } },
+                    } },
+                    { "$project": { field::ID: 0, RUNNING: 1 } },
+                ],
+            } }),
+            None => pipeline.push(doc! { "$unionWith": {
+                "coll": inner.lanes.name(),
+                "pipeline": running,
+            } }),
+        }
         // The parked deliveries of the handlers this instance may find some of (see
         // `ParkedLookup`): a lookup is two sub-pipelines the server parses and plans on every
         // read, for nothing where no delivery is parked.
@@ -608,7 +631,14 @@ impl MongoEventStore {
             })
             .collect();
         // The listed deliveries this instance vouches for: as the registry has them, when it
-        // handed them out in the lane and epoch that list them; read otherwise.
+        // handed them out in the lane and epoch that list them; read otherwise. With `vouched`,
+        // so is every other listed delivery neither read with the lanes nor known gone.
+        let known_gone = match vouched {
+            Some(_) => inner.claims.gone_among(&listed),
+            None => HashSet::new(),
+        };
+        let read_with_lanes: HashSet<&ObjectId> =
+            vouched.map_or_else(HashSet::new, |vouched| vouched.completing.iter().collect());
         let mut unvouched = Vec::new();
         for lane in &view.held {
             for id in &lane.in_flight {
@@ -626,6 +656,12 @@ impl MongoEventStore {
                         view.running_docs.push(doc);
                     }
                     Some(_) => unvouched.push(*id),
+                    None if vouched.is_some()
+                        && !read_with_lanes.contains(id)
+                        && !known_gone.contains(id) =>
+                    {
+                        unvouched.push(*id);
+                    }
                     None => {}
                 }
             }
@@ -791,10 +827,15 @@ mod tests {
         let issued = registry.snapshot();
         // A completion that was sent may have applied: the lanes' read does not vouch for it.
         let vouched = registry.vouched(&issued, &HashSet::from([3, 4]));
-        assert!(!vouched.contains_key(&completing));
-        assert!(vouched.contains_key(&running));
+        assert!(!vouched.running.contains_key(&completing));
+        assert_eq!(
+            vouched.completing,
+            [completing],
+            "read with the lanes instead"
+        );
+        assert!(vouched.running.contains_key(&running));
         assert!(
-            !vouched.contains_key(&elsewhere),
+            !vouched.running.contains_key(&elsewhere),
             "handed out in another lane"
         );
 
