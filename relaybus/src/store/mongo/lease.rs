@@ -329,13 +329,13 @@ pub(crate) struct ClaimRegistry {
 /// them ([`ClaimRegistry::completed`]).
 const MAX_GONE: usize = 100_000;
 
-/// What a claim knows of the claims its instance handed out in the lanes the owner held when
-/// its last claim ended ([`ClaimRegistry::vouched`]).
+/// What a claim knows of the claims its instance handed out ([`ClaimRegistry::vouched`]).
 #[derive(Debug, Default)]
 pub(crate) struct Vouched {
     /// Those it takes for running without reading them.
     pub(crate) running: HashMap<ObjectId, Issued>,
-    /// Those whose completion was sent: their deliveries may be gone, and are read.
+    /// Those whose completion was sent, handed out in the lanes the owner held when its last
+    /// claim ended: their deliveries may be gone, and are read with the lanes.
     pub(crate) completing: Vec<ObjectId>,
 }
 
@@ -652,9 +652,11 @@ impl ClaimRegistry {
         lock(&self.completing).extend(ids.into_iter().filter(|id| issued.contains_key(id)));
     }
 
-    /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)) handed out in
-    /// `lanes`, those a claim may take for running without reading them: all but those whose
-    /// completion was sent, which come as the second list.
+    /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)), those a claim
+    /// may take for running without reading them, wherever they were handed out (a lane that
+    /// lists one in another lane or epoch has it read): all but those whose completion was
+    /// sent, of which those handed out in `lanes` come as the second list, to be read with the
+    /// lanes.
     pub(crate) fn vouched(
         &self,
         issued: &HashMap<ObjectId, Issued>,
@@ -663,13 +665,10 @@ impl ClaimRegistry {
         let completing = lock(&self.completing);
         let mut vouched = Vouched::default();
         for (id, claim) in issued {
-            if !lanes.contains(&claim.lane) {
-                continue;
-            }
-            if completing.contains(id) {
-                vouched.completing.push(*id);
-            } else {
+            if !completing.contains(id) {
                 vouched.running.insert(*id, *claim);
+            } else if lanes.contains(&claim.lane) {
+                vouched.completing.push(*id);
             }
         }
         vouched

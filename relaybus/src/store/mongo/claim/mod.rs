@@ -523,9 +523,9 @@ impl MongoEventStore {
         } else {
             FirstPage::Reported(&reported, page_window(limit))
         };
-        // The registry holds the claims of every owner on this instance, and the read sends
-        // the ids it vouches for: only those handed out in the lanes the owner held when its
-        // last claim ended go. A delivery another lane of the owner's lists is read instead.
+        // The registry holds the claims of every owner on this instance; the read sends the
+        // ids of those whose completion was sent, handed out in the lanes the owner held when
+        // its last claim ended, to read them with the lanes.
         let vouched = vouch.then(|| {
             let lanes: HashSet<i32> = expected.iter().copied().collect();
             self.inner.claims.vouched(&issued, &lanes)

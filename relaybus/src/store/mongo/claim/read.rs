@@ -381,11 +381,10 @@ impl MongoEventStore {
             _ => None,
         };
         let inner = &self.inner;
-        // With `vouched` (claims outstanding: those handed out in the lanes the owner held), the
-        // deliveries this instance handed out and has not seen settled run, as far as it knows:
-        // their documents are not read (a run's waiting deliveries are many), and what the
-        // claim needs of them comes from the registry. A listed delivery it does not vouch for
-        // is read.
+        // With `vouched`, the deliveries this instance handed out and has not seen settled run,
+        // as far as it knows: their documents are not read (a run's waiting deliveries are
+        // many), and what the claim needs of them comes from the registry. A listed delivery
+        // it does not vouch for is read, unless its completion by this instance deleted it.
         let empty = HashMap::new();
         let issued = vouched.map_or(&empty, |vouched| &vouched.running);
         let instance = inner.claims.instance;
@@ -835,8 +834,15 @@ mod tests {
         );
         assert!(vouched.running.contains_key(&running));
         assert!(
-            !vouched.running.contains_key(&elsewhere),
-            "handed out in another lane"
+            vouched.running.contains_key(&elsewhere),
+            "handed out in another lane, vouched for where a lane lists it in that lane"
+        );
+        registry.completing([elsewhere]);
+        let vouched = registry.vouched(&issued, &HashSet::from([3, 4]));
+        assert_eq!(
+            vouched.completing,
+            [completing],
+            "completing in another lane: read if listed"
         );
 
         let now = DateTime::from_millis(1_000);
