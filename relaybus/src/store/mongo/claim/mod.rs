@@ -6,7 +6,8 @@
 //! - **Reading the lanes** ([`read`]). One aggregation reads every lane document (which lanes are
 //!   free, which this owner holds on this store instance; after an idle wait, only the held and
 //!   reported lanes' documents and those of the lanes other live owners hold), the deliveries its
-//!   held lanes list, the lowest parked delivery of each key of its handlers, and the lowest
+//!   held lanes list that its store instance neither vouches for nor completed itself, the
+//!   lowest parked delivery of each key of its handlers, and the lowest
 //!   pending delivery of those keys (for the handlers whose parked deliveries the last such read
 //!   found). Then, at the same time, parked deliveries whose predecessors finished go back to the
 //!   ready lane (for the keys of every lane no other live owner holds and in which nothing of the

@@ -346,15 +346,18 @@ fn held_page_stages(
 
 impl MongoEventStore {
     /// The claim's first read, one aggregation: every lane document; the documents of the
-    /// deliveries listed by the lanes `owner` holds on this instance; for up to 32 handlers, the
+    /// deliveries listed by the lanes `owner` holds on this instance that the claim cannot
+    /// account for without them (with `vouched`, only those whose completion was sent, by
+    /// `_id`; then those neither vouched for nor completed by this instance, in a second
+    /// command after the aggregation); for up to 32 handlers, the
     /// lowest parked delivery of each of their keys, and the lowest pending delivery of those
     /// keys for each handler whose parked deliveries this instance's last such read found
     /// (unparking looks up the others' itself); and the first page of a scan, of the
     /// reported lanes or of the held ones ([`FirstPage`]). The lanes are read as stored, and
     /// then what the held ones run: deliveries read after them can only be newer, so a lane
-    /// taken and handed back meanwhile shows a new epoch to the record's condition. What the
-    /// held lanes run is looked up from the held lanes as a second pass reads them; only the
-    /// ids the first pass listed count. The held lanes' page comes first, read on the claim
+    /// taken and handed back meanwhile shows a new epoch to the record's condition. Without
+    /// `vouched`, what the held lanes run is looked up from the held lanes as a second pass
+    /// reads them; only the ids the first pass listed count. The held lanes' page comes first, read on the claim
     /// index, for the lanes the owner held when its last claim ended; it counts only when the
     /// lanes read after it show the same lanes held.
     ///
