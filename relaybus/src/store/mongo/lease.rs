@@ -330,13 +330,24 @@ pub(crate) struct ClaimRegistry {
 const MAX_GONE: usize = 100_000;
 
 /// What a claim knows of the claims its instance handed out ([`ClaimRegistry::vouched`]).
-#[derive(Debug, Default)]
-pub(crate) struct Vouched {
-    /// Those it takes for running without reading them.
-    pub(crate) running: HashMap<ObjectId, Issued>,
-    /// Those whose completion was sent, handed out in the lanes the owner held when its last
-    /// claim ended: their deliveries may be gone, and are read with the lanes.
+#[derive(Debug)]
+pub(crate) struct Vouched<'a> {
+    /// The claims outstanding (a [`snapshot`](ClaimRegistry::snapshot)).
+    issued: &'a HashMap<ObjectId, Issued>,
+    /// Those of them whose completion was sent: their deliveries may be gone.
+    sent: HashSet<ObjectId>,
+    /// Those of `sent` handed out in the lanes the owner held when its last claim ended, read
+    /// with the lanes.
     pub(crate) completing: Vec<ObjectId>,
+}
+
+impl Vouched<'_> {
+    /// The claim of `id` a claim takes for running without reading it, wherever it was handed
+    /// out (a lane that lists it in another lane or epoch has it read): any but those whose
+    /// completion was sent.
+    pub(crate) fn running(&self, id: &ObjectId) -> Option<&Issued> {
+        self.issued.get(id).filter(|_| !self.sent.contains(id))
+    }
 }
 
 /// How long, in claim time, lane reads go without looking up the parked deliveries of a handler
@@ -652,26 +663,33 @@ impl ClaimRegistry {
         lock(&self.completing).extend(ids.into_iter().filter(|id| issued.contains_key(id)));
     }
 
-    /// Of the claims outstanding in `issued` (a [`snapshot`](Self::snapshot)), those a claim
-    /// may take for running without reading them, wherever they were handed out (a lane that
-    /// lists one in another lane or epoch has it read): all but those whose completion was
-    /// sent, of which those handed out in `lanes` come as the second list, to be read with the
-    /// lanes.
-    pub(crate) fn vouched(
+    /// What a claim may take of the claims outstanding in `issued` (a
+    /// [`snapshot`](Self::snapshot)) without reading them: every one but those whose completion
+    /// was sent, of which those handed out in `lanes` are read with the lanes.
+    pub(crate) fn vouched<'a>(
         &self,
-        issued: &HashMap<ObjectId, Issued>,
+        issued: &'a HashMap<ObjectId, Issued>,
         lanes: &HashSet<i32>,
-    ) -> Vouched {
-        let completing = lock(&self.completing);
-        let mut vouched = Vouched::default();
-        for (id, claim) in issued {
-            if !completing.contains(id) {
-                vouched.running.insert(*id, *claim);
-            } else if lanes.contains(&claim.lane) {
-                vouched.completing.push(*id);
-            }
+    ) -> Vouched<'a> {
+        let sent: HashSet<ObjectId> = lock(&self.completing)
+            .iter()
+            .filter(|id| issued.contains_key(id))
+            .copied()
+            .collect();
+        let completing = sent
+            .iter()
+            .filter(|id| {
+                issued
+                    .get(id)
+                    .is_some_and(|claim| lanes.contains(&claim.lane))
+            })
+            .copied()
+            .collect();
+        Vouched {
+            issued,
+            sent,
+            completing,
         }
-        vouched
     }
 
     /// How many claims this instance has handed out and not seen settled.

@@ -179,10 +179,6 @@ pub(crate) mod path {
     pub(crate) const ATTEMPTS: &str = "$attempts";
     /// `$claims`.
     pub(crate) const CLAIMS: &str = "$claims";
-    /// `$unordered`.
-    pub(crate) const UNORDERED: &str = "$unordered";
-    /// `$status`.
-    pub(crate) const STATUS: &str = "$status";
     /// `$owner`.
     pub(crate) const OWNER: &str = "$owner";
     /// `$instance`.
@@ -393,8 +389,6 @@ mod tests {
             (path::EXPIRES_AT, field::EXPIRES_AT),
             (path::ATTEMPTS, field::ATTEMPTS),
             (path::CLAIMS, field::CLAIMS),
-            (path::UNORDERED, field::UNORDERED),
-            (path::STATUS, field::STATUS),
         ] {
             assert_eq!(path, format!("${field}"));
         }

@@ -287,6 +287,15 @@ fn ordered_key_of(doc: &Document) -> Option<KeyOf> {
     Some((string(doc, field::HANDLER)?, string(doc, field::KEY)?))
 }
 
+/// What a claim reads of a delivery its held lanes list, to judge it by: handler, key,
+/// `unordered`, claim generation and status.
+fn listed_fields() -> Document {
+    doc! {
+        field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
+        field::STATUS: 1,
+    }
+}
+
 /// Whether a held lane lists a delivery whose current claim this instance did not hand out.
 ///
 /// Everything a lane of this instance lists was handed out by this instance, unless a claim
@@ -357,9 +366,9 @@ impl MongoEventStore {
     /// then what the held ones run: deliveries read after them can only be newer, so a lane
     /// taken and handed back meanwhile shows a new epoch to the record's condition. Without
     /// `vouched`, what the held lanes run is looked up from the held lanes as a second pass
-    /// reads them; only the ids the first pass listed count. The held lanes' page comes first, read on the claim
-    /// index, for the lanes the owner held when its last claim ended; it counts only when the
-    /// lanes read after it show the same lanes held.
+    /// reads them; only the ids the first pass listed count. The held lanes' page comes first,
+    /// read on the claim index, for the lanes the owner held when its last claim ended; it
+    /// counts only when the lanes read after it show the same lanes held.
     ///
     /// With `only` (a claim after an idle wait, which reads the reported lanes alone), the
     /// lane documents read are those of the lanes `owner` holds on this instance, of `only` and
@@ -371,7 +380,7 @@ impl MongoEventStore {
         now: DateTime,
         first: FirstPage<'_>,
         only: Option<&[i32]>,
-        vouched: Option<&Vouched>,
+        vouched: Option<&Vouched<'_>>,
     ) -> Result<LaneView> {
         let held_page = match first {
             FirstPage::Held {
@@ -388,8 +397,6 @@ impl MongoEventStore {
         // as far as it knows: their documents are not read (a run's waiting deliveries are
         // many), and what the claim needs of them comes from the registry. A listed delivery
         // it does not vouch for is read, unless its completion by this instance deleted it.
-        let empty = HashMap::new();
-        let issued = vouched.map_or(&empty, |vouched| &vouched.running);
         let instance = inner.claims.instance;
         let mine = doc! { field::OWNER: owner, field::INSTANCE: instance };
         // The lane documents come as they are stored: a stage that reshapes them (trimming
@@ -424,10 +431,7 @@ impl MongoEventStore {
                 "from": inner.deliveries.name(),
                 "localField": "listed",
                 "foreignField": field::ID,
-                "pipeline": [{ "$project": {
-                    field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1,
-                    field::CLAIMS: 1, field::STATUS: 1,
-                } }],
+                "pipeline": [{ "$project": listed_fields() }],
                 "as": RUNNING,
             } },
             doc! { "$project": { field::ID: 0, RUNNING: 1 } },
@@ -456,17 +460,8 @@ impl MongoEventStore {
                 "coll": inner.deliveries.name(),
                 "pipeline": [
                     { "$match": { field::ID: { "$in": completing } } },
-                    { "$group": {
-                        "_id": null,
-                        RUNNING: { "$push": {
-                            field::ID: path::ID,
-                            field::HANDLER: path::HANDLER,
-                            field::KEY: path::KEY,
-                            field::UNORDERED: path::UNORDERED,
-                            field::CLAIMS: path::CLAIMS,
-                            field::STATUS: path::STATUS,
-                        } },
-                    } },
+                    { "$project": listed_fields() },
+                    { "$group": { "_id": null, RUNNING: { "$push": "$$ROOT" } } },
                     { "$project": { field::ID: 0, RUNNING: 1 } },
                 ],
             } }),
@@ -644,7 +639,7 @@ impl MongoEventStore {
         let mut unvouched = Vec::new();
         for lane in &view.held {
             for id in &lane.in_flight {
-                match issued.get(id) {
+                match vouched.and_then(|vouched| vouched.running(id)) {
                     Some(claim) if claim.lane == lane.id && claim.epoch == lane.epoch => {
                         let mut doc = doc! {
                             field::ID: *id,
@@ -798,10 +793,7 @@ impl MongoEventStore {
             .inner
             .deliveries
             .find(doc! { field::ID: { "$in": ids } })
-            .projection(doc! {
-                field::HANDLER: 1, field::KEY: 1, field::UNORDERED: 1, field::CLAIMS: 1,
-                field::STATUS: 1,
-            })
+            .projection(listed_fields())
             .limit(ids.len() as i64)
             .batch_size(u32::try_from(ids.len()).unwrap_or(u32::MAX))
             .await?
@@ -829,15 +821,15 @@ mod tests {
         let issued = registry.snapshot();
         // A completion that was sent may have applied: the lanes' read does not vouch for it.
         let vouched = registry.vouched(&issued, &HashSet::from([3, 4]));
-        assert!(!vouched.running.contains_key(&completing));
+        assert!(vouched.running(&completing).is_none());
         assert_eq!(
             vouched.completing,
             [completing],
             "read with the lanes instead"
         );
-        assert!(vouched.running.contains_key(&running));
+        assert!(vouched.running(&running).is_some());
         assert!(
-            vouched.running.contains_key(&elsewhere),
+            vouched.running(&elsewhere).is_some(),
             "handed out in another lane, vouched for where a lane lists it in that lane"
         );
         registry.completing([elsewhere]);
