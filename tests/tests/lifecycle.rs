@@ -91,22 +91,6 @@ async fn counting_client(db: &TestDb) -> (Client, Arc<AtomicUsize>, Arc<Mutex<Ve
     (Client::with_options(options).unwrap(), count, names)
 }
 
-/// A client named after `db` and `app` that keeps every `aggregate` command it sends.
-async fn aggregates_client(db: &TestDb, app: &str) -> (Client, Arc<Mutex<Vec<Document>>>) {
-    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
-    options.app_name = Some(format!("{}-{app}", db.name));
-    let aggregates: Arc<Mutex<Vec<Document>>> = Arc::default();
-    let seen = Arc::clone(&aggregates);
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(started) = event
-            && started.command_name == "aggregate"
-        {
-            seen.lock().unwrap().push(started.command);
-        }
-    }));
-    (Client::with_options(options).unwrap(), aggregates)
-}
-
 /// A client named after `db` and `app` that keeps every command it sends, by name.
 async fn commands_client(db: &TestDb, app: &str) -> (Client, Arc<Mutex<Vec<(String, Document)>>>) {
     let mut options = ClientOptions::parse(&db.uri).await.unwrap();
@@ -121,6 +105,16 @@ async fn commands_client(db: &TestDb, app: &str) -> (Client, Arc<Mutex<Vec<(Stri
         }
     }));
     (Client::with_options(options).unwrap(), commands)
+}
+
+/// The `aggregate` commands among `commands` (as kept by [`commands_client`]), taken out of it
+/// with every other command.
+fn take_aggregates(commands: &Mutex<Vec<(String, Document)>>) -> Vec<Document> {
+    std::mem::take(&mut *commands.lock().unwrap())
+        .into_iter()
+        .filter(|(name, _)| name == "aggregate")
+        .map(|(_, command)| command)
+        .collect()
 }
 
 /// Whether an aggregation, as sent, is a claim's lane read: it reads the lanes collection,
@@ -1754,12 +1748,12 @@ async fn a_claim_takes_what_its_instance_completed_as_gone_without_reading_it() 
 async fn a_lane_read_looks_up_parked_deliveries_while_some_may_be_parked() {
     const KEYS: usize = 3;
     let db = test_db("lookups_while_parked").await;
-    let (client, aggregates) = aggregates_client(&db, "reads").await;
+    let (client, commands) = commands_client(&db, "reads").await;
     let store = store_with(&client, &db, false).await;
     // The lane reads since the last call, how many of them looked up parked deliveries, and
     // how many the lowest pending deliveries of parked keys.
     let reads = || {
-        let sent = std::mem::take(&mut *aggregates.lock().unwrap());
+        let sent = take_aggregates(&commands);
         let lane_reads: Vec<String> = sent
             .iter()
             .map(Document::to_string)
@@ -2304,7 +2298,7 @@ fn object_ids_in(value: &Bson, found: &mut HashSet<ObjectId>) {
 #[tokio::test]
 async fn a_lane_read_sends_only_the_claims_of_its_own_lanes() {
     let db = test_db("own_lanes_ids").await;
-    let (client, aggregates) = aggregates_client(&db, "ids").await;
+    let (client, commands) = commands_client(&db, "ids").await;
     let store = store_with(&client, &db, false).await;
     let in_lane = |lane: u32, prefix: &str| -> Vec<EventEnvelope> {
         (0..)
@@ -2321,13 +2315,13 @@ async fn a_lane_read_sends_only_the_claims_of_its_own_lanes() {
     assert!(a.iter().all(|d| d.lease().lane() == 7), "the oldest lane");
     assert!(b.iter().all(|d| d.lease().lane() == 9), "lane 7 is held");
 
-    aggregates.lock().unwrap().clear();
+    commands.lock().unwrap().clear();
     let again = claim(&store, "a", 2, at(3)).await;
     assert_eq!(again.len(), 2);
     assert!(again.iter().all(|d| d.lease().lane() == 7));
     let mut sent = HashSet::new();
-    for command in aggregates.lock().unwrap().iter() {
-        object_ids_in(&Bson::Document(command.clone()), &mut sent);
+    for command in take_aggregates(&commands) {
+        object_ids_in(&Bson::Document(command), &mut sent);
     }
     let a_ids: HashSet<ObjectId> = a.iter().map(ClaimedDelivery::delivery_id).collect();
     assert!(
