@@ -2,6 +2,7 @@
 //! floor of the document model; latency summaries and the process's memory.
 
 use std::{
+    collections::BTreeMap,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -386,13 +387,15 @@ impl Memory {
 /// and after a run, it gives the server's work for the run ([`ServerWork::per_thousand`]): the
 /// CPU time is moved less by the scheduling noise of a shared machine than rates are, and the
 /// counts say where it goes.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct ServerWork {
     cpu: Option<Duration>,
     /// This process's own CPU time (the buses or the floor's workers, and the driver): on a
     /// small machine it shares the cores with the server.
     client_cpu: Option<Duration>,
     commands: u64,
+    /// The commands by name, for those the server ran at all.
+    commands_by_name: BTreeMap<String, u64>,
     keys_examined: u64,
     docs_examined: u64,
     docs_written: u64,
@@ -441,17 +444,21 @@ impl ServerWork {
         let cpu = at(&["extra_info", "user_time_us"])
             .zip(at(&["extra_info", "system_time_us"]))
             .map(|(user, system)| Duration::from_micros(user + system));
-        let commands = status
+        let commands_by_name: BTreeMap<String, u64> = status
             .get_document("metrics")
             .and_then(|metrics| metrics.get_document("commands"))
             .map(|commands| {
                 commands
                     .iter()
                     .filter(|(name, _)| !UPKEEP.contains(&name.as_str()))
-                    .filter_map(|(_, counts)| number(counts.as_document()?.get("total")))
-                    .sum()
+                    .filter_map(|(name, counts)| {
+                        Some((name.clone(), number(counts.as_document()?.get("total"))?))
+                    })
+                    .filter(|(_, total)| *total > 0)
+                    .collect()
             })
-            .unwrap_or(0);
+            .unwrap_or_default();
+        let commands = commands_by_name.values().sum();
         let written = ["inserted", "updated", "deleted"]
             .iter()
             .filter_map(|name| at(&["metrics", "document", name]))
@@ -460,6 +467,7 @@ impl ServerWork {
             cpu,
             client_cpu: process_cpu(),
             commands,
+            commands_by_name,
             keys_examined: at(&["metrics", "queryExecutor", "scanned"]).unwrap_or(0),
             docs_examined: at(&["metrics", "queryExecutor", "scannedObjects"]).unwrap_or(0),
             docs_written: written,
@@ -468,7 +476,8 @@ impl ServerWork {
     }
 
     /// The work between two readings per 1,000 deliveries, as JSON: `cpu_ms` (to 0.1 ms, `null`
-    /// where the server does not report its CPU time), `commands`, `keys_examined`,
+    /// where the server does not report its CPU time), `commands` (and `commands_by_name`, those
+    /// of each name the run sent), `keys_examined`,
     /// `docs_examined`, `docs_written` and `claims` (the buses' claims, counted by
     /// [`ClaimCounter`]; `null` when they made none); `null` without both readings.
     pub(crate) fn per_thousand(
@@ -491,10 +500,21 @@ impl ServerWork {
             .zip(before.client_cpu)
             .and_then(|(a, b)| a.checked_sub(b))
             .map(|spent| (spent.as_secs_f64() * 1000.0 * scale * 10.0).round() / 10.0);
+        let by_name: serde_json::Map<String, serde_json::Value> = after
+            .commands_by_name
+            .iter()
+            .map(|(name, total)| {
+                let earlier = before.commands_by_name.get(name).copied().unwrap_or(0);
+                (name.clone(), count(*total, earlier))
+            })
+            .filter(|(_, per_thousand)| *per_thousand > 0.0)
+            .map(|(name, per_thousand)| (name, per_thousand.into()))
+            .collect();
         serde_json::json!({
             "cpu_ms": cpu_ms,
             "client_cpu_ms": client_cpu_ms,
             "commands": count(after.commands, before.commands),
+            "commands_by_name": by_name,
             "keys_examined": count(after.keys_examined, before.keys_examined),
             "docs_examined": count(after.docs_examined, before.docs_examined),
             "docs_written": count(after.docs_written, before.docs_written),
