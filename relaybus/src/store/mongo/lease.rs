@@ -671,20 +671,17 @@ impl ClaimRegistry {
         issued: &'a HashMap<ObjectId, Issued>,
         lanes: &HashSet<i32>,
     ) -> Vouched<'a> {
-        let sent: HashSet<ObjectId> = lock(&self.completing)
-            .iter()
-            .filter(|id| issued.contains_key(id))
-            .copied()
-            .collect();
-        let completing = sent
-            .iter()
-            .filter(|id| {
-                issued
-                    .get(id)
-                    .is_some_and(|claim| lanes.contains(&claim.lane))
-            })
-            .copied()
-            .collect();
+        let mut sent = HashSet::new();
+        let mut completing = Vec::new();
+        for id in lock(&self.completing).iter() {
+            let Some(claim) = issued.get(id) else {
+                continue;
+            };
+            sent.insert(*id);
+            if lanes.contains(&claim.lane) {
+                completing.push(*id);
+            }
+        }
         Vouched {
             issued,
             sent,

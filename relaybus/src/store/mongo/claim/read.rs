@@ -630,13 +630,11 @@ impl MongoEventStore {
         // The listed deliveries this instance vouches for: as the registry has them, when it
         // handed them out in the lane and epoch that list them; read otherwise. With `vouched`,
         // so is every other listed delivery neither read with the lanes nor known gone.
-        let known_gone = match vouched {
-            Some(_) => inner.claims.gone_among(&listed),
-            None => HashSet::new(),
-        };
         let read_with_lanes: HashSet<&ObjectId> =
             vouched.map_or_else(HashSet::new, |vouched| vouched.completing.iter().collect());
         let mut unvouched = Vec::new();
+        // Listed, not vouched for, not read with the lanes: read unless known gone.
+        let mut unaccounted = Vec::new();
         for lane in &view.held {
             for id in &lane.in_flight {
                 match vouched.and_then(|vouched| vouched.running(id)) {
@@ -653,15 +651,16 @@ impl MongoEventStore {
                         view.running_docs.push(doc);
                     }
                     Some(_) => unvouched.push(*id),
-                    None if vouched.is_some()
-                        && !read_with_lanes.contains(id)
-                        && !known_gone.contains(id) =>
-                    {
-                        unvouched.push(*id);
+                    None if vouched.is_some() && !read_with_lanes.contains(id) => {
+                        unaccounted.push(*id);
                     }
                     None => {}
                 }
             }
+        }
+        if !unaccounted.is_empty() {
+            let gone = inner.claims.gone_among(&unaccounted);
+            unvouched.extend(unaccounted.into_iter().filter(|id| !gone.contains(id)));
         }
         if !unvouched.is_empty() {
             view.running_docs
