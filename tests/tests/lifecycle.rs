@@ -410,6 +410,13 @@ async fn bad_input_is_refused_with_a_typed_error_and_no_database_call() {
             "{outcome:?}"
         );
     }
+    for run in [0, 1_001] {
+        let outcome = store.claim_runs("w", &[HANDLER], 1, run, LEASE, now).await;
+        assert!(
+            matches!(&outcome, Err(Error::InvalidArgument(error)) if error.to_string().contains("1 to 1000")),
+            "run {run}: {outcome:?}"
+        );
+    }
     assert!(matches!(
         store.claim("w", &["bad handler"], 1, LEASE, now).await,
         Err(Error::Configuration(
@@ -925,6 +932,68 @@ async fn a_claim_with_runs_hands_out_a_keys_next_deliveries_behind_its_head() {
     assert_eq!(
         sequences_of(&claim_runs(&store, "w", 1, at(1)).await, "k"),
         vec![1]
+    );
+}
+
+#[tokio::test]
+async fn claim_runs_groups_each_keys_run_in_sequence_order_and_a_released_rest_comes_back_uncharged()
+ {
+    let db = test_db("public_runs").await;
+    let store = store(&db).await;
+    let mut events: Vec<EventEnvelope> = (1..=5)
+        .map(|n| event(&format!("k-{n}"), Some("k")))
+        .collect();
+    events.extend((1..=2).map(|n| event(&format!("j-{n}"), Some("j"))));
+    events.extend((1..=2).map(|n| event(&format!("u-{n}"), None)));
+    publish(&store, &events, &[HANDLER], at(0)).await;
+
+    let runs = store
+        .claim_runs("w", &[HANDLER], 10, 3, LEASE, at(1))
+        .await
+        .unwrap();
+    let shape: Vec<(Option<&str>, Vec<Option<i64>>)> = runs
+        .iter()
+        .map(|run| {
+            (
+                run[0].key(),
+                run.iter().map(ClaimedDelivery::sequence).collect(),
+            )
+        })
+        .collect();
+    let of = |key: Option<&str>| -> Vec<Vec<Option<i64>>> {
+        shape
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, sequences)| sequences.clone())
+            .collect()
+    };
+    assert_eq!(
+        of(Some("k")),
+        vec![vec![Some(1), Some(2), Some(3)]],
+        "{shape:?}"
+    );
+    assert_eq!(of(Some("j")), vec![vec![Some(1), Some(2)]], "{shape:?}");
+    assert_eq!(of(None), vec![vec![None], vec![None]], "unkeyed ones alone");
+
+    // The first wave completes; `k-2` fails: the rest of its run goes back.
+    let k = runs.iter().find(|run| run[0].key() == Some("k")).unwrap();
+    assert!(store.complete(k[0].lease(), at(2)).await.unwrap());
+    assert!(store.release(k[1].lease(), at(3)).await.unwrap());
+    assert!(store.release(k[2].lease(), at(3)).await.unwrap());
+    let again = store
+        .claim_runs("w", &[HANDLER], 10, 3, LEASE, at(4))
+        .await
+        .unwrap();
+    let k_again: Vec<(Option<i64>, u32)> = again
+        .iter()
+        .filter(|run| run[0].key() == Some("k"))
+        .flatten()
+        .map(|delivery| (delivery.sequence(), delivery.attempt()))
+        .collect();
+    assert_eq!(
+        k_again,
+        vec![(Some(2), 1), (Some(3), 1), (Some(4), 1)],
+        "the released members come back first, uncharged"
     );
 }
 

@@ -137,7 +137,7 @@ impl Store for MongoEventStore {
             )
             .await;
         }
-        let claimed = MongoEventStore::claim_runs(
+        let claimed = MongoEventStore::claim_with_runs(
             self,
             request.owner,
             request.handlers,

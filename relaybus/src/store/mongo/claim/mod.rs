@@ -75,7 +75,11 @@ mod take;
 
 pub(crate) use self::scan::DeliveryFields;
 
-use std::{collections::HashSet, sync::atomic::Ordering, time::Duration};
+use std::{
+    collections::{HashMap, HashSet, hash_map::Entry},
+    sync::atomic::Ordering,
+    time::Duration,
+};
 
 use mongodb::bson::{DateTime, oid::ObjectId};
 
@@ -177,6 +181,31 @@ impl ClaimedDelivery {
     }
 }
 
+/// A claim's deliveries grouped as their worker runs them: the ordered deliveries of one
+/// handler and key together, in sequence order; every other delivery alone; in the order of the
+/// claim.
+fn group_runs(claimed: Vec<ClaimedDelivery>) -> Vec<Vec<ClaimedDelivery>> {
+    let mut runs: Vec<Vec<ClaimedDelivery>> = Vec::with_capacity(claimed.len());
+    let mut of_key: HashMap<(String, String), usize> = HashMap::new();
+    for delivery in claimed {
+        let Some(key) = delivery.key().filter(|_| delivery.ordered) else {
+            runs.push(vec![delivery]);
+            continue;
+        };
+        match of_key.entry((delivery.handler.clone(), key.to_owned())) {
+            Entry::Occupied(at) => runs[*at.get()].push(delivery),
+            Entry::Vacant(slot) => {
+                slot.insert(runs.len());
+                runs.push(vec![delivery]);
+            }
+        }
+    }
+    for run in &mut runs {
+        run.sort_by_key(ClaimedDelivery::sequence);
+    }
+    runs
+}
+
 /// What one pass of a claim hands out.
 #[derive(Debug, Default)]
 struct Batch {
@@ -205,7 +234,8 @@ impl MongoEventStore {
     /// Deliveries come in `(dueAt, id)` order within each group of lanes, from the lanes the
     /// owner already holds first. A keyed delivery is handed out only when no earlier delivery
     /// of its handler and key is pending and none of them runs, and one claim never hands out
-    /// two deliveries of one key; the claim looks past blocked keys until it has `limit`. An
+    /// two deliveries of one key ([`claim_runs`](Self::claim_runs) hands out runs of a key's
+    /// next deliveries); the claim looks past blocked keys until it has `limit`. An
     /// unordered delivery (its handler was [unordered](crate::Subscription::unordered) when the
     /// event was appended) is handed out as an unkeyed one is.
     /// Deliveries a claim finds waiting behind a slow predecessor may be parked, and come back
@@ -280,8 +310,85 @@ impl MongoEventStore {
         lease_duration: Duration,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>> {
-        self.claim_runs(owner, handlers, limit, (1, 0), lease_duration, now)
+        self.claim_with_runs(owner, handlers, limit, (1, 0), lease_duration, now)
             .await
+    }
+
+    /// [`claim`](Self::claim), handing out behind each keyed delivery it picks the key's next
+    /// deliveries in sequence order, up to `run` of the key in all: a key's backlog drains in
+    /// runs rather than one delivery per claim. `limit` counts a run as one.
+    ///
+    /// The deliveries come grouped: each inner list is one run of a handler and key in sequence
+    /// order, or one delivery alone (unkeyed, of an unordered handler, or the only one its key
+    /// had ready). **Run a run's deliveries one after the other, each only once its
+    /// predecessor's [completion](Self::complete_many) returned `true`**: a member is the key's
+    /// next delivery only once the one before it completed. When one does not complete (its
+    /// handler failed, or its lease is lost), [`release`](Self::release) the rest of its run
+    /// or let it wait out its lease; the members were not started, and releasing them charges
+    /// no attempt. Runs of different keys are independent: complete the first members of all of
+    /// them in one batch, then the second members, and so on.
+    ///
+    /// A member is due, pending and the key's next in sequence, with no gap in the numbers
+    /// between it and its predecessor; a run ends before the first delivery that is not. A
+    /// handler that takes only some of a key's event types sees gaps, and its runs end there.
+    ///
+    /// # Cost
+    ///
+    /// As [`claim`](Self::claim), plus one read for the runs of all the keys picked.
+    ///
+    /// # Errors
+    ///
+    /// As [`claim`](Self::claim), and [`Error::InvalidArgument`](crate::Error::InvalidArgument)
+    /// for a `run` outside 1 to 1,000. Nothing is sent to the database then.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`claim`](Self::claim).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn example(store: relaybus::MongoEventStore) -> Result<(), relaybus::Error> {
+    /// use std::time::Duration;
+    /// use relaybus::mongodb::bson::DateTime;
+    ///
+    /// let mut runs = store
+    ///     .claim_runs("worker-1", &["projector"], 50, 16, Duration::from_secs(30), DateTime::now())
+    ///     .await?;
+    /// // Wave by wave: the first delivery of every run, then the second, ...
+    /// let mut at = 0;
+    /// while runs.iter().any(|run| run.len() > at) {
+    ///     let wave: Vec<_> = runs.iter().filter_map(|run| run.get(at)).collect();
+    ///     // run the handler of each delivery in `wave`, then:
+    ///     let leases: Vec<_> = wave.iter().map(|delivery| *delivery.lease()).collect();
+    ///     let completed = store.complete_many(&leases, DateTime::now()).await?;
+    ///     let mut done = completed.into_iter();
+    ///     for run in runs.iter_mut().filter(|run| run.len() > at) {
+    ///         if !done.next().unwrap_or(false) {
+    ///             // Not completed: the rest of this run goes back.
+    ///             for rest in run.drain(at + 1..) {
+    ///                 store.release(rest.lease(), DateTime::now()).await?;
+    ///             }
+    ///         }
+    ///     }
+    ///     at += 1;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn claim_runs<H: AsRef<str>>(
+        &self,
+        owner: &str,
+        handlers: &[H],
+        limit: u32,
+        run: u32,
+        lease_duration: Duration,
+        now: DateTime,
+    ) -> Result<Vec<Vec<ClaimedDelivery>>> {
+        let claimed = self
+            .claim_with_runs(owner, handlers, limit, (run, limit), lease_duration, now)
+            .await?;
+        Ok(group_runs(claimed))
     }
 
     /// [`claim`](Self::claim), handing out behind each keyed delivery the key's next
@@ -289,7 +396,7 @@ impl MongoEventStore {
     /// runs each key's deliveries one after the other, in sequence order, each only once its
     /// predecessor's completion is durable, and gives back the rest when one does not complete.
     /// `limit` counts a run as one. A `run` of 1 is [`claim`](Self::claim).
-    pub(crate) async fn claim_runs<H: AsRef<str>>(
+    pub(crate) async fn claim_with_runs<H: AsRef<str>>(
         &self,
         owner: &str,
         handlers: &[H],
