@@ -5,7 +5,9 @@
 //! Keyed work (100 keys) runs twice: through `claim`, one delivery of a key per claim, and
 //! through `claim_runs`, runs of up to `RELAYBUS_BENCH_KEY_RUN` (default 16) of a key's next
 //! deliveries, completed wave by wave (the first delivery of every run in one `complete_many`,
-//! then the second, ...), each only once its predecessor completed.
+//! then the second, ...), each only once its predecessor completed. With several claimers, each
+//! relaybus row also gives the share of the deliveries the busiest claimer completed
+//! (`*_busiest_share`; an even spread over 4 is 0.25).
 //!
 //! A third subject, the floor, is the raw driver doing per batch only what the store's document
 //! model needs, on collections set up by `setup()` (see `common::floor`). Relaybus against the
@@ -172,7 +174,7 @@ async fn main() -> Result<(), BoxError> {
         for run in runs {
             n += 1;
             let db = client.database(&format!("{prefix}_{n}"));
-            let rate = relaybus(&client, &db, deliveries, batch, run).await?;
+            let (rate, busiest) = relaybus(&client, &db, deliveries, batch, run).await?;
             db.drop().await?;
             let keys = if run.keyed { "100 keys" } else { "unkeyed" };
             let runs_column = if run.key_run > 1 {
@@ -180,8 +182,13 @@ async fn main() -> Result<(), BoxError> {
             } else {
                 String::new()
             };
+            let busiest_column = if claimers > 1 {
+                format!("; the busiest claimer completed {:.0} %", busiest * 100.0)
+            } else {
+                String::new()
+            };
             println!(
-                "{:<10} {:<8} {:>9} {:>14.0}  {}{runs_column}",
+                "{:<10} {:<8} {:>9} {:>14.0}  {}{runs_column}{busiest_column}",
                 "relaybus",
                 keys,
                 claimers,
@@ -197,6 +204,15 @@ async fn main() -> Result<(), BoxError> {
                 format!("{name}_{claimers}{}", name_suffix(run.listing_indexes)),
                 rate.round().into(),
             );
+            if claimers > 1 {
+                figures.insert(
+                    format!(
+                        "{name}_{claimers}{}_busiest_share",
+                        name_suffix(run.listing_indexes)
+                    ),
+                    round3(busiest).into(),
+                );
+            }
         }
     }
 
@@ -433,14 +449,15 @@ async fn publish(
     Ok(())
 }
 
-/// Drains `deliveries` with `claimers` claimers, each on its own store instance; deliveries/s.
+/// Drains `deliveries` with `claimers` claimers, each on its own store instance: deliveries/s,
+/// and the share of the deliveries the busiest claimer completed.
 async fn relaybus(
     client: &Client,
     db: &Database,
     deliveries: usize,
     batch: u32,
     run: Run,
-) -> Result<f64, BoxError> {
+) -> Result<(f64, f64), BoxError> {
     let first = store_with(client, db, run.listing_indexes).await?;
     let keys = 100;
     publish(
@@ -465,6 +482,7 @@ async fn relaybus(
         let target = deliveries as u64;
         tasks.push(tokio::spawn(async move {
             let owner = format!("claimer-{n}");
+            let mut own = 0;
             while done.load(Ordering::SeqCst) < target {
                 let notified = progress.notified();
                 tokio::pin!(notified);
@@ -495,17 +513,20 @@ async fn relaybus(
                     }
                     continue;
                 }
+                own += completed;
                 done.fetch_add(completed, Ordering::SeqCst);
                 progress.notify_waiters();
             }
             progress.notify_waiters();
-            Ok::<(), relaybus::Error>(())
+            Ok::<u64, relaybus::Error>(own)
         }));
     }
+    let mut busiest = 0;
     for task in tasks {
-        task.await??;
+        busiest = busiest.max(task.await??);
     }
-    Ok(deliveries as f64 / started.elapsed().as_secs_f64())
+    let rate = deliveries as f64 / started.elapsed().as_secs_f64();
+    Ok((rate, busiest as f64 / deliveries as f64))
 }
 
 /// Completes `runs` wave by wave: the first delivery of every run in one batch, then the
