@@ -622,6 +622,76 @@ async fn two_stores_claiming_concurrently_never_hold_the_same_delivery() {
 }
 
 #[tokio::test]
+async fn a_claimer_that_found_nothing_is_counted_and_gets_lanes_handed_on() {
+    let db = test_db("share_lanes").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    let events: Vec<EventEnvelope> = (0..3)
+        .flat_map(|n| (0..12).map(move |k| (n, k)))
+        .map(|(n, k)| event(&format!("k{k}-{n}"), Some(&format!("k{k}"))))
+        .collect();
+    publish(&a, &events, &[HANDLER], at(0)).await;
+
+    // `a` takes the lanes of every key: a claim hands out one delivery of a key.
+    let first = claim(&a, "a", 100, at(1)).await;
+    assert_eq!(first.len(), 12);
+    let a_lanes = lanes_of(&db, "a").await.len();
+    assert!(a_lanes > 2, "{a_lanes} lanes");
+    // `b` finds nothing, and keeps one lane listing nothing, to be counted.
+    assert!(claim(&b, "b", 100, at(2)).await.is_empty());
+    let kept = lanes_of(&db, "b").await;
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(in_flight(&kept[0]).is_empty());
+
+    // `a` keeps its share of the lanes held and hands the rest back unread.
+    assert!(
+        a.complete_many(&leases(&first), at(3))
+            .await
+            .unwrap()
+            .into_iter()
+            .all(|c| c)
+    );
+    let second = claim(&a, "a", 100, at(4)).await;
+    let share = (a_lanes + 1).div_ceil(2);
+    let a_now = lanes_of(&db, "a").await;
+    assert_eq!(a_now.len(), share, "{a_now:?}");
+    let a_keys: HashSet<String> = second
+        .iter()
+        .map(|delivery| delivery.key().unwrap().to_owned())
+        .collect();
+    assert!(!second.is_empty() && second.len() < 12, "{}", second.len());
+
+    // `b` takes them: the keys `a` no longer holds, none that `a` runs.
+    let b_claim = claim(&b, "b", 100, at(5)).await;
+    let b_keys: HashSet<String> = b_claim
+        .iter()
+        .map(|delivery| delivery.key().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        a_keys.len() + b_keys.len(),
+        12,
+        "a: {a_keys:?}, b: {b_keys:?}"
+    );
+    assert!(a_keys.is_disjoint(&b_keys));
+    for delivery in second.iter().chain(&b_claim) {
+        assert!(
+            delivery.event_id().ends_with("-1"),
+            "each key's second event"
+        );
+    }
+    // `b` holds the lanes it took, its kept one among them.
+    let b_lanes: HashSet<i32> = lanes_of(&db, "b")
+        .await
+        .iter()
+        .map(|lane| lane.get_i32("_id").unwrap())
+        .collect();
+    assert!(b_lanes.len() > 1);
+    for delivery in &b_claim {
+        assert!(b_lanes.contains(&(delivery.lease().lane() as i32)));
+    }
+}
+
+#[tokio::test]
 async fn a_restarted_owner_does_not_adopt_its_predecessors_lanes() {
     let db = test_db("restart").await;
     let old = store(&db).await;
@@ -4558,9 +4628,15 @@ async fn a_claim_that_lost_some_lanes_returns_what_it_got_and_one_that_lost_all_
     for lease in taken_first.iter().map(ClaimedDelivery::lease) {
         assert!(b.complete(lease, at(3)).await.unwrap());
     }
-    // Claims that find nothing hand the lanes back: the next claimers are alone again.
+    // Claims that find nothing hand the lanes back: the next claimers are alone again. (A's
+    // first keeps one lane, listing nothing, while B still holds two; its next one, with B
+    // holding none, hands it back.)
     assert!(claim(&a, "a", 8, at(3)).await.is_empty());
+    assert_eq!(lanes_of(&db, "a").await.len(), 1);
     assert!(claim(&b, "b", 8, at(3)).await.is_empty());
+    assert!(claim(&a, "a", 8, at(3)).await.is_empty());
+    assert!(lanes_of(&db, "a").await.is_empty());
+    assert!(lanes_of(&db, "b").await.is_empty());
     let events = events_in_new_lanes("s", 4, &mut used);
     publish(&b, &events, &[HANDLER], at(3)).await;
     let ids = sorted(&oldest_first(&db).await);

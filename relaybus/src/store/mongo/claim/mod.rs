@@ -71,6 +71,7 @@ mod reconcile;
 mod record;
 pub(crate) mod runs;
 mod scan;
+pub(super) mod share;
 mod take;
 
 pub(crate) use self::scan::DeliveryFields;
@@ -87,7 +88,9 @@ use self::{
     arrive::Arrived,
     pick::Picking,
     read::{FirstPage, LaneView, Running, Unparking, lists_foreign_claims},
+    record::Keep,
     scan::{Candidate, Scan, page_window},
+    share::Sharing,
     take::Hold,
 };
 use super::{
@@ -643,9 +646,12 @@ impl MongoEventStore {
         let LaneView {
             held,
             running_docs,
-            free,
+            mut free,
             taken_by_others,
             contenders,
+            held_by_live,
+            waiting: waiting_claimers,
+            most_held_by_another,
             parked,
             prescanned,
             held_page,
@@ -691,6 +697,25 @@ impl MongoEventStore {
             return Ok(None);
         }
         let handing_over = running.handing_over(&held, &issued, &self.inner.claims);
+        // Claimers that found nothing wait for lanes: beyond its share, this one hands back
+        // the held lanes that run nothing, unread, and takes no free lane (see `share`).
+        let sharing = Sharing {
+            contenders,
+            held_by_live,
+            waiting: waiting_claimers,
+            most_held_by_another,
+        };
+        let ceded: HashSet<i32> = share::surplus(&held, &sharing, |id| {
+            running.ids.contains(id) || handing_over.contains(id)
+        })
+        .into_iter()
+        .collect();
+        let room = sharing.room(held.len() - ceded.len());
+        // A free lane with nothing to charge, for a claim that finds nothing to keep.
+        let spare = free
+            .iter()
+            .find(|lane| lane.clean && !state.ceded.holds(lane.lane.id, now))
+            .cloned();
         let Running {
             ids: running,
             keys: running_keys,
@@ -706,7 +731,11 @@ impl MongoEventStore {
             picking.know_heads(seen_heads);
         }
         let mut scan = Scan::new(picking);
-        let held_ids: Vec<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
+        let held_ids: Vec<i32> = lanes
+            .iter()
+            .map(|(lane, _)| lane.id)
+            .filter(|lane| !ceded.contains(lane))
+            .collect();
         let mut picked_all_reported = false;
         let rest = if reported.is_empty() {
             Some(held_ids)
@@ -729,9 +758,11 @@ impl MongoEventStore {
         // reported lanes: the oldest of their keys, found without a scan. They go back to their
         // lanes with the record. After an idle wait too: a delivery written parked behind a
         // predecessor that completed before its append committed is reported, and found here.
+        // Not those of the lanes handed back to waiting claimers: they go back to them unread.
         scan.picking.offer(
             deferred
                 .iter()
+                .filter(|head| head.lane.is_none_or(|lane| !ceded.contains(&lane)))
                 .filter_map(|head| Candidate::from_parked(head, now))
                 .collect(),
         );
@@ -756,15 +787,19 @@ impl MongoEventStore {
                 page.map(|read| (read.page, read.window)),
             )
             .await?;
-            self.scan_free_lanes(
-                &request,
-                free,
-                contenders,
-                &mut state.ranked,
-                &mut lanes,
-                &mut scan,
-            )
-            .await?;
+            if room != Some(0) {
+                // Not the lanes it handed back to waiting claimers a moment ago.
+                free.retain(|lane| !state.ceded.holds(lane.lane.id, now));
+                self.scan_free_lanes(
+                    &request,
+                    free,
+                    (contenders, room),
+                    &mut state.ranked,
+                    &mut lanes,
+                    &mut scan,
+                )
+                .await?;
+            }
         }
 
         // Recording, with the events of the picks the scans did not bring read at the same
@@ -815,6 +850,32 @@ impl MongoEventStore {
         }
         let handed = picks.len();
         let touched = gate.touched();
+        // A claim that found nothing while another holds several lanes keeps one, listing
+        // nothing, so that the other counts it as waiting: a lane it holds, one it took, or a
+        // spare free one.
+        let keep = if picks.is_empty() && sharing.keeps_a_lane() {
+            let kept = lanes
+                .iter()
+                .filter(|(lane, hold)| !ceded.contains(&lane.id) && !matches!(hold, Hold::Taken))
+                .map(|(lane, _)| lane.id)
+                .next();
+            match (kept, spare) {
+                (Some(lane), _) => Some(lane),
+                (None, Some(spare)) if !lanes.iter().any(|(lane, _)| lane.id == spare.lane.id) => {
+                    let id = spare.lane.id;
+                    lanes.push((
+                        spare.lane,
+                        Hold::Joining {
+                            epoch: spare.stored_epoch,
+                        },
+                    ));
+                    Some(id)
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
         // A head it picks runs from the parked lane, as a key's next delivery claimed after its
         // predecessor does (see `next`): it is deleted when it completes, and if it does not,
         // the level-triggered unparking of a later claim sends it back once nothing of its key
@@ -832,7 +893,10 @@ impl MongoEventStore {
                 picks.clone(),
                 &running,
                 &handing_over,
-                &touched
+                Keep {
+                    touched: &touched,
+                    lane: keep,
+                },
             ),
             self.unpark_ids(deferred_ids.clone()),
         );
@@ -843,6 +907,13 @@ impl MongoEventStore {
             .map(|lane| lane.id)
             .filter(|lane| !recorded.handed_back.contains(lane))
             .collect();
+        state.ceded.note(
+            ceded
+                .iter()
+                .copied()
+                .filter(|lane| recorded.handed_back.contains(lane)),
+            now,
+        );
         events.extend(read?);
         if let Err(error) = moved {
             // A later claim sends them back.
@@ -876,7 +947,8 @@ impl MongoEventStore {
             && let Some(ranking) = state.ranked.as_mut()
             && !ranking.covered.is_empty()
         {
-            for lane in &recorded.handed_back {
+            // The lanes handed back to waiting claimers were not read: they have work.
+            for lane in recorded.handed_back.difference(&ceded) {
                 if !ranking.covered.contains(lane) {
                     ranking.covered.push(*lane);
                 }

@@ -63,6 +63,13 @@ pub(super) struct LaneView {
     pub(super) taken_by_others: HashSet<i32>,
     /// This claimer plus the other live holders of lanes.
     pub(super) contenders: usize,
+    /// The lanes live holders hold, this owner's included.
+    pub(super) held_by_live: usize,
+    /// Other live holders that hold one lane listing nothing: claimers that found nothing to
+    /// run and keep a lane so that the others count them (see [`Sharing`]).
+    pub(super) waiting: usize,
+    /// The most lanes another live holder holds.
+    pub(super) most_held_by_another: usize,
     /// The lowest parked delivery of each key and the lowest pending delivery of those keys,
     /// when the read looked them up.
     pub(super) parked: Option<ParkedKeys>,
@@ -531,7 +538,8 @@ impl MongoEventStore {
         let mut listed_docs = Vec::new();
         let mut page = Vec::new();
         let mut lanes: Vec<RawDocumentBuf> = Vec::new();
-        let mut others: HashSet<(String, Option<ObjectId>)> = HashSet::new();
+        // Each other live holder's lanes, and whether any of them lists something.
+        let mut others: HashMap<(String, Option<ObjectId>), (usize, bool)> = HashMap::new();
         for raw in docs {
             if is_lane(&raw) {
                 lanes.push(raw);
@@ -605,7 +613,11 @@ impl MongoEventStore {
             match fields.owner {
                 Some(holder) if !expired => {
                     if let Some(id) = fields.id {
-                        others.insert((holder.to_owned(), fields.instance));
+                        let entry = others
+                            .entry((holder.to_owned(), fields.instance))
+                            .or_default();
+                        entry.0 += 1;
+                        entry.1 |= fields.lists;
                         view.taken_by_others.insert(id);
                     }
                 }
@@ -613,6 +625,12 @@ impl MongoEventStore {
             }
         }
         view.contenders = 1 + others.len();
+        view.held_by_live = view.held.len() + view.taken_by_others.len();
+        view.waiting = others
+            .values()
+            .filter(|(lanes, lists)| *lanes == 1 && !lists)
+            .count();
+        view.most_held_by_another = others.values().map(|(lanes, _)| *lanes).max().unwrap_or(0);
         // The documents of the deliveries the held lanes list, as read; a lane that changed
         // hands between the two reads lists other ids, and conditions its writes on that.
         let listed: HashSet<ObjectId> = view

@@ -24,6 +24,15 @@ use crate::{
     },
 };
 
+/// The lanes a record keeps although they yield nothing and run nothing.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Keep<'a> {
+    /// Lanes a claim beside this one listed a delivery on since they were read.
+    pub(super) touched: &'a HashSet<i32>,
+    /// The lane a claim that found nothing keeps, listing nothing (see `share`).
+    pub(super) lane: Option<i32>,
+}
+
 /// What the record kept.
 #[derive(Debug)]
 pub(super) struct Recorded {
@@ -40,8 +49,8 @@ pub(super) struct Recorded {
 impl MongoEventStore {
     /// Records `picks` on the claim's `lanes` in one command, and hands back the lanes that yielded
     /// nothing and run nothing. Deliveries a held lane lists that no longer exist (not in
-    /// `running`) are taken off it; a lane listing one of `handing_over`, or `touched` by a claim
-    /// beside this one, is kept. When a write did not match, keeps only the picks of the lanes that
+    /// `running`) are taken off it; a lane listing one of `handing_over`, or in [`Keep`], is
+    /// kept. When a write did not match, keeps only the picks of the lanes that
     /// list them under the epoch they were read in.
     pub(super) async fn record(
         &self,
@@ -50,7 +59,10 @@ impl MongoEventStore {
         mut picks: Vec<Candidate>,
         running: &HashSet<ObjectId>,
         handing_over: &HashSet<ObjectId>,
-        touched: &HashSet<i32>,
+        Keep {
+            touched,
+            lane: keep,
+        }: Keep<'_>,
     ) -> Result<Recorded> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
@@ -81,7 +93,7 @@ impl MongoEventStore {
                 };
                 filter.extend(free_and_clean(now));
                 lane.epoch = lane.epoch.saturating_add(1);
-                if new_ids.is_empty() {
+                if new_ids.is_empty() && keep != Some(lane.id) {
                     // Taken and handed back in one write: it yielded nothing.
                     handed_back.insert(lane.id);
                     statements.push(doc! {
@@ -125,7 +137,7 @@ impl MongoEventStore {
                 || touched.contains(&lane.id);
             gone_ids.extend(gone.iter().copied());
             let filter = lane.held_filter(owner, instance);
-            if new_ids.is_empty() && !runs {
+            if new_ids.is_empty() && !runs && keep != Some(lane.id) {
                 handed_back.insert(lane.id);
                 statements.push(doc! {
                     "q": filter,
@@ -137,7 +149,12 @@ impl MongoEventStore {
                         field::LOST: [],
                     } },
                 });
-            } else if !new_ids.is_empty() || !gone.is_empty() || !lane.lost.is_empty() || !held {
+            } else if !new_ids.is_empty()
+                || !gone.is_empty()
+                || !lane.lost.is_empty()
+                || !held
+                || keep == Some(lane.id)
+            {
                 relists.push(Relist {
                     filter,
                     lane: lane.id,

@@ -1,0 +1,205 @@
+//! Sharing the lanes with claimers that found nothing.
+//!
+//! A claim takes as many free lanes as its batch needs, and hands back only lanes that yield
+//! nothing. With keyed work a lane yields one delivery of each of its keys per claim, so a claim
+//! whose limit is at least the number of keys takes the lanes of every key, and keeps them
+//! while they have work: the other claimers find every lane with work held, and stay idle.
+//!
+//! A claimer that finds nothing while another holds several lanes keeps one lane, with nothing
+//! listed, instead of handing it back: the other claimers' lane reads then count it (one lane,
+//! listing nothing: [`LaneView::waiting`](super::read::LaneView)). A claimer that sees waiting
+//! claimers holds at most its share of the lanes live holders hold, `held / holders` rounded
+//! up: it hands back held lanes beyond it that run nothing, without scanning them, and takes
+//! free lanes only up to its share or up to as many as the biggest other holder holds. It does not take the lanes it handed back for [`CEDED_FOR_MS`], so that
+//! the waiting claimers find them free. The lanes are then shared within a few claims: a
+//! claimer that took more than its share hands the rest on at its next claim.
+
+use std::collections::HashSet;
+
+use mongodb::bson::{DateTime, oid::ObjectId};
+
+use crate::store::mongo::lane::Lane;
+
+/// How long a claimer leaves the lanes it handed back to waiting claimers alone.
+pub(super) const CEDED_FOR_MS: i64 = 2_000;
+
+/// What a claim knows of the other live holders, from its lane read.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Sharing {
+    /// This claimer plus the other live holders.
+    pub(super) contenders: usize,
+    /// The lanes live holders hold, this claimer's included.
+    pub(super) held_by_live: usize,
+    /// Other live holders that hold one lane listing nothing.
+    pub(super) waiting: usize,
+    /// The most lanes another live holder holds.
+    pub(super) most_held_by_another: usize,
+}
+
+impl Sharing {
+    /// The most lanes this claimer holds while others wait: its share of the lanes held, or
+    /// `None` when nobody waits.
+    pub(super) fn cap(&self) -> Option<usize> {
+        (self.waiting > 0).then(|| self.held_by_live.div_ceil(self.contenders.max(1)).max(1))
+    }
+
+    /// How many more lanes a claimer holding `kept` may take while others wait: up to its share,
+    /// or up to as many as the biggest other holder holds, whichever is more (a claimer taking
+    /// the lanes another handed back takes as many as that one kept). `None`: no limit.
+    pub(super) fn room(&self, kept: usize) -> Option<usize> {
+        self.cap()
+            .map(|cap| cap.max(self.most_held_by_another).saturating_sub(kept))
+    }
+
+    /// Whether a claim that found nothing keeps a lane, to be counted by the others: another
+    /// holder holds more than one lane.
+    pub(super) fn keeps_a_lane(&self) -> bool {
+        self.most_held_by_another > 1
+    }
+}
+
+/// The held lanes to hand back for the waiting claimers: beyond [`Sharing::cap`], those that
+/// run nothing (nothing they list `runs`, nothing lost), the highest ids first.
+pub(super) fn surplus(
+    held: &[Lane],
+    sharing: &Sharing,
+    runs: impl Fn(&ObjectId) -> bool,
+) -> Vec<i32> {
+    let Some(cap) = sharing.cap() else {
+        return Vec::new();
+    };
+    let excess = held.len().saturating_sub(cap);
+    if excess == 0 {
+        return Vec::new();
+    }
+    let mut idle: Vec<i32> = held
+        .iter()
+        .filter(|lane| lane.lost.is_empty() && !lane.in_flight.iter().any(&runs))
+        .map(|lane| lane.id)
+        .collect();
+    idle.sort_unstable_by(|a, b| b.cmp(a));
+    idle.truncate(excess);
+    idle
+}
+
+/// The lanes an owner handed back to waiting claimers, and when.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Ceded {
+    lanes: HashSet<i32>,
+    at: Option<DateTime>,
+}
+
+impl Ceded {
+    /// Notes `lanes` handed back at `now`.
+    pub(super) fn note(&mut self, lanes: impl IntoIterator<Item = i32>, now: DateTime) {
+        let lanes: HashSet<i32> = lanes.into_iter().collect();
+        if !lanes.is_empty() {
+            self.lanes = lanes;
+            self.at = Some(now);
+        }
+    }
+
+    /// Whether `lane` was handed back less than [`CEDED_FOR_MS`] before `now` (a clock that
+    /// went back counts as within).
+    pub(super) fn holds(&self, lane: i32, now: DateTime) -> bool {
+        self.at.is_some_and(|at| {
+            now.timestamp_millis().saturating_sub(at.timestamp_millis()) < CEDED_FOR_MS
+        }) && self.lanes.contains(&lane)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mongodb::bson::Bson;
+
+    use super::*;
+
+    fn lane(id: i32, in_flight: Vec<ObjectId>) -> Lane {
+        Lane {
+            id,
+            epoch: 1,
+            lease_expires_at: None,
+            in_flight,
+            lost: Vec::new(),
+            requeues: Bson::Null,
+        }
+    }
+
+    #[test]
+    fn a_holder_hands_back_its_idle_lanes_beyond_its_share_only_while_others_wait() {
+        let running = ObjectId::new();
+        let held: Vec<Lane> = (0..10)
+            .map(|id| lane(id, if id == 9 { vec![running] } else { Vec::new() }))
+            .collect();
+        let running: HashSet<ObjectId> = [running].into();
+        // 10 lanes held here, 2 waiting claimers with one lane each: 12 over 3, 4 each.
+        let sharing = Sharing {
+            contenders: 3,
+            held_by_live: 12,
+            waiting: 2,
+            most_held_by_another: 1,
+        };
+        assert_eq!(sharing.cap(), Some(4));
+        assert_eq!(
+            surplus(&held, &sharing, |id| running.contains(id)),
+            vec![8, 7, 6, 5, 4, 3],
+            "the highest idle lanes; lane 9 runs something"
+        );
+        let nobody_waits = Sharing {
+            waiting: 0,
+            ..sharing
+        };
+        assert_eq!(nobody_waits.cap(), None);
+        assert_eq!(nobody_waits.room(100), None);
+        assert_eq!(sharing.room(1), Some(3), "up to the share");
+        let beside_a_bigger_one = Sharing {
+            most_held_by_another: 6,
+            ..sharing
+        };
+        assert_eq!(
+            beside_a_bigger_one.room(1),
+            Some(5),
+            "up to the biggest holder"
+        );
+        assert_eq!(sharing.room(10), Some(0));
+        assert!(surplus(&held, &nobody_waits, |id| running.contains(id)).is_empty());
+        let within = Sharing {
+            held_by_live: 40,
+            ..sharing
+        };
+        assert!(
+            surplus(&held, &within, |id| running.contains(id)).is_empty(),
+            "10 of 40 over 3"
+        );
+    }
+
+    #[test]
+    fn a_claimer_keeps_a_lane_only_while_another_holds_several() {
+        let mut sharing = Sharing {
+            contenders: 2,
+            held_by_live: 2,
+            waiting: 0,
+            most_held_by_another: 1,
+        };
+        assert!(!sharing.keeps_a_lane());
+        sharing.most_held_by_another = 2;
+        assert!(sharing.keeps_a_lane());
+    }
+
+    #[test]
+    fn ceded_lanes_are_left_alone_for_a_while() {
+        let mut ceded = Ceded::default();
+        let at = DateTime::from_millis(10_000);
+        assert!(!ceded.holds(1, at));
+        ceded.note([1, 2], at);
+        assert!(ceded.holds(1, DateTime::from_millis(10_000 + CEDED_FOR_MS - 1)));
+        assert!(!ceded.holds(3, at));
+        assert!(!ceded.holds(1, DateTime::from_millis(10_000 + CEDED_FOR_MS)));
+        assert!(
+            ceded.holds(2, DateTime::from_millis(9_000)),
+            "a clock that went back"
+        );
+        ceded.note([], DateTime::from_millis(20_000));
+        assert!(ceded.holds(1, at), "nothing new handed back keeps the last");
+    }
+}
