@@ -227,8 +227,6 @@ pub(crate) struct OwnerState {
     pub(crate) exhausted: Option<Exhausted>,
     /// Claims in a row since the last that read every delivery its held lanes list.
     pub(crate) vouched_reads: u32,
-    /// The lanes the owner last handed back to claimers waiting for lanes.
-    pub(crate) ceded: super::claim::share::Ceded,
 }
 
 /// An idle claim that picked everything due where new deliveries were reported.

@@ -71,7 +71,7 @@ mod reconcile;
 mod record;
 pub(crate) mod runs;
 mod scan;
-pub(super) mod share;
+mod share;
 mod take;
 
 pub(crate) use self::scan::DeliveryFields;
@@ -646,7 +646,7 @@ impl MongoEventStore {
         let LaneView {
             held,
             running_docs,
-            mut free,
+            free,
             taken_by_others,
             contenders,
             held_by_live,
@@ -698,7 +698,7 @@ impl MongoEventStore {
         }
         let handing_over = running.handing_over(&held, &issued, &self.inner.claims);
         // Claimers that found nothing wait for lanes: beyond its share, this one hands back
-        // the held lanes that run nothing, unread, and takes no free lane (see `share`).
+        // the held lanes that run nothing, unread (see `share`).
         let sharing = Sharing {
             contenders,
             held_by_live,
@@ -710,12 +710,8 @@ impl MongoEventStore {
         })
         .into_iter()
         .collect();
-        let room = sharing.room(held.len() - ceded.len());
         // A free lane with nothing to charge, for a claim that finds nothing to keep.
-        let spare = free
-            .iter()
-            .find(|lane| lane.clean && !state.ceded.holds(lane.lane.id, now))
-            .cloned();
+        let spare = free.iter().find(|lane| lane.clean).cloned();
         let Running {
             ids: running,
             keys: running_keys,
@@ -787,19 +783,15 @@ impl MongoEventStore {
                 page.map(|read| (read.page, read.window)),
             )
             .await?;
-            if room != Some(0) {
-                // Not the lanes it handed back to waiting claimers a moment ago.
-                free.retain(|lane| !state.ceded.holds(lane.lane.id, now));
-                self.scan_free_lanes(
-                    &request,
-                    free,
-                    (contenders, room),
-                    &mut state.ranked,
-                    &mut lanes,
-                    &mut scan,
-                )
-                .await?;
-            }
+            self.scan_free_lanes(
+                &request,
+                free,
+                contenders,
+                &mut state.ranked,
+                &mut lanes,
+                &mut scan,
+            )
+            .await?;
         }
 
         // Recording, with the events of the picks the scans did not bring read at the same
@@ -907,13 +899,6 @@ impl MongoEventStore {
             .map(|lane| lane.id)
             .filter(|lane| !recorded.handed_back.contains(lane))
             .collect();
-        state.ceded.note(
-            ceded
-                .iter()
-                .copied()
-                .filter(|lane| recorded.handed_back.contains(lane)),
-            now,
-        );
         events.extend(read?);
         if let Err(error) = moved {
             // A later claim sends them back.

@@ -150,13 +150,12 @@ impl MongoEventStore {
     /// Nothing is written yet for a lane with nothing to charge: the record takes it, on
     /// condition that nobody took it since it was read. A lane with lost claims or an earlier
     /// holder's in-flight list is taken first and charged before it is read. `ranking` is the
-    /// owner's kept ranking: used if it is recent, and replaced by the rest of a new one. At most
-    /// `room` lanes are joined, when it is set (see `share`).
+    /// owner's kept ranking: used if it is recent, and replaced by the rest of a new one.
     pub(super) async fn scan_free_lanes(
         &self,
         request: &Request<'_>,
         mut free: Vec<FreeLane>,
-        (contenders, mut room): (usize, Option<usize>),
+        contenders: usize,
         ranking: &mut Option<RankedLanes>,
         lanes: &mut Vec<(Lane, Hold)>,
         scan: &mut Scan,
@@ -198,10 +197,7 @@ impl MongoEventStore {
                     (ranked, now, covered)
                 }
             };
-            let mut chosen = choose(ranked.clone(), round, spread);
-            if let Some(room) = room {
-                chosen.truncate(room);
-            }
+            let chosen = choose(ranked.clone(), round, spread);
             let rest: Vec<i32> = ranked
                 .into_iter()
                 .filter(|lane| !chosen.contains(lane))
@@ -218,7 +214,6 @@ impl MongoEventStore {
                 break;
             }
             tried.extend(chosen.iter().copied());
-            room = room.map(|room| room - chosen.len());
             let scanned = self.join_lanes(&chosen, &free, lanes, request).await?;
             self.scan_lanes(&scanned, handlers, now, scan).await?;
             round = round.saturating_mul(2);

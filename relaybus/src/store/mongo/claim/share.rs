@@ -9,19 +9,15 @@
 //! listed, instead of handing it back: the other claimers' lane reads then count it (one lane,
 //! listing nothing: [`LaneView::waiting`](super::read::LaneView)). A claimer that sees waiting
 //! claimers holds at most its share of the lanes live holders hold, `held / holders` rounded
-//! up: it hands back held lanes beyond it that run nothing, without scanning them, and takes
-//! free lanes only up to its share or up to as many as the biggest other holder holds. It does not take the lanes it handed back for [`CEDED_FOR_MS`], so that
-//! the waiting claimers find them free. The lanes are then shared within a few claims: a
-//! claimer that took more than its share hands the rest on at its next claim.
+//! up: at each claim it hands back the held lanes beyond it that run nothing, without scanning
+//! them, and the waiting claimers' next claims find them free. It may take them again itself
+//! at a later claim, as any free lane: a waiting claimer that claims seldom (a bus waits for a
+//! wake-up or its poll interval) is not waited for, and leaves the lanes with the one that
+//! claims.
 
-use std::collections::HashSet;
-
-use mongodb::bson::{DateTime, oid::ObjectId};
+use mongodb::bson::oid::ObjectId;
 
 use crate::store::mongo::lane::Lane;
-
-/// How long a claimer leaves the lanes it handed back to waiting claimers alone.
-pub(super) const CEDED_FOR_MS: i64 = 2_000;
 
 /// What a claim knows of the other live holders, from its lane read.
 #[derive(Debug, Clone, Copy, Default)]
@@ -41,14 +37,6 @@ impl Sharing {
     /// `None` when nobody waits.
     pub(super) fn cap(&self) -> Option<usize> {
         (self.waiting > 0).then(|| self.held_by_live.div_ceil(self.contenders.max(1)).max(1))
-    }
-
-    /// How many more lanes a claimer holding `kept` may take while others wait: up to its share,
-    /// or up to as many as the biggest other holder holds, whichever is more (a claimer taking
-    /// the lanes another handed back takes as many as that one kept). `None`: no limit.
-    pub(super) fn room(&self, kept: usize) -> Option<usize> {
-        self.cap()
-            .map(|cap| cap.max(self.most_held_by_another).saturating_sub(kept))
     }
 
     /// Whether a claim that found nothing keeps a lane, to be counted by the others: another
@@ -82,34 +70,10 @@ pub(super) fn surplus(
     idle
 }
 
-/// The lanes an owner handed back to waiting claimers, and when.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Ceded {
-    lanes: HashSet<i32>,
-    at: Option<DateTime>,
-}
-
-impl Ceded {
-    /// Notes `lanes` handed back at `now`.
-    pub(super) fn note(&mut self, lanes: impl IntoIterator<Item = i32>, now: DateTime) {
-        let lanes: HashSet<i32> = lanes.into_iter().collect();
-        if !lanes.is_empty() {
-            self.lanes = lanes;
-            self.at = Some(now);
-        }
-    }
-
-    /// Whether `lane` was handed back less than [`CEDED_FOR_MS`] before `now` (a clock that
-    /// went back counts as within).
-    pub(super) fn holds(&self, lane: i32, now: DateTime) -> bool {
-        self.at.is_some_and(|at| {
-            now.timestamp_millis().saturating_sub(at.timestamp_millis()) < CEDED_FOR_MS
-        }) && self.lanes.contains(&lane)
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use mongodb::bson::Bson;
 
     use super::*;
@@ -150,18 +114,6 @@ mod tests {
             ..sharing
         };
         assert_eq!(nobody_waits.cap(), None);
-        assert_eq!(nobody_waits.room(100), None);
-        assert_eq!(sharing.room(1), Some(3), "up to the share");
-        let beside_a_bigger_one = Sharing {
-            most_held_by_another: 6,
-            ..sharing
-        };
-        assert_eq!(
-            beside_a_bigger_one.room(1),
-            Some(5),
-            "up to the biggest holder"
-        );
-        assert_eq!(sharing.room(10), Some(0));
         assert!(surplus(&held, &nobody_waits, |id| running.contains(id)).is_empty());
         let within = Sharing {
             held_by_live: 40,
@@ -184,22 +136,5 @@ mod tests {
         assert!(!sharing.keeps_a_lane());
         sharing.most_held_by_another = 2;
         assert!(sharing.keeps_a_lane());
-    }
-
-    #[test]
-    fn ceded_lanes_are_left_alone_for_a_while() {
-        let mut ceded = Ceded::default();
-        let at = DateTime::from_millis(10_000);
-        assert!(!ceded.holds(1, at));
-        ceded.note([1, 2], at);
-        assert!(ceded.holds(1, DateTime::from_millis(10_000 + CEDED_FOR_MS - 1)));
-        assert!(!ceded.holds(3, at));
-        assert!(!ceded.holds(1, DateTime::from_millis(10_000 + CEDED_FOR_MS)));
-        assert!(
-            ceded.holds(2, DateTime::from_millis(9_000)),
-            "a clock that went back"
-        );
-        ceded.note([], DateTime::from_millis(20_000));
-        assert!(ceded.holds(1, at), "nothing new handed back keeps the last");
     }
 }
