@@ -250,6 +250,13 @@ impl MongoEventStore {
     /// and is charged for what the predecessor left running. Claims of one owner on one store
     /// instance run one after the other.
     ///
+    /// Claimers share the lanes: a claim that finds nothing while another holder holds several
+    /// lanes keeps one lane, listing nothing, so that the others count it as waiting, and a
+    /// claimer that sees waiting ones holds at most its share of the lanes held (their number
+    /// over the holders', rounded up), handing back the others that run nothing. Without that,
+    /// one claim whose `limit` covers every key of a keyed backlog would take all their lanes
+    /// and keep them while they have work.
+    ///
     /// The store compares lease expiries with `now` and never reads the server clock, so keep
     /// worker clocks synchronised.
     ///
