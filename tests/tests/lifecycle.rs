@@ -625,7 +625,8 @@ async fn two_stores_claiming_concurrently_never_hold_the_same_delivery() {
 async fn a_claimer_that_found_nothing_is_counted_and_gets_lanes_handed_on() {
     let db = test_db("share_lanes").await;
     let a = store(&db).await;
-    let b = another_instance(&db).await;
+    let (client, commands) = commands_client(&db, "b").await;
+    let b = store_without_heartbeat(&client, &db).await;
     let events: Vec<EventEnvelope> = (0..3)
         .flat_map(|n| (0..12).map(move |k| (n, k)))
         .map(|(n, k)| event(&format!("k{k}-{n}"), Some(&format!("k{k}"))))
@@ -689,6 +690,19 @@ async fn a_claimer_that_found_nothing_is_counted_and_gets_lanes_handed_on() {
     for delivery in &b_claim {
         assert!(b_lanes.contains(&(delivery.lease().lane() as i32)));
     }
+
+    // Finding nothing while its lanes run something, `b` keeps them as it would anyway: no
+    // lane is written for it.
+    commands.lock().unwrap().clear();
+    assert!(claim(&b, "b", 100, at(6)).await.is_empty());
+    let lane_writes: Vec<Document> = std::mem::take(&mut *commands.lock().unwrap())
+        .into_iter()
+        .filter(|(name, command)| {
+            name == "update" && command.get_str("update") == Ok("relaybus_lanes")
+        })
+        .map(|(_, command)| command)
+        .collect();
+    assert!(lane_writes.is_empty(), "{lane_writes:?}");
 }
 
 #[tokio::test]

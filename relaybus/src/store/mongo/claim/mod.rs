@@ -851,8 +851,13 @@ impl MongoEventStore {
         let touched = gate.touched();
         // A claim that found nothing while another holds several lanes keeps one, listing
         // nothing, so that the other counts it as waiting: a lane it holds, one it took, or a
-        // spare free one.
-        let keep = if picks.is_empty() && sharing.keeps_a_lane() {
+        // spare free one. Not when it keeps a lane anyway, for what runs there.
+        let runs_something = lanes.iter().any(|(lane, _)| {
+            lane.in_flight
+                .iter()
+                .any(|id| running.contains(id) || handing_over.contains(id))
+        });
+        let keep = if picks.is_empty() && !runs_something && sharing.keeps_a_lane() {
             let kept = lanes
                 .iter()
                 .filter(|(lane, hold)| !ceded.contains(&lane.id) && !matches!(hold, Hold::Taken))

@@ -5,8 +5,8 @@
 //! whose limit is at least the number of keys takes the lanes of every key, and keeps them
 //! while they have work: the other claimers find every lane with work held, and stay idle.
 //!
-//! A claimer that finds nothing while another holds several lanes keeps one lane, with nothing
-//! listed, instead of handing it back: the other claimers' lane reads then count it (one lane,
+//! A claimer that finds nothing and runs nothing while another holds several lanes keeps one
+//! lane, with nothing listed, instead of handing it back: the other claimers' lane reads then count it (one lane,
 //! listing nothing: [`LaneView::waiting`](super::read::LaneView)). A claimer that sees waiting
 //! claimers holds at most its share of the lanes live holders hold, `held / holders` rounded
 //! up: at each claim it hands back the held lanes beyond it that run nothing, without scanning
