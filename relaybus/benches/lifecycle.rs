@@ -50,6 +50,8 @@ use common::{baseline, floor, store, store_with};
 
 const HANDLER: &str = "projector";
 const LEASE: Duration = Duration::from_secs(60);
+/// How long a claimer that found nothing waits for another's completion before it claims again.
+const POLL: Duration = Duration::from_millis(100);
 
 fn env_number(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -509,7 +511,9 @@ async fn relaybus(
                 };
                 if completed == 0 {
                     if done.load(Ordering::SeqCst) < target {
-                        notified.await;
+                        // Woken by another claimer's completion, or polling as a worker does:
+                        // work may also come free without one (lanes another claimer handed on).
+                        let _ = tokio::time::timeout(POLL, notified).await;
                     }
                     continue;
                 }

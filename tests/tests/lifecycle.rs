@@ -706,6 +706,52 @@ async fn a_claimer_that_found_nothing_is_counted_and_gets_lanes_handed_on() {
 }
 
 #[tokio::test]
+async fn a_claim_that_found_nothing_in_the_lanes_it_kept_takes_the_ones_it_handed_on() {
+    let db = test_db("share_again").await;
+    let a = store(&db).await;
+    let b = another_instance(&db).await;
+    let mut used = HashSet::new();
+    let events = events_in_new_lanes("f", 12, &mut used);
+    publish(&a, &events, &[HANDLER], at(0)).await;
+    let first = claim(&a, "a", 100, at(1)).await;
+    assert_eq!(first.len(), 12);
+    assert!(claim(&b, "b", 100, at(2)).await.is_empty());
+    assert_eq!(lanes_of(&db, "b").await.len(), 1, "b waits");
+    assert!(
+        a.complete_many(&leases(&first), at(3))
+            .await
+            .unwrap()
+            .into_iter()
+            .all(|c| c)
+    );
+    // New work only in the five lanes `a` hands on first (its highest), none in the seven it
+    // keeps (its share of 13 lanes held by two).
+    let mut lanes: Vec<u32> = first.iter().map(|d| d.lease().lane()).collect();
+    lanes.sort_unstable();
+    let more: Vec<EventEnvelope> = lanes[7..]
+        .iter()
+        .map(|lane| {
+            let id = (0..)
+                .map(|i| format!("g{lane}-{i}"))
+                .find(|id| lane_of(None, id) == *lane)
+                .unwrap();
+            event(&id, None)
+        })
+        .collect();
+    publish(&a, &more, &[HANDLER], at(3)).await;
+
+    let second = claim(&a, "a", 100, at(4)).await;
+    let mut got: Vec<String> = second.iter().map(|d| d.event_id().to_owned()).collect();
+    got.sort();
+    let mut wanted: Vec<String> = more.iter().map(|e| e.id().to_owned()).collect();
+    wanted.sort();
+    assert_eq!(
+        got, wanted,
+        "the claim does not come back empty beside free work"
+    );
+}
+
+#[tokio::test]
 async fn a_restarted_owner_does_not_adopt_its_predecessors_lanes() {
     let db = test_db("restart").await;
     let old = store(&db).await;

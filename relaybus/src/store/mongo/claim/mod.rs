@@ -216,7 +216,8 @@ struct Batch {
     /// Some picks were given up because another claimer took their lane first.
     raced: bool,
     /// A claim after an idle wait that found nothing sent parked deliveries back to lanes it
-    /// did not read after: the claim right after it reads those lanes (see `claim_locked`).
+    /// did not read after, or a claim that found nothing handed lanes on unread: the claim
+    /// right after it reads those lanes (see `claim_locked`).
     again: bool,
 }
 
@@ -991,6 +992,12 @@ impl MongoEventStore {
         {
             state.hints = lanes.iter().copied().collect();
             state.reports_complete = false;
+            again = true;
+        }
+        // A claim that handed lanes on unread and found nothing in the lanes it kept tries
+        // again at once: the lanes it handed on may hold all the work, and the claimers waiting
+        // for them may not claim before their next wake-up.
+        if claimed.is_empty() && !ceded.is_empty() {
             again = true;
         }
         Ok(Some(Batch {
