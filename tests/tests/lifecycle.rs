@@ -255,6 +255,12 @@ fn leases(batch: &[ClaimedDelivery]) -> Vec<Lease> {
     batch.iter().map(|d| *d.lease()).collect()
 }
 
+/// Completes every delivery of `batch`, each of which must complete.
+async fn complete_all(store: &MongoEventStore, batch: &[ClaimedDelivery], now: DateTime) {
+    let completed = store.complete_many(&leases(batch), now).await.unwrap();
+    assert!(completed.iter().all(|done| *done), "{completed:?}");
+}
+
 fn assert_send<T: Send>(value: T) -> T {
     value
 }
@@ -645,13 +651,7 @@ async fn a_claimer_that_found_nothing_is_counted_and_gets_lanes_handed_on() {
     assert!(in_flight(&kept[0]).is_empty());
 
     // `a` keeps its share of the lanes held and hands the rest back unread.
-    assert!(
-        a.complete_many(&leases(&first), at(3))
-            .await
-            .unwrap()
-            .into_iter()
-            .all(|c| c)
-    );
+    complete_all(&a, &first, at(3)).await;
     let second = claim(&a, "a", 100, at(4)).await;
     let share = (a_lanes + 1).div_ceil(2);
     let a_now = lanes_of(&db, "a").await;
@@ -717,13 +717,7 @@ async fn a_claim_that_found_nothing_in_the_lanes_it_kept_takes_the_ones_it_hande
     assert_eq!(first.len(), 12);
     assert!(claim(&b, "b", 100, at(2)).await.is_empty());
     assert_eq!(lanes_of(&db, "b").await.len(), 1, "b waits");
-    assert!(
-        a.complete_many(&leases(&first), at(3))
-            .await
-            .unwrap()
-            .into_iter()
-            .all(|c| c)
-    );
+    complete_all(&a, &first, at(3)).await;
     // New work only in the five lanes `a` hands on first (its highest), none in the seven it
     // keeps (its share of 13 lanes held by two).
     let mut lanes: Vec<u32> = first.iter().map(|d| d.lease().lane()).collect();
