@@ -5,14 +5,14 @@
 //! whose limit is at least the number of keys takes the lanes of every key, and keeps them
 //! while they have work: the other claimers find every lane with work held, and stay idle.
 //!
-//! A claimer that finds nothing and runs nothing while another holds several lanes keeps one
-//! lane, with nothing listed, instead of handing it back: the other claimers' lane reads then count it (one lane,
-//! listing nothing: [`LaneView::waiting`](super::read::LaneView)). A claimer that sees waiting
-//! claimers holds at most its share of the lanes live holders hold, `held / holders` rounded
-//! up: at each claim it hands back the held lanes beyond it that run nothing, without scanning
-//! them, and the waiting claimers' next claims find them free. It may take them again itself
-//! at a later claim, as any free lane: a waiting claimer that claims seldom (a bus waits for a
-//! wake-up or its poll interval) is not waited for, and leaves the lanes with the one that
+//! A claimer that finds nothing and runs nothing while another holds several lanes keeps one lane,
+//! with nothing listed, instead of handing it back: the other claimers' lane reads then count it
+//! (one lane, listing nothing: [`LaneView::waiting`](super::read::LaneView)). A claimer that sees
+//! waiting claimers holds at most its share of the lanes live holders hold, `held / holders`
+//! rounded up: at each claim it hands back the held lanes beyond it that run nothing, without
+//! scanning them, and the waiting claimers' next claims find them free. It may take them again
+//! itself at a later claim, as any free lane: a waiting claimer that claims seldom (a bus waits for
+//! a wake-up or its poll interval) is not waited for, and leaves the lanes with the one that
 //! claims.
 
 use mongodb::bson::oid::ObjectId;
