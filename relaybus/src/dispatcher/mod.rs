@@ -982,30 +982,14 @@ struct Completion<L> {
 /// order together, in sequence order (a store that hands out runs gives several), each other
 /// delivery alone; in the order of the batch.
 fn runs<L>(batch: Vec<Claimed<L>>) -> Vec<Vec<Claimed<L>>> {
-    let mut runs: Vec<Vec<Claimed<L>>> = Vec::with_capacity(batch.len());
-    let mut of_key: HashMap<(String, String), usize> = HashMap::new();
-    for delivery in batch {
-        let key = match delivery.event.key() {
-            Some(key) if delivery.ordered => (delivery.handler.clone(), key.to_owned()),
-            _ => {
-                runs.push(vec![delivery]);
-                continue;
-            }
-        };
-        match of_key.get(&key) {
-            Some(&at) => runs[at].push(delivery),
-            None => {
-                of_key.insert(key, runs.len());
-                runs.push(vec![delivery]);
-            }
-        }
-    }
-    for run in &mut runs {
-        if run.len() > 1 {
-            run.sort_by_key(|delivery| delivery.sequence);
-        }
-    }
-    runs
+    crate::store::group_runs(
+        batch,
+        |delivery| {
+            let key = delivery.event.key().filter(|_| delivery.ordered)?;
+            Some((delivery.handler.as_str(), key))
+        },
+        |delivery| delivery.sequence,
+    )
 }
 
 /// While the dispatch loop claims, claims what the wake-ups report beside its claim (a new

@@ -57,7 +57,7 @@ mod position;
 pub mod postgres;
 pub mod transaction;
 
-use std::{fmt, future::Future, hash::Hash, time::Duration};
+use std::{collections::HashMap, fmt, future::Future, hash::Hash, time::Duration};
 
 use futures::stream::BoxStream;
 
@@ -116,6 +116,38 @@ pub struct Claimed<L> {
     pub ordered: bool,
     /// The event.
     pub event: EventEnvelope,
+}
+
+/// Deliveries grouped as their worker runs them: those of one handler and key held to their
+/// key's order together, in sequence order; every other delivery alone; in the order given.
+/// `ordered_key` gives a delivery's handler and key when it is held to its key's order.
+pub(crate) fn group_runs<T>(
+    deliveries: Vec<T>,
+    ordered_key: impl Fn(&T) -> Option<(&str, &str)>,
+    sequence: impl Fn(&T) -> Option<i64>,
+) -> Vec<Vec<T>> {
+    let mut runs: Vec<Vec<T>> = Vec::with_capacity(deliveries.len());
+    let mut of_key: HashMap<(String, String), usize> = HashMap::new();
+    for delivery in deliveries {
+        let Some((handler, key)) = ordered_key(&delivery) else {
+            runs.push(vec![delivery]);
+            continue;
+        };
+        let key = (handler.to_owned(), key.to_owned());
+        match of_key.get(&key) {
+            Some(&at) => runs[at].push(delivery),
+            None => {
+                of_key.insert(key, runs.len());
+                runs.push(vec![delivery]);
+            }
+        }
+    }
+    for run in &mut runs {
+        if run.len() > 1 {
+            run.sort_by_key(&sequence);
+        }
+    }
+    runs
 }
 
 /// What one claim asks for.
