@@ -76,11 +76,7 @@ mod take;
 
 pub(crate) use self::scan::DeliveryFields;
 
-use std::{
-    collections::{HashMap, HashSet, hash_map::Entry},
-    sync::atomic::Ordering,
-    time::Duration,
-};
+use std::{collections::HashSet, sync::atomic::Ordering, time::Duration};
 
 use mongodb::bson::{DateTime, oid::ObjectId};
 
@@ -90,7 +86,6 @@ use self::{
     read::{FirstPage, LaneView, Running, Unparking, lists_foreign_claims},
     record::Keep,
     scan::{Candidate, Scan, page_window},
-    share::Sharing,
     take::Hold,
 };
 use super::{
@@ -188,25 +183,14 @@ impl ClaimedDelivery {
 /// handler and key together, in sequence order; every other delivery alone; in the order of the
 /// claim.
 fn group_runs(claimed: Vec<ClaimedDelivery>) -> Vec<Vec<ClaimedDelivery>> {
-    let mut runs: Vec<Vec<ClaimedDelivery>> = Vec::with_capacity(claimed.len());
-    let mut of_key: HashMap<(String, String), usize> = HashMap::new();
-    for delivery in claimed {
-        let Some(key) = delivery.key().filter(|_| delivery.ordered) else {
-            runs.push(vec![delivery]);
-            continue;
-        };
-        match of_key.entry((delivery.handler.clone(), key.to_owned())) {
-            Entry::Occupied(at) => runs[*at.get()].push(delivery),
-            Entry::Vacant(slot) => {
-                slot.insert(runs.len());
-                runs.push(vec![delivery]);
-            }
-        }
-    }
-    for run in &mut runs {
-        run.sort_by_key(ClaimedDelivery::sequence);
-    }
-    runs
+    crate::store::group_runs(
+        claimed,
+        |delivery| {
+            let key = delivery.key().filter(|_| delivery.ordered)?;
+            Some((delivery.handler(), key))
+        },
+        ClaimedDelivery::sequence,
+    )
 }
 
 /// What one pass of a claim hands out.
@@ -656,10 +640,7 @@ impl MongoEventStore {
             running_docs,
             free,
             taken_by_others,
-            contenders,
-            held_by_live,
-            waiting: waiting_claimers,
-            most_held_by_another,
+            sharing,
             parked,
             prescanned,
             held_page,
@@ -707,17 +688,20 @@ impl MongoEventStore {
         let handing_over = running.handing_over(&held, &issued, &self.inner.claims);
         // Claimers that found nothing wait for lanes: beyond its share, this one hands back
         // the held lanes that run nothing, unread (see `share`).
-        let sharing = Sharing {
-            contenders,
-            held_by_live,
-            waiting: waiting_claimers,
-            most_held_by_another,
-        };
-        let ceded: HashSet<i32> = share::surplus(&held, &sharing, |id| {
-            running.ids.contains(id) || handing_over.contains(id)
-        })
-        .into_iter()
-        .collect();
+        // The held lanes that run something: they list a delivery that runs or is handed over.
+        // Only held lanes can: a lane taken lists what it ran as lost, and a joining one nothing.
+        let running_lanes: HashSet<i32> = held
+            .iter()
+            .filter(|lane| {
+                lane.in_flight
+                    .iter()
+                    .any(|id| running.ids.contains(id) || handing_over.contains(id))
+            })
+            .map(|lane| lane.id)
+            .collect();
+        let ceded: HashSet<i32> = share::surplus(&held, &sharing, &running_lanes)
+            .into_iter()
+            .collect();
         // A free lane with nothing to charge, for a claim that finds nothing to keep.
         let spare = free.iter().find(|lane| lane.clean).cloned();
         let Running {
@@ -794,7 +778,7 @@ impl MongoEventStore {
             self.scan_free_lanes(
                 &request,
                 free,
-                contenders,
+                sharing.contenders,
                 &mut state.ranked,
                 &mut lanes,
                 &mut scan,
@@ -853,12 +837,7 @@ impl MongoEventStore {
         // A claim that found nothing while another holds several lanes keeps one, listing
         // nothing, so that the other counts it as waiting: a lane it holds, one it took, or a
         // spare free one. Not when it keeps a lane anyway, for what runs there.
-        let runs_something = lanes.iter().any(|(lane, _)| {
-            lane.in_flight
-                .iter()
-                .any(|id| running.contains(id) || handing_over.contains(id))
-        });
-        let keep = if picks.is_empty() && !runs_something && sharing.keeps_a_lane() {
+        let keep = if picks.is_empty() && running_lanes.is_empty() && sharing.keeps_a_lane() {
             let kept = lanes
                 .iter()
                 .filter(|(lane, hold)| !ceded.contains(&lane.id) && !matches!(hold, Hold::Taken))

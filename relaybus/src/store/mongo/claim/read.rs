@@ -22,6 +22,7 @@ use mongodb::bson::{
 use super::{
     pick::KeyOf,
     scan::{LANES_PER_QUERY, candidate_fields, page_with_events, scan_filter},
+    share::Sharing,
 };
 use crate::{
     error::Result,
@@ -61,15 +62,8 @@ pub(super) struct LaneView {
     pub(super) running_docs: Vec<Document>,
     pub(super) free: Vec<FreeLane>,
     pub(super) taken_by_others: HashSet<i32>,
-    /// This claimer plus the other live holders of lanes.
-    pub(super) contenders: usize,
-    /// The lanes live holders hold, this owner's included.
-    pub(super) held_by_live: usize,
-    /// Other live holders that hold one lane listing nothing: claimers that found nothing to
-    /// run and keep a lane so that the others count them (see [`Sharing`]).
-    pub(super) waiting: usize,
-    /// The most lanes another live holder holds.
-    pub(super) most_held_by_another: usize,
+    /// Who else holds lanes, for sharing them with claimers that found nothing.
+    pub(super) sharing: Sharing,
     /// The lowest parked delivery of each key and the lowest pending delivery of those keys,
     /// when the read looked them up.
     pub(super) parked: Option<ParkedKeys>,
@@ -624,13 +618,7 @@ impl MongoEventStore {
                 _ => view.free.extend(FreeLane::from_fields(&fields)),
             }
         }
-        view.contenders = 1 + others.len();
-        view.held_by_live = view.held.len() + view.taken_by_others.len();
-        view.waiting = others
-            .values()
-            .filter(|(lanes, lists)| *lanes == 1 && !lists)
-            .count();
-        view.most_held_by_another = others.values().map(|(lanes, _)| *lanes).max().unwrap_or(0);
+        view.sharing = Sharing::of(view.held.len(), others.values().copied());
         // The documents of the deliveries the held lanes list, as read; a lane that changed
         // hands between the two reads lists other ids, and conditions its writes on that.
         let listed: HashSet<ObjectId> = view

@@ -7,7 +7,7 @@
 //!
 //! A claimer that finds nothing and runs nothing while another holds several lanes keeps one lane,
 //! with nothing listed, instead of handing it back: the other claimers' lane reads then count it
-//! (one lane, listing nothing: [`LaneView::waiting`](super::read::LaneView)). A claimer that sees
+//! (one lane, listing nothing: [`Sharing::waiting`]). A claimer that sees
 //! waiting claimers holds at most its share of the lanes live holders hold, `held / holders`
 //! rounded up: at each claim it hands back the held lanes beyond it that run nothing, without
 //! scanning them, and the waiting claimers' next claims find them free. It may take them again
@@ -15,7 +15,7 @@
 //! a wake-up or its poll interval) is not waited for, and leaves the lanes with the one that
 //! claims.
 
-use mongodb::bson::oid::ObjectId;
+use std::collections::HashSet;
 
 use crate::store::mongo::lane::Lane;
 
@@ -33,6 +33,23 @@ pub(super) struct Sharing {
 }
 
 impl Sharing {
+    /// From what a lane read found: the lanes this claimer holds, and for each other live
+    /// holder the lanes it holds and whether any of them lists something.
+    pub(super) fn of(held: usize, others: impl IntoIterator<Item = (usize, bool)>) -> Sharing {
+        let mut sharing = Sharing {
+            contenders: 1,
+            held_by_live: held,
+            ..Sharing::default()
+        };
+        for (lanes, lists) in others {
+            sharing.contenders += 1;
+            sharing.held_by_live += lanes;
+            sharing.waiting += usize::from(lanes == 1 && !lists);
+            sharing.most_held_by_another = sharing.most_held_by_another.max(lanes);
+        }
+        sharing
+    }
+
     /// The most lanes this claimer holds while others wait: its share of the lanes held, or
     /// `None` when nobody waits.
     pub(super) fn cap(&self) -> Option<usize> {
@@ -47,12 +64,8 @@ impl Sharing {
 }
 
 /// The held lanes to hand back for the waiting claimers: beyond [`Sharing::cap`], those that
-/// run nothing (nothing they list `runs`, nothing lost), the highest ids first.
-pub(super) fn surplus(
-    held: &[Lane],
-    sharing: &Sharing,
-    runs: impl Fn(&ObjectId) -> bool,
-) -> Vec<i32> {
+/// run nothing (not in `running`, nothing lost), the highest ids first.
+pub(super) fn surplus(held: &[Lane], sharing: &Sharing, running: &HashSet<i32>) -> Vec<i32> {
     let Some(cap) = sharing.cap() else {
         return Vec::new();
     };
@@ -62,7 +75,7 @@ pub(super) fn surplus(
     }
     let mut idle: Vec<i32> = held
         .iter()
-        .filter(|lane| lane.lost.is_empty() && !lane.in_flight.iter().any(&runs))
+        .filter(|lane| lane.lost.is_empty() && !running.contains(&lane.id))
         .map(|lane| lane.id)
         .collect();
     idle.sort_unstable_by(|a, b| b.cmp(a));
@@ -72,9 +85,7 @@ pub(super) fn surplus(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashSet;
-
-    use mongodb::bson::Bson;
+    use mongodb::bson::{Bson, oid::ObjectId};
 
     use super::*;
 
@@ -90,12 +101,38 @@ mod tests {
     }
 
     #[test]
+    fn the_holders_a_lane_read_found_are_tallied() {
+        // This claimer holds 3; others hold 1 listing nothing, 1 listing something, and 5.
+        let sharing = Sharing::of(3, [(1, false), (1, true), (5, true)]);
+        assert_eq!(sharing.contenders, 4);
+        assert_eq!(sharing.held_by_live, 10);
+        assert_eq!(
+            sharing.waiting, 1,
+            "only the holder of one lane listing nothing waits"
+        );
+        assert_eq!(sharing.most_held_by_another, 5);
+        let alone = Sharing::of(2, []);
+        assert_eq!((alone.contenders, alone.held_by_live), (1, 2));
+        assert_eq!((alone.waiting, alone.most_held_by_another), (0, 0));
+        assert!(!alone.keeps_a_lane());
+    }
+
+    #[test]
     fn a_holder_hands_back_its_idle_lanes_beyond_its_share_only_while_others_wait() {
-        let running = ObjectId::new();
         let held: Vec<Lane> = (0..10)
-            .map(|id| lane(id, if id == 9 { vec![running] } else { Vec::new() }))
+            .map(|id| {
+                lane(
+                    id,
+                    if id == 9 {
+                        vec![ObjectId::new()]
+                    } else {
+                        Vec::new()
+                    },
+                )
+            })
             .collect();
-        let running: HashSet<ObjectId> = [running].into();
+        // What lane 9 lists runs.
+        let running: HashSet<i32> = [9].into();
         // 10 lanes held here, 2 waiting claimers with one lane each: 12 over 3, 4 each.
         let sharing = Sharing {
             contenders: 3,
@@ -105,7 +142,7 @@ mod tests {
         };
         assert_eq!(sharing.cap(), Some(4));
         assert_eq!(
-            surplus(&held, &sharing, |id| running.contains(id)),
+            surplus(&held, &sharing, &running),
             vec![8, 7, 6, 5, 4, 3],
             "the highest idle lanes; lane 9 runs something"
         );
@@ -114,13 +151,13 @@ mod tests {
             ..sharing
         };
         assert_eq!(nobody_waits.cap(), None);
-        assert!(surplus(&held, &nobody_waits, |id| running.contains(id)).is_empty());
+        assert!(surplus(&held, &nobody_waits, &running).is_empty());
         let within = Sharing {
             held_by_live: 40,
             ..sharing
         };
         assert!(
-            surplus(&held, &within, |id| running.contains(id)).is_empty(),
+            surplus(&held, &within, &running).is_empty(),
             "10 of 40 over 3"
         );
     }
