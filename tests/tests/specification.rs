@@ -529,6 +529,52 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
 }
 
 #[tokio::test]
+async fn claimers_that_see_each_other_take_free_lanes_of_their_own_slot() {
+    let db = test_db("spec_lane_slots").await;
+    let store = store(&db).await;
+    // 64 free lanes with one due delivery each, lane n due n seconds after the oldest.
+    let now = Timestamp::now();
+    let events: Vec<EventEnvelope> = (0..64).map(|lane| envelope(&id_in_lane(lane))).collect();
+    let handlers = ["projector".to_owned()];
+    transaction::run(&store, None, async |session| {
+        let requests: Vec<AppendRequest<'_>> = events
+            .iter()
+            .enumerate()
+            .map(|(lane, e)| {
+                AppendRequest::new(e, &handlers)
+                    .due_at(now.saturating_sub(Duration::from_secs(600 - lane as u64)))
+            })
+            .collect();
+        Store::append(&store, session, &requests, now).await
+    })
+    .await
+    .unwrap();
+    let lanes_of = |batch: &[relaybus::store::Claimed<relaybus::Lease>]| {
+        let mut lanes: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
+        lanes.sort_unstable();
+        lanes
+    };
+
+    // Alone, `a` takes the 4 oldest lanes. `b` sees `a` hold lanes: of the 2 holders it comes
+    // second, so it takes the odd lanes among the oldest 8 still free, oldest first; then `a`,
+    // first of the 2, the even ones. Neither takes a lane the other could have taken.
+    let first = claim_as(&store, "a", &handlers, 4, now).await;
+    assert_eq!(lanes_of(&first), [0, 1, 2, 3], "alone, the oldest four");
+    let second = claim_as(&store, "b", &handlers, 4, now).await;
+    assert_eq!(
+        lanes_of(&second),
+        [5, 7, 9, 11],
+        "b: its own among lanes 4 to 11"
+    );
+    let third = claim_as(&store, "a", &handlers, 4, now).await;
+    assert_eq!(
+        lanes_of(&third),
+        [4, 6, 8, 10],
+        "a: its own among lanes 4, 6, 8, 10, 12 to 15"
+    );
+}
+
+#[tokio::test]
 async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
     let db = test_db("spec_lane_ranking_deep").await;
     let store = store(&db).await;

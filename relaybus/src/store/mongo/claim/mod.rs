@@ -778,7 +778,7 @@ impl MongoEventStore {
             self.scan_free_lanes(
                 &request,
                 free,
-                sharing.contenders,
+                &sharing,
                 &mut state.ranked,
                 &mut lanes,
                 &mut scan,

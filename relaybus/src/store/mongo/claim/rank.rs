@@ -3,9 +3,10 @@
 //!
 //! A claim that needs more than its held lanes gave looks at free lanes in rounds of twice as
 //! many lanes each (4 at first, more for a big claim). With other live holders around, it picks
-//! among a wider set of old lanes at random, so that concurrent claimers mostly look at
-//! different lanes. Ranking costs more than scanning a few lanes, so the rest of a ranking is
-//! kept for the owner's next claims, for a second.
+//! among a wider set of old lanes, those of its own slot among the holders first (see
+//! [`choose`]), so that concurrent claimers look at different lanes. Ranking costs more than
+//! scanning a few lanes, so the rest of a ranking is kept for the owner's next claims, for a
+//! second.
 //!
 //! A ranking first reads the free lanes' due entries in the claim index's own order, as many as
 //! the merge would, and ranks only the lanes past where that pass stopped by a merge of one
@@ -37,6 +38,7 @@ use super::{
     Request,
     read::FreeLane,
     scan::{LANES_PER_QUERY, Scan, scan_filter},
+    share::Sharing,
     take::Hold,
 };
 use crate::{
@@ -72,26 +74,37 @@ const RANKING_REUSE: Duration = Duration::from_secs(1);
 const COMPLETE_RANKING_REUSE: Duration = Duration::from_millis(250);
 
 /// `count` of the `ranked` lanes (oldest due delivery first). Alone, a claimer takes the oldest;
-/// with others around it takes `count` at random among the oldest `count * spread`, so that
-/// claimers running at the same time mostly pick different lanes.
-fn choose(mut ranked: Vec<i32>, count: usize, spread: usize) -> Vec<i32> {
+/// with others around it takes `count` among the oldest `count * spread`, so that claimers
+/// running at the same time mostly pick different lanes: first, oldest first, those that fall to
+/// its `slot` among the holders (the lane's id modulo `spread`), which claimers that see the same
+/// holders never share; then, if those are too few, others at random.
+fn choose(mut ranked: Vec<i32>, count: usize, spread: usize, slot: usize) -> Vec<i32> {
     if spread <= 1 || ranked.len() <= count {
         ranked.truncate(count);
         return ranked;
     }
     ranked.truncate(count.saturating_mul(spread));
-    // The low bits of a UUID v7 are random.
-    let mut state = uuid::Uuid::now_v7().as_u128() as u64 | 1;
-    for i in 0..count {
-        // xorshift64
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        let j = i + (state % (ranked.len() - i) as u64) as usize;
-        ranked.swap(i, j);
+    let slot = slot % spread;
+    let (mut chosen, mut rest): (Vec<i32>, Vec<i32>) = ranked
+        .into_iter()
+        .partition(|lane| usize::try_from(lane.rem_euclid(spread as i32)).ok() == Some(slot));
+    chosen.truncate(count);
+    let wanted = count - chosen.len();
+    if wanted > 0 {
+        // The low bits of a UUID v7 are random.
+        let mut state = uuid::Uuid::now_v7().as_u128() as u64 | 1;
+        for i in 0..wanted.min(rest.len()) {
+            // xorshift64
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let j = i + (state % (rest.len() - i) as u64) as usize;
+            rest.swap(i, j);
+        }
+        rest.truncate(wanted);
+        chosen.extend(rest);
     }
-    ranked.truncate(count);
-    ranked
+    chosen
 }
 
 /// What a kept ranking still offers a claim.
@@ -155,7 +168,7 @@ impl MongoEventStore {
         &self,
         request: &Request<'_>,
         mut free: Vec<FreeLane>,
-        contenders: usize,
+        sharing: &Sharing,
         ranking: &mut Option<RankedLanes>,
         lanes: &mut Vec<(Lane, Hold)>,
         scan: &mut Scan,
@@ -168,7 +181,7 @@ impl MongoEventStore {
         // in the lanes it holds next time.
         let mut round = ((limit - scan.picking.picks.len().min(limit)) / DELIVERIES_PER_LANE)
             .clamp(FIRST_ROUND, MAX_FIRST_ROUND);
-        let spread = contenders.clamp(1, MAX_SPREAD);
+        let spread = sharing.contenders.clamp(1, MAX_SPREAD);
         // Set once a ranking of this claim saw every due delivery of the lanes it ranked: the
         // free lanes it did not list have nothing to claim.
         let mut complete = false;
@@ -197,7 +210,7 @@ impl MongoEventStore {
                     (ranked, now, covered)
                 }
             };
-            let chosen = choose(ranked.clone(), round, spread);
+            let chosen = choose(ranked.clone(), round, spread, sharing.slot);
             let rest: Vec<i32> = ranked
                 .into_iter()
                 .filter(|lane| !chosen.contains(lane))
@@ -396,15 +409,32 @@ mod tests {
     #[test]
     fn alone_a_claimer_takes_the_oldest_lanes_and_with_others_some_of_the_oldest() {
         let ranked: Vec<i32> = (0..40).collect();
-        assert_eq!(choose(ranked.clone(), 4, 1), vec![0, 1, 2, 3]);
-        assert_eq!(choose(vec![5, 6], 4, 8), vec![5, 6]);
+        assert_eq!(choose(ranked.clone(), 4, 1, 0), vec![0, 1, 2, 3]);
+        assert_eq!(choose(vec![5, 6], 4, 8, 0), vec![5, 6]);
+        // Claimers in different slots take different lanes, each its own, oldest first.
+        assert_eq!(choose(ranked.clone(), 4, 2, 0), vec![0, 2, 4, 6]);
+        assert_eq!(choose(ranked.clone(), 4, 2, 1), vec![1, 3, 5, 7]);
+        // Its own lanes (id % 3 == 1) among the oldest 12, although older lanes come first.
+        let ranked_apart = vec![0, 3, 6, 9, 1, 2, 4, 5, 7, 8, 10, 11, 13, 16];
+        assert_eq!(choose(ranked_apart, 4, 3, 1), vec![1, 4, 7, 10]);
         for _ in 0..20 {
-            let mut chosen = choose(ranked.clone(), 4, 3);
+            // One lane of slot 2 among the oldest 12 (lane 14 is not): it comes first, and
+            // three others at random among the oldest 12.
+            let few = vec![0, 3, 6, 9, 12, 5, 15, 18, 21, 24, 27, 30, 14];
+            let chosen = choose(few.clone(), 4, 3, 2);
             assert_eq!(chosen.len(), 4);
+            assert_eq!(chosen[0], 5);
             assert!(
-                chosen.iter().all(|lane| (0..12).contains(lane)),
+                chosen.iter().all(|lane| few[..12].contains(lane)),
                 "{chosen:?}"
             );
+            let mut distinct = chosen.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert_eq!(distinct.len(), 4);
+            // A slot beyond the spread wraps around.
+            let mut chosen = choose(ranked.clone(), 4, 3, 4);
+            assert_eq!(chosen, vec![1, 4, 7, 10]);
             chosen.sort_unstable();
             chosen.dedup();
             assert_eq!(chosen.len(), 4);

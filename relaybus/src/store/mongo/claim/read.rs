@@ -619,6 +619,8 @@ impl MongoEventStore {
             }
         }
         view.sharing = Sharing::of(view.held.len(), others.values().copied());
+        let me = (owner.to_owned(), Some(instance));
+        view.sharing.slot = others.keys().filter(|holder| **holder < me).count();
         // The documents of the deliveries the held lanes list, as read; a lane that changed
         // hands between the two reads lists other ids, and conditions its writes on that.
         let listed: HashSet<ObjectId> = view

@@ -30,6 +30,9 @@ pub(super) struct Sharing {
     pub(super) waiting: usize,
     /// The most lanes another live holder holds.
     pub(super) most_held_by_another: usize,
+    /// This claimer's place among the live holders ordered by owner and store instance, from
+    /// 0: claimers that see the same holders prefer different free lanes (see `rank::choose`).
+    pub(super) slot: usize,
 }
 
 impl Sharing {
@@ -139,6 +142,7 @@ mod tests {
             held_by_live: 12,
             waiting: 2,
             most_held_by_another: 1,
+            slot: 0,
         };
         assert_eq!(sharing.cap(), Some(4));
         assert_eq!(
@@ -169,6 +173,7 @@ mod tests {
             held_by_live: 2,
             waiting: 0,
             most_held_by_another: 1,
+            slot: 0,
         };
         assert!(!sharing.keeps_a_lane());
         sharing.most_held_by_another = 2;
