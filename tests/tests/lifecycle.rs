@@ -123,6 +123,15 @@ fn is_lane_read(command: &str) -> bool {
     command.contains("relaybus_lanes") && !command.contains("$filter")
 }
 
+/// The claims' lane reads among `sent` (recorded commands by name), as sent (text).
+fn lane_reads(sent: &[(String, Document)]) -> Vec<String> {
+    sent.iter()
+        .filter(|(name, _)| name == "aggregate")
+        .map(|(_, command)| command.to_string())
+        .filter(|command| is_lane_read(command))
+        .collect()
+}
+
 /// A client named `app` that notifies the returned `Notify` of each command event `tells`
 /// accepts while the returned flag is set.
 async fn client_telling(
@@ -1903,12 +1912,7 @@ async fn a_claim_takes_what_its_instance_completed_as_gone_without_reading_it() 
     let second = claim(&store, "w", 10, at(3)).await;
     assert_eq!(second.len(), 10);
     let sent = std::mem::take(&mut *commands.lock().unwrap());
-    let lane_reads: Vec<String> = sent
-        .iter()
-        .filter(|(name, _)| name == "aggregate")
-        .map(|(_, command)| command.to_string())
-        .filter(|command| is_lane_read(command))
-        .collect();
+    let lane_reads = lane_reads(&sent);
     assert_eq!(lane_reads.len(), 1);
     assert!(
         !lane_reads[0].contains("$lookup"),
@@ -1946,12 +1950,7 @@ async fn a_lane_read_looks_up_parked_deliveries_while_some_may_be_parked() {
     // The lane reads since the last call, how many of them looked up parked deliveries, and
     // how many the lowest pending deliveries of parked keys.
     let reads = || {
-        let sent = take_aggregates(&commands);
-        let lane_reads: Vec<String> = sent
-            .iter()
-            .map(Document::to_string)
-            .filter(|command| is_lane_read(command))
-            .collect();
+        let lane_reads = lane_reads(&std::mem::take(&mut *commands.lock().unwrap()));
         let with = |marker: &str| {
             lane_reads
                 .iter()
