@@ -11,7 +11,8 @@
 //! rates and is moved less by scheduling noise than they are, and the commands, index keys and
 //! documents examined and documents written that say where it goes; and the buses' claims per
 //! 1,000 deliveries (a claim's commands are the same whatever it hands out, so fewer and fuller
-//! claims cost the server less).
+//! claims cost the server less), with the lanes those claims picked from that another claimer
+//! wrote first (`lane_conflicts`: the picks there go back).
 //!
 //! Then, each with one bus set as in the throughput runs:
 //! - hot keys: a transactional handler over 10 keys, its rate against the unkeyed one-bus rate,

@@ -20,6 +20,7 @@
 //! | `relaybus.delivery.oldest_due.age` | gauge, s | consumer group | how long the handler's oldest pending delivery has been due |
 //! | `relaybus.lane.takeovers` | counter | | lanes taken over from a holder whose lease ended with deliveries unfinished |
 //! | `relaybus.delivery.lost_attempts` | counter | | attempts charged to deliveries their worker lost |
+//! | `relaybus.lane.conflicts` | counter | | lanes a claim picked from that changed before its record (MongoDB: another claimer took them first, or a requeue touched them; the picks there go back) |
 //!
 //! The two gauges come from one aggregation of the store
 //! ([`Store::handler_statistics`](crate::store::Store::handler_statistics)) every
@@ -78,6 +79,10 @@ pub const TAKEOVERS: &str = "relaybus.lane.takeovers";
 /// `relaybus.delivery.lost_attempts`: attempts charged to deliveries whose worker lost them
 /// (it died, or stalled past its lease).
 pub const LOST_ATTEMPTS: &str = "relaybus.delivery.lost_attempts";
+/// `relaybus.lane.conflicts`: lanes a claim picked deliveries from that changed before its
+/// record (the MongoDB store: another claimer took them first, or a requeue touched them; the
+/// claim gives those picks up). A steady count says claimers compete for the same free lanes.
+pub const LANE_CONFLICTS: &str = "relaybus.lane.conflicts";
 /// `relaybus.request.transactions`: request transactions of `relaybus-axum`, by outcome.
 pub const REQUEST_TRANSACTIONS: &str = "relaybus.request.transactions";
 
@@ -163,6 +168,14 @@ pub(crate) fn record_takeovers(lanes: u64, lost_attempts: u64) {
     }
     if lost_attempts > 0 {
         counter!(LOST_ATTEMPTS, SYSTEM_ATTRIBUTE => SYSTEM).increment(lost_attempts);
+    }
+}
+
+/// Counts lanes a claim picked from that changed before its record (store side).
+#[cfg_attr(not(feature = "mongodb"), allow(dead_code))]
+pub(crate) fn record_lane_conflicts(lanes: u64) {
+    if lanes > 0 {
+        counter!(LANE_CONFLICTS, SYSTEM_ATTRIBUTE => SYSTEM).increment(lanes);
     }
 }
 

@@ -11,6 +11,7 @@ use std::{
 };
 
 use futures::{TryStreamExt, future::join_all};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use mongodb::{
     Client,
     bson::{Bson, DateTime, Document, doc, oid::ObjectId},
@@ -20,7 +21,7 @@ use mongodb::{
 use relaybus::{
     AppendRequest, ClaimedDelivery, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
     EventEnvelope, Lease, LeaseError, MongoEventStore, MongoEventStoreBuilder, PurgeOptions,
-    event::lane_of,
+    event::lane_of, telemetry,
 };
 use relaybus_harness::{FailPoint, TestDb, test_db};
 use relaybus_tests::support::{bare_store, deliveries};
@@ -4617,6 +4618,23 @@ fn claimed_ids(claimed: &[ClaimedDelivery]) -> Vec<String> {
 
 #[tokio::test]
 async fn a_claim_that_lost_some_lanes_returns_what_it_got_and_one_that_lost_all_tries_again() {
+    // The lanes A loses are counted: this test's thread (the runtime's only one) records them.
+    // Each look takes the count since the last one.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let conflicts = || -> u64 {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == telemetry::LANE_CONFLICTS)
+            .map(|(.., value)| match value {
+                DebugValue::Counter(n) => n,
+                other => panic!("not a counter: {other:?}"),
+            })
+            .sum()
+    };
     let db = test_db("raced_claims").await;
     // Instance A's client tells when A sends a lane `update` (a claim's record), which the
     // server holds back once, while instance B claims from the same lanes.
@@ -4663,6 +4681,8 @@ async fn a_claim_that_lost_some_lanes_returns_what_it_got_and_one_that_lost_all_
         "A returns what it kept: {:?}",
         claimed_ids(&partial)
     );
+    // One delivery in each lane: it counted a conflict per delivery it lost.
+    assert_eq!(conflicts(), 8 - partial.len() as u64);
     // Its next claim takes the rest.
     let rest = claim(&a, "a", 8, at(2)).await;
     assert_eq!(rest.len(), 10 - partial.len());
@@ -4711,6 +4731,7 @@ async fn a_claim_that_lost_some_lanes_returns_what_it_got_and_one_that_lost_all_
         2,
         "A lost every lane it picked from and claimed from the others"
     );
+    assert_eq!(conflicts(), 2, "the two lanes it lost, since the last look");
     let all: Vec<ClaimedDelivery> = taken_first.iter().chain(&retried).cloned().collect();
     assert_eq!(claimed_ids(&all), ids, "each delivery claimed once");
 }

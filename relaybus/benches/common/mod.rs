@@ -401,6 +401,8 @@ pub(crate) struct ServerWork {
     docs_written: u64,
     /// The claims this process's buses made ([`ClaimCounter`]).
     claims: u64,
+    /// The lanes their claims picked from that changed before the record ([`ClaimCounter`]).
+    lane_conflicts: u64,
 }
 
 /// Commands of the server's own upkeep and of the driver's monitoring, left out of the counts.
@@ -472,14 +474,17 @@ impl ServerWork {
             docs_examined: at(&["metrics", "queryExecutor", "scannedObjects"]).unwrap_or(0),
             docs_written: written,
             claims: CLAIMS.load(Ordering::Relaxed),
+            lane_conflicts: LANE_CONFLICTS.load(Ordering::Relaxed),
         })
     }
 
     /// The work between two readings per 1,000 deliveries, as JSON: `cpu_ms` (to 0.1 ms, `null`
     /// where the server does not report its CPU time), `commands` (and `commands_by_name`, those
     /// of each name the run sent), `keys_examined`,
-    /// `docs_examined`, `docs_written` and `claims` (the buses' claims, counted by
-    /// [`ClaimCounter`]; `null` when they made none); `null` without both readings.
+    /// `docs_examined`, `docs_written`, `claims` (the buses' claims, counted by
+    /// [`ClaimCounter`]; `null` when they made none) and `lane_conflicts` (the lanes those
+    /// claims picked from that changed before their record, to 0.1; `null` without claims);
+    /// `null` without both readings.
     pub(crate) fn per_thousand(
         before: Option<ServerWork>,
         after: Option<ServerWork>,
@@ -520,6 +525,10 @@ impl ServerWork {
             "docs_written": count(after.docs_written, before.docs_written),
             "claims": (after.claims > before.claims)
                 .then(|| (count(after.claims, before.claims) * 10.0).round() / 10.0),
+            "lane_conflicts": (after.claims > before.claims).then(|| {
+                let lost = after.lane_conflicts.saturating_sub(before.lane_conflicts);
+                (lost as f64 * scale * 10.0).round() / 10.0
+            }),
         })
     }
 }
@@ -527,9 +536,14 @@ impl ServerWork {
 /// The claims made in this process so far, by every bus: [`ClaimCounter`] counts them.
 static CLAIMS: AtomicU64 = AtomicU64::new(0);
 
+/// The lanes those claims picked from that changed before their record
+/// ([`telemetry::LANE_CONFLICTS`]), counted by [`ClaimCounter`].
+static LANE_CONFLICTS: AtomicU64 = AtomicU64::new(0);
+
 /// A metrics recorder that counts the buses' claims (the records of the receive operation's
-/// duration, [`telemetry::OPERATION_DURATION`], that carry no error) and drops every other
-/// metric, as no recorder would: a claim costs one atomic increment more. A claim's commands
+/// duration, [`telemetry::OPERATION_DURATION`], that carry no error) and their lane conflicts
+/// ([`telemetry::LANE_CONFLICTS`]), and drops every other metric, as no recorder would: a
+/// claim costs one atomic increment more. A claim's commands
 /// are the same whatever it hands out, so deliveries per claim tell how well a run amortizes
 /// them. Installed before any bus is built ([`ClaimCounter::install`]).
 #[derive(Debug)]
@@ -555,6 +569,17 @@ impl metrics::HistogramFn for CountClaims {
     }
 }
 
+/// The lane conflicts, as counted.
+struct CountConflicts;
+
+impl metrics::CounterFn for CountConflicts {
+    fn increment(&self, value: u64) {
+        LANE_CONFLICTS.fetch_add(value, Ordering::Relaxed);
+    }
+
+    fn absolute(&self, _: u64) {}
+}
+
 impl metrics::Recorder for ClaimCounter {
     fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
 
@@ -562,8 +587,12 @@ impl metrics::Recorder for ClaimCounter {
 
     fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
 
-    fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
-        Counter::noop()
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        if key.name() == telemetry::LANE_CONFLICTS {
+            Counter::from_arc(Arc::new(CountConflicts))
+        } else {
+            Counter::noop()
+        }
     }
 
     fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {

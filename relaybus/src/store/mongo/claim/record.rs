@@ -182,6 +182,11 @@ impl MongoEventStore {
             let confirmed = self
                 .confirm_recorded(&lanes, &recorded_lanes, &by_lane, owner)
                 .await?;
+            let lost = recorded_lanes
+                .iter()
+                .filter(|lane| !confirmed.contains(lane))
+                .count();
+            crate::telemetry::record_lane_conflicts(lost as u64);
             let before = picks.len();
             picks.retain(|pick| confirmed.contains(&pick.lane));
             raced = picks.len() < before;
