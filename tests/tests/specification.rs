@@ -575,6 +575,38 @@ async fn claimers_that_see_each_other_take_free_lanes_of_their_own_slot() {
 }
 
 #[tokio::test]
+async fn owners_of_one_store_instance_take_lanes_of_their_own_slots_before_they_hold_any() {
+    let db = test_db("spec_lane_slots_local").await;
+    let store = store(&db).await;
+    let now = Timestamp::now();
+    let events: Vec<EventEnvelope> = (0..64).map(|lane| envelope(&id_in_lane(lane))).collect();
+    let handlers = ["projector".to_owned()];
+    transaction::run(&store, None, async |session| {
+        let requests: Vec<AppendRequest<'_>> = events
+            .iter()
+            .enumerate()
+            .map(|(lane, e)| {
+                AppendRequest::new(e, &handlers)
+                    .due_at(now.saturating_sub(Duration::from_secs(600 - lane as u64)))
+            })
+            .collect();
+        Store::append(&store, session, &requests, now).await
+    })
+    .await
+    .unwrap();
+
+    // `a` claims through the same store instance and finds nothing (another handler): it holds
+    // no lane, so no lane read shows it, but `b` counts it, comes second of the two, and takes
+    // the odd lanes among the oldest 8.
+    let other = ["auditor".to_owned()];
+    assert!(claim_as(&store, "a", &other, 4, now).await.is_empty());
+    let batch = claim_as(&store, "b", &handlers, 4, now).await;
+    let mut lanes: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
+    lanes.sort_unstable();
+    assert_eq!(lanes, [1, 3, 5, 7]);
+}
+
+#[tokio::test]
 async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
     let db = test_db("spec_lane_ranking_deep").await;
     let store = store(&db).await;

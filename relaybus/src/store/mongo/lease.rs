@@ -12,6 +12,7 @@ use std::{
     fmt,
     str::FromStr,
     sync::{Arc, Mutex, MutexGuard, atomic::AtomicBool},
+    time::{Duration, Instant},
 };
 
 use mongodb::bson::{Bson, DateTime, oid::ObjectId};
@@ -323,7 +324,13 @@ pub(crate) struct ClaimRegistry {
     /// What the lane reads found of each handler's parked deliveries, and this instance's own
     /// parking writes since.
     parked: Mutex<ParkedLooks>,
+    /// The owners that claimed through this instance lately, and when they last did.
+    claimers: Mutex<HashMap<String, Instant>>,
 }
+
+/// How long an owner that claimed through a store instance counts among its claimers
+/// ([`ClaimRegistry::claimers`]).
+const CLAIMERS_WINDOW: Duration = Duration::from_secs(30);
 
 /// The most completed deliveries a store instance notes as gone while their lanes may list
 /// them ([`ClaimRegistry::completed`]).
@@ -409,6 +416,7 @@ impl Default for ClaimRegistry {
             gone: Mutex::default(),
             facts: Mutex::default(),
             parked: Mutex::default(),
+            claimers: Mutex::default(),
         }
     }
 }
@@ -451,6 +459,17 @@ impl OwnerGate {
 }
 
 impl ClaimRegistry {
+    /// Notes that `owner` claims now, and returns the owners that claimed through this instance
+    /// within the last 30 s, `owner` included: the buses of a process that may rank free lanes
+    /// at the same time, whether or not they hold lanes yet.
+    pub(crate) fn claimers(&self, owner: &str) -> Vec<String> {
+        let now = Instant::now();
+        let mut claimers = lock(&self.claimers);
+        claimers.insert(owner.to_owned(), now);
+        claimers.retain(|_, at| now.duration_since(*at) < CLAIMERS_WINDOW);
+        claimers.keys().cloned().collect()
+    }
+
     /// The lock serialising the claims of `owner` on this instance.
     pub(crate) fn owner(&self, owner: &str) -> Arc<tokio::sync::Mutex<OwnerState>> {
         let mut owners = lock(&self.owners);
@@ -701,6 +720,20 @@ mod tests {
     use super::*;
 
     const ID: &str = "65f0c0ffee0000000000beef";
+
+    #[test]
+    fn an_instance_knows_the_owners_claiming_through_it() {
+        let registry = ClaimRegistry::default();
+        assert_eq!(registry.claimers("a"), ["a"]);
+        let mut both = registry.claimers("b");
+        both.sort();
+        assert_eq!(both, ["a", "b"]);
+        assert_eq!(
+            registry.claimers("a").len(),
+            2,
+            "a claiming again counts once"
+        );
+    }
 
     #[test]
     fn tokens_round_trip() {

@@ -640,7 +640,8 @@ impl MongoEventStore {
             running_docs,
             free,
             taken_by_others,
-            sharing,
+            mut sharing,
+            holders,
             parked,
             prescanned,
             held_page,
@@ -654,6 +655,14 @@ impl MongoEventStore {
                 vouched.as_ref(),
             )
             .await?;
+        // The buses of this process that claim through this store instance count among the
+        // claimers ranking free lanes, held lanes or not.
+        sharing.rank_among(
+            owner,
+            self.inner.claims.instance,
+            &holders,
+            &self.inner.claims.claimers(owner),
+        );
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
         // What unparking looked up of the keys of held lanes still holds unless claims lost in
         // them were charged since; only then may the claim pick the heads it sends back itself.

@@ -181,7 +181,7 @@ impl MongoEventStore {
         // in the lanes it holds next time.
         let mut round = ((limit - scan.picking.picks.len().min(limit)) / DELIVERIES_PER_LANE)
             .clamp(FIRST_ROUND, MAX_FIRST_ROUND);
-        let spread = sharing.contenders.clamp(1, MAX_SPREAD);
+        let spread = sharing.claimers.clamp(1, MAX_SPREAD);
         // Set once a ranking of this claim saw every due delivery of the lanes it ranked: the
         // free lanes it did not list have nothing to claim.
         let mut complete = false;

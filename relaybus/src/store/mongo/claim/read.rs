@@ -64,6 +64,8 @@ pub(super) struct LaneView {
     pub(super) taken_by_others: HashSet<i32>,
     /// Who else holds lanes, for sharing them with claimers that found nothing.
     pub(super) sharing: Sharing,
+    /// The other live holders, by owner and store instance.
+    pub(super) holders: Vec<(String, Option<ObjectId>)>,
     /// The lowest parked delivery of each key and the lowest pending delivery of those keys,
     /// when the read looked them up.
     pub(super) parked: Option<ParkedKeys>,
@@ -619,8 +621,7 @@ impl MongoEventStore {
             }
         }
         view.sharing = Sharing::of(view.held.len(), others.values().copied());
-        let me = (owner.to_owned(), Some(instance));
-        view.sharing.slot = others.keys().filter(|holder| **holder < me).count();
+        view.holders = others.into_keys().collect();
         // The documents of the deliveries the held lanes list, as read; a lane that changed
         // hands between the two reads lists other ids, and conditions its writes on that.
         let listed: HashSet<ObjectId> = view

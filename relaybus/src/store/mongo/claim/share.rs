@@ -15,7 +15,9 @@
 //! a wake-up or its poll interval) is not waited for, and leaves the lanes with the one that
 //! claims.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
+
+use mongodb::bson::oid::ObjectId;
 
 use crate::store::mongo::lane::Lane;
 
@@ -30,8 +32,11 @@ pub(super) struct Sharing {
     pub(super) waiting: usize,
     /// The most lanes another live holder holds.
     pub(super) most_held_by_another: usize,
-    /// This claimer's place among the live holders ordered by owner and store instance, from
-    /// 0: claimers that see the same holders prefer different free lanes (see `rank::choose`).
+    /// The claimers that may rank free lanes at the same time, this one included: the live
+    /// holders and the owners claiming through this store instance ([`Sharing::rank_among`]).
+    pub(super) claimers: usize,
+    /// This claimer's place among them, ordered by owner and store instance, from 0: claimers
+    /// that see the same others prefer different free lanes (see `rank::choose`).
     pub(super) slot: usize,
 }
 
@@ -57,6 +62,25 @@ impl Sharing {
     /// `None` when nobody waits.
     pub(super) fn cap(&self) -> Option<usize> {
         (self.waiting > 0).then(|| self.held_by_live.div_ceil(self.contenders.max(1)).max(1))
+    }
+
+    /// Sets [`claimers`](Sharing::claimers) and [`slot`](Sharing::slot) for `owner` of store
+    /// `instance`: among the other live `holders` (owner and instance) and the owners claiming
+    /// through the same instance (`local`), which other buses of the process cannot see
+    /// before they hold lanes.
+    pub(super) fn rank_among(
+        &mut self,
+        owner: &str,
+        instance: ObjectId,
+        holders: &[(String, Option<ObjectId>)],
+        local: &[String],
+    ) {
+        let me = (owner.to_owned(), Some(instance));
+        let mut all: BTreeSet<(String, Option<ObjectId>)> = holders.iter().cloned().collect();
+        all.extend(local.iter().map(|other| (other.clone(), Some(instance))));
+        all.insert(me.clone());
+        self.claimers = all.len();
+        self.slot = all.iter().position(|claimer| *claimer == me).unwrap_or(0);
     }
 
     /// Whether a claim that found nothing keeps a lane, to be counted by the others: another
@@ -88,7 +112,7 @@ pub(super) fn surplus(held: &[Lane], sharing: &Sharing, running: &HashSet<i32>) 
 
 #[cfg(test)]
 mod tests {
-    use mongodb::bson::{Bson, oid::ObjectId};
+    use mongodb::bson::Bson;
 
     use super::*;
 
@@ -121,6 +145,25 @@ mod tests {
     }
 
     #[test]
+    fn a_claimer_ranks_among_the_holders_and_the_owners_of_its_instance() {
+        let (mine, theirs) = (ObjectId::new(), ObjectId::new());
+        let holders = vec![("a".to_owned(), Some(theirs)), ("c".to_owned(), Some(mine))];
+        let mut sharing = Sharing::default();
+        // Alone.
+        sharing.rank_among("b", mine, &[], &["b".to_owned()]);
+        assert_eq!((sharing.claimers, sharing.slot), (1, 0));
+        // Two holders, and `d` of the same instance, which holds nothing yet; `c` is both.
+        let local = ["b", "c", "d"].map(str::to_owned);
+        sharing.rank_among("b", mine, &holders, &local);
+        assert_eq!((sharing.claimers, sharing.slot), (4, 1), "a, b, c, d");
+        sharing.rank_among("d", mine, &holders, &local);
+        assert_eq!((sharing.claimers, sharing.slot), (4, 3));
+        // The same owner name on another instance is another claimer.
+        sharing.rank_among("a", mine, &holders, &["a".to_owned()]);
+        assert_eq!(sharing.claimers, 3, "a of both instances, and c");
+    }
+
+    #[test]
     fn a_holder_hands_back_its_idle_lanes_beyond_its_share_only_while_others_wait() {
         let held: Vec<Lane> = (0..10)
             .map(|id| {
@@ -142,6 +185,7 @@ mod tests {
             held_by_live: 12,
             waiting: 2,
             most_held_by_another: 1,
+            claimers: 3,
             slot: 0,
         };
         assert_eq!(sharing.cap(), Some(4));
@@ -173,6 +217,7 @@ mod tests {
             held_by_live: 2,
             waiting: 0,
             most_held_by_another: 1,
+            claimers: 3,
             slot: 0,
         };
         assert!(!sharing.keeps_a_lane());
