@@ -531,29 +531,8 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
 #[tokio::test]
 async fn claimers_that_see_each_other_take_free_lanes_of_their_own_slot() {
     let db = test_db("spec_lane_slots").await;
-    let store = store(&db).await;
-    // 64 free lanes with one due delivery each, lane n due n seconds after the oldest.
-    let now = Timestamp::now();
-    let events: Vec<EventEnvelope> = (0..64).map(|lane| envelope(&id_in_lane(lane))).collect();
+    let (store, now) = one_due_per_lane(&db).await;
     let handlers = ["projector".to_owned()];
-    transaction::run(&store, None, async |session| {
-        let requests: Vec<AppendRequest<'_>> = events
-            .iter()
-            .enumerate()
-            .map(|(lane, e)| {
-                AppendRequest::new(e, &handlers)
-                    .due_at(now.saturating_sub(Duration::from_secs(600 - lane as u64)))
-            })
-            .collect();
-        Store::append(&store, session, &requests, now).await
-    })
-    .await
-    .unwrap();
-    let lanes_of = |batch: &[relaybus::store::Claimed<relaybus::Lease>]| {
-        let mut lanes: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
-        lanes.sort_unstable();
-        lanes
-    };
 
     // Alone, `a` takes the 4 oldest lanes. `b` sees `a` hold lanes: of the 2 holders it comes
     // second, so it takes the odd lanes among the oldest 8 still free, oldest first; then `a`,
@@ -577,7 +556,22 @@ async fn claimers_that_see_each_other_take_free_lanes_of_their_own_slot() {
 #[tokio::test]
 async fn owners_of_one_store_instance_take_lanes_of_their_own_slots_before_they_hold_any() {
     let db = test_db("spec_lane_slots_local").await;
-    let store = store(&db).await;
+    let (store, now) = one_due_per_lane(&db).await;
+    let handlers = ["projector".to_owned()];
+
+    // `a` claims through the same store instance and finds nothing (another handler): it holds
+    // no lane, so no lane read shows it, but `b` counts it, comes second of the two, and takes
+    // the odd lanes among the oldest 8.
+    let other = ["auditor".to_owned()];
+    assert!(claim_as(&store, "a", &other, 4, now).await.is_empty());
+    let batch = claim_as(&store, "b", &handlers, 4, now).await;
+    assert_eq!(lanes_of(&batch), [1, 3, 5, 7]);
+}
+
+/// A store on `db` whose lanes 0 to 63 are free with one due delivery of `projector` each,
+/// lane n due n seconds after the oldest; and the time it was published at.
+async fn one_due_per_lane(db: &TestDb) -> (MongoEventStore, Timestamp) {
+    let store = store(db).await;
     let now = Timestamp::now();
     let events: Vec<EventEnvelope> = (0..64).map(|lane| envelope(&id_in_lane(lane))).collect();
     let handlers = ["projector".to_owned()];
@@ -594,16 +588,14 @@ async fn owners_of_one_store_instance_take_lanes_of_their_own_slots_before_they_
     })
     .await
     .unwrap();
+    (store, now)
+}
 
-    // `a` claims through the same store instance and finds nothing (another handler): it holds
-    // no lane, so no lane read shows it, but `b` counts it, comes second of the two, and takes
-    // the odd lanes among the oldest 8.
-    let other = ["auditor".to_owned()];
-    assert!(claim_as(&store, "a", &other, 4, now).await.is_empty());
-    let batch = claim_as(&store, "b", &handlers, 4, now).await;
+/// The lanes of a claim's deliveries, sorted.
+fn lanes_of(batch: &[relaybus::store::Claimed<relaybus::Lease>]) -> Vec<u32> {
     let mut lanes: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
     lanes.sort_unstable();
-    assert_eq!(lanes, [1, 3, 5, 7]);
+    lanes
 }
 
 #[tokio::test]
