@@ -459,13 +459,23 @@ impl OwnerGate {
 }
 
 impl ClaimRegistry {
-    /// Notes that `owner` claims now, and returns the owners that claimed through this instance
-    /// within the last 30 s, `owner` included: the buses of a process that may rank free lanes
-    /// at the same time, whether or not they hold lanes yet.
-    pub(crate) fn claimers(&self, owner: &str) -> Vec<String> {
+    /// Notes that `owner` claims now (see [`claimers`](ClaimRegistry::claimers)).
+    pub(crate) fn note_claimer(&self, owner: &str) {
         let now = Instant::now();
         let mut claimers = lock(&self.claimers);
-        claimers.insert(owner.to_owned(), now);
+        match claimers.get_mut(owner) {
+            Some(at) => *at = now,
+            None => {
+                claimers.insert(owner.to_owned(), now);
+            }
+        }
+    }
+
+    /// The owners noted claiming through this instance within the last 30 s: the buses of a
+    /// process that may rank free lanes at the same time, whether or not they hold lanes yet.
+    pub(crate) fn claimers(&self) -> Vec<String> {
+        let now = Instant::now();
+        let mut claimers = lock(&self.claimers);
         claimers.retain(|_, at| now.duration_since(*at) < CLAIMERS_WINDOW);
         claimers.keys().cloned().collect()
     }
@@ -724,15 +734,14 @@ mod tests {
     #[test]
     fn an_instance_knows_the_owners_claiming_through_it() {
         let registry = ClaimRegistry::default();
-        assert_eq!(registry.claimers("a"), ["a"]);
-        let mut both = registry.claimers("b");
+        registry.note_claimer("a");
+        assert_eq!(registry.claimers(), ["a"]);
+        registry.note_claimer("b");
+        let mut both = registry.claimers();
         both.sort();
         assert_eq!(both, ["a", "b"]);
-        assert_eq!(
-            registry.claimers("a").len(),
-            2,
-            "a claiming again counts once"
-        );
+        registry.note_claimer("a");
+        assert_eq!(registry.claimers().len(), 2, "a claiming again counts once");
     }
 
     #[test]

@@ -633,6 +633,10 @@ impl MongoEventStore {
             let lanes: HashSet<i32> = expected.iter().copied().collect();
             self.inner.claims.vouched(&issued, &lanes)
         });
+        // The buses of this process count among the claimers ranking free lanes before any
+        // lane read shows them: noted before the read, so that buses starting together see
+        // each other.
+        self.inner.claims.note_claimer(owner);
         // After an idle wait the claim reads the reported lanes alone: no other free lane
         // need be read.
         let LaneView {
@@ -655,14 +659,6 @@ impl MongoEventStore {
                 vouched.as_ref(),
             )
             .await?;
-        // The buses of this process that claim through this store instance count among the
-        // claimers ranking free lanes, held lanes or not.
-        sharing.rank_among(
-            owner,
-            self.inner.claims.instance,
-            &holders,
-            &self.inner.claims.claimers(owner),
-        );
         let held_set: HashSet<i32> = held.iter().map(|lane| lane.id).collect();
         // What unparking looked up of the keys of held lanes still holds unless claims lost in
         // them were charged since; only then may the claim pick the heads it sends back itself.
@@ -784,6 +780,15 @@ impl MongoEventStore {
                 page.map(|read| (read.page, read.window)),
             )
             .await?;
+            // Only a claim that ranks free lanes needs its place among the claimers.
+            if !scan.picking.full() {
+                sharing.rank_among(
+                    owner,
+                    self.inner.claims.instance,
+                    &holders,
+                    &self.inner.claims.claimers(),
+                );
+            }
             self.scan_free_lanes(
                 &request,
                 free,
