@@ -471,6 +471,11 @@ impl ClaimRegistry {
         }
     }
 
+    /// Forgets `owner` as a claimer: it stopped (see [`claimers`](ClaimRegistry::claimers)).
+    pub(crate) fn forget_claimer(&self, owner: &str) {
+        lock(&self.claimers).remove(owner);
+    }
+
     /// The owners noted claiming through this instance within the last 30 s: the buses of a
     /// process that may rank free lanes at the same time, whether or not they hold lanes yet.
     pub(crate) fn claimers(&self) -> Vec<String> {

@@ -996,7 +996,8 @@ impl MongoEventStore {
     }
 
     /// Hands back every lane `owner` holds on this store instance, for a worker that stops.
-    /// Returns how many lanes it handed back.
+    /// Returns how many lanes it handed back. The instance's other owners stop counting `owner`
+    /// among the claimers they share free lanes with.
     ///
     /// Release or complete the deliveries still running first: whatever the lanes still list
     /// counts as a lost attempt for whoever takes them next. Their leases are honoured until
@@ -1026,6 +1027,8 @@ impl MongoEventStore {
                 } },
             )
             .await?;
+        // A stopped worker no longer ranks free lanes: the others share its slot's lanes.
+        self.inner.claims.forget_claimer(owner);
         Ok(result.modified_count)
     }
 }

@@ -2,9 +2,10 @@
 //! handlers, the lane with the oldest due delivery first, and which of them the claim takes.
 //!
 //! A claim that needs more than its held lanes gave looks at free lanes in rounds of twice as
-//! many lanes each (4 at first, more for a big claim). With other live holders around, it picks
-//! among a wider set of old lanes, those of its own slot among the holders first (see
-//! [`choose`]), so that concurrent claimers look at different lanes. Ranking costs more than
+//! many lanes each (4 at first, more for a big claim), never more than the picks it still
+//! misses. With other live holders around, it picks among a wider set of old lanes, only those
+//! of its own slot among the holders while there are any (see [`choose`]), so that concurrent
+//! claimers take different lanes. Ranking costs more than
 //! scanning a few lanes, so the rest of a ranking is kept for the owner's next claims, for a
 //! second.
 //!
@@ -74,12 +75,15 @@ const RANKING_REUSE: Duration = Duration::from_secs(1);
 const COMPLETE_RANKING_REUSE: Duration = Duration::from_millis(250);
 
 /// `count` of the `ranked` lanes (oldest due delivery first). Alone, a claimer takes the oldest;
-/// with others around it takes `count` among the oldest `count * spread`, so that claimers
-/// running at the same time mostly pick different lanes: first, oldest first, those that fall to
-/// its `slot` among the holders (the lane's id modulo `spread`), which claimers that see the same
-/// holders never share; then, if those are too few, others at random.
-fn choose(mut ranked: Vec<i32>, count: usize, spread: usize, slot: usize) -> Vec<i32> {
-    if spread <= 1 || ranked.len() <= count {
+/// with others around it takes, oldest first, those among the oldest `count * spread` that fall
+/// to its `slot` among the holders (the lane's id modulo `spread`), which claimers that see the
+/// same holders never share. When none of them does, and only if it may `help` (the claim has
+/// found nothing yet), it takes `count` others at random among the oldest: a claimer whose own
+/// lanes are drained helps with the others', while a claim that went on into the others' lanes
+/// after its own would take lanes their claims are taking at the same time, and all but one of
+/// them would lose those lanes at the record.
+fn choose(mut ranked: Vec<i32>, count: usize, spread: usize, slot: usize, help: bool) -> Vec<i32> {
+    if spread <= 1 {
         ranked.truncate(count);
         return ranked;
     }
@@ -88,23 +92,22 @@ fn choose(mut ranked: Vec<i32>, count: usize, spread: usize, slot: usize) -> Vec
     let (mut chosen, mut rest): (Vec<i32>, Vec<i32>) = ranked
         .into_iter()
         .partition(|lane| usize::try_from(lane.rem_euclid(spread as i32)).ok() == Some(slot));
-    chosen.truncate(count);
-    let wanted = count - chosen.len();
-    if wanted > 0 {
-        // The low bits of a UUID v7 are random.
-        let mut state = uuid::Uuid::now_v7().as_u128() as u64 | 1;
-        for i in 0..wanted.min(rest.len()) {
-            // xorshift64
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let j = i + (state % (rest.len() - i) as u64) as usize;
-            rest.swap(i, j);
-        }
-        rest.truncate(wanted);
-        chosen.extend(rest);
+    if !chosen.is_empty() || !help {
+        chosen.truncate(count);
+        return chosen;
     }
-    chosen
+    // The low bits of a UUID v7 are random.
+    let mut state = uuid::Uuid::now_v7().as_u128() as u64 | 1;
+    for i in 0..count.min(rest.len()) {
+        // xorshift64
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let j = i + (state % (rest.len() - i) as u64) as usize;
+        rest.swap(i, j);
+    }
+    rest.truncate(count);
+    rest
 }
 
 /// What a kept ranking still offers a claim.
@@ -210,7 +213,9 @@ impl MongoEventStore {
                     (ranked, now, covered)
                 }
             };
-            let chosen = choose(ranked.clone(), round, spread, sharing.slot);
+            // Other claimers' lanes only for a claim that found nothing in its own.
+            let help = scan.picking.picks.is_empty();
+            let chosen = choose(ranked.clone(), round, spread, sharing.slot, help);
             let rest: Vec<i32> = ranked
                 .into_iter()
                 .filter(|lane| !chosen.contains(lane))
@@ -229,7 +234,11 @@ impl MongoEventStore {
             tried.extend(chosen.iter().copied());
             let scanned = self.join_lanes(&chosen, &free, lanes, request).await?;
             self.scan_lanes(&scanned, handlers, now, scan).await?;
-            round = round.saturating_mul(2);
+            // Twice as many lanes next time, but no more than the picks still missing: a lane
+            // that yields anything yields at least one pick, so lanes beyond that would be
+            // taken and handed back for nothing, while other claimers may want them.
+            let missing = limit.saturating_sub(scan.picking.picks.len());
+            round = round.saturating_mul(2).min(missing.max(FIRST_ROUND));
         }
         Ok(())
     }
@@ -409,21 +418,24 @@ mod tests {
     #[test]
     fn alone_a_claimer_takes_the_oldest_lanes_and_with_others_some_of_the_oldest() {
         let ranked: Vec<i32> = (0..40).collect();
-        assert_eq!(choose(ranked.clone(), 4, 1, 0), vec![0, 1, 2, 3]);
-        assert_eq!(choose(vec![5, 6], 4, 8, 0), vec![5, 6]);
+        assert_eq!(choose(ranked.clone(), 4, 1, 0, true), vec![0, 1, 2, 3]);
+        assert_eq!(choose(vec![5, 6], 4, 1, 0, true), vec![5, 6]);
         // Claimers in different slots take different lanes, each its own, oldest first.
-        assert_eq!(choose(ranked.clone(), 4, 2, 0), vec![0, 2, 4, 6]);
-        assert_eq!(choose(ranked.clone(), 4, 2, 1), vec![1, 3, 5, 7]);
+        assert_eq!(choose(ranked.clone(), 4, 2, 0, true), vec![0, 2, 4, 6]);
+        assert_eq!(choose(ranked.clone(), 4, 2, 1, true), vec![1, 3, 5, 7]);
         // Its own lanes (id % 3 == 1) among the oldest 12, although older lanes come first.
         let ranked_apart = vec![0, 3, 6, 9, 1, 2, 4, 5, 7, 8, 10, 11, 13, 16];
-        assert_eq!(choose(ranked_apart, 4, 3, 1), vec![1, 4, 7, 10]);
+        assert_eq!(choose(ranked_apart, 4, 3, 1, true), vec![1, 4, 7, 10]);
+        // One lane of slot 2 among the oldest 12 (lane 14 is not): that one alone, although
+        // the round has room for more; the others' lanes are theirs.
+        let few = vec![0, 3, 6, 9, 12, 5, 15, 18, 21, 24, 27, 30, 14];
+        assert_eq!(choose(few.clone(), 4, 3, 2, true), vec![5]);
+        // A slot beyond the spread wraps around.
+        assert_eq!(choose(ranked.clone(), 4, 3, 4, true), vec![1, 4, 7, 10]);
         for _ in 0..20 {
-            // One lane of slot 2 among the oldest 12 (lane 14 is not): it comes first, and
-            // three others at random among the oldest 12.
-            let few = vec![0, 3, 6, 9, 12, 5, 15, 18, 21, 24, 27, 30, 14];
-            let chosen = choose(few.clone(), 4, 3, 2);
+            // None of slot 1 among the oldest 12: four others at random among them.
+            let chosen = choose(few.clone(), 4, 3, 1, true);
             assert_eq!(chosen.len(), 4);
-            assert_eq!(chosen[0], 5);
             assert!(
                 chosen.iter().all(|lane| few[..12].contains(lane)),
                 "{chosen:?}"
@@ -432,12 +444,16 @@ mod tests {
             distinct.sort_unstable();
             distinct.dedup();
             assert_eq!(distinct.len(), 4);
-            // A slot beyond the spread wraps around.
-            let mut chosen = choose(ranked.clone(), 4, 3, 4);
-            assert_eq!(chosen, vec![1, 4, 7, 10]);
-            chosen.sort_unstable();
-            chosen.dedup();
-            assert_eq!(chosen.len(), 4);
+            // Fewer lanes than the round, none of its slot: all of them.
+            let mut two = choose(vec![5, 6], 4, 8, 0, true);
+            two.sort_unstable();
+            assert_eq!(two, vec![5, 6]);
         }
+        // A claim that found something already takes none of the others' lanes.
+        assert_eq!(choose(few.clone(), 4, 3, 1, false), Vec::<i32>::new());
+        assert_eq!(choose(few.clone(), 4, 3, 2, false), vec![5]);
+        assert_eq!(choose(ranked.clone(), 4, 1, 0, false), vec![0, 1, 2, 3]);
+        // Fewer lanes than the round, one of its slot: that one.
+        assert_eq!(choose(vec![5, 6], 4, 8, 6, true), vec![6]);
     }
 }
