@@ -24,8 +24,8 @@
 //!
 //! The specification takes 4, 8 and 16 free lanes per round, oldest due first; this tuned
 //! variant is listed among the README's differences from the specification, and
-//! `tests/tests/specification.rs` checks that every lane taken is among the oldest
-//! `round × spread` free ones.
+//! `tests/tests/specification.rs` checks that every lane a round takes is among the oldest
+//! `round × spread` free ones it has not tried yet.
 
 use std::{
     collections::{HashMap, HashSet},
