@@ -595,6 +595,21 @@ async fn a_claim_that_found_lanes_of_its_own_slot_takes_no_others() {
     assert!(lanes.iter().all(|lane| lane % 2 == 1), "{lanes:?}");
 }
 
+#[tokio::test]
+async fn an_owner_that_relinquished_its_lanes_no_longer_counts_among_the_claimers() {
+    let db = test_db("spec_lane_slots_relinquished").await;
+    let (store, now) = one_due_per_lane(&db).await;
+    let handlers = ["projector".to_owned()];
+
+    // `b` claimed through the same store instance, then stopped: `a` is alone again and takes
+    // the oldest lanes, not the even ones of its slot among two.
+    let other = ["auditor".to_owned()];
+    assert!(claim_as(&store, "b", &other, 4, now).await.is_empty());
+    Store::relinquish(&store, "b").await.unwrap();
+    let batch = claim_as(&store, "a", &handlers, 4, now).await;
+    assert_eq!(lanes_of(&batch), [0, 1, 2, 3]);
+}
+
 /// A store on `db` whose lanes 0 to 63 are free with one due delivery of `projector` each,
 /// lane n due n seconds after the oldest; and the time it was published at.
 async fn one_due_per_lane(db: &TestDb) -> (MongoEventStore, Timestamp) {
