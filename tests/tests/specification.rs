@@ -478,24 +478,7 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
     // oldest, in an order unrelated to the lane numbers.
     let now = Timestamp::now();
     let ranked: Vec<u32> = (0..128).map(|rank| (rank * 37 + 11) % 256).collect();
-    let events: Vec<EventEnvelope> = ranked
-        .iter()
-        .map(|lane| envelope(&id_in_lane(*lane)))
-        .collect();
-    let handlers = ["projector".to_owned()];
-    transaction::run(&store, None, async |session| {
-        let requests: Vec<AppendRequest<'_>> = events
-            .iter()
-            .enumerate()
-            .map(|(rank, e)| {
-                AppendRequest::new(e, &handlers)
-                    .due_at(now.saturating_sub(Duration::from_secs(600 - rank as u64)))
-            })
-            .collect();
-        Store::append(&store, session, &requests, now).await
-    })
-    .await
-    .unwrap();
+    one_due_in_each(&store, &ranked, now).await;
 
     // Claims of 4 deliveries take a first round of 4 lanes. Alone, a claimer takes the 4
     // oldest; with others holding lanes it takes those of its own slot among the oldest
@@ -615,22 +598,32 @@ async fn an_owner_that_relinquished_its_lanes_no_longer_counts_among_the_claimer
 async fn one_due_per_lane(db: &TestDb) -> (MongoEventStore, Timestamp) {
     let store = store(db).await;
     let now = Timestamp::now();
-    let events: Vec<EventEnvelope> = (0..64).map(|lane| envelope(&id_in_lane(lane))).collect();
+    let lanes: Vec<u32> = (0..64).collect();
+    one_due_in_each(&store, &lanes, now).await;
+    (store, now)
+}
+
+/// Appends one due delivery of `projector` in each of `lanes`, the one at position n due n
+/// seconds after the oldest, 600 s before `now`.
+async fn one_due_in_each(store: &MongoEventStore, lanes: &[u32], now: Timestamp) {
+    let events: Vec<EventEnvelope> = lanes
+        .iter()
+        .map(|lane| envelope(&id_in_lane(*lane)))
+        .collect();
     let handlers = ["projector".to_owned()];
-    transaction::run(&store, None, async |session| {
+    transaction::run(store, None, async |session| {
         let requests: Vec<AppendRequest<'_>> = events
             .iter()
             .enumerate()
-            .map(|(lane, e)| {
+            .map(|(n, e)| {
                 AppendRequest::new(e, &handlers)
-                    .due_at(now.saturating_sub(Duration::from_secs(600 - lane as u64)))
+                    .due_at(now.saturating_sub(Duration::from_secs(600 - n as u64)))
             })
             .collect();
-        Store::append(&store, session, &requests, now).await
+        Store::append(store, session, &requests, now).await
     })
     .await
     .unwrap();
-    (store, now)
 }
 
 /// The lanes of a claim's deliveries, sorted.
