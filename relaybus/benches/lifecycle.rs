@@ -2,12 +2,9 @@
 //! driver reading and deleting plain documents in batches of the same size, in the same run on the
 //! same server. Also the latency of a claim with and without a blocked backlog of another key.
 //!
-//! Keyed work (100 keys) runs twice: through `claim`, one delivery of a key per claim, and
-//! through `claim_runs`, runs of up to `RELAYBUS_BENCH_KEY_RUN` (default 16) of a key's next
-//! deliveries, completed wave by wave (the first delivery of every run in one `complete_many`,
-//! then the second, ...), each only once its predecessor completed. With several claimers, each
-//! relaybus row also gives the share of the deliveries the busiest claimer completed
-//! (`*_busiest_share`; an even spread over 4 is 0.25).
+//! Keyed work (100 keys) runs through `claim` too, one delivery of a key per claim. With several
+//! claimers, each relaybus row also gives the share of the deliveries the busiest claimer
+//! completed (`*_busiest_share`; an even spread over 4 is 0.25).
 //!
 //! A third subject, the floor, is the raw driver doing per batch only what the store's document
 //! model needs, on collections set up by `setup()` (see `common::floor`). Relaybus against the
@@ -63,9 +60,6 @@ fn env_number(name: &str, default: u64) -> u64 {
 #[derive(Debug, Clone, Copy)]
 struct Run {
     keyed: bool,
-    /// The most deliveries of a key a claim hands out: 1 claims with `claim`, more with
-    /// `claim_runs`.
-    key_run: u32,
     claimers: usize,
     /// Whether the store keeps its three listing indexes.
     listing_indexes: bool,
@@ -106,9 +100,7 @@ async fn main() -> Result<(), BoxError> {
         "{:<10} {:<8} {:>9} {:>14}  indexes",
         "subject", "keys", "claimers", "deliveries/s"
     );
-    let key_run = env_number("RELAYBUS_BENCH_KEY_RUN", 16).clamp(2, 1_000) as u32;
     let mut figures = serde_json::Map::new();
-    figures.insert("key_run".into(), key_run.into());
     let mut n = 0;
     for claimers in [1_usize, 4] {
         n += 1;
@@ -160,48 +152,35 @@ async fn main() -> Result<(), BoxError> {
             .iter()
             .map(|&listing_indexes| Run {
                 keyed: false,
-                key_run: 1,
                 claimers,
                 listing_indexes,
             })
             .collect();
-        for key_run in [1, key_run] {
-            runs.push(Run {
-                keyed: true,
-                key_run,
-                claimers,
-                listing_indexes: true,
-            });
-        }
+        runs.push(Run {
+            keyed: true,
+            claimers,
+            listing_indexes: true,
+        });
         for run in runs {
             n += 1;
             let db = client.database(&format!("{prefix}_{n}"));
             let (rate, busiest) = relaybus(&client, &db, deliveries, batch, run).await?;
             db.drop().await?;
             let keys = if run.keyed { "100 keys" } else { "unkeyed" };
-            let runs_column = if run.key_run > 1 {
-                format!(", runs of {}", run.key_run)
-            } else {
-                String::new()
-            };
             let busiest_column = if claimers > 1 {
                 format!("; the busiest claimer completed {:.0} %", busiest * 100.0)
             } else {
                 String::new()
             };
             println!(
-                "{:<10} {:<8} {:>9} {:>14.0}  {}{runs_column}{busiest_column}",
+                "{:<10} {:<8} {:>9} {:>14.0}  {}{busiest_column}",
                 "relaybus",
                 keys,
                 claimers,
                 rate,
                 indexes_column(run.listing_indexes)
             );
-            let name = match (run.keyed, run.key_run > 1) {
-                (false, _) => "unkeyed",
-                (true, false) => "keyed",
-                (true, true) => "keyed_runs",
-            };
+            let name = if run.keyed { "keyed" } else { "unkeyed" };
             figures.insert(
                 format!("{name}_{claimers}{}", name_suffix(run.listing_indexes)),
                 rate.round().into(),
@@ -257,17 +236,14 @@ async fn main() -> Result<(), BoxError> {
     let append_gain = number("append_no_listing") / number("append");
     let unkeyed_gain = number("unkeyed_4_no_listing") / number("unkeyed_4");
     let slowdown = with_backlog / plain;
-    // Keyed against unkeyed at the same claimer count, with and without runs.
+    // Keyed against unkeyed at the same claimer count.
     let keyed_ratios: Vec<(String, f64)> = [1, 4]
         .into_iter()
-        .flat_map(|claimers| {
-            let unkeyed = number(&format!("unkeyed_{claimers}"));
-            ["keyed", "keyed_runs"].map(|name| {
-                (
-                    format!("{name}_{claimers}_of_unkeyed"),
-                    number(&format!("{name}_{claimers}")) / unkeyed,
-                )
-            })
+        .map(|claimers| {
+            (
+                format!("keyed_{claimers}_of_unkeyed"),
+                number(&format!("keyed_{claimers}")) / number(&format!("unkeyed_{claimers}")),
+            )
         })
         .collect();
     figures.insert("claim_ms".into(), round3(plain * 1e3).into());
@@ -489,26 +465,16 @@ async fn relaybus(
                 let notified = progress.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                let completed = if run.key_run > 1 {
-                    let runs = store
-                        .claim_runs(
-                            &owner,
-                            &[HANDLER],
-                            batch,
-                            run.key_run,
-                            LEASE,
-                            DateTime::now(),
-                        )
-                        .await?;
-                    complete_runs(&store, runs).await?
-                } else {
-                    let claimed = store
-                        .claim(&owner, &[HANDLER], batch, LEASE, DateTime::now())
-                        .await?;
-                    let leases: Vec<_> = claimed.iter().map(|d| *d.lease()).collect();
-                    let completed = store.complete_many(&leases, DateTime::now()).await?;
-                    completed.iter().filter(|c| **c).count() as u64
-                };
+                let claimed = store
+                    .claim(&owner, &[HANDLER], batch, LEASE, DateTime::now())
+                    .await?;
+                let leases: Vec<_> = claimed.iter().map(|d| *d.lease()).collect();
+                let completed = store
+                    .complete_many(&leases, DateTime::now())
+                    .await?
+                    .iter()
+                    .filter(|c| **c)
+                    .count() as u64;
                 if completed == 0 {
                     if done.load(Ordering::SeqCst) < target {
                         // Woken by another claimer's completion, or polling as a worker does:
@@ -533,37 +499,6 @@ async fn relaybus(
     Ok((rate, busiest as f64 / deliveries as f64))
 }
 
-/// Completes `runs` wave by wave: the first delivery of every run in one batch, then the
-/// second, and so on, each only once its predecessor completed; a run whose delivery did not
-/// complete gives the rest back. How many completed.
-async fn complete_runs(
-    store: &MongoEventStore,
-    mut runs: Vec<Vec<relaybus::ClaimedDelivery>>,
-) -> Result<u64, relaybus::Error> {
-    let mut completed = 0;
-    let mut at = 0;
-    while runs.iter().any(|run| run.len() > at) {
-        let leases: Vec<_> = runs
-            .iter()
-            .filter_map(|run| Some(*run.get(at)?.lease()))
-            .collect();
-        let mut done = store
-            .complete_many(&leases, DateTime::now())
-            .await?
-            .into_iter();
-        for run in runs.iter_mut().filter(|run| run.len() > at) {
-            if done.next().unwrap_or(false) {
-                completed += 1;
-                continue;
-            }
-            for rest in run.drain(at + 1..) {
-                store.release(rest.lease(), DateTime::now()).await?;
-            }
-        }
-        at += 1;
-    }
-    Ok(completed)
-}
 
 /// Median time of a claim of `batch` unkeyed deliveries (each batch completed before the next
 /// claim), in two databases side by side: one plain, one with `backlog` deliveries of another

@@ -11,7 +11,7 @@ use crate::{
     error::Result,
     store::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, NextOfKey,
+        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport,
         PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakePace, WakeUp,
         position::{PositionKey, check_offset},
     },
@@ -123,54 +123,16 @@ impl Store for MongoEventStore {
     }
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
-        if !request.reported.is_empty() || request.reports_complete {
-            let lanes = request
-                .reported
-                .iter()
-                .filter_map(|lane| i32::try_from(*lane).ok())
-                .collect();
-            self.hint_lanes(
-                request.owner,
-                lanes,
-                request.reports_complete,
-                request.arrivals.to_vec(),
-            )
-            .await;
-        }
-        let claimed = MongoEventStore::claim_with_runs(
+        let claimed = MongoEventStore::claim(
             self,
             request.owner,
             request.handlers,
             request.limit,
-            (request.run, request.runs),
             request.lease_duration,
             bson_date(request.now),
         )
         .await?;
         Ok(claimed.into_iter().map(claimed_of).collect())
-    }
-
-    async fn claim_beside(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
-        let handlers: Vec<&str> = request.handlers.iter().map(String::as_str).collect();
-        let claimed = MongoEventStore::claim_beside(
-            self,
-            request.owner,
-            &handlers,
-            request.arrivals,
-            request.limit as usize,
-            request.lease_duration,
-            bson_date(request.now),
-        )
-        .await?;
-        Ok(claimed.into_iter().map(claimed_of).collect())
-    }
-
-    async fn claim_next_of_key(
-        &self,
-        request: NextOfKey<'_, Lease>,
-    ) -> Result<Option<Claimed<Lease>>> {
-        let next = MongoEventStore::claim_next_of_key(self, request).await?;
-        Ok(next.map(claimed_of))
     }
 
     async fn complete(&self, leases: &[Lease], now: Timestamp) -> Result<Vec<bool>> {
@@ -184,11 +146,6 @@ impl Store for MongoEventStore {
         now: Timestamp,
     ) -> Result<bool> {
         MongoEventStore::complete_in_transaction(self, session, lease, bson_date(now)).await
-    }
-
-    fn completion_committed(&self, lease: &Lease) {
-        self.inner.claims.completed([lease.delivery_id()]);
-        self.inner.claims.settled(lease);
     }
 
     async fn release(&self, lease: &Lease, now: Timestamp) -> Result<bool> {
@@ -311,24 +268,15 @@ impl Store for MongoEventStore {
             .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
     }
 
-    /// A change stream on inserted deliveries of the handlers, projected down to what a claim
-    /// needs of them: the lane, and the fields by which the claim after an idle wait may take
-    /// the delivery without looking for it (`WakeUp::arrival`). Always eager.
+    /// A change stream on inserted deliveries of the handlers, projected down to their lanes.
     async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
-        let (_, eager) = tokio::sync::watch::channel(WakePace::Eager);
-        self.watch_paced(handlers, eager).await
-    }
-
-    /// [`watch`](Store::watch), read in gathered reads, one per interval, while the pace is
-    /// [`WakePace::Gathered`]: see the crate's differences from the specification.
-    async fn watch_paced(
-        &self,
-        handlers: &[String],
-        pace: tokio::sync::watch::Receiver<WakePace>,
-    ) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        let (_, pace) = tokio::sync::watch::channel(WakePace::Eager);
         // The resume token (`_id`) stays, and `operationType` (the driver requires it).
-        let mut projection = doc! { "operationType": 1 };
-        projection.extend(super::claim::arrive::arrival_fields());
+        let projection = doc! {
+            "operationType": 1,
+            "fullDocument.laneId": 1,
+            "fullDocument.lane": 1,
+        };
         let pipeline = vec![
             doc! { "$match": {
                 "operationType": "insert",
@@ -360,7 +308,7 @@ impl Store for MongoEventStore {
                         .as_ref()
                         .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
                         .and_then(|lane| u32::try_from(lane).ok()),
-                    arrival: document.map(|doc| crate::store::Arrival::new(doc.into_bytes())),
+                    arrival: None,
                 }
             })
             .map_err(crate::Error::from)

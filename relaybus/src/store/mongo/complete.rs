@@ -104,10 +104,6 @@ impl MongoEventStore {
             )
             .into());
         }
-        // Claims read them again from here on: they may be gone before they are settled.
-        self.inner
-            .claims
-            .completing(leases.iter().map(Lease::delivery_id));
         let outcome = if self.inner.completion_history {
             self.own_transaction((self, leases, now), |session, (store, leases, now)| {
                 Box::pin(store.complete_in(session, leases, *now))
@@ -116,15 +112,6 @@ impl MongoEventStore {
         } else {
             self.complete_without_transaction(leases, now).await?
         };
-        // Noted gone before they are settled: a claim that no longer finds one issued finds it
-        // gone.
-        self.inner.claims.completed(
-            leases
-                .iter()
-                .zip(&outcome)
-                .filter(|(_, completed)| **completed)
-                .map(|(lease, _)| lease.delivery_id()),
-        );
         for lease in leases {
             self.inner.claims.settled(lease);
         }
@@ -169,8 +156,6 @@ impl MongoEventStore {
     ) -> Result<bool> {
         self.ensure_in_transaction(session, "MongoEventStore.complete_in_transaction")
             .await?;
-        // Claims read it again from here on: it may be gone before it is settled.
-        self.inner.claims.completing([lease.delivery_id()]);
         self.complete_one_in(session, lease, now).await
     }
 

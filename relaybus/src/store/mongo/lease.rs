@@ -11,8 +11,7 @@ use std::{
     collections::{HashMap, HashSet},
     fmt,
     str::FromStr,
-    sync::{Arc, Mutex, MutexGuard, atomic::AtomicBool},
-    time::{Duration, Instant},
+    sync::{Arc, Mutex, MutexGuard},
 };
 
 use mongodb::bson::{Bson, DateTime, oid::ObjectId};
@@ -202,103 +201,17 @@ pub(crate) struct OwnerState {
     /// Set while a claim runs; still set at the start of the next claim when the previous one
     /// was dropped half-way, which then reconciles the owner's lanes first.
     pub(crate) interrupted: bool,
-    /// Free lanes with due deliveries that the owner's last ranking found and its claims have
-    /// not tried yet, oldest due delivery first.
-    pub(crate) ranked: Option<RankedLanes>,
-    /// Lanes where new deliveries were just reported, for the owner's next claim to look at
-    /// before ranking free lanes.
-    pub(crate) hints: Vec<i32>,
-    /// `hints` lists every lane that received deliveries since the owner's last claim, so a
-    /// recent ranking that found free lanes empty still holds for them.
-    pub(crate) reports_complete: bool,
-    /// What the wake-ups told of the new deliveries since the owner's last claim: all of them,
-    /// or none.
-    pub(crate) arrivals: Vec<crate::store::Arrival>,
-    /// The owner's last claim found something: it is busy, and a claim with reported lanes
-    /// goes on to its other lanes when the reported ones do not fill it. After an empty claim
-    /// (an idle worker, nothing older was due) the reported lanes are read alone.
-    pub(crate) busy: bool,
-    /// The lanes the owner held on this instance when its last claim ended, as it recorded
-    /// them: the next claim reads the first page of their scan before it reads the lanes, and
-    /// uses it only if they are still the lanes the owner holds.
+    /// The owned lanes the owner held when its last claim ended: the next claim reads their
+    /// first page while it reads its lanes, and uses it if they are still the lanes it scans.
     pub(crate) held: Vec<i32>,
-    /// The owner's last claim came after an idle wait, with complete reports, and picked every
-    /// due delivery of the reported lanes: until new deliveries are reported, its next claim has
-    /// nothing to find (see [`Exhausted`]).
-    pub(crate) exhausted: Option<Exhausted>,
-    /// Claims in a row since the last that read every delivery its held lanes list.
-    pub(crate) vouched_reads: u32,
-}
-
-/// An idle claim that picked everything due where new deliveries were reported.
-///
-/// Nothing older was due when the owner went idle (its last claim found nothing), and the
-/// reports listed every lane that received deliveries since; so the claim that follows at once,
-/// with nothing new reported, would find nothing either, save a delivery that became due without
-/// being inserted in the meantime (a retry, a release). That claim reads nothing and returns
-/// empty; the one after it, at the next wake-up or poll, looks everywhere again.
-#[derive(Debug)]
-pub(crate) struct Exhausted {
-    /// The `now` of the claim.
-    pub(crate) at: DateTime,
-    /// The handlers it claimed for.
-    pub(crate) handlers: Vec<String>,
-}
-
-impl Exhausted {
-    /// How long after the claim its follow-up may skip reading.
-    const FOR: std::time::Duration = std::time::Duration::from_millis(250);
-
-    /// Whether a claim for `handlers` at `now` may take it that nothing is claimable.
-    pub(crate) fn holds(&self, handlers: &[&str], now: DateTime) -> bool {
-        let age = now.timestamp_millis() - self.at.timestamp_millis();
-        (0..=Self::FOR.as_millis() as i64).contains(&age) && same_handlers(&self.handlers, handlers)
-    }
-}
-
-/// Whether what an owner's earlier claim kept for `kept` handlers holds for a claim for
-/// `handlers`: the same ones, in the same order.
-pub(crate) fn same_handlers(kept: &[String], handlers: &[&str]) -> bool {
-    kept.len() == handlers.len() && kept.iter().zip(handlers).all(|(a, b)| a == b)
-}
-
-/// The rest of a ranking of free lanes, kept for the owner's next claims.
-#[derive(Debug)]
-pub(crate) struct RankedLanes {
-    /// The handlers the ranking was for.
-    pub(crate) handlers: Vec<String>,
-    /// The `now` of the claim that ranked them.
-    pub(crate) at: DateTime,
-    /// Lane ids, oldest due delivery first.
-    pub(crate) lanes: Vec<i32>,
-    /// The free lanes the ranking read in full, when it saw every due delivery in them (it read
-    /// fewer index entries than it could): those not in `lanes` had nothing due then. Empty
-    /// when the ranking was cut short.
-    pub(crate) covered: Vec<i32>,
-}
-
-/// What keeps an owner's claims of one key's next delivery apart from its claims.
-///
-/// A claim holds the gate closed while it runs; the claims of next deliveries pass while it is
-/// open, side by side (each writes only its own key's delivery into a lane, conditionally), and
-/// wait while it is closed or a claim waits to close it.
-///
-/// A claim of new deliveries beside a running claim (see `claim::beside`) holds `beside`
-/// exclusively; the claim holds it shared while it clears the lanes touched beside it, and
-/// again from deciding its record to handing out, and a claim of a next delivery holds it
-/// shared throughout.
-#[derive(Debug, Default)]
-pub(crate) struct OwnerGate {
-    pub(crate) gate: tokio::sync::RwLock<()>,
-    pub(crate) beside: tokio::sync::RwLock<()>,
-    /// The lanes claims beside the running claim wrote to since it started.
-    pub(crate) touched: Mutex<HashSet<i32>>,
-    /// The deliveries claims beside the running claim handed out since it started, settled
-    /// or not: the running claim may have read one before, and must not hand it out again.
-    pub(crate) handed: Mutex<HashSet<ObjectId>>,
-    /// A claim of a next delivery failed half-way: it may have listed a delivery nobody
-    /// received, so the owner's next claim reconciles its lanes first.
-    pub(crate) interrupted: AtomicBool,
+    /// How many deliveries ran in the owner's lanes when its last claim ended: the first page
+    /// read beside the lanes makes room for them.
+    pub(crate) running: usize,
+    /// When the owner last tried to take owned lanes it did not hold, and the member list's
+    /// generation then.
+    pub(crate) taken_at: Option<(u64, super::claim::Tried)>,
+    /// When the owner last looked at free lanes.
+    pub(crate) probed_at: Option<super::claim::Tried>,
 }
 
 /// What one store instance (one `build()`, shared by clones) knows about its claims.
@@ -308,53 +221,12 @@ pub(crate) struct ClaimRegistry {
     /// process with the same owner name does not adopt its predecessor's lanes.
     pub(crate) instance: ObjectId,
     owners: Mutex<HashMap<String, Arc<tokio::sync::Mutex<OwnerState>>>>,
-    gates: Mutex<HashMap<String, Arc<OwnerGate>>>,
     issued: Mutex<HashMap<ObjectId, Issued>>,
-    /// The handler and ordering key of each issued claim held to its key's order.
-    keys: Mutex<HashMap<ObjectId, (String, String)>>,
-    /// Issued claims whose completion was sent: their deliveries may be gone while they are
-    /// still issued, so claims do not vouch for them.
-    completing: Mutex<HashSet<ObjectId>>,
     /// What a completion needs of each issued claim's delivery, when the claim read it.
     facts: Mutex<HashMap<ObjectId, Facts>>,
-    /// Deliveries this instance completed, their documents deleted, that their lanes may still
-    /// list: a completion writes no lane document, and the next record of the lane takes them
-    /// off. A lane read takes them as gone without reading them.
-    gone: Mutex<HashSet<ObjectId>>,
     /// What the lane reads found of each handler's parked deliveries, and this instance's own
     /// parking writes since.
     parked: Mutex<ParkedLooks>,
-    /// The owners that claimed through this instance lately, and when they last did.
-    claimers: Mutex<HashMap<String, Instant>>,
-}
-
-/// How long an owner that claimed through a store instance counts among its claimers
-/// ([`ClaimRegistry::claimers`]).
-const CLAIMERS_WINDOW: Duration = Duration::from_secs(30);
-
-/// The most completed deliveries a store instance notes as gone while their lanes may list
-/// them ([`ClaimRegistry::completed`]).
-const MAX_GONE: usize = 100_000;
-
-/// What a claim knows of the claims its instance handed out ([`ClaimRegistry::vouched`]).
-#[derive(Debug)]
-pub(crate) struct Vouched<'a> {
-    /// The claims outstanding (a [`snapshot`](ClaimRegistry::snapshot)).
-    issued: &'a HashMap<ObjectId, Issued>,
-    /// Those of them whose completion was sent: their deliveries may be gone.
-    sent: HashSet<ObjectId>,
-    /// Those of `sent` handed out in the lanes the owner held when its last claim ended, read
-    /// with the lanes.
-    pub(crate) completing: Vec<ObjectId>,
-}
-
-impl Vouched<'_> {
-    /// The claim of `id` a claim takes for running without reading it, wherever it was handed
-    /// out (a lane that lists it in another lane or epoch has it read): any but those whose
-    /// completion was sent.
-    pub(crate) fn running(&self, id: &ObjectId) -> Option<&Issued> {
-        self.issued.get(id).filter(|_| !self.sent.contains(id))
-    }
 }
 
 /// How long, in claim time, lane reads go without looking up the parked deliveries of a handler
@@ -409,14 +281,9 @@ impl Default for ClaimRegistry {
         ClaimRegistry {
             instance: ObjectId::new(),
             owners: Mutex::default(),
-            gates: Mutex::default(),
             issued: Mutex::default(),
-            keys: Mutex::default(),
-            completing: Mutex::default(),
-            gone: Mutex::default(),
             facts: Mutex::default(),
             parked: Mutex::default(),
-            claimers: Mutex::default(),
         }
     }
 }
@@ -428,74 +295,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-impl OwnerGate {
-    /// Notes lanes a claim beside the running claim writes to, and the deliveries it lists
-    /// there.
-    pub(crate) fn touch(
-        &self,
-        lanes: impl IntoIterator<Item = i32>,
-        deliveries: impl IntoIterator<Item = ObjectId>,
-    ) {
-        lock(&self.touched).extend(lanes);
-        lock(&self.handed).extend(deliveries);
-    }
-
-    /// Whether a claim beside the running claim handed `delivery` out since it started (it
-    /// may have been completed since, so the issued claims no longer show it).
-    pub(crate) fn handed_beside(&self, delivery: &ObjectId) -> bool {
-        lock(&self.handed).contains(delivery)
-    }
-
-    /// The lanes claims beside the running claim wrote to.
-    pub(crate) fn touched(&self) -> HashSet<i32> {
-        lock(&self.touched).clone()
-    }
-
-    /// A claim starts: what was written beside the last one is in the lanes it reads.
-    pub(crate) fn clear_touched(&self) {
-        lock(&self.touched).clear();
-        lock(&self.handed).clear();
-    }
-}
-
 impl ClaimRegistry {
-    /// Notes that `owner` claims now (see [`claimers`](ClaimRegistry::claimers)).
-    pub(crate) fn note_claimer(&self, owner: &str) {
-        let now = Instant::now();
-        let mut claimers = lock(&self.claimers);
-        match claimers.get_mut(owner) {
-            Some(at) => *at = now,
-            None => {
-                claimers.insert(owner.to_owned(), now);
-            }
-        }
-    }
-
-    /// Forgets `owner` as a claimer: it stopped (see [`claimers`](ClaimRegistry::claimers)).
-    pub(crate) fn forget_claimer(&self, owner: &str) {
-        lock(&self.claimers).remove(owner);
-    }
-
-    /// The owners noted claiming through this instance within the last 30 s: the buses of a
-    /// process that may rank free lanes at the same time, whether or not they hold lanes yet.
-    pub(crate) fn claimers(&self) -> Vec<String> {
-        let now = Instant::now();
-        let mut claimers = lock(&self.claimers);
-        claimers.retain(|_, at| now.duration_since(*at) < CLAIMERS_WINDOW);
-        claimers.keys().cloned().collect()
-    }
-
     /// The lock serialising the claims of `owner` on this instance.
     pub(crate) fn owner(&self, owner: &str) -> Arc<tokio::sync::Mutex<OwnerState>> {
         let mut owners = lock(&self.owners);
         Arc::clone(owners.entry(owner.to_owned()).or_default())
-    }
-
-    /// The gate between the claims of `owner` on this instance and its claims of keys' next
-    /// deliveries.
-    pub(crate) fn gate(&self, owner: &str) -> Arc<OwnerGate> {
-        let mut gates = lock(&self.gates);
-        Arc::clone(gates.entry(owner.to_owned()).or_default())
     }
 
     /// Remembers claims handed out to a caller.
@@ -514,18 +318,6 @@ impl ClaimRegistry {
                 },
             );
         }
-    }
-
-    /// Remembers the handler and ordering key of claims handed out that are held to their
-    /// key's order (see [`ClaimRegistry::key_of`]).
-    pub(crate) fn issue_keys(&self, keyed: impl IntoIterator<Item = (ObjectId, (String, String))>) {
-        lock(&self.keys).extend(keyed);
-    }
-
-    /// The handler and ordering key of a claim handed out and not yet seen settled, if it is
-    /// held to its key's order.
-    pub(crate) fn key_of(&self, id: &ObjectId) -> Option<(String, String)> {
-        lock(&self.keys).get(id).cloned()
     }
 
     /// What a lane read starting at claim time `now` looks up of `handler`'s parked deliveries.
@@ -612,43 +404,11 @@ impl ClaimRegistry {
     /// Forgets claims that ended (settled, lost, or found gone).
     pub(crate) fn forget(&self, ids: impl IntoIterator<Item = ObjectId>) {
         let mut issued = lock(&self.issued);
-        let mut keys = lock(&self.keys);
-        let mut completing = lock(&self.completing);
         let mut facts = lock(&self.facts);
-        let mut gone = lock(&self.gone);
         for id in ids {
             issued.remove(&id);
-            keys.remove(&id);
-            completing.remove(&id);
             facts.remove(&id);
-            gone.remove(&id);
         }
-    }
-
-    /// Notes deliveries this instance completed: their documents are deleted. Their lanes
-    /// stop listing them at the next record, which [`forget`](Self::forget)s them here. At
-    /// most [`MAX_GONE`] are kept; past that the notes start over, and a lane read reads what
-    /// it no longer knows.
-    pub(crate) fn completed(&self, ids: impl IntoIterator<Item = ObjectId>) {
-        let mut gone = lock(&self.gone);
-        for id in ids {
-            if gone.len() >= MAX_GONE {
-                gone.clear();
-            }
-            gone.insert(id);
-        }
-    }
-
-    /// Which of `ids` this instance completed and its lanes may still list.
-    pub(crate) fn gone_among<'a>(
-        &self,
-        ids: impl IntoIterator<Item = &'a ObjectId>,
-    ) -> HashSet<ObjectId> {
-        let gone = lock(&self.gone);
-        ids.into_iter()
-            .filter(|id| gone.contains(id))
-            .copied()
-            .collect()
     }
 
     /// Forgets the claim of `lease` if it is the one this instance remembers for its delivery:
@@ -662,23 +422,13 @@ impl ClaimRegistry {
         };
         if issued.get(&lease.delivery_id) == Some(&current) {
             issued.remove(&lease.delivery_id);
-            lock(&self.keys).remove(&lease.delivery_id);
             lock(&self.facts).remove(&lease.delivery_id);
         }
-        lock(&self.completing).remove(&lease.delivery_id);
     }
 
     /// The claim this instance handed out for `id`, if it has not seen it settled.
     pub(crate) fn issued(&self, id: &ObjectId) -> Option<Issued> {
         lock(&self.issued).get(id).copied()
-    }
-
-    /// Whether a claim handed out and not yet seen settled is of `handler` and `key` and held to
-    /// their order.
-    pub(crate) fn key_issued(&self, handler: &str, key: &str) -> bool {
-        lock(&self.keys)
-            .values()
-            .any(|(h, k)| h == handler && k == key)
     }
 
     /// Every claim this instance has handed out and not seen settled, as of now.
@@ -691,36 +441,11 @@ impl ClaimRegistry {
         lock(&self.issued).clone()
     }
 
-    /// Notes issued claims whose completion is being sent.
-    pub(crate) fn completing(&self, ids: impl IntoIterator<Item = ObjectId>) {
-        let issued = lock(&self.issued);
-        lock(&self.completing).extend(ids.into_iter().filter(|id| issued.contains_key(id)));
-    }
-
-    /// What a claim may take of the claims outstanding in `issued` (a
-    /// [`snapshot`](Self::snapshot)) without reading them: every one but those whose completion
-    /// was sent, of which those handed out in `lanes` are read with the lanes.
-    pub(crate) fn vouched<'a>(
-        &self,
-        issued: &'a HashMap<ObjectId, Issued>,
-        lanes: &HashSet<i32>,
-    ) -> Vouched<'a> {
-        let mut sent = HashSet::new();
-        let mut completing = Vec::new();
-        for id in lock(&self.completing).iter() {
-            let Some(claim) = issued.get(id) else {
-                continue;
-            };
-            sent.insert(*id);
-            if lanes.contains(&claim.lane) {
-                completing.push(*id);
-            }
-        }
-        Vouched {
-            issued,
-            sent,
-            completing,
-        }
+    /// Forgets everything but the instance's identity, as a restart would.
+    pub(crate) fn forget_everything(&self) {
+        lock(&self.issued).clear();
+        lock(&self.facts).clear();
+        *lock(&self.parked) = ParkedLooks::default();
     }
 
     /// How many claims this instance has handed out and not seen settled.
@@ -735,19 +460,6 @@ mod tests {
     use super::*;
 
     const ID: &str = "65f0c0ffee0000000000beef";
-
-    #[test]
-    fn an_instance_knows_the_owners_claiming_through_it() {
-        let registry = ClaimRegistry::default();
-        registry.note_claimer("a");
-        assert_eq!(registry.claimers(), ["a"]);
-        registry.note_claimer("b");
-        let mut both = registry.claimers();
-        both.sort();
-        assert_eq!(both, ["a", "b"]);
-        registry.note_claimer("a");
-        assert_eq!(registry.claimers().len(), 2, "a claiming again counts once");
-    }
 
     #[test]
     fn tokens_round_trip() {
@@ -860,28 +572,6 @@ mod tests {
         registry.issue_facts([(newer.delivery_id(), facts.clone())]);
         registry.settled(&newer);
         assert_eq!(registry.facts_of(&[newer]), None, "settled");
-    }
-
-    #[test]
-    fn completed_deliveries_are_known_gone_until_a_record_takes_them_off() {
-        let registry = ClaimRegistry::default();
-        let (completed, other) = (ObjectId::new(), ObjectId::new());
-        registry.completed([completed]);
-        assert_eq!(
-            registry.gone_among([&completed, &other]),
-            HashSet::from([completed])
-        );
-        // A record took it off its lane.
-        registry.forget([completed]);
-        assert!(registry.gone_among([&completed]).is_empty());
-        // The notes are bounded: past the most, they start over.
-        registry.completed((0..MAX_GONE).map(|_| ObjectId::new()));
-        registry.completed([completed]);
-        assert_eq!(lock(&registry.gone).len(), 1);
-        assert_eq!(
-            registry.gone_among([&completed]),
-            HashSet::from([completed])
-        );
     }
 
     #[test]

@@ -108,6 +108,8 @@ pub(crate) struct StoreInner {
     pub(crate) topology_checked: OnceCell<()>,
     /// This instance's identity and what it remembers of the claims it handed out.
     pub(crate) claims: lease::ClaimRegistry,
+    /// The owners claiming through this instance and the other instances' (see `claim::members`).
+    pub(crate) members: claim::members::Members,
     /// Crash recovery: one document per store instance, with its sessions and heartbeat.
     pub(crate) processes: Collection<Document>,
     /// The server sessions this instance starts transactions on.
@@ -469,6 +471,7 @@ impl MongoEventStoreBuilder {
             park_behind_pending: self.park_behind_pending,
             topology_checked: OnceCell::new(),
             claims: lease::ClaimRegistry::default(),
+            members: claim::members::Members::default(),
             gauge_sample: crate::store::GaugeSample::default(),
         };
         Ok(MongoEventStore {

@@ -1028,7 +1028,7 @@ impl MongoEventStore {
             )
             .await?;
         // A stopped worker no longer ranks free lanes: the others share its slot's lanes.
-        self.inner.claims.forget_claimer(owner);
+        self.inner.members.forget(owner);
         Ok(result.modified_count)
     }
 }

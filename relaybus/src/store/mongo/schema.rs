@@ -140,6 +140,8 @@ pub(crate) mod field {
     pub(crate) const EXPIRES_AT: &str = "expiresAt";
     /// The store instance that holds a lead (`_id: "lead:<role>"`).
     pub(crate) const HOLDER: &str = "holder";
+    /// A store instance's member list (`members:<instance>`): `{owner, handlers}` each.
+    pub(crate) const MEMBERS: &str = "members";
 }
 
 /// Field paths, `$<field>`: the value of a field of the current document in an aggregation
@@ -149,22 +151,8 @@ pub(crate) mod path {
     pub(crate) const ID: &str = "$_id";
     /// `$key`.
     pub(crate) const KEY: &str = "$key";
-    /// `$handler`.
-    pub(crate) const HANDLER: &str = "$handler";
     /// `$sequence`.
     pub(crate) const SEQUENCE: &str = "$sequence";
-    /// `$laneId`.
-    pub(crate) const LANE_ID: &str = "$laneId";
-    /// `$eventId`.
-    pub(crate) const EVENT_ID: &str = "$eventId";
-    /// `$dueAt`.
-    pub(crate) const DUE_AT: &str = "$dueAt";
-    /// `$fresh`.
-    pub(crate) const FRESH: &str = "$fresh";
-    /// `$requeued`.
-    pub(crate) const REQUEUED: &str = "$requeued";
-    /// `$createdAt`.
-    pub(crate) const CREATED_AT: &str = "$createdAt";
     /// `$leaseExpiresAt`.
     pub(crate) const LEASE_EXPIRES_AT: &str = "$leaseExpiresAt";
     /// `$epoch`.
@@ -179,10 +167,6 @@ pub(crate) mod path {
     pub(crate) const ATTEMPTS: &str = "$attempts";
     /// `$claims`.
     pub(crate) const CLAIMS: &str = "$claims";
-    /// `$owner`.
-    pub(crate) const OWNER: &str = "$owner";
-    /// `$instance`.
-    pub(crate) const INSTANCE: &str = "$instance";
 }
 
 /// The values of a delivery's `status`.
@@ -381,7 +365,6 @@ mod tests {
             (path::ID, field::ID),
             (path::KEY, field::KEY),
             (path::SEQUENCE, field::SEQUENCE),
-            (path::LANE_ID, field::LANE_ID),
             (path::LEASE_EXPIRES_AT, field::LEASE_EXPIRES_AT),
             (path::EPOCH, field::EPOCH),
             (path::IN_FLIGHT, field::IN_FLIGHT),

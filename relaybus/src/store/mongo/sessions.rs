@@ -74,6 +74,11 @@ impl SessionRegistry {
         }
     }
 
+    /// The heartbeat's expiry; `None` when crash recovery is off.
+    pub(crate) fn expiry(&self) -> Option<Duration> {
+        self.expiry
+    }
+
     /// Records `lsid` before a transaction starts on it: a write for a session id seen for the
     /// first time, nothing otherwise. Starts the heartbeat.
     pub(crate) async fn record(&self, store: &Arc<StoreInner>, lsid: &Document) -> Result<()> {

@@ -83,7 +83,6 @@ impl MongoEventStore {
             .collect();
         let mut claimed = Vec::with_capacity(picks.len());
         let mut orphaned = Vec::new();
-        let mut keyed = Vec::new();
         let mut facts = Vec::with_capacity(picks.len());
         // Keys a pick of which is given back: the rest of their runs goes back with it.
         let mut broken: Vec<(String, String)> = Vec::new();
@@ -118,9 +117,6 @@ impl MongoEventStore {
                     continue;
                 }
             };
-            if let Some(key) = &pick.key {
-                keyed.push((pick.id, (pick.handler.clone(), key.clone())));
-            }
             if let Some(quick_since) = pick.quick_since {
                 facts.push((
                     pick.id,
@@ -146,7 +142,6 @@ impl MongoEventStore {
                 .map(|c| c.lease)
                 .chain(orphaned.iter().copied()),
         );
-        self.inner.claims.issue_keys(keyed);
         self.inner.claims.issue_facts(facts);
         (claimed, orphaned)
     }

@@ -35,8 +35,6 @@ pub(super) struct Picking {
     pub(super) picks: Vec<Candidate>,
     /// Deliveries found waiting behind an unfinished predecessor, per key, with their lanes.
     pub(super) waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
-    /// Deliveries offered before the scans: passed over when a scan finds them again.
-    offered: HashSet<ObjectId>,
 }
 
 impl Picking {
@@ -91,24 +89,6 @@ impl Picking {
         }
     }
 
-    /// Remembers the lowest pending delivery of keys looked up before the claim scanned (`None`:
-    /// nothing pending), unless a key runs or was picked already.
-    pub(super) fn know_heads(&mut self, heads: HashMap<KeyOf, Option<ObjectId>>) {
-        for (key_of, head) in heads {
-            if !self.running_keys.contains(&key_of) && !self.picked_keys.contains(&key_of) {
-                self.heads.entry(key_of).or_insert(head);
-            }
-        }
-    }
-
-    /// Picks from candidates found without a scan, ahead of the scans, which then pass them
-    /// over.
-    pub(super) fn offer(&mut self, candidates: Vec<Candidate>) {
-        let ids: Vec<ObjectId> = candidates.iter().map(|candidate| candidate.id).collect();
-        self.pick(candidates);
-        self.offered.extend(ids);
-    }
-
     /// Applies the per-key rules to a page of candidates, in order, until the claim is full. No
     /// database access: the lowest pending delivery of each key was looked up before.
     pub(super) fn pick(&mut self, page: Vec<Candidate>) {
@@ -116,7 +96,7 @@ impl Picking {
             if self.full() {
                 break;
             }
-            if self.running.contains(&candidate.id) || self.offered.contains(&candidate.id) {
+            if self.running.contains(&candidate.id) {
                 continue;
             }
             let Some(key) = &candidate.key else {

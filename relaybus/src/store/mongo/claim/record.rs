@@ -3,8 +3,9 @@
 //! The record is one conditional write per lane, all in one `update` command. It takes the free
 //! lanes the claim picked from (the epoch grows by one), takes and hands back at once the free
 //! lanes that yielded nothing, and hands back the held lanes that yielded nothing and run
-//! nothing. The writes to the other held lanes (new picks listed, gone deliveries taken off) are
-//! one multi-document statement ([`relist_statements`]). A lane whose condition no longer holds
+//! nothing, but for the lanes the owner owns. The writes to the other held lanes (new picks
+//! listed, gone deliveries taken off, a lease renewed before it runs out) are one
+//! multi-document statement ([`relist_statements`]). A lane whose condition no longer holds
 //! (another claimer took it first, or a requeue touched it) keeps nothing of this claim: when
 //! fewer lanes matched than were written to, the lanes are read again to confirm which picks
 //! they list.
@@ -12,7 +13,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 use super::{Request, pick::KeyOf, scan::Candidate, take::Hold};
 use crate::{
@@ -23,15 +24,6 @@ use crate::{
         schema::field,
     },
 };
-
-/// The lanes a record keeps although they yield nothing and run nothing.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Keep<'a> {
-    /// Lanes a claim beside this one listed a delivery on since they were read.
-    pub(super) touched: &'a HashSet<i32>,
-    /// The lane a claim that found nothing keeps, listing nothing (see `share`).
-    pub(super) lane: Option<i32>,
-}
 
 /// What the record kept.
 #[derive(Debug)]
@@ -48,21 +40,17 @@ pub(super) struct Recorded {
 
 impl MongoEventStore {
     /// Records `picks` on the claim's `lanes` in one command, and hands back the lanes that yielded
-    /// nothing and run nothing. Deliveries a held lane lists that no longer exist (not in
-    /// `running`) are taken off it; a lane listing one of `handing_over`, or in [`Keep`], is
-    /// kept. When a write did not match, keeps only the picks of the lanes that
-    /// list them under the epoch they were read in.
+    /// nothing and run nothing, but those in `keep`. Deliveries a held lane lists that no longer
+    /// exist (not in `running`) are taken off it. A kept lane whose lease runs out within half
+    /// the claim's lease is renewed. When a write did not match, keeps only the picks of the
+    /// lanes that list them under the epoch they were read in.
     pub(super) async fn record(
         &self,
         request: &Request<'_>,
         mut lanes: Vec<(Lane, Hold)>,
         mut picks: Vec<Candidate>,
         running: &HashSet<ObjectId>,
-        handing_over: &HashSet<ObjectId>,
-        Keep {
-            touched,
-            lane: keep,
-        }: Keep<'_>,
+        keep: &HashSet<i32>,
     ) -> Result<Recorded> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
@@ -72,6 +60,11 @@ impl MongoEventStore {
             now,
             ..
         } = *request;
+        // A kept lane is renewed once less than half the claim's lease is left of its own.
+        let renew_before = DateTime::from_millis(
+            now.timestamp_millis()
+                + (expires_at.timestamp_millis() - now.timestamp_millis()) / 2,
+        );
         let mut by_lane: BTreeMap<i32, Vec<ObjectId>> = BTreeMap::new();
         for pick in &picks {
             by_lane.entry(pick.lane).or_default().push(pick.id);
@@ -93,7 +86,7 @@ impl MongoEventStore {
                 };
                 filter.extend(free_and_clean(now));
                 lane.epoch = lane.epoch.saturating_add(1);
-                if new_ids.is_empty() && keep != Some(lane.id) {
+                if new_ids.is_empty() && !keep.contains(&lane.id) {
                     // Taken and handed back in one write: it yielded nothing.
                     handed_back.insert(lane.id);
                     statements.push(doc! {
@@ -131,13 +124,12 @@ impl MongoEventStore {
                 .filter(|id| !running.contains(id))
                 .copied()
                 .collect();
-            // A claim beside this one may have listed a delivery there since it was read.
-            let runs = lane.in_flight.len() > gone.len()
-                || gone.iter().any(|id| handing_over.contains(id))
-                || touched.contains(&lane.id);
+            let runs = lane.in_flight.len() > gone.len();
+            let kept = keep.contains(&lane.id);
+            let renew = kept && lane.lease_expires_at.is_none_or(|at| at < renew_before);
             gone_ids.extend(gone.iter().copied());
             let filter = lane.held_filter(owner, instance);
-            if new_ids.is_empty() && !runs && keep != Some(lane.id) {
+            if new_ids.is_empty() && !runs && !kept {
                 handed_back.insert(lane.id);
                 statements.push(doc! {
                     "q": filter,
@@ -153,7 +145,7 @@ impl MongoEventStore {
                 || !gone.is_empty()
                 || !lane.lost.is_empty()
                 || !held
-                || keep == Some(lane.id)
+                || renew
             {
                 relists.push(Relist {
                     filter,

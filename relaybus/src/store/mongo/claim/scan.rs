@@ -5,23 +5,18 @@
 //! blocked; further pages come in batches. Before picking from a page, a scan looks up the
 //! lowest pending delivery of each key the page brings for the first time (one distinct scan
 //! per handler and group of keys, in parallel): picking itself reads nothing.
-//!
-//! After an idle wait, the lanes where the change stream reported new deliveries are scanned
-//! alone ([`scan_reported_lanes`](MongoEventStore::scan_reported_lanes)): the claim's first read
-//! brought their first page along, with the events.
 
 use std::collections::HashMap;
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
+use mongodb::bson::{DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
 
-use super::{Request, pick::Picking, read::FreeLane, take::Hold};
+use super::pick::Picking;
 use crate::{
     error::Result,
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, MAX_CLAIM_LIMIT, int, int32, string, whole_number},
-        park::ParkedHead,
+        lane::{MAX_CLAIM_LIMIT, int, int32, string, whole_number},
         schema::{field, index, lane, status},
     },
 };
@@ -155,24 +150,6 @@ impl Candidate {
         })
     }
 
-    /// A parked head as a candidate, when it is due at `now` and was read with what a claim
-    /// needs.
-    pub(super) fn from_parked(head: &ParkedHead, now: DateTime) -> Option<Candidate> {
-        let due_at = head.due_at.filter(|due| *due <= now)?;
-        Some(Candidate {
-            id: head.id,
-            lane: head.lane?,
-            event_id: head.event_id.clone()?,
-            handler: head.handler.clone(),
-            key: Some(head.key.clone()),
-            sequence: Some(head.sequence),
-            attempts: head.attempts,
-            claims: head.claims,
-            due_at,
-            quick_since: head.quick_since,
-        })
-    }
-
     pub(super) fn from_document(doc: &Document) -> Option<Candidate> {
         Some(Candidate {
             id: doc.get_object_id(field::ID).ok()?,
@@ -198,11 +175,7 @@ impl Candidate {
 pub(super) struct Scan {
     /// The per-key rules, with what they picked and what waits.
     pub(super) picking: Picking,
-    /// Whether a scan's first page brings the events of its deliveries along: for a scan that
-    /// expects a few deliveries, where one round trip less matters more than the server's
-    /// cost of a `$lookup` per delivery.
-    with_events: bool,
-    /// The events the scans brought along, by event id.
+    /// The events read with the deliveries, by event id (none so far: see `events_missing`).
     pub(super) events: HashMap<String, RawDocumentBuf>,
 }
 
@@ -210,7 +183,6 @@ impl Scan {
     pub(super) fn new(picking: Picking) -> Scan {
         Scan {
             picking,
-            with_events: false,
             events: HashMap::new(),
         }
     }
@@ -220,31 +192,6 @@ impl Scan {
 /// plus a few deliveries that may be blocked.
 pub(super) fn page_window(need: usize) -> usize {
     (need + 16).min(MAX_CLAIM_LIMIT as usize * 2)
-}
-
-/// The first page of a scan as aggregation stages: the due, ready deliveries matching
-/// `filter` in `(dueAt, _id)` order, at most `window`, each with its event (`event`, an array
-/// of at most one document).
-pub(super) fn page_with_events(filter: Document, window: usize, events: &str) -> Vec<Document> {
-    vec![
-        doc! { "$match": filter },
-        doc! { "$sort": { field::DUE_AT: 1, field::ID: 1 } },
-        doc! { "$limit": window as i64 },
-        doc! { "$project": candidate_fields() },
-        event_lookup(events),
-    ]
-}
-
-/// The stage that brings each delivery's event along, as `event` (an array of at most one
-/// document, without the event's handler list), from the events collection `events`.
-pub(super) fn event_lookup(events: &str) -> Document {
-    doc! { "$lookup": {
-        "from": events,
-        "localField": field::EVENT_ID,
-        "foreignField": field::ID,
-        "pipeline": [{ "$project": { field::HANDLERS: 0 } }],
-        "as": "event",
-    } }
 }
 
 /// The fields of a delivery a scan reads (see [`Candidate`]).
@@ -321,14 +268,6 @@ impl MongoEventStore {
                 let Some(candidate) = Candidate::from_raw(doc) else {
                     continue;
                 };
-                if let Ok(events) = doc.get_array("event")
-                    && let Some(Ok(event)) = events.into_iter().next()
-                    && let Some(event) = event.as_document()
-                {
-                    scan.events
-                        .entry(candidate.event_id.clone())
-                        .or_insert_with(|| event.to_raw_document_buf());
-                }
                 page.push(candidate);
             }
             let exhausted = raw.len() < window;
@@ -377,8 +316,7 @@ impl MongoEventStore {
     }
 
     /// The first page of a scan with `filter`, at most `window` deliveries, leaving out those
-    /// the claim already knows run (on the index keys); with their events when the scan reads
-    /// them.
+    /// the claim already knows run (on the index keys).
     async fn first_page(
         &self,
         mut filter: Document,
@@ -389,110 +327,25 @@ impl MongoEventStore {
             let running: Vec<ObjectId> = scan.picking.running.iter().copied().collect();
             filter.insert(field::ID, doc! { "$nin": running });
         }
-        Ok(if scan.with_events {
-            self.inner
-                .deliveries
-                .aggregate(page_with_events(filter, window, self.inner.events.name()))
-                .hint(index::hint(index::CLAIM))
-                .batch_size(window as u32 + 1)
-                .await?
-                .with_type::<RawDocumentBuf>()
-                .try_collect()
-                .await?
-        } else {
-            self.inner
-                .deliveries
-                .clone_with_type::<RawDocumentBuf>()
-                .find(filter)
-                .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
-                .projection(candidate_fields())
-                .hint(index::hint(index::CLAIM))
-                .limit(window as i64)
-                // One more than the page holds, so that the first batch ends the cursor.
-                .batch_size(window as u32 + 1)
-                .await?
-                .try_collect()
-                .await?
-        })
+        self.page(filter, window).await
     }
 
-    /// After an idle wait: scans the lanes where new deliveries were `reported` meanwhile, held
-    /// or free, as they hold the only new work; nothing is ranked. The page of them the first
-    /// read brought along (`prescanned`, with events) is picked from first, unless it is full:
-    /// then the lanes are scanned as usual.
-    ///
-    /// Returns whether the claim picked every due delivery of the reported lanes: the first
-    /// read saw them all (less than a page), each in a lane the claim could pick from, and none
-    /// was left waiting or running.
-    pub(super) async fn scan_reported_lanes(
-        &self,
-        request: &Request<'_>,
-        reported: &[i32],
-        free: &[FreeLane],
-        prescanned: Vec<Document>,
-        lanes: &mut Vec<(Lane, Hold)>,
-        scan: &mut Scan,
-    ) -> Result<bool> {
-        let Request { handlers, now, .. } = *request;
-        let mut ready: Vec<i32> = lanes
-            .iter()
-            .map(|(lane, _)| lane.id)
-            .filter(|lane| reported.contains(lane))
-            .collect();
-        let chosen: Vec<i32> = reported
-            .iter()
-            .filter(|id| free.iter().any(|lane| lane.lane.id == **id))
-            .copied()
-            .collect();
-        // The first read's page holds for held lanes and for free lanes read without a
-        // write; a lane taken with a write (lost claims charged) is read again.
-        ready.extend(
-            chosen
-                .iter()
-                .filter(|id| free.iter().any(|lane| lane.lane.id == **id && lane.clean)),
-        );
-        let joined = self.join_lanes(&chosen, free, lanes, request).await?;
-        scan.with_events = true;
-        let mut picked_all = false;
-        if prescanned.len() < page_window(scan.picking.limit) {
-            let mut page = Vec::with_capacity(prescanned.len());
-            let mut passed_over = false;
-            for doc in &prescanned {
-                let Some(candidate) = Candidate::from_document(doc) else {
-                    passed_over = true;
-                    continue;
-                };
-                if !ready.contains(&candidate.lane) {
-                    passed_over = true;
-                    continue;
-                }
-                if let Ok(events) = doc.get_array("event")
-                    && let Some(Bson::Document(event)) = events.first()
-                    && let Ok(raw) = RawDocumentBuf::from_document(event)
-                {
-                    scan.events.insert(candidate.event_id.clone(), raw);
-                }
-                page.push(candidate);
-            }
-            let seen = page.len();
-            let before = scan.picking.picks.len();
-            self.look_up_and_pick(page, scan).await?;
-            let again: Vec<i32> = joined
-                .into_iter()
-                .filter(|lane| !ready.contains(lane))
-                .collect();
-            picked_all =
-                !passed_over && again.is_empty() && scan.picking.picks.len() - before == seen;
-            self.scan_lanes(&again, handlers, now, scan).await?;
-        } else {
-            // More than one page: scan them as usual.
-            ready.extend(joined);
-            ready.sort_unstable();
-            ready.dedup();
-            self.scan_lanes(&ready, handlers, now, scan).await?;
-        }
-        scan.with_events = false;
-        Ok(picked_all)
+    /// At most `window` due, ready deliveries matching `filter`, in `(dueAt, _id)` order.
+    pub(super) async fn page(&self, filter: Document, window: usize) -> Result<Vec<RawDocumentBuf>> {
+        Ok(self
+            .inner
+            .deliveries
+            .clone_with_type::<RawDocumentBuf>()
+            .find(filter)
+            .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
+            .projection(candidate_fields())
+            .hint(index::hint(index::CLAIM))
+            .limit(window as i64)
+            // One more than the page holds, so that the first batch ends the cursor.
+            .batch_size(window as u32 + 1)
+            .await?
+            .try_collect()
+            .await?)
     }
 
     /// Looks up, in parallel, the lowest pending delivery of the keys of `page` that the per-key

@@ -1,11 +1,13 @@
-//! Taking lanes: joining free lanes to a claim, and charging the claims earlier holders lost.
+//! Taking lanes: the free lanes a member owns, free lanes joined to a claim, and the claims
+//! earlier holders lost.
 //!
-//! A free lane with nothing in flight and nothing lost is read without a write: the record
-//! takes it, on condition that its epoch, its requeue count and its empty lists are still what
-//! was read. Any other free lane is taken at once with a conditional `findAndModify` that
-//! increments the lane epoch and moves the previous holder's in-flight list to `lost`, which the
-//! claim charges, one attempt per lost claim that may have started and once, before it reads
-//! anything from the lane.
+//! The owned lanes that are free and clean (nothing in flight, nothing lost) are taken in one
+//! conditional write that increments their epochs. Any other free lane is taken with a
+//! conditional `findAndModify` that increments the lane epoch and moves the previous holder's
+//! in-flight list to `lost`, which the claim charges, one attempt per lost claim that may have
+//! started and once, before it reads anything from the lane. A free, clean lane joined to a
+//! claim for its work is read without a write: the record takes it, on condition that its
+//! epoch, its requeue count and its empty lists are still what was read.
 
 use std::collections::{HashMap, HashSet};
 
@@ -15,12 +17,12 @@ use mongodb::{
     options::ReturnDocument,
 };
 
-use super::{Request, read::FreeLane};
+use super::{Request, free::FreeLane};
 use crate::{
     error::{Error, Result},
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, LostClaim, STATEMENTS_PER_COMMAND, int, string},
+        lane::{Lane, LostClaim, STATEMENTS_PER_COMMAND, free_and_clean, int, string},
         schema::{field, path, status},
     },
 };
@@ -82,6 +84,68 @@ impl MongoEventStore {
             lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
         }
         Ok(scanned)
+    }
+
+    /// Takes the free lanes among the owned `ids`: the clean ones in one write, then the others
+    /// one by one, their lost claims charged. Returns the lanes taken; a lane another holder
+    /// still holds is left out.
+    pub(super) async fn take_owned(&self, ids: &[i32], request: &Request<'_>) -> Result<Vec<Lane>> {
+        let Request {
+            owner,
+            expires_at,
+            now,
+            ..
+        } = *request;
+        let inner = &self.inner;
+        let instance = inner.claims.instance;
+        let mut clean = doc! { field::ID: { "$in": ids } };
+        clean.extend(free_and_clean(now));
+        inner
+            .lanes
+            .update_many(
+                clean,
+                vec![doc! { "$set": {
+                    field::EPOCH: { "$add": [{ "$ifNull": [path::EPOCH, 0_i64] }, 1_i64] },
+                    field::OWNER: { "$literal": owner },
+                    field::INSTANCE: { "$literal": instance },
+                    field::LEASE_EXPIRES_AT: { "$literal": expires_at },
+                    field::IN_FLIGHT: { "$literal": [] },
+                    field::LOST: { "$literal": [] },
+                } }],
+            )
+            .await?;
+        let docs: Vec<Document> = inner
+            .lanes
+            .find(doc! { field::ID: { "$in": ids } })
+            .await?
+            .try_collect()
+            .await?;
+        let mut taken = Vec::new();
+        let mut dirty = Vec::new();
+        for doc in &docs {
+            let Some(lane) = Lane::from_document(doc) else {
+                continue;
+            };
+            let ours = doc.get_str(field::OWNER) == Ok(owner)
+                && doc.get_object_id(field::INSTANCE) == Ok(instance);
+            let expired = doc
+                .get_datetime(field::LEASE_EXPIRES_AT)
+                .map_or(true, |at| *at <= now);
+            let unheld = doc.get_str(field::OWNER).is_err();
+            if ours {
+                taken.push(lane);
+            } else if unheld || expired {
+                dirty.push(lane.id);
+            }
+        }
+        if !dirty.is_empty() {
+            let more = self.take_lanes(&dirty, owner, expires_at, now).await?;
+            let taken_over = more.iter().filter(|lane| !lane.lost.is_empty()).count();
+            crate::telemetry::record_takeovers(taken_over as u64, 0);
+            self.charge_lost(&more, now).await?;
+            taken.extend(more);
+        }
+        Ok(taken)
     }
 
     /// Takes free lanes, in parallel, each with one conditional `findAndModify`: the epoch grows
