@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use futures::TryStreamExt;
 use mongodb::{
     Client,
     bson::{Bson, DateTime, Document, doc},
@@ -471,7 +472,7 @@ fn ids_in_lane(prefix: &str, lane: u32, count: usize) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn claimers_take_free_lanes_among_the_oldest_due() {
+async fn owners_of_no_lanes_take_free_lanes_oldest_due_first_in_growing_rounds() {
     let db = test_db("spec_lane_taking").await;
     let store = store(&db).await;
     // 128 free lanes with one due delivery each, the lane of rank r due r seconds after the
@@ -480,102 +481,75 @@ async fn claimers_take_free_lanes_among_the_oldest_due() {
     let ranked: Vec<u32> = (0..128).map(|rank| (rank * 37 + 11) % 256).collect();
     one_due_in_each(&store, &ranked, now).await;
 
-    // Claims of 4 deliveries take a first round of 4 lanes. Alone, a claimer takes the 4
-    // oldest; with others holding lanes it takes those of its own slot among the oldest
-    // 4 × spread (the spread being at most 8), and 4 at random among them if none is its own:
-    // never a lane outside the oldest 32 still free in its first round. A claim whose own lanes
-    // there are fewer than 4 looks for more of its own in a next round among the oldest 32 of
-    // the others, and comes back short rather than take another claimer's: with `n` lanes
-    // taken, none outside the oldest 32 + n - 1.
-    let mut free = ranked.clone();
+    // A member claims for another handler: the members' handler sets differ, so none owns
+    // lanes, and each takes free lanes with work as the specification says: 4 lanes in a
+    // first round, the oldest due first, then 8, 16, ... until the claim is full.
+    // The auditor, alone at first, owned and took every lane; once the claimer joined, it
+    // owns none and hands them back at its next claim.
+    let auditor = ["auditor".to_owned()];
     let handlers = ["projector".to_owned()];
-    for claimer in 0..8 {
-        let owner = format!("claimer-{claimer}");
-        let batch = claim_as(&store, &owner, &handlers, 4, now).await;
-        assert!((1..=4).contains(&batch.len()), "{owner}: {}", batch.len());
-        let taken: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
-        let ranks: Vec<usize> = taken
+    assert!(claim_as(&store, "auditor", &auditor, 4, now).await.is_empty());
+    assert_eq!(held_lanes(&db).await.len(), 256);
+    assert!(claim_as(&store, "claimer", &handlers, 4, now).await.is_empty());
+    assert!(claim_as(&store, "auditor", &auditor, 4, now).await.is_empty());
+    assert!(held_lanes(&db).await.is_empty());
+    let rank_of = |batch: &[relaybus::store::Claimed<relaybus::Lease>]| {
+        let mut ranks: Vec<usize> = batch
             .iter()
-            .map(|lane| {
-                free.iter()
-                    .position(|f| f == lane)
-                    .expect("a lane that was free")
-            })
+            .map(|c| ranked.iter().position(|lane| *lane == c.lease.lane()).unwrap())
             .collect();
-        if claimer == 0 {
-            let mut sorted = ranks.clone();
-            sorted.sort_unstable();
-            assert_eq!(sorted, [0, 1, 2, 3], "alone, the oldest four");
-        }
-        assert!(
-            ranks.iter().all(|rank| *rank < 32 + ranks.len() - 1),
-            "{owner} took lanes of ranks {ranks:?} among the free ones"
-        );
-        free.retain(|lane| !taken.contains(lane));
-    }
+        ranks.sort_unstable();
+        ranks
+    };
+    let first = claim_as(&store, "claimer", &handlers, 4, now).await;
+    assert_eq!(rank_of(&first), [0, 1, 2, 3], "the oldest four");
+    // Its lanes run what it took; the next claim takes a round of 4 and one of 8.
+    let second = claim_as(&store, "claimer", &handlers, 12, now).await;
+    assert_eq!(rank_of(&second), (4..16).collect::<Vec<_>>());
+    let held = held_lanes(&db).await;
+    assert_eq!(held.len(), 16, "a lane per delivery running: {held:?}");
+    // Completed, the lanes run nothing and yield nothing: the next claim hands them back.
+    let leases: Vec<relaybus::Lease> = first.iter().chain(&second).map(|c| c.lease).collect();
+    assert!(Store::complete(&store, &leases, now).await.unwrap().iter().all(|done| *done));
+    let third = claim_as(&store, "claimer", &handlers, 4, now).await;
+    assert_eq!(rank_of(&third), [16, 17, 18, 19]);
+    assert_eq!(held_lanes(&db).await.len(), 4, "the 16 emptied lanes went back");
 }
 
 #[tokio::test]
-async fn claimers_that_see_each_other_take_free_lanes_of_their_own_slot() {
-    let db = test_db("spec_lane_slots").await;
+async fn members_split_the_lanes_and_hand_on_those_that_moved_once_they_run_nothing() {
+    let db = test_db("spec_lane_members").await;
     let (store, now) = one_due_per_lane(&db).await;
     let handlers = ["projector".to_owned()];
 
-    // Alone, `a` takes the 4 oldest lanes. `b` sees `a` hold lanes: of the 2 holders it comes
-    // second, so it takes the odd lanes among the oldest 8 still free, oldest first; then `a`,
-    // first of the 2, the even ones. Neither takes a lane the other could have taken.
+    // Alone, `a` owns every lane: it takes them all, and its claim the 4 oldest deliveries.
     let first = claim_as(&store, "a", &handlers, 4, now).await;
-    assert_eq!(lanes_of(&first), [0, 1, 2, 3], "alone, the oldest four");
-    let second = claim_as(&store, "b", &handlers, 4, now).await;
-    assert_eq!(
-        lanes_of(&second),
-        [5, 7, 9, 11],
-        "b: its own among lanes 4 to 11"
-    );
-    let third = claim_as(&store, "a", &handlers, 4, now).await;
-    assert_eq!(
-        lanes_of(&third),
-        [4, 6, 8, 10],
-        "a: its own among lanes 4, 6, 8, 10, 12 to 15"
-    );
-}
+    assert_eq!(lanes_of(&first), [0, 1, 2, 3]);
+    let held = held_lanes(&db).await;
+    assert_eq!(held.len(), 256);
+    assert!(held.values().all(|owner| owner == "a"));
 
-#[tokio::test]
-async fn owners_of_one_store_instance_take_lanes_of_their_own_slots_before_they_hold_any() {
-    let db = test_db("spec_lane_slots_local").await;
-    let (store, now) = one_due_per_lane(&db).await;
-    let handlers = ["projector".to_owned()];
-
-    // `a` claims through the same store instance and finds nothing (another handler): it holds
-    // no lane, so no lane read shows it, but `b` counts it, comes second of the two, and takes
-    // the odd lanes among the oldest 8.
-    let other = ["auditor".to_owned()];
-    assert!(claim_as(&store, "a", &other, 4, now).await.is_empty());
-    let batch = claim_as(&store, "b", &handlers, 4, now).await;
-    assert_eq!(lanes_of(&batch), [1, 3, 5, 7]);
-}
-
-#[tokio::test]
-async fn a_claim_that_found_lanes_of_its_own_slot_takes_no_others() {
-    let db = test_db("spec_lane_slots_own_only").await;
-    let (store, now) = one_due_per_lane(&db).await;
-    let handlers = ["projector".to_owned()];
-
-    // `b` claims through the same store instance first and finds nothing; `a` comes first of
-    // the two. Asking for more than its slot has, `a` takes even lanes, round after round, and
-    // no odd one: those are `b`'s, whose claim may be taking them at this moment.
-    let other = ["auditor".to_owned()];
-    assert!(claim_as(&store, "b", &other, 4, now).await.is_empty());
-    let batch = claim_as(&store, "a", &handlers, 40, now).await;
-    let lanes = lanes_of(&batch);
-    assert!(lanes.len() > 16, "{lanes:?}");
-    assert!(lanes.iter().all(|lane| lane % 2 == 0), "{lanes:?}");
-
-    // With nothing left in its own lanes, its next claim helps with the others'.
-    let batch = claim_as(&store, "a", &handlers, 40, now).await;
-    assert!(!batch.is_empty());
-    let lanes = lanes_of(&batch);
-    assert!(lanes.iter().all(|lane| lane % 2 == 1), "{lanes:?}");
+    // `b` joins: it owns about half the lanes now, but `a` holds them under a live lease.
+    assert!(claim_as(&store, "b", &handlers, 64, now).await.is_empty());
+    // `a` claims again: it scans only the lanes it still owns, and hands on the others that
+    // run nothing; the lanes of its first claim's deliveries it keeps while they run.
+    let mine = claim_as(&store, "a", &handlers, 64, now).await;
+    let held = held_lanes(&db).await;
+    let of_a: Vec<u32> = held.iter().filter(|(_, o)| *o == "a").map(|(l, _)| *l).collect();
+    let given: Vec<u32> = (0..256).filter(|lane| !held.contains_key(lane)).collect();
+    assert!((60..=200).contains(&given.len()), "{} lanes handed on", given.len());
+    assert!(lanes_of(&mine).iter().all(|lane| of_a.contains(lane)));
+    // `b` takes the lanes it owns and their deliveries; `a` keeps the running ones.
+    let theirs = claim_as(&store, "b", &handlers, 64, now).await;
+    assert_eq!(lanes_of(&theirs), given.iter().copied().filter(|l| *l < 64).collect::<Vec<_>>());
+    let held = held_lanes(&db).await;
+    assert_eq!(held.len(), 256);
+    let of_b: Vec<u32> = held.iter().filter(|(_, o)| *o == "b").map(|(l, _)| *l).collect();
+    assert_eq!(of_b, given);
+    // Every delivery went to exactly one of them.
+    let mut all: Vec<u32> = [first, mine, theirs].iter().flat_map(|b| lanes_of(b)).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..64).collect::<Vec<_>>());
 }
 
 #[tokio::test]
@@ -584,8 +558,8 @@ async fn an_owner_that_relinquished_its_lanes_no_longer_counts_among_the_claimer
     let (store, now) = one_due_per_lane(&db).await;
     let handlers = ["projector".to_owned()];
 
-    // `b` claimed through the same store instance, then stopped: `a` is alone again and takes
-    // the oldest lanes, not the even ones of its slot among two.
+    // `b` claimed through the same store instance, then stopped: `a` is the only member again,
+    // owns every lane, and takes the oldest deliveries.
     let other = ["auditor".to_owned()];
     assert!(claim_as(&store, "b", &other, 4, now).await.is_empty());
     Store::relinquish(&store, "b").await.unwrap();
@@ -626,6 +600,28 @@ async fn one_due_in_each(store: &MongoEventStore, lanes: &[u32], now: Timestamp)
     .unwrap();
 }
 
+/// The lanes held, with their holders.
+async fn held_lanes(db: &TestDb) -> std::collections::BTreeMap<u32, String> {
+    let lanes: Vec<Document> = db
+        .db()
+        .collection::<Document>("relaybus_lanes")
+        .find(doc! { "owner": { "$type": "string" } })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    lanes
+        .iter()
+        .map(|lane| {
+            (
+                lane.get_i32("_id").unwrap() as u32,
+                lane.get_str("owner").unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
 /// The lanes of a claim's deliveries, sorted.
 fn lanes_of(batch: &[relaybus::store::Claimed<relaybus::Lease>]) -> Vec<u32> {
     let mut lanes: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
@@ -634,12 +630,12 @@ fn lanes_of(batch: &[relaybus::store::Claimed<relaybus::Lease>]) -> Vec<u32> {
 }
 
 #[tokio::test]
-async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
+async fn a_claim_over_more_than_128_lanes_takes_the_oldest_due_deliveries_of_all() {
     let db = test_db("spec_lane_ranking_deep").await;
     let store = store(&db).await;
-    // The four lowest lanes hold 300 recent deliveries each, more than a ranking's first pass
-    // over the claim index reads; lane 1 also holds one of the four oldest, and lanes 200 to
-    // 202, which the first pass does not reach, the other three.
+    // The four lowest lanes hold 300 recent deliveries each, more than a first page reads;
+    // lane 1 also holds one of the four oldest, and lanes 200 to 202, which a query of the
+    // first 128 lanes does not reach, the other three.
     let now = Timestamp::now();
     let recent = now.saturating_sub(Duration::from_secs(10));
     let mut due: Vec<(String, Timestamp)> = Vec::new();
@@ -666,7 +662,8 @@ async fn a_ranking_whose_first_pass_stops_short_still_takes_the_oldest_lanes() {
     .await
     .unwrap();
 
-    // Alone, a claim of 4 takes the 4 lanes with the oldest due deliveries, and runs those.
+    // Alone, its claimer owns every lane: a claim of 4 reads them in two groups and takes the 4
+    // oldest due deliveries of both.
     let batch = claim_as(&store, "claimer", &handlers, 4, now).await;
     let mut taken: Vec<u32> = batch.iter().map(|c| c.lease.lane()).collect();
     taken.sort_unstable();

@@ -212,6 +212,9 @@ pub(crate) struct OwnerState {
     pub(crate) taken_at: Option<(u64, super::claim::Tried)>,
     /// When the owner last looked at free lanes.
     pub(crate) probed_at: Option<super::claim::Tried>,
+    /// The lanes it holds that it took to help with, not owning them: scanned until they are
+    /// handed back.
+    pub(crate) helping: std::collections::HashSet<i32>,
 }
 
 /// What one store instance (one `build()`, shared by clones) knows about its claims.

@@ -77,7 +77,8 @@ impl MongoEventStore {
     /// Moves the lowest parked delivery of each key of `handler` back to the ready lane when
     /// nothing pending precedes it, but for the keys in `running` (`(handler, key)`): one of
     /// their deliveries runs, so none of the others can be claimed yet, and a later claim looks
-    /// again. Returns whether it found parked deliveries, and how many it moved.
+    /// again. Returns whether it found parked deliveries, how many it moved, and the lowest
+    /// pending delivery of each key it looked at (after the move: a head moved is its key's).
     ///
     /// One aggregation (a distinct scan of the small `parked` index), one predecessor probe per
     /// key (sent together, see [`lowest_pending`](Self::lowest_pending)), then one update.
@@ -85,7 +86,7 @@ impl MongoEventStore {
         &self,
         handler: &str,
         running: &HashSet<(String, String)>,
-    ) -> Result<(bool, u64)> {
+    ) -> Result<(bool, u64, HashMap<(String, String), (ObjectId, i64)>)> {
         let heads: Vec<ParkedHead> = self
             .inner
             .deliveries
@@ -103,7 +104,7 @@ impl MongoEventStore {
             .filter(|head| !running.contains(&(head.handler.clone(), head.key.clone())))
             .collect();
         if heads.is_empty() {
-            return Ok((found, 0));
+            return Ok((found, 0, HashMap::new()));
         }
         let keys: Vec<(String, String)> = heads
             .iter()
@@ -120,7 +121,8 @@ impl MongoEventStore {
             })
             .map(|head| head.id)
             .collect();
-        Ok((found, self.unpark_ids(free).await?))
+        let moved = self.unpark_ids(free).await?;
+        Ok((found, moved, lowest))
     }
 
     /// Sends the parked deliveries `ids` back to their lanes, those still parked and pending.

@@ -101,11 +101,17 @@ impl Members {
         self.changed();
     }
 
+    /// Notes that lanes were handed back: owners of this instance that wait for them try to
+    /// take them at their next claim.
+    pub(crate) fn lanes_freed(&self) {
+        self.changed();
+    }
+
     fn changed(&self) {
         *lock(&self.generation) += 1;
     }
 
-    /// A number that changes whenever the member list does.
+    /// A number that changes whenever the member list does, or lanes were handed back.
     pub(crate) fn generation(&self) -> u64 {
         *lock(&self.generation)
     }

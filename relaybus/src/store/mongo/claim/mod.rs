@@ -48,7 +48,7 @@ use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
 use self::{
     members::Members,
     pick::{KeyOf, Picking},
-    scan::{Scan, page_window, scan_filter},
+    scan::{Scan, page_window},
     take::Hold,
 };
 use super::{
@@ -369,18 +369,18 @@ impl MongoEventStore {
         let instance = inner.claims.instance;
         let issued = inner.claims.snapshot();
 
-        // The owner's lanes, read while the first page of the lanes it kept is.
+        // The owner's lanes, read while the first pages of the lanes it kept are.
         let expected = std::mem::take(&mut state.held);
         let window = page_window(limit + state.running);
-        let first_page = async {
+        let first_pages = async {
             if expected.is_empty() {
                 return Ok(None);
             }
-            self.page(scan_filter(&expected, handlers, now), window)
+            self.first_pages(&expected, handlers, now, window, &HashSet::new())
                 .await
                 .map(Some)
         };
-        let (held, first_page) = futures::join!(self.own_lanes(owner), first_page);
+        let (held, first_pages) = futures::join!(self.own_lanes(owner), first_pages);
         let (held, found) = held?;
         let lost: Vec<Lane> = held
             .iter()
@@ -416,14 +416,19 @@ impl MongoEventStore {
             }
         }
 
-        // Parked heads whose predecessors finished go back to their lanes first.
-        let unparked = self.unpark_for_claim(handlers, &listed.running_keys, now).await;
+        // Parked heads whose predecessors finished go back to their lanes first; what it looked
+        // up of their keys serves the per-key rules.
+        let (unparked, lowest) = self.unpark_for_claim(handlers, &listed.running_keys, now).await;
 
-        // Scanning the lanes it owns and holds (all it holds when it owns none).
+        // Scanning the lanes it owns and holds, and those it took to help with (all it holds
+        // when it owns none). A lane that moved to another member is not scanned: it is handed
+        // on once it runs nothing.
         let mut scanned: Vec<i32> = lanes
             .iter()
             .map(|(lane, _)| lane.id)
-            .filter(|id| owned.as_ref().is_none_or(|owned| owned.contains(id)))
+            .filter(|id| {
+                owned.as_ref().is_none_or(|owned| owned.contains(id)) || state.helping.contains(id)
+            })
             .collect();
         scanned.sort_unstable();
         let running_count = listed.running.len();
@@ -432,10 +437,11 @@ impl MongoEventStore {
             listed.running,
             listed.running_keys,
         ));
-        let first_page = first_page?
-            .filter(|_| scanned == expected && !unparked)
-            .map(|page| (page, window));
-        self.scan_lanes_from(&scanned, handlers, now, &mut scan, first_page)
+        scan.picking
+            .learn_heads(lowest.keys().cloned().collect(), &lowest);
+        // Deliveries unparking sent back to the lanes are not in the pages read before.
+        let first_pages = first_pages?.filter(|_| !unparked);
+        self.scan_lanes_from(&scanned, handlers, now, &mut scan, first_pages)
             .await?;
 
         // Free lanes with work, when its own did not fill the claim: at once when it owns
@@ -448,7 +454,14 @@ impl MongoEventStore {
                     .is_none_or(|tried| tried.due(PROBE_INTERVAL, now)));
         if probe {
             state.probed_at = Some(Tried::at(now));
+            let before: HashSet<i32> = lanes.iter().map(|(lane, _)| lane.id).collect();
             self.take_free_lanes(request, &mut lanes, &mut scan).await?;
+            state.helping.extend(
+                lanes
+                    .iter()
+                    .map(|(lane, _)| lane.id)
+                    .filter(|id| !before.contains(id)),
+            );
         }
 
         // Recording, while the events of the picks are read; then parking what waits.
@@ -468,13 +481,23 @@ impl MongoEventStore {
             self.record(request, lanes, picks.clone(), &running, &keep),
         );
         let recorded = recorded?;
+        if !recorded.handed_back.is_empty() {
+            // The owners of the lanes handed back on this instance take them at their next claim.
+            inner.members.lanes_freed();
+        }
         events.extend(read?);
+        state
+            .helping
+            .retain(|id| recorded.lanes.iter().any(|lane| lane.id == *id));
+        state.helping.retain(|id| !recorded.handed_back.contains(id));
         state.held = recorded
             .lanes
             .iter()
             .map(|lane| lane.id)
             .filter(|id| !recorded.handed_back.contains(id))
-            .filter(|id| owned.as_ref().is_none_or(|owned| owned.contains(id)))
+            .filter(|id| {
+                owned.as_ref().is_none_or(|owned| owned.contains(id)) || state.helping.contains(id)
+            })
             .collect();
         state.held.sort_unstable();
         state.running = running_count + recorded.picks.len();
@@ -576,13 +599,14 @@ impl MongoEventStore {
     /// Sends the lowest parked delivery of each key of `handlers` back to its lane when nothing
     /// pending precedes it, for the handlers whose parked deliveries are looked up now (see
     /// `ParkedLookup`). Keys with a delivery running are left: their next claims look again.
-    /// Best effort; `true` when it moved any.
+    /// Best effort. Whether it moved any, and the lowest pending delivery of each key it
+    /// looked at.
     async fn unpark_for_claim(
         &self,
         handlers: &[&str],
         running_keys: &HashSet<KeyOf>,
         now: DateTime,
-    ) -> bool {
+    ) -> (bool, HashMap<KeyOf, (ObjectId, i64)>) {
         let claims = &self.inner.claims;
         let parkings = claims.parkings();
         let looked: Vec<&str> = handlers
@@ -595,31 +619,30 @@ impl MongoEventStore {
                 )
             })
             .collect();
-        if looked.is_empty() {
-            return false;
-        }
         let unparked =
             future::join_all(looked.iter().map(|handler| self.unpark(handler, running_keys)))
                 .await;
         let mut found_for = HashSet::new();
         let mut moved = 0;
+        let mut lowest = HashMap::new();
         for (handler, unparked) in looked.iter().zip(unparked) {
             match unparked {
-                Ok((found, count)) => {
+                Ok((found, count, looked_up)) => {
                     if found {
                         found_for.insert(*handler);
                     }
                     moved += count;
+                    lowest.extend(looked_up);
                 }
                 Err(error) => {
                     // A later claim looks again.
                     tracing::warn!(%error, "relaybus: unparking deliveries failed");
-                    return false;
+                    return (false, HashMap::new());
                 }
             }
         }
         claims.note_parked_lookup(looked.iter().copied(), &found_for, now, parkings);
-        moved > 0
+        (moved > 0, lowest)
     }
 }
 

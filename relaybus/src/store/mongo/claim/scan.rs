@@ -6,9 +6,9 @@
 //! lowest pending delivery of each key the page brings for the first time (one distinct scan
 //! per handler and group of keys, in parallel): picking itself reads nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use futures::TryStreamExt;
+use futures::{TryStreamExt, future};
 use mongodb::bson::{DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::ObjectId};
 
 use super::pick::Picking;
@@ -170,6 +170,16 @@ impl Candidate {
     }
 }
 
+/// The first pages of a scan, one per group of 128 lanes.
+#[derive(Debug)]
+pub(super) struct FirstPages {
+    /// The lanes they were read for.
+    lanes: Vec<i32>,
+    /// The most deliveries a page could hold.
+    window: usize,
+    pages: Vec<Vec<RawDocumentBuf>>,
+}
+
 /// What one claim gathers as it scans.
 #[derive(Debug)]
 pub(super) struct Scan {
@@ -233,54 +243,74 @@ impl MongoEventStore {
         self.scan_lanes_from(lanes, handlers, now, scan, None).await
     }
 
-    /// [`scan_lanes`](Self::scan_lanes), with the first page of `lanes` already read (`first`:
-    /// the page and the most it could hold), when they fit in one query.
+    /// The first pages of a scan of `lanes`, one per group of 128 lanes, read at the same time:
+    /// at most `window` deliveries each, leaving out those in `running` (on the index keys).
+    pub(super) async fn first_pages(
+        &self,
+        lanes: &[i32],
+        handlers: &[&str],
+        now: DateTime,
+        window: usize,
+        running: &HashSet<ObjectId>,
+    ) -> Result<FirstPages> {
+        let reads = lanes.chunks(LANES_PER_QUERY).map(|group| {
+            let mut filter = scan_filter(group, handlers, now);
+            if !running.is_empty() {
+                let running: Vec<ObjectId> = running.iter().copied().collect();
+                filter.insert(field::ID, doc! { "$nin": running });
+            }
+            self.page(filter, window)
+        });
+        Ok(FirstPages {
+            lanes: lanes.to_vec(),
+            window,
+            pages: future::try_join_all(reads).await?,
+        })
+    }
+
+    /// [`scan_lanes`](Self::scan_lanes), with the first pages of `lanes` already read when
+    /// `first` holds them. The first pages of all groups of lanes are picked from together, in
+    /// `(dueAt, _id)` order; then, while the claim is not full, the rest of each group whose
+    /// page was full, in batches.
     pub(super) async fn scan_lanes_from(
         &self,
         lanes: &[i32],
         handlers: &[&str],
         now: DateTime,
         scan: &mut Scan,
-        mut first: Option<(Vec<RawDocumentBuf>, usize)>,
+        first: Option<FirstPages>,
     ) -> Result<()> {
-        if lanes.len() > LANES_PER_QUERY {
-            first = None;
+        if lanes.is_empty() || scan.picking.full() {
+            return Ok(());
         }
-        for group in lanes.chunks(LANES_PER_QUERY) {
+        // The first pages are sized to fill the claim, plus a few blocked ones.
+        let first = match first.filter(|first| first.lanes == lanes) {
+            Some(first) => first,
+            None => {
+                let window = page_window(scan.picking.limit - scan.picking.picks.len());
+                self.first_pages(lanes, handlers, now, window, &scan.picking.running)
+                    .await?
+            }
+        };
+        let mut merged = Vec::new();
+        let mut unfinished = Vec::new();
+        for (group, raw) in lanes.chunks(LANES_PER_QUERY).zip(&first.pages) {
+            let page: Vec<Candidate> = raw.iter().filter_map(|doc| Candidate::from_raw(doc)).collect();
+            if raw.len() >= first.window
+                && let Some(last) = page.last()
+            {
+                unfinished.push((group, last.due_at, last.id));
+            }
+            merged.extend(page);
+        }
+        merged.sort_by_key(|candidate| (candidate.due_at, candidate.id));
+        self.look_up_and_pick(merged, scan).await?;
+        for (group, due, id) in unfinished {
             if scan.picking.full() {
-                return Ok(());
-            }
-            let filter = scan_filter(group, handlers, now);
-            let projection = candidate_fields();
-            // The first page is sized to fill the claim, plus a few blocked ones; the deliveries
-            // already running are left out on the index keys. The events of the picks are read
-            // afterwards, in one query: for a big page, a `$lookup` here costs the server more
-            // than that extra round trip, and it would read events of deliveries not picked.
-            let (raw, window) = match first.take() {
-                Some(read) => read,
-                None => {
-                    let window = page_window(scan.picking.limit - scan.picking.picks.len());
-                    (self.first_page(filter.clone(), window, scan).await?, window)
-                }
-            };
-            let mut page = Vec::with_capacity(raw.len());
-            for doc in &raw {
-                let Some(candidate) = Candidate::from_raw(doc) else {
-                    continue;
-                };
-                page.push(candidate);
-            }
-            let exhausted = raw.len() < window;
-            let mut last = page.last().map(|c| (c.due_at, c.id));
-            self.look_up_and_pick(page, scan).await?;
-            if exhausted || scan.picking.full() {
-                continue;
+                break;
             }
             // More than one page: go on from where the page ended, in batches.
-            let Some((due, id)) = last.take() else {
-                continue;
-            };
-            let mut rest = filter;
+            let mut rest = scan_filter(group, handlers, now);
             rest.insert(
                 "$or",
                 vec![
@@ -293,7 +323,8 @@ impl MongoEventStore {
                 .deliveries
                 .find(rest)
                 .sort(doc! { field::DUE_AT: 1, field::ID: 1 })
-                .projection(projection)
+                .projection(candidate_fields())
+                .hint(index::hint(index::CLAIM))
                 .batch_size(SCAN_BATCH)
                 .await?;
             let mut batch = Vec::with_capacity(SCAN_BATCH as usize);
@@ -313,21 +344,6 @@ impl MongoEventStore {
             }
         }
         Ok(())
-    }
-
-    /// The first page of a scan with `filter`, at most `window` deliveries, leaving out those
-    /// the claim already knows run (on the index keys).
-    async fn first_page(
-        &self,
-        mut filter: Document,
-        window: usize,
-        scan: &Scan,
-    ) -> Result<Vec<RawDocumentBuf>> {
-        if !scan.picking.running.is_empty() {
-            let running: Vec<ObjectId> = scan.picking.running.iter().copied().collect();
-            filter.insert(field::ID, doc! { "$nin": running });
-        }
-        self.page(filter, window).await
     }
 
     /// At most `window` due, ready deliveries matching `filter`, in `(dueAt, _id)` order.
