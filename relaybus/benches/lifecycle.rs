@@ -499,7 +499,6 @@ async fn relaybus(
     Ok((rate, busiest as f64 / deliveries as f64))
 }
 
-
 /// Median time of a claim of `batch` unkeyed deliveries (each batch completed before the next
 /// claim), in two databases side by side: one plain, one with `backlog` deliveries of another
 /// key waiting behind its running head. Claims alternate between the two, so that both see the

@@ -722,7 +722,6 @@ async fn a_delivery_gone_without_its_settlement_reaching_the_store_frees_its_key
     assert!(claims <= 16, "{claims} claims");
 }
 
-
 /// Makes the next `update` command of the client named `app` apply its writes and then report
 /// a write concern error, as a reply lost after the write would.
 async fn lose_the_reply_of_the_next_update(db: &TestDb, app: &str) -> FailPoint {
@@ -779,6 +778,87 @@ async fn a_failed_claim_reconciles_so_nothing_it_recorded_stays_running() {
             .iter()
             .all(|d| d.attempt() == 1 && d.lease().claims() == 1)
     );
+}
+
+/// What a store instance keeps in memory of its claims and members decides nothing: with it
+/// forgotten in the middle of a drain, the next claim finds its lanes listing deliveries it no
+/// longer knows, reconciles them and hands them out again. The forgotten leases settle nothing,
+/// the new ones everything, a key still runs one delivery at a time, and every delivery
+/// completes once.
+#[tokio::test]
+async fn forgetting_the_claim_state_mid_run_costs_runs_never_a_second_live_lease() {
+    let db = test_db("forgotten").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "u", 20, at(0)).await;
+    let keyed: Vec<EventEnvelope> = (0..3)
+        .map(|i| event(&format!("k-{i}"), Some("k")))
+        .collect();
+    publish(&store, &keyed, &[HANDLER], at(0)).await;
+    let first = claim(&store, "w", 10, at(1)).await;
+    assert_eq!(first.len(), 10);
+    let (done, running) = first.split_at(4);
+    assert!(
+        store
+            .complete_many(&leases(done), at(2))
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+
+    store.forget_claim_state();
+    let again = claim(&store, "w", 100, at(3)).await;
+    // What ran is handed out again under a new claim generation, with the rest: one delivery
+    // of the key, and no key's delivery twice.
+    let ids = |batch: &[ClaimedDelivery]| -> HashSet<ObjectId> {
+        batch.iter().map(|d| d.delivery_id()).collect()
+    };
+    assert!(ids(running).is_subset(&ids(&again)));
+    assert!(ids(done).is_disjoint(&ids(&again)));
+    assert_eq!(
+        again.len(),
+        20 - 4 + 1,
+        "every unkeyed one left and the key's head"
+    );
+    assert_eq!(again.iter().filter(|d| d.key().is_some()).count(), 1);
+    // The forgotten leases settle nothing; the new ones settle everything, once.
+    let stale = store.complete_many(&leases(running), at(4)).await.unwrap();
+    assert!(stale.iter().all(|d| !*d), "{stale:?}");
+    assert!(
+        store
+            .complete_many(&leases(&again), at(4))
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+    let rest = claim(&store, "w", 100, at(5)).await;
+    assert_eq!(
+        rest.iter().map(|d| d.sequence()).collect::<Vec<_>>(),
+        [Some(2)]
+    );
+    assert!(
+        store
+            .complete_many(&leases(&rest), at(6))
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+    let last = claim(&store, "w", 100, at(7)).await;
+    assert_eq!(
+        last.iter().map(|d| d.sequence()).collect::<Vec<_>>(),
+        [Some(3)]
+    );
+    assert!(
+        store
+            .complete_many(&leases(&last), at(8))
+            .await
+            .unwrap()
+            .iter()
+            .all(|d| *d)
+    );
+    assert!(deliveries(&db).await.is_empty());
 }
 
 #[tokio::test]
@@ -1425,12 +1505,30 @@ async fn a_lane_handed_back_parks_the_few_deliveries_waiting_there() {
     // A member of another handler set: no member owns lanes, so `w` hands back the lanes that
     // yield nothing and run nothing, as the specification says. The auditor took every lane
     // while it was alone, and hands them back once `w` joined.
-    assert!(store.claim("auditor", &["auditor"], 5, LEASE, at(0)).await.unwrap().is_empty());
+    assert!(
+        store
+            .claim("auditor", &["auditor"], 5, LEASE, at(0))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert!(claim(&store, "w", 5, at(0)).await.is_empty());
-    assert!(store.claim("auditor", &["auditor"], 5, LEASE, at(0)).await.unwrap().is_empty());
+    assert!(
+        store
+            .claim("auditor", &["auditor"], 5, LEASE, at(0))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     // Appended one at a time, the followers are written ready, not parked.
     for i in 0..3 {
-        publish(&store, &[event(&format!("s-{i}"), Some("slow"))], &[HANDLER], at(0)).await;
+        publish(
+            &store,
+            &[event(&format!("s-{i}"), Some("slow"))],
+            &[HANDLER],
+            at(0),
+        )
+        .await;
     }
     assert_eq!(parked_count(&db).await, 0);
     let head = claim(&store, "w", 5, at(1)).await.remove(0);
@@ -1792,8 +1890,14 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     // A claim from held lanes: the lanes read beside the first pages of the held lanes (two
     // groups of 128: the one owner owns every lane), then the events of the picks beside the
     // record; the first also looks up parked deliveries. Whatever the batch size.
-    assert!(claims[1..].iter().all(|n| *n == claims[1]), "claims: {claims:?}");
-    assert!(claims[1] <= 6 && claims[0] <= claims[1] + 1, "claims: {claims:?}");
+    assert!(
+        claims[1..].iter().all(|n| *n == claims[1]),
+        "claims: {claims:?}"
+    );
+    assert!(
+        claims[1] <= 6 && claims[0] <= claims[1] + 1,
+        "claims: {claims:?}"
+    );
     assert_eq!(completes, vec![3, 3, 3]);
 }
 
@@ -2647,8 +2751,7 @@ async fn an_append_writes_parked_what_waits_behind_a_pending_delivery_of_its_key
 }
 
 #[tokio::test]
-async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_is_claimed_next()
- {
+async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_is_claimed_next() {
     let db = test_db("born_parked_race").await;
     let (client, count, _) = counting_client(&db).await;
     let store = store_parking_behind_pending(&client, &db).await;

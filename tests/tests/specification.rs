@@ -488,15 +488,32 @@ async fn owners_of_no_lanes_take_free_lanes_oldest_due_first_in_growing_rounds()
     // owns none and hands them back at its next claim.
     let auditor = ["auditor".to_owned()];
     let handlers = ["projector".to_owned()];
-    assert!(claim_as(&store, "auditor", &auditor, 4, now).await.is_empty());
+    assert!(
+        claim_as(&store, "auditor", &auditor, 4, now)
+            .await
+            .is_empty()
+    );
     assert_eq!(held_lanes(&db).await.len(), 256);
-    assert!(claim_as(&store, "claimer", &handlers, 4, now).await.is_empty());
-    assert!(claim_as(&store, "auditor", &auditor, 4, now).await.is_empty());
+    assert!(
+        claim_as(&store, "claimer", &handlers, 4, now)
+            .await
+            .is_empty()
+    );
+    assert!(
+        claim_as(&store, "auditor", &auditor, 4, now)
+            .await
+            .is_empty()
+    );
     assert!(held_lanes(&db).await.is_empty());
     let rank_of = |batch: &[relaybus::store::Claimed<relaybus::Lease>]| {
         let mut ranks: Vec<usize> = batch
             .iter()
-            .map(|c| ranked.iter().position(|lane| *lane == c.lease.lane()).unwrap())
+            .map(|c| {
+                ranked
+                    .iter()
+                    .position(|lane| *lane == c.lease.lane())
+                    .unwrap()
+            })
             .collect();
         ranks.sort_unstable();
         ranks
@@ -510,10 +527,20 @@ async fn owners_of_no_lanes_take_free_lanes_oldest_due_first_in_growing_rounds()
     assert_eq!(held.len(), 16, "a lane per delivery running: {held:?}");
     // Completed, the lanes run nothing and yield nothing: the next claim hands them back.
     let leases: Vec<relaybus::Lease> = first.iter().chain(&second).map(|c| c.lease).collect();
-    assert!(Store::complete(&store, &leases, now).await.unwrap().iter().all(|done| *done));
+    assert!(
+        Store::complete(&store, &leases, now)
+            .await
+            .unwrap()
+            .iter()
+            .all(|done| *done)
+    );
     let third = claim_as(&store, "claimer", &handlers, 4, now).await;
     assert_eq!(rank_of(&third), [16, 17, 18, 19]);
-    assert_eq!(held_lanes(&db).await.len(), 4, "the 16 emptied lanes went back");
+    assert_eq!(
+        held_lanes(&db).await.len(),
+        4,
+        "the 16 emptied lanes went back"
+    );
 }
 
 #[tokio::test]
@@ -535,19 +562,41 @@ async fn members_split_the_lanes_and_hand_on_those_that_moved_once_they_run_noth
     // run nothing; the lanes of its first claim's deliveries it keeps while they run.
     let mine = claim_as(&store, "a", &handlers, 64, now).await;
     let held = held_lanes(&db).await;
-    let of_a: Vec<u32> = held.iter().filter(|(_, o)| *o == "a").map(|(l, _)| *l).collect();
+    let of_a: Vec<u32> = held
+        .iter()
+        .filter(|(_, o)| *o == "a")
+        .map(|(l, _)| *l)
+        .collect();
     let given: Vec<u32> = (0..256).filter(|lane| !held.contains_key(lane)).collect();
-    assert!((60..=200).contains(&given.len()), "{} lanes handed on", given.len());
+    assert!(
+        (60..=200).contains(&given.len()),
+        "{} lanes handed on",
+        given.len()
+    );
     assert!(lanes_of(&mine).iter().all(|lane| of_a.contains(lane)));
     // `b` takes the lanes it owns and their deliveries; `a` keeps the running ones.
     let theirs = claim_as(&store, "b", &handlers, 64, now).await;
-    assert_eq!(lanes_of(&theirs), given.iter().copied().filter(|l| *l < 64).collect::<Vec<_>>());
+    assert_eq!(
+        lanes_of(&theirs),
+        given
+            .iter()
+            .copied()
+            .filter(|l| *l < 64)
+            .collect::<Vec<_>>()
+    );
     let held = held_lanes(&db).await;
     assert_eq!(held.len(), 256);
-    let of_b: Vec<u32> = held.iter().filter(|(_, o)| *o == "b").map(|(l, _)| *l).collect();
+    let of_b: Vec<u32> = held
+        .iter()
+        .filter(|(_, o)| *o == "b")
+        .map(|(l, _)| *l)
+        .collect();
     assert_eq!(of_b, given);
     // Every delivery went to exactly one of them.
-    let mut all: Vec<u32> = [first, mine, theirs].iter().flat_map(|b| lanes_of(b)).collect();
+    let mut all: Vec<u32> = [first, mine, theirs]
+        .iter()
+        .flat_map(|b| lanes_of(b))
+        .collect();
     all.sort_unstable();
     assert_eq!(all, (0..64).collect::<Vec<_>>());
 }

@@ -11,8 +11,8 @@ use crate::{
     error::Result,
     store::{
         AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport,
-        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakePace, WakeUp,
+        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
+        Purged, Requeued, Statistics, Store, StoreLease, WakePace, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,

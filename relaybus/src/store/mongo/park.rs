@@ -250,7 +250,12 @@ mod tests {
         };
         let head = ParkedHead::from_document(&base).unwrap();
         assert_eq!(
-            (head.handler.as_str(), head.key.as_str(), head.id, head.sequence),
+            (
+                head.handler.as_str(),
+                head.key.as_str(),
+                head.id,
+                head.sequence
+            ),
             ("projector", "k", id, 2)
         );
         for needed in ["parkedHandler", "parkedKey", "id", "sequence"] {

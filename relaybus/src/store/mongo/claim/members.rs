@@ -337,7 +337,9 @@ mod tests {
     #[test]
     fn every_lane_has_one_owner_and_shares_are_even() {
         let instance = ObjectId::new();
-        let members: Vec<Member> = (0..4).map(|i| member(&format!("bus-{i}"), instance)).collect();
+        let members: Vec<Member> = (0..4)
+            .map(|i| member(&format!("bus-{i}"), instance))
+            .collect();
         let mut owned = vec![0; 256];
         for m in &members {
             let lanes = assignment(&members, &m.owner, instance).unwrap();
@@ -352,7 +354,9 @@ mod tests {
     #[test]
     fn a_member_joining_moves_only_lanes_to_itself() {
         let instance = ObjectId::new();
-        let three: Vec<Member> = (0..3).map(|i| member(&format!("bus-{i}"), instance)).collect();
+        let three: Vec<Member> = (0..3)
+            .map(|i| member(&format!("bus-{i}"), instance))
+            .collect();
         let mut four = three.clone();
         four.push(member("bus-3", instance));
         for m in &three {

@@ -406,9 +406,9 @@ impl MongoEventStore {
                 .filter(|id| !lanes.iter().any(|(lane, _)| lane.id == **id))
                 .copied()
                 .collect();
-            let due = state.taken_at.is_none_or(|(known, tried)| {
-                known != generation || tried.due(TAKE_INTERVAL, now)
-            });
+            let due = state
+                .taken_at
+                .is_none_or(|(known, tried)| known != generation || tried.due(TAKE_INTERVAL, now));
             if !missing.is_empty() && due {
                 state.taken_at = Some((generation, Tried::at(now)));
                 let taken = self.take_owned(&missing, request).await?;
@@ -418,7 +418,9 @@ impl MongoEventStore {
 
         // Parked heads whose predecessors finished go back to their lanes first; what it looked
         // up of their keys serves the per-key rules.
-        let (unparked, lowest) = self.unpark_for_claim(handlers, &listed.running_keys, now).await;
+        let (unparked, lowest) = self
+            .unpark_for_claim(handlers, &listed.running_keys, now)
+            .await;
 
         // Scanning the lanes it owns and holds, and those it took to help with (all it holds
         // when it owns none). A lane that moved to another member is not scanned: it is handed
@@ -432,11 +434,7 @@ impl MongoEventStore {
             .collect();
         scanned.sort_unstable();
         let running_count = listed.running.len();
-        let mut scan = Scan::new(Picking::new(
-            limit,
-            listed.running,
-            listed.running_keys,
-        ));
+        let mut scan = Scan::new(Picking::new(limit, listed.running, listed.running_keys));
         scan.picking
             .learn_heads(lowest.keys().cloned().collect(), &lowest);
         // Deliveries unparking sent back to the lanes are not in the pages read before.
@@ -489,7 +487,9 @@ impl MongoEventStore {
         state
             .helping
             .retain(|id| recorded.lanes.iter().any(|lane| lane.id == *id));
-        state.helping.retain(|id| !recorded.handed_back.contains(id));
+        state
+            .helping
+            .retain(|id| !recorded.handed_back.contains(id));
         state.held = recorded
             .lanes
             .iter()
@@ -584,9 +584,11 @@ impl MongoEventStore {
                 }
                 listed.running.insert(*id);
                 let ordered = doc.get_bool(field::UNORDERED) != Ok(true);
-                if let (Ok(handler), Ok(key), true) =
-                    (doc.get_str(field::HANDLER), doc.get_str(field::KEY), ordered)
-                {
+                if let (Ok(handler), Ok(key), true) = (
+                    doc.get_str(field::HANDLER),
+                    doc.get_str(field::KEY),
+                    ordered,
+                ) {
                     listed
                         .running_keys
                         .insert((handler.to_owned(), key.to_owned()));
@@ -619,9 +621,12 @@ impl MongoEventStore {
                 )
             })
             .collect();
-        let unparked =
-            future::join_all(looked.iter().map(|handler| self.unpark(handler, running_keys)))
-                .await;
+        let unparked = future::join_all(
+            looked
+                .iter()
+                .map(|handler| self.unpark(handler, running_keys)),
+        )
+        .await;
         let mut found_for = HashSet::new();
         let mut moved = 0;
         let mut lowest = HashMap::new();
@@ -665,7 +670,6 @@ impl Tried {
     /// when the claims' clock went back.
     fn due(&self, interval: Duration, now: DateTime) -> bool {
         let passed = now.timestamp_millis() - self.claim_time.timestamp_millis();
-        self.instant.elapsed() >= interval
-            || !(0..interval.as_millis() as i64).contains(&passed)
+        self.instant.elapsed() >= interval || !(0..interval.as_millis() as i64).contains(&passed)
     }
 }

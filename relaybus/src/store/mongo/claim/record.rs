@@ -62,8 +62,7 @@ impl MongoEventStore {
         } = *request;
         // A kept lane is renewed once less than half the claim's lease is left of its own.
         let renew_before = DateTime::from_millis(
-            now.timestamp_millis()
-                + (expires_at.timestamp_millis() - now.timestamp_millis()) / 2,
+            now.timestamp_millis() + (expires_at.timestamp_millis() - now.timestamp_millis()) / 2,
         );
         let mut by_lane: BTreeMap<i32, Vec<ObjectId>> = BTreeMap::new();
         for pick in &picks {

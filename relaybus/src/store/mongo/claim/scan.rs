@@ -295,7 +295,10 @@ impl MongoEventStore {
         let mut merged = Vec::new();
         let mut unfinished = Vec::new();
         for (group, raw) in lanes.chunks(LANES_PER_QUERY).zip(&first.pages) {
-            let page: Vec<Candidate> = raw.iter().filter_map(|doc| Candidate::from_raw(doc)).collect();
+            let page: Vec<Candidate> = raw
+                .iter()
+                .filter_map(|doc| Candidate::from_raw(doc))
+                .collect();
             if raw.len() >= first.window
                 && let Some(last) = page.last()
             {
@@ -347,7 +350,11 @@ impl MongoEventStore {
     }
 
     /// At most `window` due, ready deliveries matching `filter`, in `(dueAt, _id)` order.
-    pub(super) async fn page(&self, filter: Document, window: usize) -> Result<Vec<RawDocumentBuf>> {
+    pub(super) async fn page(
+        &self,
+        filter: Document,
+        window: usize,
+    ) -> Result<Vec<RawDocumentBuf>> {
         Ok(self
             .inner
             .deliveries
