@@ -268,7 +268,7 @@ impl<S: Store> RelayBus<S> {
     }
 
     /// Makes dead deliveries pending again, by id: the store's
-    /// [`requeue`](crate::store::Store::requeue), now.
+    /// [`requeue`](crate::store::Operate::requeue), now.
     ///
     /// # Errors
     ///
@@ -279,7 +279,7 @@ impl<S: Store> RelayBus<S> {
 
     /// Buries pending deliveries that no worker runs, by id, with `reason` as their error:
     /// frees a key stuck behind a delivery that will never succeed. The store's
-    /// [`bury_by_id`](crate::store::Store::bury_by_id), now.
+    /// [`bury_by_id`](crate::store::Operate::bury_by_id), now.
     ///
     /// # Errors
     ///

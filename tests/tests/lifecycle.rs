@@ -947,7 +947,7 @@ async fn claim_runs(
 ) -> Vec<relaybus::store::Claimed<Lease>> {
     use relaybus::{Store, store::ClaimRequest};
     let handlers = [HANDLER.to_owned()];
-    Store::claim(
+    Queue::claim(
         store,
         ClaimRequest {
             owner,
@@ -2637,7 +2637,7 @@ async fn boundary_claimed_with(
     use relaybus::{Store, store::ClaimRequest};
     let handlers = [HANDLER.to_owned()];
     let before = count.load(Ordering::SeqCst);
-    let claimed = Store::claim(
+    let claimed = Queue::claim(
         store,
         ClaimRequest {
             owner: "w",
@@ -2818,7 +2818,7 @@ async fn lanes_a_full_claim_hands_back_unread_are_not_taken_for_empty_by_the_ran
     let handlers = [HANDLER.to_owned()];
     let mut claimed = 0;
     for step in 0..8 {
-        let batch = Store::claim(
+        let batch = Queue::claim(
             &store,
             ClaimRequest {
                 owner: "w",
@@ -3036,7 +3036,7 @@ async fn wake_up_stream(
     db: &TestDb,
 ) -> futures::stream::BoxStream<'static, relaybus::Result<relaybus::store::WakeUp>> {
     use relaybus::Store;
-    Store::watch(&store(db).await, &[HANDLER.to_owned()])
+    Queue::watch(&store(db).await, &[HANDLER.to_owned()])
         .await
         .expect("watch")
 }
@@ -3131,7 +3131,7 @@ async fn a_paced_wake_up_stream_reads_briefly_while_gathering_and_misses_nothing
     let watching = store_with(&client, &db, false).await;
     let publisher = store(&db).await;
     let (pace, paced) = tokio::sync::watch::channel(WakePace::Eager);
-    let mut stream = Store::watch_paced(&watching, &[HANDLER.to_owned()], paced)
+    let mut stream = ClaimShortcuts::watch_paced(&watching, &[HANDLER.to_owned()], paced)
         .await
         .expect("watch");
 
@@ -3538,7 +3538,7 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     // What one count sends.
     let before = count.load(Ordering::SeqCst);
     assert_eq!(
-        pending(&Store::handler_statistics(&store).await.unwrap()),
+        pending(&Inspect::handler_statistics(&store).await.unwrap()),
         [1]
     );
     let one_count = count.load(Ordering::SeqCst) - before;
@@ -3550,8 +3550,8 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     names.lock().unwrap().clear();
     let other = store.clone();
     let (first, second) = futures::join!(
-        Store::gauge_statistics(&store, age),
-        Store::gauge_statistics(&other, age)
+        Inspect::gauge_statistics(&store, age),
+        Inspect::gauge_statistics(&other, age)
     );
     let (first, second) = (first.unwrap(), second.unwrap());
     assert_eq!(pending(&first), [1]);
@@ -3567,21 +3567,21 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     // for a newer count, and the operators' statistics, count again.
     publish_unkeyed(&store, "h", 1, at(0)).await;
     let before = count.load(Ordering::SeqCst);
-    let shared = Store::gauge_statistics(&store, age).await.unwrap();
+    let shared = Inspect::gauge_statistics(&store, age).await.unwrap();
     assert_eq!(pending(&shared), [1]);
     assert_eq!(count.load(Ordering::SeqCst), before, "no command");
-    let fresh = Store::gauge_statistics(&store, Duration::ZERO)
+    let fresh = Inspect::gauge_statistics(&store, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(pending(&fresh), [2]);
     assert_eq!(
-        pending(&Store::handler_statistics(&store).await.unwrap()),
+        pending(&Inspect::handler_statistics(&store).await.unwrap()),
         [2]
     );
     // Another instance counts for itself.
     let apart = store_with(&client, &db, false).await;
     assert_eq!(
-        pending(&Store::gauge_statistics(&apart, age).await.unwrap()),
+        pending(&Inspect::gauge_statistics(&apart, age).await.unwrap()),
         [2]
     );
 }
@@ -3869,7 +3869,7 @@ async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_comple
 
     // The completed delivery comes first: the lane is renewed through the one still running.
     let renewed_at = at(20);
-    let covered = Store::renew(&store, &[done, running], LEASE, renewed_at.into())
+    let covered = Queue::renew(&store, &[done, running], LEASE, renewed_at.into())
         .await
         .unwrap();
     assert_eq!(covered, 2, "the lane's lease covers both leases given");
@@ -3892,7 +3892,7 @@ async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_comple
 // ---------------------------------------------------------------------------------------------
 // The next delivery of a key, claimed by the worker that completed its predecessor
 
-/// `Store::claim_next_of_key` for worker `owner` after `completed` (of the key `key`) completed.
+/// `ClaimShortcuts::claim_next_of_key` for worker `owner` after `completed` (of the key `key`) completed.
 async fn next_of_key(
     store: &MongoEventStore,
     owner: &str,
@@ -3903,7 +3903,7 @@ async fn next_of_key(
     next_of_key_after(store, owner, (completed, false, None), key, now).await
 }
 
-/// `Store::claim_next_of_key` for worker `owner` after `completed` (of the key `key`),
+/// `ClaimShortcuts::claim_next_of_key` for worker `owner` after `completed` (of the key `key`),
 /// `committing` or not, with the key's delivery `finished` before it.
 async fn next_of_key_after(
     store: &MongoEventStore,
@@ -3913,7 +3913,7 @@ async fn next_of_key_after(
     now: DateTime,
 ) -> Option<relaybus::store::Claimed<Lease>> {
     use relaybus::{Store, store::NextOfKey};
-    Store::claim_next_of_key(
+    ClaimShortcuts::claim_next_of_key(
         store,
         NextOfKey {
             owner,
@@ -4071,7 +4071,7 @@ async fn the_next_delivery_of_a_key_is_claimed_while_its_predecessor_commits_and
     );
     complete_in_transaction(&store, &second, at(4)).await;
     // The worker tells the store the commit returned: its claims need not hold the key back.
-    relaybus::Store::completion_committed(&store, &second);
+    relaybus::ClaimShortcuts::completion_committed(&store, &second);
     let third = claim(&store, "w", 10, at(5)).await;
     assert_eq!(third.len(), 1);
     assert_eq!(third[0].sequence(), Some(3));
@@ -4290,7 +4290,7 @@ async fn a_next_of_key_claim_whose_reply_is_lost_is_reconciled_by_the_next_claim
     let fail = lose_the_reply_of_the_next_update(&db, &app).await;
     let failed = {
         use relaybus::{Store, store::NextOfKey};
-        Store::claim_next_of_key(
+        ClaimShortcuts::claim_next_of_key(
             &store,
             NextOfKey {
                 owner: "w",
@@ -4343,7 +4343,7 @@ async fn claim_beside(
         wake_ups.len(),
         "every wake-up tells its delivery"
     );
-    Store::claim_beside(
+    ClaimShortcuts::claim_beside(
         store,
         ClaimRequest {
             owner: "w",
@@ -4945,7 +4945,7 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
     let lease = head[0].lease;
     let mut wake_ups = {
         use relaybus::Store;
-        Store::watch(&store, &[HANDLER.to_owned()])
+        Queue::watch(&store, &[HANDLER.to_owned()])
             .await
             .expect("watch")
     };

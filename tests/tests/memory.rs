@@ -309,7 +309,7 @@ async fn a_write_conflict_is_transient_and_the_transaction_runs_again_to_success
                 "{error}"
             );
             assert!(
-                <MemoryEventStore as Store>::is_transient(
+                <MemoryEventStore as Transactions>::is_transient(
                     memory_error(error).expect("the store's error")
                 ),
                 "the store recognizes its conflict"

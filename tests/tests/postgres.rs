@@ -230,7 +230,7 @@ async fn publishing_inside_a_user_started_sqlx_transaction() {
         .session(&mut session)
         .await
         .expect("a publish in the caller's transaction");
-    // `Store::commit` leaves the caller's transaction alone.
+    // `Transactions::commit` leaves the caller's transaction alone.
     assert!(store.commit(&mut session).await.is_err());
     assert!(!holds(&store, "e-1").await, "visible before the commit");
     assert!(orders(&store, &schema).await.is_empty());

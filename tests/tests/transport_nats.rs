@@ -959,14 +959,15 @@ impl HookedStore {
 }
 
 impl Store for HookedStore {
-    type Session = MemorySession;
-    type Lease = MemoryLease;
-
     const NAME: &'static str = "hooked memory";
 
     async fn setup(&self) -> Result<(), Error> {
         self.inner.setup().await
     }
+}
+
+impl Transactions for HookedStore {
+    type Session = MemorySession;
 
     async fn session(&self) -> Result<MemorySession, Error> {
         self.inner.session().await
@@ -996,6 +997,12 @@ impl Store for HookedStore {
         self.inner.ensure_in_transaction(session, operation).await
     }
 
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        MemoryEventStore::is_transient(error)
+    }
+}
+
+impl Append for HookedStore {
     async fn append(
         &self,
         session: &mut MemorySession,
@@ -1017,7 +1024,9 @@ impl Store for HookedStore {
             .append_in_transaction(session, requests, now)
             .await
     }
+}
 
+impl ConsumerPositions for HookedStore {
     async fn consumer_position(
         &self,
         session: &mut MemorySession,
@@ -1037,6 +1046,10 @@ impl Store for HookedStore {
             .advance_consumer_position(session, key, next, now)
             .await
     }
+}
+
+impl Queue for HookedStore {
+    type Lease = MemoryLease;
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<MemoryLease>>, Error> {
         self.inner.claim(request).await
@@ -1088,10 +1101,17 @@ impl Store for HookedStore {
         self.inner.relinquish(owner).await
     }
 
-    async fn purge(&self, options: &PurgeOptions) -> Result<Purged, Error> {
-        self.inner.purge(options).await
+    async fn watch(
+        &self,
+        handlers: &[String],
+    ) -> Result<BoxStream<'static, Result<WakeUp, Error>>, Error> {
+        self.inner.watch(handlers).await
     }
+}
 
+impl ClaimShortcuts for HookedStore {}
+
+impl Inspect for HookedStore {
     async fn statistics(&self) -> Result<Statistics, Error> {
         self.inner.statistics().await
     }
@@ -1118,6 +1138,12 @@ impl Store for HookedStore {
     ) -> Result<Vec<DeadLetterGroup>, Error> {
         self.inner.dead_letter_groups(handler).await
     }
+}
+
+impl Operate for HookedStore {
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged, Error> {
+        self.inner.purge(options).await
+    }
 
     async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded, Error> {
         self.inner.discard(ids, now).await
@@ -1135,18 +1161,9 @@ impl Store for HookedStore {
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued, Error> {
         self.inner.requeue(ids, now).await
     }
-
-    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-        MemoryEventStore::is_transient(error)
-    }
-
-    async fn watch(
-        &self,
-        handlers: &[String],
-    ) -> Result<BoxStream<'static, Result<WakeUp, Error>>, Error> {
-        self.inner.watch(handlers).await
-    }
 }
+
+impl Leadership for HookedStore {}
 
 /// The production shape: the shop publishes in its MongoDB transaction, the event crosses
 /// the broker, and the shipping service appends it to its PostgreSQL store and handles it

@@ -27,7 +27,7 @@ use crate::{
     handler::{RetryPolicy, Subscription},
     state::StateMap,
     store::{
-        Arrival, ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Store, StoreLease,
+        Arrival, ClaimRequest, Claimed, NextOfKey, PurgeOptions, Purged, Queue, Store, StoreLease,
         WakePace, WakeUp,
     },
     telemetry::{self, BusMetrics, Operation},
@@ -223,7 +223,7 @@ impl Reports {
 
 /// The deliveries a task of this bus runs, by delivery id.
 type RunningSet<S> =
-    HashMap<<<S as Store>::Lease as StoreLease>::DeliveryId, Running<<S as Store>::Lease>>;
+    HashMap<<<S as Queue>::Lease as StoreLease>::DeliveryId, Running<<S as Queue>::Lease>>;
 
 impl<S: Store> std::fmt::Debug for Shared<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1027,7 +1027,7 @@ async fn claim_beside_loop<S: Store>(
 }
 
 /// What a transactional delivery's task needs to claim the key's next delivery while the
-/// delivery's completion commits (see [`Store::claim_next_of_key`]).
+/// delivery's completion commits (see [`ClaimShortcuts::claim_next_of_key`]).
 #[derive(Debug)]
 pub(crate) struct Follow<L> {
     handler: String,

@@ -18,7 +18,7 @@ use crate::{
     handler::{HandlerContext, Permanent, Subscription},
     state::StateMap,
     store::{
-        Claimed, Store,
+        Claimed, Store, Transactions,
         transaction::{Attempts, Committed},
     },
     time::Timestamp,
@@ -314,7 +314,7 @@ impl AttemptFailure {
 }
 
 /// The session a transactional handler's attempts share with it.
-type SharedSession<S> = Arc<Mutex<<S as Store>::Session>>;
+type SharedSession<S> = Arc<Mutex<<S as Transactions>::Session>>;
 
 /// One run of the handler's transaction; `follow`: claim the key's next delivery while the
 /// completion commits.

@@ -10,9 +10,10 @@ use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp, watch::
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, NextOfKey,
-        PurgeOptions, Purged, Requeued, Statistics, Store, StoreLease, WakePace, WakeUp,
+        Append, AppendRequest, Appended, Buried, ClaimRequest, ClaimShortcuts, Claimed,
+        ConsumerPositions, DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail,
+        HandlerStatistics, Inspect, LaneReport, Leadership, NextOfKey, Operate, PurgeOptions,
+        Purged, Queue, Requeued, Statistics, Store, StoreLease, Transactions, WakePace, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
@@ -27,14 +28,15 @@ impl StoreLease for Lease {
 }
 
 impl Store for MongoEventStore {
-    type Session = ClientSession;
-    type Lease = Lease;
-
     const NAME: &'static str = "MongoDB";
 
     async fn setup(&self) -> Result<()> {
         MongoEventStore::setup(self).await
     }
+}
+
+impl Transactions for MongoEventStore {
+    type Session = ClientSession;
 
     async fn session(&self) -> Result<ClientSession> {
         self.new_session().await
@@ -61,6 +63,14 @@ impl Store for MongoEventStore {
         MongoEventStore::ensure_in_transaction(self, session, operation).await
     }
 
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        error
+            .downcast_ref::<mongodb::error::Error>()
+            .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
+    }
+}
+
+impl Append for MongoEventStore {
     async fn append(
         &self,
         session: &mut ClientSession,
@@ -78,7 +88,9 @@ impl Store for MongoEventStore {
     ) -> Result<Vec<Appended>> {
         MongoEventStore::append_in_transaction(self, session, requests, bson_date(now)).await
     }
+}
 
+impl ConsumerPositions for MongoEventStore {
     async fn consumer_position(
         &self,
         session: &mut ClientSession,
@@ -121,6 +133,10 @@ impl Store for MongoEventStore {
             .await?;
         Ok(())
     }
+}
+
+impl Queue for MongoEventStore {
+    type Lease = Lease;
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
         if !request.reported.is_empty() || request.reports_complete {
@@ -150,29 +166,6 @@ impl Store for MongoEventStore {
         Ok(claimed.into_iter().map(claimed_of).collect())
     }
 
-    async fn claim_beside(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
-        let handlers: Vec<&str> = request.handlers.iter().map(String::as_str).collect();
-        let claimed = MongoEventStore::claim_beside(
-            self,
-            request.owner,
-            &handlers,
-            request.arrivals,
-            request.limit as usize,
-            request.lease_duration,
-            bson_date(request.now),
-        )
-        .await?;
-        Ok(claimed.into_iter().map(claimed_of).collect())
-    }
-
-    async fn claim_next_of_key(
-        &self,
-        request: NextOfKey<'_, Lease>,
-    ) -> Result<Option<Claimed<Lease>>> {
-        let next = MongoEventStore::claim_next_of_key(self, request).await?;
-        Ok(next.map(claimed_of))
-    }
-
     async fn complete(&self, leases: &[Lease], now: Timestamp) -> Result<Vec<bool>> {
         self.complete_many(leases, bson_date(now)).await
     }
@@ -184,11 +177,6 @@ impl Store for MongoEventStore {
         now: Timestamp,
     ) -> Result<bool> {
         MongoEventStore::complete_in_transaction(self, session, lease, bson_date(now)).await
-    }
-
-    fn completion_committed(&self, lease: &Lease) {
-        self.inner.claims.completed([lease.delivery_id()]);
-        self.inner.claims.settled(lease);
     }
 
     async fn release(&self, lease: &Lease, now: Timestamp) -> Result<bool> {
@@ -254,63 +242,6 @@ impl Store for MongoEventStore {
         MongoEventStore::relinquish(self, owner).await
     }
 
-    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
-        MongoEventStore::purge(self, options).await
-    }
-
-    async fn statistics(&self) -> Result<Statistics> {
-        MongoEventStore::statistics(self).await
-    }
-
-    async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
-        MongoEventStore::handler_statistics(self).await
-    }
-
-    async fn gauge_statistics(&self, max_age: Duration) -> Result<Vec<HandlerStatistics>> {
-        self.inner
-            .gauge_sample
-            .get_or_count(max_age, MongoEventStore::handler_statistics(self))
-            .await
-    }
-
-    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
-        MongoEventStore::lead(self, role, period).await
-    }
-
-    async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
-        MongoEventStore::list_deliveries(self, query).await
-    }
-
-    async fn event_detail(&self, event_id: &str) -> Result<Option<EventDetail>> {
-        MongoEventStore::event_detail(self, event_id).await
-    }
-
-    async fn lanes(&self) -> Result<LaneReport> {
-        MongoEventStore::lanes(self).await
-    }
-
-    async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
-        MongoEventStore::dead_letter_groups(self, handler).await
-    }
-
-    async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {
-        MongoEventStore::bury_by_id(self, ids, reason, bson_date(now)).await
-    }
-
-    async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {
-        MongoEventStore::discard(self, ids, bson_date(now)).await
-    }
-
-    async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
-        MongoEventStore::requeue(self, ids, bson_date(now)).await
-    }
-
-    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-        error
-            .downcast_ref::<mongodb::error::Error>()
-            .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
-    }
-
     /// A change stream on inserted deliveries of the handlers, projected down to what a claim
     /// needs of them: the lane, and the fields by which the claim after an idle wait may take
     /// the delivery without looking for it (`WakeUp::arrival`). Always eager.
@@ -318,8 +249,38 @@ impl Store for MongoEventStore {
         let (_, eager) = tokio::sync::watch::channel(WakePace::Eager);
         self.watch_paced(handlers, eager).await
     }
+}
 
-    /// [`watch`](Store::watch), read in gathered reads, one per interval, while the pace is
+impl ClaimShortcuts for MongoEventStore {
+    async fn claim_beside(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
+        let handlers: Vec<&str> = request.handlers.iter().map(String::as_str).collect();
+        let claimed = MongoEventStore::claim_beside(
+            self,
+            request.owner,
+            &handlers,
+            request.arrivals,
+            request.limit as usize,
+            request.lease_duration,
+            bson_date(request.now),
+        )
+        .await?;
+        Ok(claimed.into_iter().map(claimed_of).collect())
+    }
+
+    async fn claim_next_of_key(
+        &self,
+        request: NextOfKey<'_, Lease>,
+    ) -> Result<Option<Claimed<Lease>>> {
+        let next = MongoEventStore::claim_next_of_key(self, request).await?;
+        Ok(next.map(claimed_of))
+    }
+
+    fn completion_committed(&self, lease: &Lease) {
+        self.inner.claims.completed([lease.delivery_id()]);
+        self.inner.claims.settled(lease);
+    }
+
+    /// [`watch`](Queue::watch), read in gathered reads, one per interval, while the pace is
     /// [`WakePace::Gathered`]: see the crate's differences from the specification.
     async fn watch_paced(
         &self,
@@ -365,6 +326,63 @@ impl Store for MongoEventStore {
             })
             .map_err(crate::Error::from)
             .boxed())
+    }
+}
+
+impl Inspect for MongoEventStore {
+    async fn statistics(&self) -> Result<Statistics> {
+        MongoEventStore::statistics(self).await
+    }
+
+    async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
+        MongoEventStore::handler_statistics(self).await
+    }
+
+    async fn gauge_statistics(&self, max_age: Duration) -> Result<Vec<HandlerStatistics>> {
+        self.inner
+            .gauge_sample
+            .get_or_count(max_age, MongoEventStore::handler_statistics(self))
+            .await
+    }
+
+    async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        MongoEventStore::list_deliveries(self, query).await
+    }
+
+    async fn event_detail(&self, event_id: &str) -> Result<Option<EventDetail>> {
+        MongoEventStore::event_detail(self, event_id).await
+    }
+
+    async fn lanes(&self) -> Result<LaneReport> {
+        MongoEventStore::lanes(self).await
+    }
+
+    async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
+        MongoEventStore::dead_letter_groups(self, handler).await
+    }
+}
+
+impl Operate for MongoEventStore {
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
+        MongoEventStore::purge(self, options).await
+    }
+
+    async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {
+        MongoEventStore::bury_by_id(self, ids, reason, bson_date(now)).await
+    }
+
+    async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {
+        MongoEventStore::discard(self, ids, bson_date(now)).await
+    }
+
+    async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
+        MongoEventStore::requeue(self, ids, bson_date(now)).await
+    }
+}
+
+impl Leadership for MongoEventStore {
+    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
+        MongoEventStore::lead(self, role, period).await
     }
 }
 

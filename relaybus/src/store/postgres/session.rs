@@ -13,7 +13,7 @@ use super::{PostgresEventStore, db_error};
 use crate::error::{ConfigurationError, Result};
 
 /// The handle of a PostgreSQL transaction, through which business data is written together
-/// with events: the [`Session`](crate::Store::Session) of [`PostgresEventStore`].
+/// with events: the [`Session`](crate::Transactions::Session) of [`PostgresEventStore`].
 ///
 /// It dereferences to sqlx's [`PgConnection`], so queries run on it with
 /// `.execute(&mut *session)` (or `&mut **session` where the closure gets `&mut PostgresSession`),
@@ -21,7 +21,7 @@ use crate::error::{ConfigurationError, Result};
 ///
 /// It comes in two kinds:
 ///
-/// - From the store ([`Store::session`](crate::Store::session)): a pooled connection on which
+/// - From the store ([`Transactions::session`](crate::Transactions::session)): a pooled connection on which
 ///   the bus's and the store's transactions run ([`RelayBus::transaction`](crate::RelayBus::transaction)
 ///   begins, commits and retries them). Outside such a transaction it is refused by every
 ///   operation that must write in one, with [`ConfigurationError::NoTransaction`]. Dropped
