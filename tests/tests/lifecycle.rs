@@ -18,6 +18,7 @@ use mongodb::{
     event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, ClaimedDelivery, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
     EventEnvelope, Lease, LeaseError, MongoEventStore, MongoEventStoreBuilder, PurgeOptions,
@@ -945,7 +946,7 @@ async fn claim_runs(
     run: u32,
     now: DateTime,
 ) -> Vec<relaybus::store::Claimed<Lease>> {
-    use relaybus::{Store, store::ClaimRequest};
+    use relaybus::store::ClaimRequest;
     let handlers = [HANDLER.to_owned()];
     Queue::claim(
         store,
@@ -2634,7 +2635,7 @@ async fn boundary_claimed_with(
     reports_complete: bool,
     arrivals: &[relaybus::store::Arrival],
 ) -> (usize, Vec<relaybus::store::Claimed<Lease>>) {
-    use relaybus::{Store, store::ClaimRequest};
+    use relaybus::store::ClaimRequest;
     let handlers = [HANDLER.to_owned()];
     let before = count.load(Ordering::SeqCst);
     let claimed = Queue::claim(
@@ -2788,7 +2789,7 @@ async fn lanes_a_busy_claim_read_in_full_and_handed_back_keep_the_ranking_comple
 
 #[tokio::test]
 async fn lanes_a_full_claim_hands_back_unread_are_not_taken_for_empty_by_the_ranking() {
-    use relaybus::{Store, store::ClaimRequest};
+    use relaybus::store::ClaimRequest;
     let db = test_db("full_claim_unread").await;
     let store = store(&db).await;
     // Eight lanes with two deliveries each, the lanes' deliveries due one millisecond apart:
@@ -3035,7 +3036,6 @@ async fn an_idle_claim_unparks_only_the_keys_of_lanes_no_other_live_owner_holds(
 async fn wake_up_stream(
     db: &TestDb,
 ) -> futures::stream::BoxStream<'static, relaybus::Result<relaybus::store::WakeUp>> {
-    use relaybus::Store;
     Queue::watch(&store(db).await, &[HANDLER.to_owned()])
         .await
         .expect("watch")
@@ -3092,7 +3092,7 @@ fn woken_event_ids(wake_ups: &[relaybus::store::WakeUp]) -> Vec<String> {
 
 #[tokio::test]
 async fn a_paced_wake_up_stream_reads_briefly_while_gathering_and_misses_nothing_between_paces() {
-    use relaybus::{Store, store::WakePace};
+    use relaybus::store::WakePace;
     let db = test_db("paced_wake_ups").await;
     // The server-side wait of each read of the stream (`maxTimeMS` of its `getMore`s).
     let waits: Arc<Mutex<Vec<Option<i64>>>> = Arc::default();
@@ -3526,7 +3526,6 @@ async fn headers_of_any_json_value_reach_the_handler_as_text() {
 
 #[tokio::test]
 async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
-    use relaybus::Store;
     let db = test_db("gauge_sample").await;
     let (client, count, names) = counting_client(&db).await;
     let store = store_with(&client, &db, false).await;
@@ -3852,8 +3851,6 @@ async fn purge_never_leaves_a_delivery_without_its_event() {
 
 #[tokio::test]
 async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_completed() {
-    use relaybus::Store;
-
     let db = test_db("renew_lane").await;
     let store = store(&db).await;
     // One keyed event for two handlers: both deliveries are in the key's lane.
@@ -3912,7 +3909,7 @@ async fn next_of_key_after(
     key: &str,
     now: DateTime,
 ) -> Option<relaybus::store::Claimed<Lease>> {
-    use relaybus::{Store, store::NextOfKey};
+    use relaybus::store::NextOfKey;
     ClaimShortcuts::claim_next_of_key(
         store,
         NextOfKey {
@@ -4071,7 +4068,7 @@ async fn the_next_delivery_of_a_key_is_claimed_while_its_predecessor_commits_and
     );
     complete_in_transaction(&store, &second, at(4)).await;
     // The worker tells the store the commit returned: its claims need not hold the key back.
-    relaybus::ClaimShortcuts::completion_committed(&store, &second);
+    relaybus::store::ClaimShortcuts::completion_committed(&store, &second);
     let third = claim(&store, "w", 10, at(5)).await;
     assert_eq!(third.len(), 1);
     assert_eq!(third[0].sequence(), Some(3));
@@ -4289,7 +4286,7 @@ async fn a_next_of_key_claim_whose_reply_is_lost_is_reconciled_by_the_next_claim
     // The lane write reaches the database, but the reply reports a failure.
     let fail = lose_the_reply_of_the_next_update(&db, &app).await;
     let failed = {
-        use relaybus::{Store, store::NextOfKey};
+        use relaybus::store::NextOfKey;
         ClaimShortcuts::claim_next_of_key(
             &store,
             NextOfKey {
@@ -4334,7 +4331,7 @@ async fn claim_beside(
     now: DateTime,
     wake_ups: &[relaybus::store::WakeUp],
 ) -> Vec<relaybus::store::Claimed<Lease>> {
-    use relaybus::{Store, store::ClaimRequest};
+    use relaybus::store::ClaimRequest;
     let handlers = [HANDLER.to_owned()];
     let arrivals: Vec<relaybus::store::Arrival> =
         wake_ups.iter().filter_map(|w| w.arrival.clone()).collect();
@@ -4944,7 +4941,6 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
     assert_eq!(head.len(), 1);
     let lease = head[0].lease;
     let mut wake_ups = {
-        use relaybus::Store;
         Queue::watch(&store, &[HANDLER.to_owned()])
             .await
             .expect("watch")

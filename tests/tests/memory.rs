@@ -9,9 +9,10 @@ use std::{
 };
 
 use futures::{FutureExt, StreamExt};
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, BoxError, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
-    EventEnvelope, HandlerContext, MemoryEventStore, MemorySession, PurgeOptions, RelayBus, Store,
+    EventEnvelope, HandlerContext, MemoryEventStore, MemorySession, PurgeOptions, RelayBus,
     Subscription, Timestamp,
     store::{ClaimRequest, Claimed, WakeUp, memory::MemoryStoreError},
 };

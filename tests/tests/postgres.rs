@@ -9,9 +9,10 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, ConfigurationError, Error, EventEnvelope, PostgresEventStore, PostgresSession,
-    RelayBus, Store, Timestamp, store::transaction,
+    RelayBus, Timestamp, store::transaction,
 };
 use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool, Row, postgres::PgListener, postgres::PgPoolOptions};

@@ -16,9 +16,10 @@ use mongodb::{
     event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, DeliveryQuery, DeliveryStatus, Error, EventEnvelope, MongoEventStore, RelayBus,
-    Retention, Store, Timestamp,
+    Retention, Timestamp,
     event::lane_of,
     store::{ClaimRequest, transaction},
 };

@@ -25,7 +25,10 @@ use relaybus::{
     LaneReport, MemoryEventStore, MemorySession, PurgeOptions, Purged, RelayBus, Requeued,
     Statistics, Store, Subscription, Timestamp,
     clock::TestClock,
-    store::{ClaimRequest, Claimed, PositionKey, WakeUp, memory::MemoryLease},
+    store::{
+        Append, ClaimRequest, ClaimShortcuts, Claimed, ConsumerPositions, Inspect, Leadership,
+        Operate, PositionKey, Queue, Transactions, WakeUp, memory::MemoryLease,
+    },
     transport::nats::{
         BatchReport, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SUBJECT_HEADER, NatsConsumer,
         NatsError, NatsRelay,

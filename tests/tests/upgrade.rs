@@ -8,9 +8,10 @@ use mongodb::{
     bson::{DateTime, Document, doc},
     options::ClientOptions,
 };
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, DeliveryQuery, DeliveryStatus, EventEnvelope, MongoEventStore, PurgeOptions,
-    Store, Timestamp,
+    Timestamp,
     event::lane_of,
     store::{ClaimRequest, transaction},
 };
