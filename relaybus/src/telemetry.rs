@@ -24,12 +24,12 @@
 //!
 //! The two gauges come from one aggregation of the store
 //! ([`Inspect::handler_statistics`](crate::store::Inspect::handler_statistics)) every
-//! `RelayBusBuilder::gauge_interval` (15 s by default), run by one started bus of the
-//! deployment at a time, the one that holds the store's `gauges` lead
-//! ([`Leadership::lead`](crate::store::Leadership::lead)), so that N processes do not report N copies.
-//! A bus that loses the lead sets its gauges to zero, so summing them across processes
-//! counts each delivery once. Buses that share a store instance share its lead, and sample
-//! with one count ([`Inspect::gauge_statistics`](crate::store::Inspect::gauge_statistics)).
+//! `RelayBusBuilder::gauge_interval` (15 s by default), run by one started bus of the deployment at
+//! a time, the one that holds the store's `gauges` lead
+//! ([`Leadership::lead`](crate::store::Leadership::lead)), so that N processes do not report N
+//! copies. A bus that loses the lead sets its gauges to zero, so summing them across processes
+//! counts each delivery once. Buses that share a store instance share its lead, and sample with one
+//! count ([`Inspect::gauge_statistics`](crate::store::Inspect::gauge_statistics)).
 //!
 //! The attributes: `messaging.system` is always `relaybus`; the destination
 //! (`messaging.destination.name`) is the event type; the consumer group

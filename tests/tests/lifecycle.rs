@@ -3889,7 +3889,8 @@ async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_comple
 // ---------------------------------------------------------------------------------------------
 // The next delivery of a key, claimed by the worker that completed its predecessor
 
-/// `ClaimShortcuts::claim_next_of_key` for worker `owner` after `completed` (of the key `key`) completed.
+/// `ClaimShortcuts::claim_next_of_key` for worker `owner` after `completed` (of the key `key`)
+/// completed.
 async fn next_of_key(
     store: &MongoEventStore,
     owner: &str,

@@ -61,8 +61,8 @@ pub trait ClaimShortcuts: Queue {
     }
 }
 
-/// What [`ClaimShortcuts::claim_next_of_key`] asks for: the next delivery of a key whose delivery the
-/// worker just completed, or is completing.
+/// What [`ClaimShortcuts::claim_next_of_key`] asks for: the next delivery of a key whose delivery
+/// the worker just completed, or is completing.
 #[derive(Debug, Clone, Copy)]
 pub struct NextOfKey<'a, L> {
     /// The worker's owner name.

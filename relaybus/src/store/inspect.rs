@@ -47,8 +47,8 @@ pub trait Inspect {
     fn lanes(&self) -> impl Future<Output = Result<LaneReport>> + Send;
 
     /// Dead letters grouped by handler and last error, the largest groups first, at most
-    /// [`MAX_DEAD_LETTER_GROUPS`](super::MAX_DEAD_LETTER_GROUPS); only `handler`'s when given. A group's dead letters are
-    /// selected with [`DeliveryQuery::last_error`].
+    /// [`MAX_DEAD_LETTER_GROUPS`](super::MAX_DEAD_LETTER_GROUPS); only `handler`'s when given. A
+    /// group's dead letters are selected with [`DeliveryQuery::last_error`].
     fn dead_letter_groups(
         &self,
         handler: Option<&str>,

@@ -15,22 +15,29 @@
 //! composition of small traits, one per kind of caller, in the manner of sqlx's `Database` and
 //! apalis's backend capabilities:
 //!
-//! | Trait | What it does | Who calls it |
-//! |---|---|---|
-//! | [`Transactions`] | sessions; begin, commit, abort; which driver errors are transient | the transaction runner ([`transaction`]) |
-//! | [`Append`] | events with their deliveries, in the caller's transaction | publishing, the transports' consumers |
-//! | [`ConsumerPositions`] | a log consumer's positions, in the same transaction | the Kafka consumer |
-//! | [`Queue`] | claim, settle, renew and hand back deliveries; wake-ups | the dispatcher's workers |
-//! | [`ClaimShortcuts`] | claims without a whole claim, paced wake-ups (MongoDB only; defaults elsewhere) | the dispatcher's workers |
-//! | [`Inspect`] | counts, listings, an event's deliveries, lanes, dead letter groups | the operator page, the delivery gauges |
-//! | [`Operate`] | requeue, bury and discard by id; purge | operators, the bus's retention |
-//! | [`Leadership`] | one store instance at a time per role | the delivery gauges |
+//! - [`Transactions`]: sessions; begin, commit and abort; which driver errors are transient. For
+//!   the transaction runner ([`transaction`]).
+//! - [`Append`]: events with their deliveries, in the caller's transaction. For publishing and
+//!   the transports' consumers.
+//! - [`ConsumerPositions`]: a log consumer's positions, in the same transaction. For the Kafka
+//!   consumer.
+//! - [`Queue`]: claiming, settling, renewing and handing back deliveries; wake-ups. For the
+//!   dispatcher's workers.
+//! - [`ClaimShortcuts`]: claims without a whole claim, and paced wake-ups. For the dispatcher's
+//!   workers; only the MongoDB store implements them, the others take the defaults.
+//! - [`Inspect`]: counts, listings, an event's deliveries, lanes, dead letter groups. For the
+//!   operator page and the delivery gauges.
+//! - [`Operate`]: requeueing, burying and discarding by id; purging. For operators and the
+//!   bus's retention.
+//! - [`Leadership`]: one store instance at a time per role. For the delivery gauges.
 //!
 //! A method belongs to a capability every store implements; a store that has nothing better to
 //! do takes a trait's default. Code generic over `S: Store` calls every capability's methods
 //! without importing them; code holding a concrete store imports the traits it calls, or
-//! [`prelude`]`::*`. New storage needs go into capability traits (a new one, or the one whose
-//! callers need it), never into `Store` itself.
+//! [`prelude`]`::*`. Through `S: Store`, `S::Session` and `S::Lease` name the associated types;
+//! a qualified path names the trait that declares them (`<S as Transactions>::Session`,
+//! `<S as Queue>::Lease`). New storage needs go into capability traits (a new one, or the one
+//! whose callers need it), never into `Store` itself.
 //!
 //! # Generics, not a trait object
 //!

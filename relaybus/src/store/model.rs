@@ -114,8 +114,8 @@ pub struct Statistics {
     pub oldest_due_at: Option<Timestamp>,
 }
 
-/// The deliveries of one handler by state, as [`Inspect::handler_statistics`](crate::store::Inspect::handler_statistics)
-/// counts them.
+/// The deliveries of one handler by state, as
+/// [`Inspect::handler_statistics`](crate::store::Inspect::handler_statistics) counts them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct HandlerStatistics {
@@ -249,8 +249,8 @@ impl AttemptError {
     }
 }
 
-/// Which deliveries [`crate::store::Inspect::list_deliveries`] returns; every filter is optional and
-/// they combine with "and". Ordered by creation, oldest first.
+/// Which deliveries [`crate::store::Inspect::list_deliveries`] returns; every filter is optional
+/// and they combine with "and". Ordered by creation, oldest first.
 ///
 /// # Example
 ///
@@ -513,7 +513,8 @@ pub struct Purged {
     pub events: u64,
 }
 
-/// An event with every delivery it has, from [`Inspect::event_detail`](crate::store::Inspect::event_detail).
+/// An event with every delivery it has, from
+/// [`Inspect::event_detail`](crate::store::Inspect::event_detail).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct EventDetail {
@@ -531,7 +532,8 @@ pub struct EventDetail {
     pub deliveries: Vec<DeliveryRecord>,
 }
 
-/// The state of one unit of lease (MongoDB: a lane), from [`Inspect::lanes`](crate::store::Inspect::lanes).
+/// The state of one unit of lease (MongoDB: a lane), from
+/// [`Inspect::lanes`](crate::store::Inspect::lanes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LaneStatus {
@@ -580,7 +582,8 @@ pub struct BlockedKey {
     pub waiting_for: Option<DeliveryRecord>,
 }
 
-/// The lanes, and the keys held back in them, from [`Inspect::lanes`](crate::store::Inspect::lanes).
+/// The lanes, and the keys held back in them, from
+/// [`Inspect::lanes`](crate::store::Inspect::lanes).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct LaneReport {
@@ -613,5 +616,6 @@ pub struct DeadLetterGroup {
     pub sample_id: String,
 }
 
-/// The most groups [`Inspect::dead_letter_groups`](crate::store::Inspect::dead_letter_groups) returns.
+/// The most groups [`Inspect::dead_letter_groups`](crate::store::Inspect::dead_letter_groups)
+/// returns.
 pub const MAX_DEAD_LETTER_GROUPS: usize = 200;

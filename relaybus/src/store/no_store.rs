@@ -105,13 +105,16 @@ unavailable! {
     }
 
     impl Append {
-        async fn append(&self, &mut NoStore, &[AppendRequest<'_>], Timestamp) -> Result<Vec<Appended>>;
-        async fn append_in_transaction(&self, &mut NoStore, &[AppendRequest<'_>], Timestamp) -> Result<Vec<Appended>>;
+        async fn append(&self, &mut NoStore, &[AppendRequest<'_>], Timestamp)
+            -> Result<Vec<Appended>>;
+        async fn append_in_transaction(&self, &mut NoStore, &[AppendRequest<'_>], Timestamp)
+            -> Result<Vec<Appended>>;
     }
 
     impl ConsumerPositions {
         async fn consumer_position(&self, &mut NoStore, &PositionKey<'_>) -> Result<Option<i64>>;
-        async fn advance_consumer_position(&self, &mut NoStore, &PositionKey<'_>, i64, Timestamp) -> Result<()>;
+        async fn advance_consumer_position(&self, &mut NoStore, &PositionKey<'_>, i64, Timestamp)
+            -> Result<()>;
     }
 
     impl Queue {

@@ -17,10 +17,11 @@ pub trait Queue: Transactions {
     /// A claim's proof of ownership of one delivery.
     type Lease: StoreLease;
 
-    /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per
-    /// key and handler (or one run of them, see [`ClaimRequest::run`]), in sequence order; deliveries appended for a handler named
-    /// [unordered](AppendRequest::unordered) are claimed as those of unkeyed events are. With no
-    /// other claimer, it returns `limit` deliveries whenever that many are claimable.
+    /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per key and
+    /// handler (or one run of them, see [`ClaimRequest::run`]), in sequence order; deliveries
+    /// appended for a handler named [unordered](super::AppendRequest::unordered) are claimed as
+    /// those of unkeyed events are. With no other claimer, it returns `limit` deliveries whenever
+    /// that many are claimable.
     fn claim(
         &self,
         request: ClaimRequest<'_>,

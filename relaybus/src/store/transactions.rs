@@ -36,8 +36,8 @@ pub trait Transactions {
     /// Aborts the transaction; a transaction the server ended already counts as aborted.
     fn abort(&self, session: &mut Self::Session) -> impl Future<Output = ()> + Send;
 
-    /// Refuses a session that has no started transaction, where each write would commit on
-    /// its own, with [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction).
+    /// Refuses a session that has no started transaction, where each write would commit on its own,
+    /// with [`ConfigurationError::NoTransaction`](crate::ConfigurationError::NoTransaction).
     fn ensure_in_transaction(
         &self,
         session: &mut Self::Session,

@@ -387,9 +387,10 @@ pub async fn relinquish_hands_back_at_once<S: Store>(store: &S) {
 }
 
 /// After a key's delivery completed in a transaction, the store may hand the key's next one to
-/// the same worker at once ([`ClaimShortcuts::claim_next_of_key`]), never to another worker; whether it
-/// does or leaves it to the worker's next claim, the key runs in sequence, one delivery at a
-/// time, each once.
+/// the same worker at once
+/// ([`ClaimShortcuts::claim_next_of_key`](relaybus::store::ClaimShortcuts::claim_next_of_key)),
+/// never to another worker; whether it does or leaves it to the worker's next claim, the key
+/// runs in sequence, one delivery at a time, each once.
 pub async fn the_next_of_a_key_comes_in_sequence_with_or_without_a_claim<S: Store>(store: &S) {
     for i in 1..=3 {
         publish(

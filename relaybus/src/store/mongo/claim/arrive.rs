@@ -48,7 +48,8 @@ use crate::{
 /// The most lanes a claim of arrivals writes to; more go the usual way.
 const MAX_LANES: usize = 8;
 
-/// The delivery document fields a wake-up carries (see [`Queue::watch`](crate::Queue::watch)).
+/// The delivery document fields a wake-up carries (see
+/// [`Queue::watch`](crate::store::Queue::watch)).
 pub(crate) fn arrival_fields() -> Document {
     let mut fields = Document::new();
     for name in [

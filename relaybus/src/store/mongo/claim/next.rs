@@ -16,7 +16,7 @@
 //! write leaves it listed (its transaction's fence read it so, and a transaction run again must
 //! find it so); its claim stays unsettled, so that the owner's claims count its key as running
 //! while it may still run. The worker starts the next delivery only once the commit succeeded
-//! (and tells the store so, `ClaimShortcuts::completion_committed`, which settles the claim) and gives it
+//! (and tells the store so, `completion_committed`, which settles the claim) and gives it
 //! back uncharged otherwise; its next claim of the key's next delivery takes the completed one
 //! off the lane (`finished`).
 //!
