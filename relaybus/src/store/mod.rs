@@ -100,6 +100,8 @@ mod transactions;
 
 use std::{collections::HashMap, fmt, future::Future, time::Duration};
 
+use crate::{error::Result, event::EventEnvelope, time::Timestamp};
+
 pub use model::{
     AppendRequest, Appended, AttemptError, BlockedKey, Buried, DeadLetterGroup, DeliveryQuery,
     DeliveryRecord, DeliveryStatus, Discarded, EventDetail, HandlerStatistics, LaneReport,
@@ -126,8 +128,6 @@ pub mod prelude {
         StoreLease, Transactions,
     };
 }
-
-use crate::{error::Result, event::EventEnvelope, time::Timestamp};
 
 /// The store a bus uses when none is named: the MongoDB store.
 #[cfg(feature = "mongodb")]
