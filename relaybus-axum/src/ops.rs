@@ -56,7 +56,7 @@
 //! field), or `{"all": true}`; an empty filter is refused, so that "everything" is always said
 //! explicitly. A filter or `all` takes at most 10,000 dead letters per call, and `more` says
 //! whether others are left. Discarding deletes dead letters for good (see
-//! [`Store::discard`]). `POST /deliveries/bury` takes
+//! [`Operate::discard`](relaybus::store::Operate::discard)). `POST /deliveries/bury` takes
 //! `{"ids": [..], "reason": "why"}` and buries pending deliveries that no worker runs, to free a
 //! key stuck behind one that will never succeed (see [`RelayBus::bury`]).
 //!

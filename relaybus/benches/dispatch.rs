@@ -41,8 +41,7 @@
 //!   `RELAYBUS_BENCH_HOT_KEYS` keys (default 10).
 //!
 //! `RELAYBUS_BENCH_CONCURRENCY` sets the buses' handler slots (default 64, twice the batch; the
-//! bus's own default is 32), `RELAYBUS_BENCH_KEY_RUN` their key runs (default the bus's, 16; 1:
-//! one delivery of a key at a time).
+//! bus's own default is 32).
 //!
 //! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server;
 //! `RELAYBUS_BENCH_ONLY=hot-keys` the hot keys with the unkeyed one-bus row they are set against.
@@ -769,20 +768,6 @@ fn concurrency() -> Result<usize, BoxError> {
     }
 }
 
-/// The buses' key runs: `RELAYBUS_BENCH_KEY_RUN`, or the bus's default.
-fn key_run() -> Result<u32, BoxError> {
-    match std::env::var("RELAYBUS_BENCH_KEY_RUN") {
-        Err(_) => Ok(relaybus::DEFAULT_KEY_RUN),
-        Ok(text) => text.trim().parse().map_err(|_| {
-            format!(
-                "RELAYBUS_BENCH_KEY_RUN={text:?}: give the deliveries of a key a claim hands out \
-                 together as a whole number, such as 1 or 16"
-            )
-            .into()
-        }),
-    }
-}
-
 /// A server CPU figure for the table: `-` when the server did not report it.
 fn cpu_text(ms: Option<f64>) -> String {
     ms.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1}"))
@@ -849,7 +834,6 @@ fn draining_bus(
     Ok(RelayBus::builder(store.clone())
         .owner(owner)
         .batch_size(BATCH)
-        .key_run(key_run()?)
         .concurrency(concurrency()?)
         .retention(None)
         .setup_on_start(false)

@@ -28,10 +28,6 @@ use crate::{
 /// The default time budget of a [`RelayBus::transaction`].
 pub const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How many deliveries of one key a claim may hand a bus together, unless
-/// [`RelayBusBuilder::key_run`] says otherwise.
-pub const DEFAULT_KEY_RUN: u32 = 16;
-
 /// The event bus: publishes events into store transactions and knows which handlers subscribe to
 /// which event types.
 ///
@@ -131,7 +127,6 @@ impl<S: Store> RelayBus<S> {
             transaction_retry_limit: transaction::RETRY_LIMIT,
             owner: None,
             batch_size: 32,
-            key_run: DEFAULT_KEY_RUN,
             concurrency: 32,
             lease_duration: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
@@ -139,7 +134,6 @@ impl<S: Store> RelayBus<S> {
             shutdown_timeout: Duration::from_secs(10),
             setup_on_start: true,
             change_stream: true,
-            busy_wake_ups: Some(crate::dispatcher::DEFAULT_BUSY_WAKE_UPS),
             claim_ahead: true,
             retention: Some(Retention::default()),
             gauge_interval: Some(crate::dispatcher::DEFAULT_GAUGE_INTERVAL),
@@ -268,7 +262,7 @@ impl<S: Store> RelayBus<S> {
     }
 
     /// Makes dead deliveries pending again, by id: the store's
-    /// [`requeue`](crate::store::Store::requeue), now.
+    /// [`requeue`](crate::store::Operate::requeue), now.
     ///
     /// # Errors
     ///
@@ -279,7 +273,7 @@ impl<S: Store> RelayBus<S> {
 
     /// Buries pending deliveries that no worker runs, by id, with `reason` as their error:
     /// frees a key stuck behind a delivery that will never succeed. The store's
-    /// [`bury_by_id`](crate::store::Store::bury_by_id), now.
+    /// [`bury_by_id`](crate::store::Operate::bury_by_id), now.
     ///
     /// # Errors
     ///
@@ -543,7 +537,6 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     transaction_retry_limit: Duration,
     owner: Option<String>,
     batch_size: u32,
-    key_run: u32,
     concurrency: usize,
     lease_duration: Duration,
     poll_interval: Duration,
@@ -551,7 +544,6 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     shutdown_timeout: Duration,
     setup_on_start: bool,
     change_stream: bool,
-    busy_wake_ups: Option<Duration>,
     claim_ahead: bool,
     retention: Option<Retention>,
     gauge_interval: Option<Duration>,
@@ -671,21 +663,6 @@ impl<S: Store> RelayBusBuilder<S> {
         self
     }
 
-    /// How many deliveries of one key a claim may hand this bus together, as a run, 16 by
-    /// default (1 to 1,000; 1: one at a time).
-    ///
-    /// A run holds a key's next deliveries in sequence order. One handler slot runs them one
-    /// after the other, each only once its predecessor's completion is durable, so the key's
-    /// order holds as without runs; when one does not complete (it failed, or its lease was
-    /// lost), the rest of the run goes back uncharged and waits for it. A backlog of few keys
-    /// then drains with fewer claims, each handing out more. Runs count as one delivery in
-    /// [`batch_size`](Self::batch_size). A store without runs (the PostgreSQL and in-memory
-    /// stores) hands out one delivery of a key at a time whatever this says.
-    pub fn key_run(mut self, deliveries: u32) -> Self {
-        self.key_run = deliveries;
-        self
-    }
-
     /// How many handlers run at once, 32 by default (1 to 10,000).
     pub fn concurrency(mut self, handlers: usize) -> Self {
         self.concurrency = handlers;
@@ -731,21 +708,6 @@ impl<S: Store> RelayBusBuilder<S> {
     /// Without it, new work waits for the next poll.
     pub fn change_stream(mut self, enabled: bool) -> Self {
         self.change_stream = enabled;
-        self
-    }
-
-    /// How a bus that has claimed without a pause for a tenth of a second reads its change
-    /// stream: in one short read per `interval`, 10 ms by default, instead of a read that waits
-    /// on the server. `None` keeps the waiting read at all times.
-    ///
-    /// A waiting change stream costs the database a scan of every new oplog entry, once per
-    /// write and per open stream, however little of it matches; a busy bus finds most new
-    /// deliveries with its claims anyway. While it gathers, a new delivery in a lane its claims
-    /// do not look at waits up to `interval` longer (a new key behind a backlog, say); once its
-    /// claims find nothing, the bus waits on the stream again, which reports at once what the
-    /// gathered reads had not yet. Stores without such a cost ignore the setting.
-    pub fn busy_wake_ups(mut self, interval: Option<Duration>) -> Self {
-        self.busy_wake_ups = interval;
         self
     }
 
@@ -878,7 +840,6 @@ impl<S: Store> RelayBusBuilder<S> {
         let settings = Settings {
             owner: self.owner.clone().unwrap_or_else(default_owner),
             batch_size: self.batch_size,
-            key_run: self.key_run,
             concurrency: self.concurrency,
             lease_duration: self.lease_duration,
             poll_interval: self.poll_interval,
@@ -886,7 +847,6 @@ impl<S: Store> RelayBusBuilder<S> {
             shutdown_timeout: self.shutdown_timeout,
             setup_on_start: self.setup_on_start,
             change_stream: self.change_stream,
-            busy_wake_ups: self.busy_wake_ups,
             claim_ahead: self.claim_ahead,
             retention: self.retention,
             gauge_interval: self.gauge_interval,
@@ -930,15 +890,6 @@ impl<S: Store> RelayBusBuilder<S> {
                 format!("{} is out of range; use 1 to 1000", self.batch_size),
             );
         }
-        if !(1..=1_000).contains(&self.key_run) {
-            return invalid(
-                "key_run",
-                format!(
-                    "{} is out of range; use 1 to 1000 (1: one delivery of a key at a time)",
-                    self.key_run
-                ),
-            );
-        }
         if !(1..=10_000).contains(&self.concurrency) {
             return invalid(
                 "concurrency",
@@ -954,14 +905,6 @@ impl<S: Store> RelayBusBuilder<S> {
                     "{:?} is out of range; use 1 ms to 1 hour",
                     self.poll_interval
                 ),
-            );
-        }
-        if let Some(interval) = self.busy_wake_ups
-            && !(Duration::from_millis(1)..=Duration::from_secs(1)).contains(&interval)
-        {
-            return invalid(
-                "busy_wake_ups",
-                format!("{interval:?} is out of range; use 1 ms to 1 second, or None"),
             );
         }
         if let Some(interval) = self.gauge_interval

@@ -122,8 +122,7 @@ mod trace;
 pub mod transport;
 
 pub use bus::{
-    DEFAULT_KEY_RUN, DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder,
-    RunUntilIdle,
+    DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder, RunUntilIdle,
 };
 pub use dispatcher::{DEFAULT_MAX_RUNS, DeliveryRun, IdleReport, Retention, RunOutcome, RunReport};
 pub use error::{

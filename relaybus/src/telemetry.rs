@@ -23,13 +23,13 @@
 //! | `relaybus.lane.conflicts` | counter | | lanes a claim picked from that changed before its record (MongoDB: another claimer took them first, or a requeue touched them; the picks there go back) |
 //!
 //! The two gauges come from one aggregation of the store
-//! ([`Store::handler_statistics`](crate::store::Store::handler_statistics)) every
-//! `RelayBusBuilder::gauge_interval` (15 s by default), run by one started bus of the
-//! deployment at a time, the one that holds the store's `gauges` lead
-//! ([`Store::lead`](crate::store::Store::lead)), so that N processes do not report N copies.
-//! A bus that loses the lead sets its gauges to zero, so summing them across processes
-//! counts each delivery once. Buses that share a store instance share its lead, and sample
-//! with one count ([`Store::gauge_statistics`](crate::store::Store::gauge_statistics)).
+//! ([`Inspect::handler_statistics`](crate::store::Inspect::handler_statistics)) every
+//! `RelayBusBuilder::gauge_interval` (15 s by default), run by one started bus of the deployment at
+//! a time, the one that holds the store's `gauges` lead
+//! ([`Leadership::lead`](crate::store::Leadership::lead)), so that N processes do not report N
+//! copies. A bus that loses the lead sets its gauges to zero, so summing them across processes
+//! counts each delivery once. Buses that share a store instance share its lead, and sample with one
+//! count ([`Inspect::gauge_statistics`](crate::store::Inspect::gauge_statistics)).
 //!
 //! The attributes: `messaging.system` is always `relaybus`; the destination
 //! (`messaging.destination.name`) is the event type; the consumer group

@@ -25,7 +25,7 @@ use relaybus_tests::support::{
     OrderPlaced, all, bare_store, deliveries, next, noop, placed, publisher, reports_attempt,
     starts_and_hangs, store, store_on,
 };
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 
 /// A bus tuned for tests: short polls and leases, quick retries.
 fn builder(store: &MongoEventStore) -> RelayBusBuilder {
@@ -531,87 +531,6 @@ async fn a_busy_bus_claims_on_while_its_completions_land_and_never_waits_for_a_p
     );
 }
 
-/// The server-side wait (`maxTimeMS`) of each change stream read, in order.
-type StreamWaits = Arc<Mutex<Vec<Option<i64>>>>;
-
-/// The server-side waits of the change stream reads a client sends, with a `Notify` told of
-/// each.
-fn stream_reads(options: &mut ClientOptions) -> (StreamWaits, Arc<Notify>) {
-    let waits: StreamWaits = Arc::default();
-    let read = Arc::new(Notify::new());
-    let (seen, told) = (Arc::clone(&waits), Arc::clone(&read));
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(started) = event
-            && started.command_name == "getMore"
-            && started.command.get_str("collection") == Ok("relaybus_deliveries")
-        {
-            let wait = match started.command.get("maxTimeMS") {
-                Some(mongodb::bson::Bson::Int32(ms)) => Some(i64::from(*ms)),
-                Some(mongodb::bson::Bson::Int64(ms)) => Some(*ms),
-                _ => None,
-            };
-            seen.lock().unwrap().push(wait);
-            told.notify_one();
-        }
-    }));
-    (waits, read)
-}
-
-#[tokio::test]
-async fn a_bus_busy_for_a_while_gathers_its_wake_ups_and_waits_on_the_stream_again_when_idle() {
-    const EVENTS: usize = 3_000;
-    let db = test_db("gathered").await;
-    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
-    let (waits, read) = stream_reads(&mut options);
-    let client = Client::with_options(options).unwrap();
-    let store = store_on(&client, &db).await;
-    publish_orders(&store, "gathering", EVENTS).await;
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let bus = builder(&store)
-        // A poll would not find the last event within the test's patience.
-        .poll_interval(Duration::from_secs(60))
-        .lease_duration(Duration::from_secs(120))
-        .busy_wake_ups(Some(Duration::from_millis(5)))
-        .concurrency(8)
-        .subscribe(Subscription::new(
-            "gathering",
-            move |order: OrderPlaced, _: HandlerContext| {
-                let tx = tx.clone();
-                async move {
-                    // Slow enough that the drain takes well over the tenth of a second after
-                    // which a busy bus gathers.
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    tx.send(order.order_id).unwrap();
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
-        .build()
-        .unwrap();
-    bus.start().await.unwrap();
-    for _ in 0..EVENTS {
-        next(&mut rx, "a handler run of the backlog").await;
-    }
-    assert!(
-        waits.lock().unwrap().contains(&Some(1)),
-        "the busy bus read its stream briefly: {:?}",
-        waits.lock().unwrap()
-    );
-    // Idle: the stream waits on the server again, and wakes the bus at once.
-    let drained = waits.lock().unwrap().len();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while !waits.lock().unwrap()[drained..].contains(&None) {
-            read.notified().await;
-        }
-    })
-    .await
-    .expect("a waiting read of the stream once idle");
-    publish(&bus, "after", None).await;
-    assert_eq!(next(&mut rx, "the woken handler").await, "after");
-    bus.shutdown().await.unwrap();
-    assert!(deliveries(&db).await.is_empty(), "every delivery completed");
-}
-
 #[tokio::test]
 async fn the_change_stream_wakes_an_idle_dispatcher() {
     let db = test_db("wake").await;
@@ -721,8 +640,6 @@ async fn bad_builder_settings_are_refused() {
             RelayBus::builder(store.clone()).poll_interval(Duration::ZERO),
         ),
         ("owner", RelayBus::builder(store.clone()).owner("")),
-        ("key_run", RelayBus::builder(store.clone()).key_run(0)),
-        ("key_run", RelayBus::builder(store.clone()).key_run(1_001)),
         (
             "retry",
             RelayBus::builder(store.clone()).retry(RetryPolicy::new(0)),
@@ -734,14 +651,6 @@ async fn bad_builder_settings_are_refused() {
                     .initial_backoff(Duration::from_secs(10))
                     .max_backoff(Duration::from_secs(1)),
             ),
-        ),
-        (
-            "busy_wake_ups",
-            RelayBus::builder(store.clone()).busy_wake_ups(Some(Duration::ZERO)),
-        ),
-        (
-            "busy_wake_ups",
-            RelayBus::builder(store.clone()).busy_wake_ups(Some(Duration::from_secs(2))),
         ),
         (
             "retention",
@@ -1115,9 +1024,7 @@ async fn an_unordered_handler_runs_a_keys_events_at_once_while_an_ordered_one_ke
 #[derive(Debug)]
 struct ProjectorRun {
     order: String,
-    sequence: Option<i64>,
     attempt: u32,
-    task: Option<tokio::task::Id>,
 }
 
 /// A bus with one handler slot and a transactional `projector` that reports each of its runs.
@@ -1135,9 +1042,7 @@ fn projector_on_one_slot(
                     async move {
                         tx.send(ProjectorRun {
                             order: event.order_id,
-                            sequence: ctx.sequence(),
                             attempt: ctx.attempt(),
-                            task: tokio::task::try_id(),
                         })
                         .unwrap();
                         Ok::<(), BoxError>(())
@@ -1149,158 +1054,6 @@ fn projector_on_one_slot(
         .build()
         .unwrap();
     (bus, rx)
-}
-
-#[tokio::test]
-async fn a_transactional_handler_runs_a_keys_deliveries_back_to_back_in_one_task() {
-    let db = test_db("next_of_key_bus").await;
-    let store = store(&db).await;
-    let publisher = publisher(&store, &["projector"]);
-    for n in 0..20 {
-        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
-    }
-    // One permit: the task that ran a delivery is the only one that can run the next at once,
-    // and no claim runs meanwhile (the loop waits for the permit).
-    let (bus, mut rx) = projector_on_one_slot(&store);
-    bus.start().await.unwrap();
-    let mut runs = Vec::new();
-    for _ in 0..20 {
-        runs.push(next(&mut rx, "the key's deliveries").await);
-    }
-    bus.shutdown().await.unwrap();
-    let orders: Vec<String> = runs.iter().map(|run| run.order.clone()).collect();
-    let expected: Vec<String> = (0..20).map(|n| format!("o-{n}")).collect();
-    assert_eq!(orders, expected, "in sequence, once each");
-    let sequences: Vec<Option<i64>> = runs.iter().map(|run| run.sequence).collect();
-    assert_eq!(sequences, (1..=20).map(Some).collect::<Vec<_>>());
-    let tasks: std::collections::HashSet<_> = runs.iter().map(|run| run.task).collect();
-    assert_eq!(
-        tasks.len(),
-        1,
-        "each delivery ran in the task of its predecessor: {tasks:?}"
-    );
-    assert!(deliveries(&db).await.is_empty());
-}
-
-#[tokio::test]
-async fn a_key_s_run_runs_in_one_task_in_order_and_stops_at_a_failure_giving_the_rest_back_uncharged()
- {
-    let db = test_db("key_run").await;
-    let store = store(&db).await;
-    let publisher = publisher(&store, &["runner"]);
-    for n in 1..=6 {
-        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
-    }
-    // The third delivery fails its first attempt; every run says its task.
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let bus = builder(&store)
-        .key_run(4)
-        .subscribe(Subscription::new(
-            "runner",
-            move |order: OrderPlaced, ctx: HandlerContext| {
-                let tx = tx.clone();
-                async move {
-                    tx.send((order.order_id, ctx.attempt(), tokio::task::try_id()))
-                        .unwrap();
-                    if ctx.sequence() == Some(3) && ctx.attempt() == 1 {
-                        return Err::<(), BoxError>("the third fails once".into());
-                    }
-                    Ok(())
-                }
-            },
-        ))
-        .build()
-        .unwrap();
-    bus.start().await.unwrap();
-    let mut runs = Vec::new();
-    for _ in 0..7 {
-        runs.push(next(&mut rx, "the key's runs").await);
-    }
-    bus.shutdown().await.unwrap();
-    let seen: Vec<(String, u32)> = runs
-        .iter()
-        .map(|(order, attempt, _)| (order.clone(), *attempt))
-        .collect();
-    let expected: Vec<(String, u32)> = [
-        ("o-1", 1),
-        ("o-2", 1),
-        ("o-3", 1),
-        ("o-3", 2),
-        ("o-4", 1),
-        ("o-5", 1),
-        ("o-6", 1),
-    ]
-    .into_iter()
-    .map(|(order, attempt)| (order.to_owned(), attempt))
-    .collect();
-    assert_eq!(
-        seen, expected,
-        "in sequence; the fourth waited for the third's retry and was not charged"
-    );
-    assert!(rx.try_recv().is_err(), "nothing else ran");
-    // The first claim handed out a run of four: the first three ran in one task, one after
-    // the other.
-    assert!(runs[0].2.is_some());
-    assert_eq!(
-        runs[0].2, runs[1].2,
-        "the run's second ran in the first's task"
-    );
-    assert_eq!(
-        runs[1].2, runs[2].2,
-        "the run's third ran in the first's task"
-    );
-    assert!(deliveries(&db).await.is_empty());
-}
-
-#[tokio::test]
-async fn shutdown_stops_a_run_hung_on_a_later_delivery_and_gives_the_rest_back_uncharged() {
-    let db = test_db("key_run_shutdown").await;
-    let store = store(&db).await;
-    let publisher = publisher(&store, &["runner"]);
-    for n in 1..=3 {
-        publish(&publisher, &format!("o-{n}"), Some("customer-1")).await;
-    }
-    // The run's second delivery hangs: the shutdown deadline must stop the run's task.
-    let (started_tx, mut started) = mpsc::unbounded_channel();
-    let bus = builder(&store)
-        .key_run(4)
-        .shutdown_timeout(Duration::from_millis(500))
-        .subscribe(Subscription::new(
-            "runner",
-            move |order: OrderPlaced, _: HandlerContext| {
-                let tx = started_tx.clone();
-                async move {
-                    let hangs = order.order_id == "o-2";
-                    tx.send((order.order_id, tokio::task::try_id())).unwrap();
-                    if hangs {
-                        std::future::pending::<()>().await;
-                    }
-                    Ok::<(), BoxError>(())
-                }
-            },
-        ))
-        .build()
-        .unwrap();
-    bus.start().await.unwrap();
-    let first = next(&mut started, "the run's first").await;
-    let second = next(&mut started, "the run's second").await;
-    assert_eq!((first.0.as_str(), second.0.as_str()), ("o-1", "o-2"));
-    assert_eq!(first.1, second.1, "one run, one task");
-    tokio::time::timeout(Duration::from_secs(20), bus.shutdown())
-        .await
-        .expect("the shutdown ends at its deadline")
-        .unwrap();
-
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let again = builder(&store)
-        .subscribe(reports_attempt::<OrderPlaced>("runner", tx))
-        .build()
-        .unwrap();
-    again.start().await.unwrap();
-    assert_eq!(next(&mut rx, "the second again").await, 1, "not charged");
-    assert_eq!(next(&mut rx, "the third").await, 1, "not charged");
-    again.shutdown().await.unwrap();
-    assert!(deliveries(&db).await.is_empty());
 }
 
 #[tokio::test]

@@ -17,6 +17,7 @@ use mongodb::{
     event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, ClaimedDelivery, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
     EventEnvelope, Lease, LeaseError, MongoEventStore, MongoEventStoreBuilder, PurgeOptions,
@@ -1969,10 +1970,8 @@ async fn boundary_claim(
     store: &MongoEventStore,
     count: &AtomicUsize,
     now: DateTime,
-    reported: &[u32],
-    reports_complete: bool,
 ) -> (usize, usize) {
-    let (used, claimed) = boundary_claimed(store, count, now, reported, reports_complete).await;
+    let (used, claimed) = boundary_claimed(store, count, now).await;
     (used, claimed.len())
 }
 
@@ -1981,37 +1980,18 @@ async fn boundary_claimed(
     store: &MongoEventStore,
     count: &AtomicUsize,
     now: DateTime,
-    reported: &[u32],
-    reports_complete: bool,
 ) -> (usize, Vec<relaybus::store::Claimed<Lease>>) {
-    boundary_claimed_with(store, count, now, reported, reports_complete, &[]).await
-}
-
-/// [`boundary_claimed`], with what the wake-ups told of the new deliveries.
-async fn boundary_claimed_with(
-    store: &MongoEventStore,
-    count: &AtomicUsize,
-    now: DateTime,
-    reported: &[u32],
-    reports_complete: bool,
-    arrivals: &[relaybus::store::Arrival],
-) -> (usize, Vec<relaybus::store::Claimed<Lease>>) {
-    use relaybus::{Store, store::ClaimRequest};
+    use relaybus::store::ClaimRequest;
     let handlers = [HANDLER.to_owned()];
     let before = count.load(Ordering::SeqCst);
-    let claimed = Store::claim(
+    let claimed = Queue::claim(
         store,
         ClaimRequest {
             owner: "w",
             handlers: &handlers,
             limit: 32,
-            run: 1,
-            runs: 0,
             lease_duration: LEASE,
             now: std::time::SystemTime::from(now).into(),
-            reported,
-            reports_complete,
-            arrivals,
         },
     )
     .await
@@ -2032,7 +2012,7 @@ fn ms(n: i64) -> DateTime {
 
 #[tokio::test]
 async fn lanes_a_full_claim_hands_back_unread_are_not_taken_for_empty_by_the_ranking() {
-    use relaybus::{Store, store::ClaimRequest};
+    use relaybus::store::ClaimRequest;
     let db = test_db("full_claim_unread").await;
     let store = store(&db).await;
     // Eight lanes with two deliveries each, the lanes' deliveries due one millisecond apart:
@@ -2062,19 +2042,14 @@ async fn lanes_a_full_claim_hands_back_unread_are_not_taken_for_empty_by_the_ran
     let handlers = [HANDLER.to_owned()];
     let mut claimed = 0;
     for step in 0..8 {
-        let batch = Store::claim(
+        let batch = Queue::claim(
             &store,
             ClaimRequest {
                 owner: "w",
                 handlers: &handlers,
                 limit: 4,
-                run: 1,
-                runs: 0,
                 lease_duration: LEASE,
                 now: std::time::SystemTime::from(ms(step * 5)).into(),
-                reported: &[],
-                reports_complete: true,
-                arrivals: &[],
             },
         )
         .await
@@ -2109,7 +2084,7 @@ async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found
     publish(&store, &slow, &[HANDLER], at(0)).await;
     // The head fails and waits for a retry much later; its lane goes back with the followers
     // parked.
-    let (_, claimed) = boundary_claimed(&store, &count, ms(0), &[], true).await;
+    let (_, claimed) = boundary_claimed(&store, &count, ms(0)).await;
     assert_eq!(claimed.len(), 1);
     let head = &claimed[0];
     assert!(
@@ -2118,11 +2093,11 @@ async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found
             .await
             .unwrap()
     );
-    let (_, got) = boundary_claim(&store, &count, ms(10), &[], true).await;
+    let (_, got) = boundary_claim(&store, &count, ms(10)).await;
     assert_eq!(got, 0);
     assert_eq!(parked_count(&db).await, 2);
     // A ranking finds every free lane empty, that one included.
-    let (_, got) = boundary_claim(&store, &count, ms(20), &[], false).await;
+    let (_, got) = boundary_claim(&store, &count, ms(20)).await;
     assert_eq!(got, 0);
     // An operator buries the head: the next claim unparks the follower into that free lane,
     // and does not trust the ranking for it.
@@ -2131,7 +2106,7 @@ async fn a_delivery_a_claim_unparks_into_a_lane_the_ranking_found_empty_is_found
         .await
         .unwrap();
     assert_eq!(buried.buried.len(), 1, "{buried:?}");
-    let (_, claimed) = boundary_claimed(&store, &count, ms(30), &[], true).await;
+    let (_, claimed) = boundary_claimed(&store, &count, ms(30)).await;
     assert_eq!(claimed.len(), 1, "the unparked follower is claimed at once");
     assert_eq!(claimed[0].event.id(), "slow-1");
 }
@@ -2193,7 +2168,6 @@ async fn headers_of_any_json_value_reach_the_handler_as_text() {
 
 #[tokio::test]
 async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
-    use relaybus::Store;
     let db = test_db("gauge_sample").await;
     let (client, count, names) = counting_client(&db).await;
     let store = store_with(&client, &db, false).await;
@@ -2205,7 +2179,7 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     // What one count sends.
     let before = count.load(Ordering::SeqCst);
     assert_eq!(
-        pending(&Store::handler_statistics(&store).await.unwrap()),
+        pending(&Inspect::handler_statistics(&store).await.unwrap()),
         [1]
     );
     let one_count = count.load(Ordering::SeqCst) - before;
@@ -2217,8 +2191,8 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     names.lock().unwrap().clear();
     let other = store.clone();
     let (first, second) = futures::join!(
-        Store::gauge_statistics(&store, age),
-        Store::gauge_statistics(&other, age)
+        Inspect::gauge_statistics(&store, age),
+        Inspect::gauge_statistics(&other, age)
     );
     let (first, second) = (first.unwrap(), second.unwrap());
     assert_eq!(pending(&first), [1]);
@@ -2234,21 +2208,21 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
     // for a newer count, and the operators' statistics, count again.
     publish_unkeyed(&store, "h", 1, at(0)).await;
     let before = count.load(Ordering::SeqCst);
-    let shared = Store::gauge_statistics(&store, age).await.unwrap();
+    let shared = Inspect::gauge_statistics(&store, age).await.unwrap();
     assert_eq!(pending(&shared), [1]);
     assert_eq!(count.load(Ordering::SeqCst), before, "no command");
-    let fresh = Store::gauge_statistics(&store, Duration::ZERO)
+    let fresh = Inspect::gauge_statistics(&store, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(pending(&fresh), [2]);
     assert_eq!(
-        pending(&Store::handler_statistics(&store).await.unwrap()),
+        pending(&Inspect::handler_statistics(&store).await.unwrap()),
         [2]
     );
     // Another instance counts for itself.
     let apart = store_with(&client, &db, false).await;
     assert_eq!(
-        pending(&Store::gauge_statistics(&apart, age).await.unwrap()),
+        pending(&Inspect::gauge_statistics(&apart, age).await.unwrap()),
         [2]
     );
 }
@@ -2519,8 +2493,6 @@ async fn purge_never_leaves_a_delivery_without_its_event() {
 
 #[tokio::test]
 async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_completed() {
-    use relaybus::Store;
-
     let db = test_db("renew_lane").await;
     let store = store(&db).await;
     // One keyed event for two handlers: both deliveries are in the key's lane.
@@ -2536,7 +2508,7 @@ async fn a_renewal_goes_through_another_delivery_of_the_lane_when_one_has_comple
 
     // The completed delivery comes first: the lane is renewed through the one still running.
     let renewed_at = at(20);
-    let covered = Store::renew(&store, &[done, running], LEASE, renewed_at.into())
+    let covered = Queue::renew(&store, &[done, running], LEASE, renewed_at.into())
         .await
         .unwrap();
     assert_eq!(covered, 2, "the lane's lease covers both leases given");
@@ -2756,12 +2728,11 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
     let (client, count, _) = counting_client(&db).await;
     let store = store_parking_behind_pending(&client, &db).await;
     publish(&store, &[event("k-0", Some("k"))], &[HANDLER], at(0)).await;
-    let (_, head) = boundary_claimed(&store, &count, ms(0), &[], true).await;
+    let (_, head) = boundary_claimed(&store, &count, ms(0)).await;
     assert_eq!(head.len(), 1);
     let lease = head[0].lease;
     let mut wake_ups = {
-        use relaybus::Store;
-        Store::watch(&store, &[HANDLER.to_owned()])
+        Queue::watch(&store, &[HANDLER.to_owned()])
             .await
             .expect("watch")
     };
@@ -2778,7 +2749,7 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
                 .await?;
             if !completed.swap(true, Ordering::SeqCst) {
                 assert!(store.complete(&lease, ms(1)).await?);
-                let (_, none) = boundary_claimed(&store, &count, ms(2), &[], true).await;
+                let (_, none) = boundary_claimed(&store, &count, ms(2)).await;
                 assert!(none.is_empty());
             }
             Ok(appended)
@@ -2795,7 +2766,7 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
     // again): the next claim takes it, nothing being pending before it.
     let woken = next_wake_ups(&mut wake_ups, 1).await;
     assert_eq!(woken[0].at, Some(lane_of(Some("k"), "k-1")));
-    let (_, got) = boundary_claimed(&store, &count, ms(3), &[], true).await;
+    let (_, got) = boundary_claimed(&store, &count, ms(3)).await;
     let ids: Vec<&str> = got.iter().map(|c| c.event.id()).collect();
     assert_eq!(ids, ["k-1"]);
 }

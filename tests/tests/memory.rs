@@ -9,9 +9,10 @@ use std::{
 };
 
 use futures::{FutureExt, StreamExt};
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, BoxError, ConfigurationError, DeliveryQuery, DeliveryStatus, Error,
-    EventEnvelope, HandlerContext, MemoryEventStore, MemorySession, PurgeOptions, RelayBus, Store,
+    EventEnvelope, HandlerContext, MemoryEventStore, MemorySession, PurgeOptions, RelayBus,
     Subscription, Timestamp,
     store::{ClaimRequest, Claimed, WakeUp, memory::MemoryStoreError},
 };
@@ -72,13 +73,8 @@ async fn claim(
             owner,
             handlers: &handlers,
             limit: 10,
-            run: 1,
-            runs: 0,
             lease_duration: Duration::from_secs(30),
             now,
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         })
         .await
         .expect("claim")
@@ -309,7 +305,7 @@ async fn a_write_conflict_is_transient_and_the_transaction_runs_again_to_success
                 "{error}"
             );
             assert!(
-                <MemoryEventStore as Store>::is_transient(
+                <MemoryEventStore as Transactions>::is_transient(
                     memory_error(error).expect("the store's error")
                 ),
                 "the store recognizes its conflict"

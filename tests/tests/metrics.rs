@@ -154,7 +154,9 @@ async fn a_known_load_records_known_metrics() {
     // The refusals are buried once their handler returned: wait until all five are dead.
     let dead = async {
         loop {
-            let stats = relaybus::Store::statistics(bus.store()).await.unwrap();
+            let stats = relaybus::store::Inspect::statistics(bus.store())
+                .await
+                .unwrap();
             if stats.dead == 5 && stats.pending == 0 {
                 break;
             }

@@ -9,9 +9,10 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, ConfigurationError, Error, EventEnvelope, PostgresEventStore, PostgresSession,
-    RelayBus, Store, Timestamp, store::transaction,
+    RelayBus, Timestamp, store::transaction,
 };
 use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool, Row, postgres::PgListener, postgres::PgPoolOptions};
@@ -230,7 +231,7 @@ async fn publishing_inside_a_user_started_sqlx_transaction() {
         .session(&mut session)
         .await
         .expect("a publish in the caller's transaction");
-    // `Store::commit` leaves the caller's transaction alone.
+    // `Transactions::commit` leaves the caller's transaction alone.
     assert!(store.commit(&mut session).await.is_err());
     assert!(!holds(&store, "e-1").await, "visible before the commit");
     assert!(orders(&store, &schema).await.is_empty());
@@ -692,13 +693,8 @@ async fn bad_input_is_refused_and_writes_nothing() {
         owner,
         handlers: &projector,
         limit,
-        run: 1,
-        runs: 0,
         lease_duration: lease,
         now: Timestamp::now(),
-        reported: &[],
-        reports_complete: false,
-        arrivals: &[],
     };
     for (request, argument) in [
         (claim("", 1, Duration::from_secs(30)), "owner"),

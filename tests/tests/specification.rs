@@ -17,9 +17,10 @@ use mongodb::{
     event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, DeliveryQuery, DeliveryStatus, Error, EventEnvelope, MongoEventStore, RelayBus,
-    Retention, Store, Timestamp,
+    Retention, Timestamp,
     event::lane_of,
     store::{ClaimRequest, transaction},
 };
@@ -44,7 +45,7 @@ async fn append_one(
     at: Timestamp,
 ) {
     transaction::run(store, None, async |session| {
-        Store::append(store, session, &[AppendRequest::new(event, handlers)], at).await
+        Append::append(store, session, &[AppendRequest::new(event, handlers)], at).await
     })
     .await
     .unwrap();
@@ -58,19 +59,14 @@ async fn claim_as(
     limit: u32,
     now: Timestamp,
 ) -> Vec<relaybus::store::Claimed<relaybus::Lease>> {
-    Store::claim(
+    Queue::claim(
         store,
         ClaimRequest {
             owner,
             handlers,
             limit,
-            run: 1,
-            runs: 0,
             lease_duration: Duration::from_secs(30),
             now,
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         },
     )
     .await
@@ -174,15 +170,17 @@ async fn two_transactions_racing_on_one_event_id_conflict_and_never_report_a_dup
     let handlers = ["projector".to_owned()];
     let requests = [AppendRequest::new(&event, &handlers)];
 
-    let mut first = Store::session(&store).await.unwrap();
-    let mut second = Store::session(&store).await.unwrap();
-    Store::begin(&store, &mut first, None).await.unwrap();
-    Store::begin(&store, &mut second, None).await.unwrap();
-    let appended = Store::append(&store, &mut first, &requests, Timestamp::now())
+    let mut first = Transactions::session(&store).await.unwrap();
+    let mut second = Transactions::session(&store).await.unwrap();
+    Transactions::begin(&store, &mut first, None).await.unwrap();
+    Transactions::begin(&store, &mut second, None)
+        .await
+        .unwrap();
+    let appended = Append::append(&store, &mut first, &requests, Timestamp::now())
         .await
         .unwrap();
     assert!(appended[0].created);
-    let raced = Store::append(&store, &mut second, &requests, Timestamp::now()).await;
+    let raced = Append::append(&store, &mut second, &requests, Timestamp::now()).await;
     match &raced {
         Err(error) => {
             assert!(
@@ -196,12 +194,12 @@ async fn two_transactions_racing_on_one_event_id_conflict_and_never_report_a_dup
         }
         Ok(appended) => panic!("the second append saw no conflict: {appended:?}"),
     }
-    Store::abort(&store, &mut second).await;
-    Store::commit(&store, &mut first).await.unwrap();
+    Transactions::abort(&store, &mut second).await;
+    Transactions::commit(&store, &mut first).await.unwrap();
 
     // Run again after the first committed, the second finds the event and adds nothing.
     let again = transaction::run(&store, None, async |session| {
-        Store::append(&store, session, &requests, Timestamp::now()).await
+        Append::append(&store, session, &requests, Timestamp::now()).await
     })
     .await
     .unwrap();
@@ -226,7 +224,7 @@ async fn the_completion_history_lists_with_every_filter_and_is_empty_without_his
             .iter()
             .map(|e| AppendRequest::new(e, &handlers))
             .collect();
-        Store::append(&history, session, &requests, Timestamp::now()).await
+        Append::append(&history, session, &requests, Timestamp::now()).await
     })
     .await
     .unwrap();
@@ -234,7 +232,7 @@ async fn the_completion_history_lists_with_every_filter_and_is_empty_without_his
     assert_eq!(claimed.len(), 6);
     let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
     assert_eq!(
-        Store::complete(&history, &leases, Timestamp::now())
+        Queue::complete(&history, &leases, Timestamp::now())
             .await
             .unwrap(),
         [true; 6]
@@ -242,7 +240,7 @@ async fn the_completion_history_lists_with_every_filter_and_is_empty_without_his
 
     let list = |query: DeliveryQuery| {
         let history = history.clone();
-        async move { Store::list_deliveries(&history, &query).await.unwrap() }
+        async move { Inspect::list_deliveries(&history, &query).await.unwrap() }
     };
     let completed = DeliveryQuery::new().status(DeliveryStatus::Completed);
     assert_eq!(list(completed.clone()).await.len(), 6);
@@ -269,7 +267,7 @@ async fn the_completion_history_lists_with_every_filter_and_is_empty_without_his
     let page = list(completed.clone().limit(4)).await;
     let rest = list(completed.clone().after(page[3].id.clone())).await;
     assert_eq!(rest.len(), 2, "paged by id with no overlap");
-    assert_eq!(Store::statistics(&history).await.unwrap().completed, 6);
+    assert_eq!(Inspect::statistics(&history).await.unwrap().completed, 6);
 
     // The same database read without completion history: no completed listing, no count.
     let without = MongoEventStore::builder(db.client.clone())
@@ -277,13 +275,13 @@ async fn the_completion_history_lists_with_every_filter_and_is_empty_without_his
         .build()
         .unwrap();
     assert!(
-        Store::list_deliveries(&without, &completed)
+        Inspect::list_deliveries(&without, &completed)
             .await
             .unwrap()
             .is_empty(),
         "no completed listing without history"
     );
-    let stats = Store::statistics(&without).await.unwrap();
+    let stats = Inspect::statistics(&without).await.unwrap();
     assert_eq!((stats.completed, stats.completion_history), (0, false));
 }
 
@@ -385,7 +383,7 @@ async fn documents_with_null_fields_are_read_as_absent_ones() {
         assert_eq!(delivery.sequence, None);
         assert_eq!(delivery.attempt, 1);
     }
-    let listed = Store::list_deliveries(&store, &DeliveryQuery::new())
+    let listed = Inspect::list_deliveries(&store, &DeliveryQuery::new())
         .await
         .unwrap();
     assert_eq!(listed.len(), 2);
@@ -402,7 +400,7 @@ async fn documents_with_null_fields_are_read_as_absent_ones() {
     }
     let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
     assert_eq!(
-        Store::complete(&store, &leases, Timestamp::now())
+        Queue::complete(&store, &leases, Timestamp::now())
             .await
             .unwrap(),
         [true, true]
@@ -528,7 +526,7 @@ async fn owners_of_no_lanes_take_free_lanes_oldest_due_first_in_growing_rounds()
     // Completed, the lanes run nothing and yield nothing: the next claim hands them back.
     let leases: Vec<relaybus::Lease> = first.iter().chain(&second).map(|c| c.lease).collect();
     assert!(
-        Store::complete(&store, &leases, now)
+        relaybus::store::Queue::complete(&store, &leases, now)
             .await
             .unwrap()
             .iter()
@@ -611,7 +609,7 @@ async fn an_owner_that_relinquished_its_lanes_no_longer_counts_among_the_claimer
     // owns every lane, and takes the oldest deliveries.
     let other = ["auditor".to_owned()];
     assert!(claim_as(&store, "b", &other, 4, now).await.is_empty());
-    Store::relinquish(&store, "b").await.unwrap();
+    Queue::relinquish(&store, "b").await.unwrap();
     let batch = claim_as(&store, "a", &handlers, 4, now).await;
     assert_eq!(lanes_of(&batch), [0, 1, 2, 3]);
 }
@@ -643,7 +641,7 @@ async fn one_due_in_each(store: &MongoEventStore, lanes: &[u32], now: Timestamp)
                     .due_at(now.saturating_sub(Duration::from_secs(600 - n as u64)))
             })
             .collect();
-        Store::append(store, session, &requests, now).await
+        Append::append(store, session, &requests, now).await
     })
     .await
     .unwrap();
@@ -706,7 +704,7 @@ async fn a_claim_over_more_than_128_lanes_takes_the_oldest_due_deliveries_of_all
             .iter()
             .map(|(e, at)| AppendRequest::new(e, &handlers).due_at(*at))
             .collect();
-        Store::append(&store, session, &requests, now).await
+        Append::append(&store, session, &requests, now).await
     })
     .await
     .unwrap();
@@ -794,7 +792,7 @@ async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_complet
             AppendRequest::new(&first, &projector),
             AppendRequest::new(&second, &mailer),
         ];
-        Store::append(&completer, session, &requests, now).await
+        Append::append(&completer, session, &requests, now).await
     })
     .await
     .unwrap();
@@ -819,7 +817,7 @@ async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_complet
     while commands.try_recv().is_ok() {}
     let completion = tokio::spawn({
         let completer = completer.clone();
-        async move { Store::complete(&completer, &leases, Timestamp::now()).await }
+        async move { Queue::complete(&completer, &leases, Timestamp::now()).await }
     });
     started(&mut commands, "delete", "the completion sends its delete").await;
     let later = now.saturating_add(Duration::from_secs(120));
@@ -833,7 +831,7 @@ async fn a_completion_that_deletes_fewer_than_it_fenced_reports_no_lease_complet
         [false, false],
         "one delivery went, one did not: neither is proven completed"
     );
-    let left = Store::list_deliveries(&taker, &DeliveryQuery::new())
+    let left = Inspect::list_deliveries(&taker, &DeliveryQuery::new())
         .await
         .unwrap();
     assert_eq!(left.len(), 1, "{left:?}");
@@ -944,7 +942,7 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
             .iter()
             .map(|e| AppendRequest::new(e, &handlers))
             .collect();
-        Store::append(&store, session, &requests, now).await
+        Append::append(&store, session, &requests, now).await
     })
     .await
     .unwrap();
@@ -995,7 +993,7 @@ async fn a_parking_failure_is_logged_and_the_claim_still_succeeds() {
         "the failure is logged: {text}"
     );
     assert_eq!(
-        Store::statistics(&store).await.unwrap().parked,
+        Inspect::statistics(&store).await.unwrap().parked,
         0,
         "nothing parked: they wait in the claim index"
     );
@@ -1039,7 +1037,7 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
     while commands.try_recv().is_ok() {}
     let completion = tokio::spawn({
         let completer = completer.clone();
-        async move { Store::complete(&completer, &[lease], Timestamp::now()).await }
+        async move { Queue::complete(&completer, &[lease], Timestamp::now()).await }
     });
     let seen = started(&mut commands, "delete", "the completion's delete").await;
     let events = db.db().collection::<Document>("relaybus_events");
@@ -1057,13 +1055,13 @@ async fn a_purge_racing_a_completion_keeps_the_completed_event() {
     let options = relaybus::PurgeOptions::new()
         .dead_before(now)
         .completed_before(now.saturating_sub(Duration::from_secs(3_600)));
-    let purged = Store::purge(&purger, &options).await.unwrap();
+    let purged = Operate::purge(&purger, &options).await.unwrap();
     assert_eq!(purged.events, 0, "{purged:?}");
     held.disable().await.unwrap();
     assert_eq!(completion.await.unwrap().unwrap(), [true]);
     let deliveries = db.db().collection::<Document>("relaybus_deliveries");
     assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 0);
-    let purged = Store::purge(&purger, &options).await.unwrap();
+    let purged = Operate::purge(&purger, &options).await.unwrap();
     assert_eq!(purged.events, 0, "{purged:?}");
     let event = events
         .find_one(doc! { "_id": "old-order" })
@@ -1092,7 +1090,7 @@ async fn an_event_with_only_the_completion_mark_of_an_earlier_release_is_kept_as
     let two_hours_ago = now.saturating_sub(Duration::from_secs(7_200));
     let lease = published_and_claimed(&store, &envelope("old-order"), two_hours_ago).await;
     assert_eq!(
-        Store::complete(&store, &[lease], now).await.unwrap(),
+        Queue::complete(&store, &[lease], now).await.unwrap(),
         [true]
     );
     let events = db.db().collection::<Document>("relaybus_events");
@@ -1110,7 +1108,7 @@ async fn an_event_with_only_the_completion_mark_of_an_earlier_release_is_kept_as
     let options = relaybus::PurgeOptions::new()
         .dead_before(now)
         .completed_before(now.saturating_sub(Duration::from_secs(3_600)));
-    let purged = Store::purge(&store, &options).await.unwrap();
+    let purged = Operate::purge(&store, &options).await.unwrap();
     assert_eq!(
         purged.events, 0,
         "the mark counts as its completion: {purged:?}"
@@ -1121,7 +1119,7 @@ async fn an_event_with_only_the_completion_mark_of_an_earlier_release_is_kept_as
 
 /// The events a purge of what completed before `cutoff` deletes.
 async fn events_purged_completed_before(store: &MongoEventStore, cutoff: Timestamp) -> u64 {
-    Store::purge(
+    Operate::purge(
         store,
         &relaybus::PurgeOptions::new().completed_before(cutoff),
     )
@@ -1140,7 +1138,7 @@ async fn a_completion_stamps_with_majority_before_it_deletes() {
     // stamps nothing (see the next test).
     let later = Timestamp::now().saturating_add(Duration::from_secs(61));
     assert_eq!(
-        Store::complete(&store, &[lease], later).await.unwrap(),
+        Queue::complete(&store, &[lease], later).await.unwrap(),
         [true]
     );
 
@@ -1206,7 +1204,7 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
     let lease = published_and_claimed(&store, &fresh, Timestamp::now()).await;
     seen.lock().unwrap().clear();
     assert_eq!(
-        Store::complete(&store, &[lease], Timestamp::now())
+        Queue::complete(&store, &[lease], Timestamp::now())
             .await
             .unwrap(),
         [true]
@@ -1226,7 +1224,7 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
     assert_eq!(stamp_of(&events, "quick-1").await, (true, None));
 
     let latest = created.saturating_add(Duration::from_secs(120));
-    let detail = Store::event_detail(&store, "quick-1")
+    let detail = Inspect::event_detail(&store, "quick-1")
         .await
         .unwrap()
         .unwrap();
@@ -1235,7 +1233,7 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
     // the dead cutoff alone.
     let purge = |options: relaybus::PurgeOptions| {
         let store = store.clone();
-        async move { Store::purge(&store, &options).await.unwrap().events }
+        async move { Operate::purge(&store, &options).await.unwrap().events }
     };
     let just_before = latest.saturating_sub(Duration::from_millis(1));
     let options = relaybus::PurgeOptions::new();
@@ -1252,7 +1250,7 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
     let appended = Timestamp::now().saturating_sub(Duration::from_secs(30));
     let lease = published_and_claimed(&store, &envelope("old-1"), appended).await;
     let at = Timestamp::now();
-    assert_eq!(Store::complete(&store, &[lease], at).await.unwrap(), [true]);
+    assert_eq!(Queue::complete(&store, &[lease], at).await.unwrap(), [true]);
     assert_eq!(stamp_of(&events, "old-1").await, (false, Some(at)));
 
     // A requeued delivery is stamped, however quickly it completes.
@@ -1268,7 +1266,7 @@ async fn a_quick_completion_of_a_fresh_event_stamps_nothing_and_purge_takes_the_
     assert_eq!(claimed.len(), 1);
     let at = Timestamp::now();
     assert_eq!(
-        Store::complete(&store, &[claimed[0].lease], at)
+        Queue::complete(&store, &[claimed[0].lease], at)
             .await
             .unwrap(),
         [true]
@@ -1489,7 +1487,7 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
             .iter()
             .map(|e| AppendRequest::new(e, &handlers))
             .collect();
-        Store::append(&claimer, session, &requests, now).await
+        Append::append(&claimer, session, &requests, now).await
     })
     .await
     .unwrap();
@@ -1498,11 +1496,11 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
     assert_eq!(head.len(), 1);
     assert_eq!(head[0].event.id(), "k-1");
     assert!(
-        Store::bury(&claimer, &head[0].lease, "broken", now)
+        Queue::bury(&claimer, &head[0].lease, "broken", now)
             .await
             .unwrap()
     );
-    let dead = Store::list_deliveries(
+    let dead = Inspect::list_deliveries(
         &operator,
         &DeliveryQuery::new().status(DeliveryStatus::Dead),
     )
@@ -1514,7 +1512,7 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
     // operator requeues the head, which now goes first again.
     let (_held, racing) =
         claim_while_its_record_waits(&db, app, &mut commands, &claimer, "w", &handlers, now).await;
-    let requeued = Store::requeue(&operator, &[dead[0].id.clone()], now)
+    let requeued = Operate::requeue(&operator, &[dead[0].id.clone()], now)
         .await
         .unwrap();
     assert_eq!(requeued.requeued, [dead[0].id.clone()], "{requeued:?}");
@@ -1530,7 +1528,7 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
         raced[0].attempt, 1,
         "the requeued head starts again at attempt 1"
     );
-    let follower = Store::list_deliveries(&operator, &DeliveryQuery::new().event_id("k-2"))
+    let follower = Inspect::list_deliveries(&operator, &DeliveryQuery::new().event_id("k-2"))
         .await
         .unwrap();
     assert_eq!(follower[0].attempts, 0, "no attempt charged: {follower:?}");
@@ -1538,7 +1536,7 @@ async fn a_pick_a_concurrent_requeue_now_precedes_is_given_back() {
 
     // Once the head completes, the follower runs.
     assert_eq!(
-        Store::complete(&claimer, &[raced[0].lease], now)
+        Queue::complete(&claimer, &[raced[0].lease], now)
             .await
             .unwrap(),
         [true]
@@ -1640,19 +1638,14 @@ async fn record_fails_during_a_takeover(
     let failed = tokio::spawn({
         let (first, handlers) = (first.clone(), handlers.clone());
         async move {
-            Store::claim(
+            Queue::claim(
                 &first,
                 ClaimRequest {
                     owner: "first",
                     handlers: &handlers,
                     limit: 10,
-                    run: 1,
-                    runs: 0,
                     lease_duration: Duration::from_secs(30),
                     now,
-                    reported: &[],
-                    reports_complete: false,
-                    arrivals: &[],
                 },
             )
             .await
@@ -1687,7 +1680,7 @@ async fn record_fails_during_a_takeover(
     );
     let leases: Vec<_> = taken.iter().map(|c| c.lease).collect();
     assert_eq!(
-        Store::complete(&taker, &leases, later).await.unwrap(),
+        Queue::complete(&taker, &leases, later).await.unwrap(),
         [true, true],
         "the taker's leases still hold"
     );
@@ -1753,7 +1746,7 @@ async fn a_record_over_several_held_lanes_keeps_only_the_lanes_whose_condition_h
     assert_eq!(ran.len(), 2);
     let leases: Vec<_> = ran.iter().map(|c| c.lease).collect();
     assert_eq!(
-        Store::complete(&first, &leases, now).await.unwrap(),
+        Queue::complete(&first, &leases, now).await.unwrap(),
         [true, true]
     );
     let (next_77, next_78) = (in_77.next().unwrap(), in_78.next().unwrap());
@@ -1810,7 +1803,7 @@ async fn a_delivery_buried_while_a_claim_records_it_is_not_handed_out() {
     let handlers = ["projector".to_owned()];
     let now = Timestamp::now();
     append_one(&claimer, &envelope("to-bury"), &handlers, now).await;
-    let pending = Store::list_deliveries(
+    let pending = Inspect::list_deliveries(
         &operator,
         &DeliveryQuery::new().status(DeliveryStatus::Pending),
     )
@@ -1820,7 +1813,7 @@ async fn a_delivery_buried_while_a_claim_records_it_is_not_handed_out() {
 
     let (_held, claim) =
         claim_while_its_record_waits(&db, &app, &mut commands, &claimer, "w", &handlers, now).await;
-    let buried = Store::bury_by_id(&operator, &[pending[0].id.clone()], "not wanted", now)
+    let buried = Operate::bury_by_id(&operator, &[pending[0].id.clone()], "not wanted", now)
         .await
         .unwrap();
     assert_eq!(buried.buried, [pending[0].id.clone()], "{buried:?}");
@@ -1829,7 +1822,7 @@ async fn a_delivery_buried_while_a_claim_records_it_is_not_handed_out() {
         claimed.is_empty(),
         "a buried delivery was handed out: {claimed:?}"
     );
-    let dead = Store::list_deliveries(
+    let dead = Inspect::list_deliveries(
         &operator,
         &DeliveryQuery::new().status(DeliveryStatus::Dead),
     )

@@ -160,13 +160,8 @@ async fn a_dead_workers_lease_ends_on_the_clock<S: Store>(store: S) {
             owner: "a-worker-that-dies",
             handlers: &handlers,
             limit: 10,
-            run: 1,
-            runs: 0,
             lease_duration: Duration::from_secs(30),
             now: clock.now(),
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         })
         .await
         .expect("claim");

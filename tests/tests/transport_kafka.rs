@@ -16,6 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use relaybus::store::prelude::*;
 use relaybus::{
     BoxError, Error, Event, EventEnvelope, HandlerContext, MemoryEventStore, MemorySession,
     RelayBus, Store, Subscription, Timestamp,

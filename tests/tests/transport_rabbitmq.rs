@@ -25,7 +25,10 @@ use relaybus::{
     LaneReport, MemoryEventStore, MemorySession, PurgeOptions, Purged, RelayBus, Requeued,
     Statistics, Store, Subscription, Timestamp,
     clock::TestClock,
-    store::{ClaimRequest, Claimed, PositionKey, WakeUp, memory::MemoryLease},
+    store::{
+        Append, ClaimRequest, Claimed, ConsumerPositions, Inspect, Leadership, Operate,
+        PositionKey, Queue, Transactions, WakeUp, memory::MemoryLease,
+    },
     transport::rabbitmq::{
         BatchReport, DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, RabbitConsumer,
         RabbitError, RabbitRelay,
@@ -562,13 +565,8 @@ async fn a_relay_that_crashed_after_the_confirm_sends_again_and_the_consumer_kee
             owner: "crashed-relay",
             handlers: std::slice::from_ref(&relay_handler),
             limit: 1,
-            run: 1,
-            runs: 0,
             lease_duration: Duration::from_secs(5),
             now: clock.now(),
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         })
         .await
         .unwrap();
@@ -1107,14 +1105,15 @@ impl HookedStore {
 }
 
 impl Store for HookedStore {
-    type Session = MemorySession;
-    type Lease = MemoryLease;
-
     const NAME: &'static str = "hooked memory";
 
     async fn setup(&self) -> Result<(), Error> {
         self.inner.setup().await
     }
+}
+
+impl Transactions for HookedStore {
+    type Session = MemorySession;
 
     async fn session(&self) -> Result<MemorySession, Error> {
         self.inner.session().await
@@ -1144,6 +1143,12 @@ impl Store for HookedStore {
         self.inner.ensure_in_transaction(session, operation).await
     }
 
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        MemoryEventStore::is_transient(error)
+    }
+}
+
+impl Append for HookedStore {
     async fn append(
         &self,
         session: &mut MemorySession,
@@ -1165,7 +1170,9 @@ impl Store for HookedStore {
             .append_in_transaction(session, requests, now)
             .await
     }
+}
 
+impl ConsumerPositions for HookedStore {
     async fn consumer_position(
         &self,
         session: &mut MemorySession,
@@ -1185,6 +1192,10 @@ impl Store for HookedStore {
             .advance_consumer_position(session, key, next, now)
             .await
     }
+}
+
+impl Queue for HookedStore {
+    type Lease = MemoryLease;
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<MemoryLease>>, Error> {
         self.inner.claim(request).await
@@ -1236,10 +1247,15 @@ impl Store for HookedStore {
         self.inner.relinquish(owner).await
     }
 
-    async fn purge(&self, options: &PurgeOptions) -> Result<Purged, Error> {
-        self.inner.purge(options).await
+    async fn watch(
+        &self,
+        handlers: &[String],
+    ) -> Result<BoxStream<'static, Result<WakeUp, Error>>, Error> {
+        self.inner.watch(handlers).await
     }
+}
 
+impl Inspect for HookedStore {
     async fn statistics(&self) -> Result<Statistics, Error> {
         self.inner.statistics().await
     }
@@ -1266,6 +1282,12 @@ impl Store for HookedStore {
     ) -> Result<Vec<DeadLetterGroup>, Error> {
         self.inner.dead_letter_groups(handler).await
     }
+}
+
+impl Operate for HookedStore {
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged, Error> {
+        self.inner.purge(options).await
+    }
 
     async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded, Error> {
         self.inner.discard(ids, now).await
@@ -1283,15 +1305,6 @@ impl Store for HookedStore {
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued, Error> {
         self.inner.requeue(ids, now).await
     }
-
-    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-        MemoryEventStore::is_transient(error)
-    }
-
-    async fn watch(
-        &self,
-        handlers: &[String],
-    ) -> Result<BoxStream<'static, Result<WakeUp, Error>>, Error> {
-        self.inner.watch(handlers).await
-    }
 }
+
+impl Leadership for HookedStore {}

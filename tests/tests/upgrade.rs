@@ -8,9 +8,10 @@ use mongodb::{
     bson::{DateTime, Document, doc},
     options::ClientOptions,
 };
+use relaybus::store::prelude::*;
 use relaybus::{
     AppendRequest, DeliveryQuery, DeliveryStatus, EventEnvelope, MongoEventStore, PurgeOptions,
-    Store, Timestamp,
+    Timestamp,
     event::lane_of,
     store::{ClaimRequest, transaction},
 };
@@ -153,19 +154,14 @@ async fn claim(
     limit: u32,
 ) -> Vec<relaybus::store::Claimed<relaybus::Lease>> {
     let handlers = [handler.to_owned()];
-    Store::claim(
+    Queue::claim(
         store,
         ClaimRequest {
             owner: "w",
             handlers: &handlers,
             limit,
-            run: 1,
-            runs: 0,
             lease_duration: std::time::Duration::from_secs(30),
             now: Timestamp::now(),
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         },
     )
     .await
@@ -245,7 +241,7 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
     assert_eq!(head[0].event.payload()["order_id"], json!("e-claimed"));
     let leases: Vec<_> = head.iter().map(|c| c.lease).collect();
     assert_eq!(
-        Store::complete(&store, &leases, Timestamp::now())
+        Queue::complete(&store, &leases, Timestamp::now())
             .await
             .unwrap(),
         [true]
@@ -263,14 +259,14 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
         }
         bulk += batch.len();
         let leases: Vec<_> = batch.iter().map(|c| c.lease).collect();
-        Store::complete(&store, &leases, Timestamp::now())
+        Queue::complete(&store, &leases, Timestamp::now())
             .await
             .unwrap();
     }
     assert_eq!(bulk, 2_500, "every bulk delivery was claimable");
 
     // Listable: the dead letter, with its error.
-    let dead = Store::list_deliveries(&store, &DeliveryQuery::new().status(DeliveryStatus::Dead))
+    let dead = Inspect::list_deliveries(&store, &DeliveryQuery::new().status(DeliveryStatus::Dead))
         .await
         .unwrap();
     assert_eq!(dead.len(), 1);
@@ -279,7 +275,7 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
         Some("the mail server said no")
     );
     assert_eq!(
-        Store::statistics(&store).await.unwrap().completed,
+        Inspect::statistics(&store).await.unwrap().completed,
         1,
         "the 0.1.0 completed document"
     );
@@ -292,7 +288,7 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
             .unwrap();
     let handlers = ["projector".to_owned()];
     let appended = transaction::run(&store, None, async |session| {
-        Store::append(
+        Append::append(
             &store,
             session,
             &[AppendRequest::new(&again, &handlers)],
@@ -306,7 +302,7 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
 
     // Purgeable: the completed document and the events nothing references any more.
     let later = Timestamp::now().saturating_add(std::time::Duration::from_secs(60));
-    let purged = Store::purge(&store, &PurgeOptions::new().completed_before(later))
+    let purged = Operate::purge(&store, &PurgeOptions::new().completed_before(later))
         .await
         .unwrap();
     assert_eq!(purged.completion_records, 1, "{purged:?}");

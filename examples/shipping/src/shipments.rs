@@ -8,7 +8,8 @@
 use std::future::Future;
 
 use relaybus::{
-    MemoryEventStore, PostgresEventStore, PostgresSession, Store, store::memory::MemorySession,
+    MemoryEventStore, PostgresEventStore, PostgresSession, Store,
+    store::{Transactions, memory::MemorySession},
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -33,7 +34,7 @@ pub trait Shipments: Clone + Send + Sync + 'static {
     /// fails.
     fn insert(
         &self,
-        session: &mut <Self::Store as Store>::Session,
+        session: &mut <Self::Store as Transactions>::Session,
         shipment: &Shipment,
     ) -> impl Future<Output = relaybus::Result<()>> + Send;
 

@@ -15,7 +15,7 @@ use mongodb::{
 };
 use relaybus::{
     MemoryEventStore, MongoEventStore, PostgresEventStore, PostgresSession, Store,
-    store::memory::MemorySession,
+    store::{Transactions, memory::MemorySession},
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -51,7 +51,7 @@ pub(crate) trait Orders: Clone + Send + Sync + 'static {
     /// Stores a new order in the transaction of `session`.
     fn insert(
         &self,
-        session: &mut <Self::Store as Store>::Session,
+        session: &mut <Self::Store as Transactions>::Session,
         order: &Order,
     ) -> impl Future<Output = relaybus::Result<()>> + Send;
 
@@ -61,7 +61,7 @@ pub(crate) trait Orders: Clone + Send + Sync + 'static {
     /// Counts an order of `cents` for `customer`, in the transaction of `session`.
     fn add_to_totals(
         &self,
-        session: &mut <Self::Store as Store>::Session,
+        session: &mut <Self::Store as Transactions>::Session,
         customer: &str,
         cents: i64,
     ) -> impl Future<Output = relaybus::Result<()>> + Send;

@@ -8,7 +8,9 @@ use axum::{
     http::{Request, StatusCode, header},
 };
 use http_body_util::BodyExt;
-use relaybus::{DeliveryQuery, MemoryEventStore, RelayBus, Store, Timestamp, clock::TestClock};
+use relaybus::{
+    DeliveryQuery, MemoryEventStore, RelayBus, Store, Timestamp, clock::TestClock, store::Inspect,
+};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 

@@ -146,7 +146,7 @@ impl<S: Store> Shared<S> {
         if self.handler_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let claimed = self.claim(self.settings.batch_size, (1, 0)).await?;
+        let claimed = self.claim(self.settings.batch_size).await?;
         let mut runs: Vec<DeliveryRun> = claimed
             .iter()
             .map(|delivery| DeliveryRun {
@@ -160,12 +160,12 @@ impl<S: Store> Shared<S> {
                 finished_at: Timestamp::EPOCH,
             })
             .collect();
-        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d, None))).await;
+        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
         let mut succeeded: Vec<(usize, S::Lease)> = Vec::new();
         for (at, outcome) in outcomes.into_iter().enumerate() {
             match outcome {
                 Outcome::Succeeded(lease) => succeeded.push((at, lease)),
-                Outcome::Completed(_) => runs[at].outcome = RunOutcome::Succeeded,
+                Outcome::Completed => runs[at].outcome = RunOutcome::Succeeded,
                 Outcome::Settled(settled) => runs[at].outcome = settled.into(),
             }
         }

@@ -11,14 +11,14 @@ use rand::Rng;
 use tokio::sync::Mutex;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::{Follow, Shared};
+use super::Shared;
 use crate::telemetry::FailureKind;
 use crate::{
     error::{DatabaseError, Error},
     handler::{HandlerContext, Permanent, Subscription},
     state::StateMap,
     store::{
-        Claimed, Store,
+        Claimed, Store, Transactions,
         transaction::{Attempts, Committed},
     },
     time::Timestamp,
@@ -37,7 +37,7 @@ pub(crate) enum Outcome<L> {
     Succeeded(L),
     /// The handler succeeded and its delivery completed in the handler's transaction; with the
     /// key's next delivery, when it was claimed while the transaction committed.
-    Completed(Option<Box<Claimed<L>>>),
+    Completed,
     /// The delivery was settled otherwise: rescheduled, buried, given back, or its lease was
     /// lost.
     Settled(Settled),
@@ -58,12 +58,10 @@ pub(crate) enum Settled {
 }
 
 /// Runs the delivery's handler and settles what the handler's result decides, except the
-/// completion of a non-transactional success, which the caller batches. With `follow`, a
-/// transactional delivery's completion claims its key's next delivery as it commits.
+/// completion of a non-transactional success, which the caller batches.
 pub(crate) async fn run_delivery<S: Store>(
     shared: &Shared<S>,
     delivery: Claimed<S::Lease>,
-    follow: Option<Follow<S::Lease>>,
 ) -> Outcome<S::Lease> {
     let span = info_span!(
         "relaybus.handle",
@@ -87,7 +85,7 @@ pub(crate) async fn run_delivery<S: Store>(
             return Outcome::Settled(release(shared, &delivery.lease).await);
         };
         if subscription.transactional {
-            run_transactional(shared, subscription, &delivery, follow.as_ref()).await
+            run_transactional(shared, subscription, &delivery).await
         } else {
             let context = HandlerContext::<S>::for_delivery(
                 &delivery.event,
@@ -222,7 +220,6 @@ async fn run_transactional<S: Store>(
     shared: &Shared<S>,
     subscription: &Subscription,
     delivery: &Claimed<S::Lease>,
-    follow: Option<&Follow<S::Lease>>,
 ) -> Outcome<S::Lease> {
     let mut attempts = Attempts::new(None).retry_until(retry_deadline(
         delivery.lease_expires_at,
@@ -239,18 +236,13 @@ async fn run_transactional<S: Store>(
     };
     loop {
         attempts.start();
-        let failure = match transactional_attempt(
-            shared,
-            subscription,
-            delivery,
-            (&session, follow),
-            &mut attempts,
-        )
-        .await
-        {
-            Ok(outcome) => return outcome,
-            Err(failure) => failure,
-        };
+        let failure =
+            match transactional_attempt(shared, subscription, delivery, &session, &mut attempts)
+                .await
+            {
+                Ok(outcome) => return outcome,
+                Err(failure) => failure,
+            };
         match failure {
             AttemptFailure::Transient(failure) => {
                 if attempts.time_left() {
@@ -314,15 +306,14 @@ impl AttemptFailure {
 }
 
 /// The session a transactional handler's attempts share with it.
-type SharedSession<S> = Arc<Mutex<<S as Store>::Session>>;
+type SharedSession<S> = Arc<Mutex<<S as Transactions>::Session>>;
 
-/// One run of the handler's transaction; `follow`: claim the key's next delivery while the
-/// completion commits.
+/// One run of the handler's transaction.
 async fn transactional_attempt<S: Store>(
     shared: &Shared<S>,
     subscription: &Subscription,
     delivery: &Claimed<S::Lease>,
-    (shared_session, follow): (&SharedSession<S>, Option<&Follow<S::Lease>>),
+    shared_session: &SharedSession<S>,
     attempts: &mut Attempts,
 ) -> Result<Outcome<S::Lease>, AttemptFailure> {
     let store = &shared.store;
@@ -355,26 +346,7 @@ async fn transactional_attempt<S: Store>(
         store.abort(session).await;
         return Err(AttemptFailure::of(failure));
     }
-    // The key's next delivery is claimed while the completion commits; it runs only if the
-    // commit succeeded, and is given back uncharged otherwise.
-    let following = async {
-        match follow {
-            Some(follow) => super::claim_next(shared, &delivery.lease, follow).await,
-            None => None,
-        }
-    };
-    let (completion, next) = futures::join!(
-        complete_and_commit(shared, delivery, session, attempts),
-        following
-    );
-    match (completion, next) {
-        (Ok(Outcome::Completed(_)), next) => Ok(Outcome::Completed(next.map(Box::new))),
-        (completion, Some(next)) => {
-            release(shared, &next.lease).await;
-            completion
-        }
-        (completion, None) => completion,
-    }
+    complete_and_commit(shared, delivery, session, attempts).await
 }
 
 /// Completes the delivery in the handler's transaction and commits it.
@@ -405,8 +377,7 @@ async fn complete_and_commit<S: Store>(
     match attempts.commit(store, session).await {
         Ok(Committed::Yes) => {
             debug!("handler succeeded and its delivery completed in its transaction");
-            store.completion_committed(&delivery.lease);
-            Ok(Outcome::Completed(None))
+            Ok(Outcome::Completed)
         }
         Ok(Committed::RunAgain) => Err(AttemptFailure::Transient(Failure {
             transient: true,

@@ -24,12 +24,11 @@ pub(super) async fn watch<S: Store>(
     loop {
         let opened = tokio::select! {
             _ = cancel.cancelled() => return,
-            opened = shared.store.watch_paced(&shared.handler_ids, shared.pace.subscribe()) => opened,
+            opened = shared.store.watch(&shared.handler_ids) => opened,
         };
         match opened {
             Ok(mut stream) => {
                 debug!("wake-up stream open");
-                shared.reports_open(true);
                 // Whatever was inserted while the stream was closed is found by this claim.
                 notify.notify_one();
                 pause = Duration::from_millis(100);
@@ -39,10 +38,7 @@ pub(super) async fn watch<S: Store>(
                         next = stream.next() => next,
                     };
                     match next {
-                        Some(Ok(wake_up)) => {
-                            shared.report(wake_up);
-                            notify.notify_one();
-                        }
+                        Some(Ok(_)) => notify.notify_one(),
                         Some(Err(error)) => {
                             warn!(%error, "wake-up stream failed; polling until it is reopened");
                             break;
@@ -50,7 +46,6 @@ pub(super) async fn watch<S: Store>(
                         None => break,
                     }
                 }
-                shared.reports_open(false);
             }
             Err(error) => {
                 warn!(%error, "cannot open the wake-up stream; polling until it opens");

@@ -89,7 +89,7 @@ pub struct Appended {
     pub new_deliveries: Vec<String>,
 }
 
-/// Counts of deliveries by state, from [`crate::store::Store::statistics`].
+/// Counts of deliveries by state, from [`crate::store::Inspect::statistics`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Statistics {
@@ -114,8 +114,8 @@ pub struct Statistics {
     pub oldest_due_at: Option<Timestamp>,
 }
 
-/// The deliveries of one handler by state, as [`Store::handler_statistics`](crate::store::Store::handler_statistics)
-/// counts them.
+/// The deliveries of one handler by state, as
+/// [`Inspect::handler_statistics`](crate::store::Inspect::handler_statistics) counts them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct HandlerStatistics {
@@ -149,7 +149,7 @@ impl HandlerStatistics {
 pub enum DeliveryStatus {
     /// Waiting, running, or parked.
     Pending,
-    /// Buried after its last attempt failed; see [`crate::store::Store::requeue`].
+    /// Buried after its last attempt failed; see [`crate::store::Operate::requeue`].
     Dead,
     /// Completed: a completion-history record.
     Completed,
@@ -176,12 +176,12 @@ impl DeliveryStatus {
     }
 }
 
-/// What [`crate::store::Store::list_deliveries`] returns: one delivery or completion record.
+/// What [`crate::store::Inspect::list_deliveries`] returns: one delivery or completion record.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct DeliveryRecord {
     /// The delivery id as text (the `Display` of the lease's delivery id), as
-    /// [`requeue`](crate::store::Store::requeue) and [`DeliveryQuery::after`] take it.
+    /// [`requeue`](crate::store::Operate::requeue) and [`DeliveryQuery::after`] take it.
     pub id: String,
     /// The event id.
     pub event_id: String,
@@ -249,8 +249,8 @@ impl AttemptError {
     }
 }
 
-/// Which deliveries [`crate::store::Store::list_deliveries`] returns; every filter is optional and
-/// they combine with "and". Ordered by creation, oldest first.
+/// Which deliveries [`crate::store::Inspect::list_deliveries`] returns; every filter is optional
+/// and they combine with "and". Ordered by creation, oldest first.
 ///
 /// # Example
 ///
@@ -386,7 +386,7 @@ impl DeliveryQuery {
     }
 
     /// Only deliveries whose last error is exactly `error`: one group of
-    /// [`Store::dead_letter_groups`](crate::store::Store::dead_letter_groups).
+    /// [`Inspect::dead_letter_groups`](crate::store::Inspect::dead_letter_groups).
     pub fn last_error(mut self, error: impl Into<String>) -> Self {
         self.last_error = Some(error.into());
         self
@@ -407,7 +407,7 @@ impl DeliveryQuery {
     }
 }
 
-/// What [`crate::store::Store::requeue`] did with each id.
+/// What [`crate::store::Operate::requeue`] did with each id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Requeued {
@@ -420,7 +420,7 @@ pub struct Requeued {
     pub not_found: Vec<String>,
 }
 
-/// What [`crate::store::Store::discard`] did with each id.
+/// What [`crate::store::Operate::discard`] did with each id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Discarded {
@@ -430,7 +430,7 @@ pub struct Discarded {
     pub not_found: Vec<String>,
 }
 
-/// What [`crate::store::Store::bury_by_id`] did with each id.
+/// What [`crate::store::Operate::bury_by_id`] did with each id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Buried {
@@ -442,7 +442,7 @@ pub struct Buried {
     pub not_found: Vec<String>,
 }
 
-/// What [`crate::store::Store::purge`] deletes. Leave a cutoff out to keep those documents.
+/// What [`crate::store::Operate::purge`] deletes. Leave a cutoff out to keep those documents.
 ///
 /// Cutoffs compare with the times the store recorded: when a delivery died, when an event last
 /// completed, and, for an event that never completed, its own creation time
@@ -513,7 +513,8 @@ pub struct Purged {
     pub events: u64,
 }
 
-/// An event with every delivery it has, from [`Store::event_detail`](crate::store::Store::event_detail).
+/// An event with every delivery it has, from
+/// [`Inspect::event_detail`](crate::store::Inspect::event_detail).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct EventDetail {
@@ -531,7 +532,8 @@ pub struct EventDetail {
     pub deliveries: Vec<DeliveryRecord>,
 }
 
-/// The state of one unit of lease (MongoDB: a lane), from [`Store::lanes`](crate::store::Store::lanes).
+/// The state of one unit of lease (MongoDB: a lane), from
+/// [`Inspect::lanes`](crate::store::Inspect::lanes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LaneStatus {
@@ -580,7 +582,8 @@ pub struct BlockedKey {
     pub waiting_for: Option<DeliveryRecord>,
 }
 
-/// The lanes, and the keys held back in them, from [`Store::lanes`](crate::store::Store::lanes).
+/// The lanes, and the keys held back in them, from
+/// [`Inspect::lanes`](crate::store::Inspect::lanes).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct LaneReport {
@@ -595,7 +598,7 @@ pub struct LaneReport {
 pub const MAX_BLOCKED_KEYS: usize = 100;
 
 /// Dead letters of one handler with one error, from
-/// [`Store::dead_letter_groups`](crate::store::Store::dead_letter_groups).
+/// [`Inspect::dead_letter_groups`](crate::store::Inspect::dead_letter_groups).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeadLetterGroup {
@@ -613,5 +616,6 @@ pub struct DeadLetterGroup {
     pub sample_id: String,
 }
 
-/// The most groups [`Store::dead_letter_groups`](crate::store::Store::dead_letter_groups) returns.
+/// The most groups [`Inspect::dead_letter_groups`](crate::store::Inspect::dead_letter_groups)
+/// returns.
 pub const MAX_DEAD_LETTER_GROUPS: usize = 200;

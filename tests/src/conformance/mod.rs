@@ -249,13 +249,8 @@ pub(crate) async fn claim<S: Store>(
             owner,
             handlers: &handlers,
             limit,
-            run: 1,
-            runs: 0,
             lease_duration: LEASE,
             now,
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         })
         .await
         .unwrap_or_else(|e| panic!("{}: claim failed: {e}", S::NAME))

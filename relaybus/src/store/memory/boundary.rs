@@ -13,9 +13,10 @@ use super::{
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
-        Purged, Requeued, Statistics, Store, WakeUp,
+        Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
+        DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
+        Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
+        Statistics, Store, Transactions, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
@@ -44,15 +45,16 @@ impl MemoryEventStore {
 }
 
 impl Store for MemoryEventStore {
-    type Session = MemorySession;
-    type Lease = MemoryLease;
-
     const NAME: &'static str = "memory";
 
     /// Nothing to create.
     async fn setup(&self) -> Result<()> {
         Ok(())
     }
+}
+
+impl Transactions for MemoryEventStore {
+    type Session = MemorySession;
 
     async fn session(&self) -> Result<MemorySession> {
         Ok(self.new_session())
@@ -79,6 +81,15 @@ impl Store for MemoryEventStore {
         self.open(session, operation).map(|_| ())
     }
 
+    /// A [`MemoryStoreError::WriteConflict`].
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        error
+            .downcast_ref::<MemoryStoreError>()
+            .is_some_and(MemoryStoreError::is_transient)
+    }
+}
+
+impl Append for MemoryEventStore {
     async fn append(
         &self,
         session: &mut MemorySession,
@@ -96,7 +107,9 @@ impl Store for MemoryEventStore {
     ) -> Result<Vec<Appended>> {
         self.append_checked(session, requests, now, "MemoryEventStore.append")
     }
+}
 
+impl ConsumerPositions for MemoryEventStore {
     async fn consumer_position(
         &self,
         session: &mut MemorySession,
@@ -133,6 +146,10 @@ impl Store for MemoryEventStore {
             }),
         )
     }
+}
+
+impl Queue for MemoryEventStore {
+    type Lease = MemoryLease;
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<MemoryLease>>> {
         // `request.reported` names lanes, which this store has not: there is nothing to look
@@ -203,10 +220,28 @@ impl Store for MemoryEventStore {
         claim::relinquish(&mut self.inner.lock(), owner)
     }
 
-    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
-        Ok(operator::purge(&mut self.inner.lock(), options))
+    /// A wake-up (with no lane) each time a commit appends deliveries of `handlers`; one too
+    /// when the stream fell so far behind that it may have missed some.
+    async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        let receiver = self.inner.wake.subscribe();
+        let wanted: HashSet<String> = handlers.iter().cloned().collect();
+        let stream =
+            futures::stream::unfold((receiver, wanted), |(mut receiver, wanted)| async move {
+                loop {
+                    match receiver.recv().await {
+                        Ok(appended) if appended.iter().any(|h| wanted.contains(h)) => break,
+                        Ok(_) => {}
+                        Err(RecvError::Lagged(_)) => break,
+                        Err(RecvError::Closed) => return None,
+                    }
+                }
+                Some((Ok(WakeUp::default()), (receiver, wanted)))
+            });
+        Ok(stream.boxed())
     }
+}
 
+impl Inspect for MemoryEventStore {
     async fn statistics(&self) -> Result<Statistics> {
         let history = self.inner.completion_history;
         Ok(operator::statistics(&self.inner.lock(), history))
@@ -214,11 +249,6 @@ impl Store for MemoryEventStore {
 
     async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
         Ok(operator::handler_statistics(&self.inner.lock()))
-    }
-
-    /// Always leads: the store lives in one process.
-    async fn lead(&self, _role: &str, _period: Duration) -> Result<bool> {
-        Ok(true)
     }
 
     async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
@@ -238,6 +268,12 @@ impl Store for MemoryEventStore {
     async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
         Ok(inspect::dead_letter_groups(&self.inner.lock(), handler))
     }
+}
+
+impl Operate for MemoryEventStore {
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
+        Ok(operator::purge(&mut self.inner.lock(), options))
+    }
 
     async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {
         operator::discard(&mut self.inner.lock(), ids, now)
@@ -250,31 +286,11 @@ impl Store for MemoryEventStore {
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
         operator::requeue(&mut self.inner.lock(), ids, now)
     }
+}
 
-    /// A [`MemoryStoreError::WriteConflict`].
-    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-        error
-            .downcast_ref::<MemoryStoreError>()
-            .is_some_and(MemoryStoreError::is_transient)
-    }
-
-    /// A wake-up (with no lane) each time a commit appends deliveries of `handlers`; one too
-    /// when the stream fell so far behind that it may have missed some.
-    async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
-        let receiver = self.inner.wake.subscribe();
-        let wanted: HashSet<String> = handlers.iter().cloned().collect();
-        let stream =
-            futures::stream::unfold((receiver, wanted), |(mut receiver, wanted)| async move {
-                loop {
-                    match receiver.recv().await {
-                        Ok(appended) if appended.iter().any(|h| wanted.contains(h)) => break,
-                        Ok(_) => {}
-                        Err(RecvError::Lagged(_)) => break,
-                        Err(RecvError::Closed) => return None,
-                    }
-                }
-                Some((Ok(WakeUp::default()), (receiver, wanted)))
-            });
-        Ok(stream.boxed())
+impl Leadership for MemoryEventStore {
+    /// Always leads: the store lives in one process.
+    async fn lead(&self, _role: &str, _period: Duration) -> Result<bool> {
+        Ok(true)
     }
 }

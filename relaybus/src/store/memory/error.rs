@@ -58,9 +58,9 @@ pub enum MemoryStoreError {
         id: String,
     },
 
-    /// A commit after the transaction's budget (given to [`begin`](crate::Store::begin)) ran
-    /// out: nothing was applied. The transaction runner reports it as
-    /// [`Error::TransactionTimeout`].
+    /// A commit after the transaction's budget (given to
+    /// [`begin`](crate::store::Transactions::begin)) ran out: nothing was applied. The transaction
+    /// runner reports it as [`Error::TransactionTimeout`].
     #[error(
         "the transaction ran for {elapsed:?}, past its budget of {budget:?}, so its commit \
          applied nothing; do less work per transaction or give it a larger budget"
@@ -72,7 +72,7 @@ pub enum MemoryStoreError {
         elapsed: Duration,
     },
 
-    /// [`begin`](crate::Store::begin) on a session whose transaction is still open.
+    /// [`begin`](crate::store::Transactions::begin) on a session whose transaction is still open.
     #[error(
         "the session has an open transaction already; commit or abort it before beginning \
          another, or take another session with `store.session()`"

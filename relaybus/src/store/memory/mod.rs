@@ -78,12 +78,12 @@
 //! on an open transaction.
 //!
 //! **Transactions** are buffers. A [`MemorySession`] started with
-//! [`begin`](crate::Store::begin) collects what the transaction writes (new events and the
-//! handlers added to known ones, key counters, new deliveries, completions, business
+//! [`begin`](crate::store::Transactions::begin) collects what the transaction writes (new events
+//! and the handlers added to known ones, key counters, new deliveries, completions, business
 //! documents); readers outside it see none of it. The commit checks that what the transaction
-//! relied on still holds and then applies everything in one step under the mutex; an abort,
-//! or dropping the session with the transaction open, throws the buffer away. An aborted
-//! transaction leaves nothing: no event, no delivery, no sequence number, no document.
+//! relied on still holds and then applies everything in one step under the mutex; an abort, or
+//! dropping the session with the transaction open, throws the buffer away. An aborted transaction
+//! leaves nothing: no event, no delivery, no sequence number, no document.
 //!
 //! **Conflicts** are MongoDB's: the first write of a transaction to a thing (an event id, the
 //! counter of an ordering key, a delivery it completes, a business document) takes it until the
@@ -97,20 +97,20 @@
 //! at commit and taken by one open transaction at a time, so sequences are gapless and in
 //! commit order.
 //!
-//! **The budget** given to [`begin`](crate::Store::begin) is enforced at the commit: a commit
-//! past it applies nothing and fails with a timeout ([`MemoryStoreError::BudgetExceeded`]),
-//! which the transaction runner reports as
+//! **The budget** given to [`begin`](crate::store::Transactions::begin) is enforced at the commit:
+//! a commit past it applies nothing and fails with a timeout
+//! ([`MemoryStoreError::BudgetExceeded`]), which the transaction runner reports as
 //! [`Error::TransactionTimeout`](crate::Error::TransactionTimeout).
 //!
-//! **Leases** are per delivery, not per lane: a claim gives each delivery it hands out its
-//! owner, an expiry, and a fencing token that no other claim ever gets ([`MemoryLease`]). A
-//! settlement changes something only while the delivery still carries the lease's token, so
-//! a stale owner never settles what another one took over. A lease that expired is honoured
-//! until a claim of another owner takes the delivery over (an owner is never handed again what
-//! it runs); one that [`relinquish`](crate::Store::relinquish) handed back, until any claim
-//! does. The takeover charges the lost attempt.
-//! [`complete_in_transaction`](crate::Store::complete_in_transaction) checks the lease when it
-//! is called and again at the commit: a delivery taken over in between makes the commit fail
+//! **Leases** are per delivery, not per lane: a claim gives each delivery it hands out its owner,
+//! an expiry, and a fencing token that no other claim ever gets ([`MemoryLease`]). A settlement
+//! changes something only while the delivery still carries the lease's token, so a stale owner
+//! never settles what another one took over. A lease that expired is honoured until a claim of
+//! another owner takes the delivery over (an owner is never handed again what it runs); one that
+//! [`relinquish`](crate::store::Queue::relinquish) handed back, until any claim does. The takeover
+//! charges the lost attempt.
+//! [`complete_in_transaction`](crate::store::Queue::complete_in_transaction) checks the lease when
+//! it is called and again at the commit: a delivery taken over in between makes the commit fail
 //! with the transient write conflict, and the handler's transaction, run again, sees the lease
 //! gone.
 //!
@@ -119,16 +119,16 @@
 //! of that key, and the others count as parked. Claims take due deliveries in `(due time, id)`
 //! order and look past blocked keys until they have their limit.
 //!
-//! **Wake-ups**: [`watch`](crate::Store::watch) yields a [`WakeUp`](crate::store::WakeUp)
+//! **Wake-ups**: [`watch`](crate::store::Queue::watch) yields a [`WakeUp`](crate::store::WakeUp)
 //! (with no lane) when a commit appends deliveries of the watched handlers; the dispatcher's
 //! polling stays the safety net.
 //!
 //! # What differs from MongoDB
 //!
-//! - [`lanes`](crate::Store::lanes) has no lanes to show: it lists one entry per owner that
-//!   holds leases (numbered from 0, in owner order; handed-back leases under no owner) with
+//! - [`lanes`](crate::store::Inspect::lanes) has no lanes to show: it lists one entry per owner
+//!   that holds leases (numbered from 0, in owner order; handed-back leases under no owner) with
 //!   its running deliveries, and the blocked keys as MongoDB does.
-//! - [`lead`](crate::Store::lead) always leads: there is one process.
+//! - [`lead`](crate::store::Leadership::lead) always leads: there is one process.
 //! - Business data is JSON documents written through [`MemorySession`], so the code that
 //!   writes it is the store's own, as it is with MongoDB's collections. A write to a document
 //!   the transaction never read is not checked against commits made since the transaction
@@ -205,7 +205,8 @@ pub struct MemoryEventStore {
 pub(crate) struct Shared {
     state: Mutex<state::State>,
     completion_history: bool,
-    /// The handlers of the deliveries each commit appended, for [`watch`](crate::Store::watch).
+    /// The handlers of the deliveries each commit appended, for
+    /// [`watch`](crate::store::Queue::watch).
     wake: broadcast::Sender<Arc<[String]>>,
 }
 
@@ -318,7 +319,7 @@ impl MemoryEventStoreBuilder {
     /// Keep a record of every completed delivery, as the MongoDB store's option of the same
     /// name does: listed with [`DeliveryStatus::Completed`](crate::DeliveryStatus::Completed),
     /// counted in [`Statistics::completed`](crate::Statistics::completed), shown by
-    /// [`event_detail`](crate::Store::event_detail), and deleted by a purge's
+    /// [`event_detail`](crate::store::Inspect::event_detail), and deleted by a purge's
     /// `completed_before`. Off by default: a completed delivery is then deleted.
     pub fn completion_history(mut self, enabled: bool) -> Self {
         self.completion_history = enabled;

@@ -22,10 +22,11 @@ use crate::{
     time::Timestamp,
 };
 
-/// The session of the in-memory store, [`Store::Session`](crate::Store::Session) of
-/// [`MemoryEventStore`]: one transaction at a time, and the business documents it writes.
+/// The session of the in-memory store,
+/// [`Transactions::Session`](crate::store::Transactions::Session) of [`MemoryEventStore`]: one
+/// transaction at a time, and the business documents it writes.
 ///
-/// Take one with [`Store::session`](crate::Store::session), or let
+/// Take one with [`Transactions::session`](crate::store::Transactions::session), or let
 /// [`MemoryEventStore::transaction`], the bus's `transaction` or a transactional handler give
 /// you one in a started transaction. Its transaction's writes (events, deliveries, completions,
 /// documents) are seen by the transaction itself and by nobody else until the commit, which

@@ -127,7 +127,7 @@ pub(super) struct Held {
     pub(super) token: u64,
     /// When the lease ends unless renewed.
     pub(super) expires_at: Timestamp,
-    /// Handed back by [`relinquish`](crate::Store::relinquish): honoured until a claim takes
+    /// Handed back by [`relinquish`](crate::store::Queue::relinquish): honoured until a claim takes
     /// the delivery over.
     pub(super) handed_back: bool,
 }

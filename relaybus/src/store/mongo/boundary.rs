@@ -6,13 +6,14 @@ use std::{collections::BTreeMap, time::Duration};
 use futures::{StreamExt, TryStreamExt, stream::BoxStream};
 use mongodb::{ClientSession, bson::doc};
 
-use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp, watch::PacedStream};
+use super::{Lease, MongoEventStore, bson_date, schema::field, timestamp};
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
-        Purged, Requeued, Statistics, Store, StoreLease, WakePace, WakeUp,
+        Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
+        DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
+        Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
+        Statistics, Store, StoreLease, Transactions, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
@@ -27,14 +28,15 @@ impl StoreLease for Lease {
 }
 
 impl Store for MongoEventStore {
-    type Session = ClientSession;
-    type Lease = Lease;
-
     const NAME: &'static str = "MongoDB";
 
     async fn setup(&self) -> Result<()> {
         MongoEventStore::setup(self).await
     }
+}
+
+impl Transactions for MongoEventStore {
+    type Session = ClientSession;
 
     async fn session(&self) -> Result<ClientSession> {
         self.new_session().await
@@ -61,6 +63,14 @@ impl Store for MongoEventStore {
         MongoEventStore::ensure_in_transaction(self, session, operation).await
     }
 
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        error
+            .downcast_ref::<mongodb::error::Error>()
+            .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
+    }
+}
+
+impl Append for MongoEventStore {
     async fn append(
         &self,
         session: &mut ClientSession,
@@ -78,7 +88,9 @@ impl Store for MongoEventStore {
     ) -> Result<Vec<Appended>> {
         MongoEventStore::append_in_transaction(self, session, requests, bson_date(now)).await
     }
+}
 
+impl ConsumerPositions for MongoEventStore {
     async fn consumer_position(
         &self,
         session: &mut ClientSession,
@@ -121,6 +133,10 @@ impl Store for MongoEventStore {
             .await?;
         Ok(())
     }
+}
+
+impl Queue for MongoEventStore {
+    type Lease = Lease;
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<Lease>>> {
         let claimed = MongoEventStore::claim(
@@ -211,10 +227,47 @@ impl Store for MongoEventStore {
         MongoEventStore::relinquish(self, owner).await
     }
 
-    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
-        MongoEventStore::purge(self, options).await
+    /// A change stream on inserted deliveries of the handlers, projected down to their lanes
+    /// and whether they were written parked.
+    async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
+        // The resume token (`_id`) stays, and `operationType` (the driver requires it).
+        let pipeline = vec![
+            doc! { "$match": {
+                "operationType": "insert",
+                "fullDocument.handler": { "$in": handlers },
+            } },
+            doc! { "$project": {
+                "operationType": 1,
+                "fullDocument.laneId": 1,
+                "fullDocument.lane": 1,
+            } },
+        ];
+        let stream = self.inner.deliveries.watch().pipeline(pipeline).await?;
+        let store = self.clone();
+        Ok(stream
+            .map_ok(move |change| {
+                let document = change.full_document;
+                // A delivery written parked, by any store instance: this one's claims look
+                // for parked deliveries again (see `ParkedLookup`).
+                if document
+                    .as_ref()
+                    .is_some_and(|doc| doc.get_str(field::LANE) == Ok(super::schema::lane::PARKED))
+                {
+                    store.inner.claims.note_parking();
+                }
+                WakeUp {
+                    at: document
+                        .as_ref()
+                        .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
+                        .and_then(|lane| u32::try_from(lane).ok()),
+                }
+            })
+            .map_err(crate::Error::from)
+            .boxed())
     }
+}
 
+impl Inspect for MongoEventStore {
     async fn statistics(&self) -> Result<Statistics> {
         MongoEventStore::statistics(self).await
     }
@@ -228,10 +281,6 @@ impl Store for MongoEventStore {
             .gauge_sample
             .get_or_count(max_age, MongoEventStore::handler_statistics(self))
             .await
-    }
-
-    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
-        MongoEventStore::lead(self, role, period).await
     }
 
     async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
@@ -249,6 +298,12 @@ impl Store for MongoEventStore {
     async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
         MongoEventStore::dead_letter_groups(self, handler).await
     }
+}
+
+impl Operate for MongoEventStore {
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
+        MongoEventStore::purge(self, options).await
+    }
 
     async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {
         MongoEventStore::bury_by_id(self, ids, reason, bson_date(now)).await
@@ -261,58 +316,11 @@ impl Store for MongoEventStore {
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
         MongoEventStore::requeue(self, ids, bson_date(now)).await
     }
+}
 
-    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-        error
-            .downcast_ref::<mongodb::error::Error>()
-            .is_some_and(|e| e.contains_label(mongodb::error::TRANSIENT_TRANSACTION_ERROR))
-    }
-
-    /// A change stream on inserted deliveries of the handlers, projected down to their lanes.
-    async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
-        let (_, pace) = tokio::sync::watch::channel(WakePace::Eager);
-        // The resume token (`_id`) stays, and `operationType` (the driver requires it).
-        let projection = doc! {
-            "operationType": 1,
-            "fullDocument.laneId": 1,
-            "fullDocument.lane": 1,
-        };
-        let pipeline = vec![
-            doc! { "$match": {
-                "operationType": "insert",
-                "fullDocument.handler": { "$in": handlers },
-            } },
-            doc! { "$project": projection },
-        ];
-        // Read raw: the document is passed on as its bytes, never decoded.
-        let deliveries = self
-            .inner
-            .deliveries
-            .clone_with_type::<mongodb::bson::RawDocumentBuf>();
-        let stream = PacedStream::open(deliveries, pipeline, pace).await?;
-        let store = self.clone();
-        Ok(stream
-            .into_stream()
-            .map_ok(move |change| {
-                let document = change.full_document;
-                // A delivery written parked, by any store instance: this one's lane reads look
-                // for parked deliveries again (see `ParkedLookup`).
-                if document
-                    .as_ref()
-                    .is_some_and(|doc| doc.get_str(field::LANE) == Ok(super::schema::lane::PARKED))
-                {
-                    store.inner.claims.note_parking();
-                }
-                WakeUp {
-                    at: document
-                        .as_ref()
-                        .and_then(|doc| doc.get_i32(field::LANE_ID).ok())
-                        .and_then(|lane| u32::try_from(lane).ok()),
-                    arrival: None,
-                }
-            })
-            .map_err(crate::Error::from)
-            .boxed())
+impl Leadership for MongoEventStore {
+    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
+        MongoEventStore::lead(self, role, period).await
     }
 }
 

@@ -17,7 +17,6 @@ mod settle;
 mod setup;
 mod transaction;
 mod upgrade;
-mod watch;
 
 use std::{sync::Arc, time::Duration};
 

@@ -12,23 +12,25 @@ use super::{
 use crate::{
     error::Result,
     store::{
-        AppendRequest, Appended, Buried, ClaimRequest, Claimed, DeadLetterGroup, DeliveryQuery,
-        DeliveryRecord, Discarded, EventDetail, HandlerStatistics, LaneReport, PurgeOptions,
-        Purged, Requeued, Statistics, Store, WakeUp,
+        Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
+        DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
+        Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
+        Statistics, Store, Transactions, WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
 };
 
 impl Store for PostgresEventStore {
-    type Session = PostgresSession;
-    type Lease = PostgresLease;
-
     const NAME: &'static str = "PostgreSQL";
 
     async fn setup(&self) -> Result<()> {
         PostgresEventStore::setup(self).await
     }
+}
+
+impl Transactions for PostgresEventStore {
+    type Session = PostgresSession;
 
     async fn session(&self) -> Result<PostgresSession> {
         self.new_session().await
@@ -54,6 +56,14 @@ impl Store for PostgresEventStore {
         session.ensure_in_transaction(operation)
     }
 
+    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+        error
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(super::is_transient)
+    }
+}
+
+impl Append for PostgresEventStore {
     async fn append(
         &self,
         session: &mut PostgresSession,
@@ -73,7 +83,9 @@ impl Store for PostgresEventStore {
     ) -> Result<Vec<Appended>> {
         self.append_on(session, requests, now).await
     }
+}
 
+impl ConsumerPositions for PostgresEventStore {
     async fn consumer_position(
         &self,
         session: &mut PostgresSession,
@@ -122,6 +134,10 @@ impl Store for PostgresEventStore {
         .map_err(db_error)?;
         Ok(())
     }
+}
+
+impl Queue for PostgresEventStore {
+    type Lease = PostgresLease;
 
     async fn claim(&self, request: ClaimRequest<'_>) -> Result<Vec<Claimed<PostgresLease>>> {
         self.claim_deliveries(request).await
@@ -176,63 +192,6 @@ impl Store for PostgresEventStore {
         self.relinquish_owner(owner).await
     }
 
-    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
-        self.purge_by(options).await
-    }
-
-    async fn statistics(&self) -> Result<Statistics> {
-        self.count_statistics().await
-    }
-
-    async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
-        self.count_handler_statistics().await
-    }
-
-    async fn gauge_statistics(&self, max_age: Duration) -> Result<Vec<HandlerStatistics>> {
-        self.inner
-            .gauge_sample
-            .get_or_count(max_age, self.count_handler_statistics())
-            .await
-    }
-
-    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
-        self.take_lead(role, period).await
-    }
-
-    async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
-        self.list(query).await
-    }
-
-    async fn event_detail(&self, event_id: &str) -> Result<Option<EventDetail>> {
-        self.detail(event_id).await
-    }
-
-    async fn lanes(&self) -> Result<LaneReport> {
-        self.lane_report().await
-    }
-
-    async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
-        self.dead_groups(handler).await
-    }
-
-    async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {
-        self.discard_ids(ids, now).await
-    }
-
-    async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {
-        self.bury_ids(ids, reason, now).await
-    }
-
-    async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
-        self.requeue_ids(ids, now).await
-    }
-
-    fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
-        error
-            .downcast_ref::<sqlx::Error>()
-            .is_some_and(super::is_transient)
-    }
-
     /// `LISTEN` on the store's channel, on a connection of its own; a notification names the
     /// handlers an append added deliveries for, and wakes the watcher of any of them.
     async fn watch(&self, handlers: &[String]) -> Result<BoxStream<'static, Result<WakeUp>>> {
@@ -256,5 +215,62 @@ impl Store for PostgresEventStore {
                 std::future::ready(wake)
             })
             .boxed())
+    }
+}
+
+impl Inspect for PostgresEventStore {
+    async fn statistics(&self) -> Result<Statistics> {
+        self.count_statistics().await
+    }
+
+    async fn handler_statistics(&self) -> Result<Vec<HandlerStatistics>> {
+        self.count_handler_statistics().await
+    }
+
+    async fn gauge_statistics(&self, max_age: Duration) -> Result<Vec<HandlerStatistics>> {
+        self.inner
+            .gauge_sample
+            .get_or_count(max_age, self.count_handler_statistics())
+            .await
+    }
+
+    async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
+        self.list(query).await
+    }
+
+    async fn event_detail(&self, event_id: &str) -> Result<Option<EventDetail>> {
+        self.detail(event_id).await
+    }
+
+    async fn lanes(&self) -> Result<LaneReport> {
+        self.lane_report().await
+    }
+
+    async fn dead_letter_groups(&self, handler: Option<&str>) -> Result<Vec<DeadLetterGroup>> {
+        self.dead_groups(handler).await
+    }
+}
+
+impl Operate for PostgresEventStore {
+    async fn purge(&self, options: &PurgeOptions) -> Result<Purged> {
+        self.purge_by(options).await
+    }
+
+    async fn discard(&self, ids: &[String], now: Timestamp) -> Result<Discarded> {
+        self.discard_ids(ids, now).await
+    }
+
+    async fn bury_by_id(&self, ids: &[String], reason: &str, now: Timestamp) -> Result<Buried> {
+        self.bury_ids(ids, reason, now).await
+    }
+
+    async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
+        self.requeue_ids(ids, now).await
+    }
+}
+
+impl Leadership for PostgresEventStore {
+    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
+        self.take_lead(role, period).await
     }
 }

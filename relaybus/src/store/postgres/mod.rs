@@ -77,7 +77,8 @@
 //! - `key_sequences`: one counter row per ordering key.
 //! - `completed_deliveries`: completion records, with
 //!   [`completion_history`](PostgresEventStoreBuilder::completion_history).
-//! - `leads`: one row per [`lead`](crate::Store::lead) role, with its holder and expiry.
+//! - `leads`: one row per [`lead`](crate::store::Leadership::lead) role, with its holder and
+//!   expiry.
 //!
 //! Times are `bigint` milliseconds since the epoch, as the store's callers give them (the
 //! store takes an explicit `now`); only leads use the server's clock.
@@ -124,7 +125,7 @@
 //!   all.
 //! - **Wake-ups.** An append sends one `pg_notify` per call on the channel `relaybus:<schema>`
 //!   with the handlers it added deliveries for; PostgreSQL delivers it at commit and drops it
-//!   on rollback. [`watch`](crate::Store::watch) listens with sqlx's `PgListener`. Polling
+//!   on rollback. [`watch`](crate::store::Queue::watch) listens with sqlx's `PgListener`. Polling
 //!   stays the safety net.
 //! - **Purge** deletes in batches (`FOR UPDATE SKIP LOCKED`): dead deliveries, completion
 //!   records, then events nothing references any more whose last completion (or, never
@@ -146,12 +147,12 @@
 //!
 //! # Differences from the MongoDB store
 //!
-//! - **Leases are per delivery, not per lane.** MongoDB has no row locks that wait, so its
-//!   store shares deliveries out through 256 lane documents and fences with lane epochs.
-//!   PostgreSQL has `FOR UPDATE SKIP LOCKED`, so each delivery carries its own lease and claim
-//!   generation, and concurrent claimers never conflict. [`lanes`](crate::Store::lanes) still
-//!   reports 256 lanes (the FNV-1a hash of the key or event id, as MongoDB's), each with the
-//!   deliveries running in it, for the operator page; `epoch` and `lost` are always 0.
+//! - **Leases are per delivery, not per lane.** MongoDB has no row locks that wait, so its store
+//!   shares deliveries out through 256 lane documents and fences with lane epochs. PostgreSQL has
+//!   `FOR UPDATE SKIP LOCKED`, so each delivery carries its own lease and claim generation, and
+//!   concurrent claimers never conflict. [`lanes`](crate::store::Inspect::lanes) still reports 256
+//!   lanes (the FNV-1a hash of the key or event id, as MongoDB's), each with the deliveries running
+//!   in it, for the operator page; `epoch` and `lost` are always 0.
 //! - **No reported lanes.** Wake-ups carry no lane (`WakeUp::at` is `None`), and
 //!   `ClaimRequest::reported` is ignored: a claim reads the claim index in due order anyway.
 //! - **No crash recovery process table.** PostgreSQL aborts the transaction of a connection
@@ -202,7 +203,8 @@ const MAX_SCHEMA_BYTES: usize = 48;
 /// the tables of one schema. See the [module documentation](self) for the design.
 ///
 /// The store is cheap to clone; clones share the pool and are one store instance (one
-/// [`relinquish`](crate::Store::relinquish) scope, one [`lead`](crate::Store::lead) holder).
+/// [`relinquish`](crate::store::Queue::relinquish) scope, one
+/// [`lead`](crate::store::Leadership::lead) holder).
 ///
 /// # Example
 ///

@@ -13,7 +13,7 @@ use super::{PostgresEventStore, db_error};
 use crate::error::{ConfigurationError, Result};
 
 /// The handle of a PostgreSQL transaction, through which business data is written together
-/// with events: the [`Session`](crate::Store::Session) of [`PostgresEventStore`].
+/// with events: the [`Session`](crate::store::Transactions::Session) of [`PostgresEventStore`].
 ///
 /// It dereferences to sqlx's [`PgConnection`], so queries run on it with
 /// `.execute(&mut *session)` (or `&mut **session` where the closure gets `&mut PostgresSession`),
@@ -21,12 +21,12 @@ use crate::error::{ConfigurationError, Result};
 ///
 /// It comes in two kinds:
 ///
-/// - From the store ([`Store::session`](crate::Store::session)): a pooled connection on which
-///   the bus's and the store's transactions run ([`RelayBus::transaction`](crate::RelayBus::transaction)
-///   begins, commits and retries them). Outside such a transaction it is refused by every
-///   operation that must write in one, with [`ConfigurationError::NoTransaction`]. Dropped
-///   inside a transaction, its connection is closed rather than returned to the pool, which
-///   rolls the transaction back.
+/// - From the store ([`Transactions::session`](crate::store::Transactions::session)): a pooled
+///   connection on which the bus's and the store's transactions run
+///   ([`RelayBus::transaction`](crate::RelayBus::transaction) begins, commits and retries them).
+///   Outside such a transaction it is refused by every operation that must write in one, with
+///   [`ConfigurationError::NoTransaction`]. Dropped inside a transaction, its connection is closed
+///   rather than returned to the pool, which rolls the transaction back.
 /// - From a transaction you started yourself: `PostgresSession::from(pool.begin().await?)`.
 ///   Publish with it, then take the transaction back with
 ///   [`into_transaction`](Self::into_transaction) and commit or roll it back; the store never

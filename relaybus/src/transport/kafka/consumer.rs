@@ -36,9 +36,9 @@ pub const MAX_BATCH_RECORDS: usize = 1_000;
 ///
 /// Kafka keeps no position for it (rskafka has no consumer groups): the consumer keeps each
 /// partition's next offset in the local store
-/// ([`Store::advance_consumer_position`]), written in the
-/// transaction that appends the batch, and starts from it. A batch's events and the offset
-/// after them commit together or not at all, so each record is taken into the store exactly
+/// ([`advance_consumer_position`](crate::store::ConsumerPositions::advance_consumer_position)),
+/// written in the transaction that appends the batch, and starts from it. A batch's events and the
+/// offset after them commit together or not at all, so each record is taken into the store exactly
 /// once, whenever the consumer stops.
 ///
 /// Cheap to clone.

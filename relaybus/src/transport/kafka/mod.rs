@@ -44,8 +44,8 @@
 //!   original ids, and appending an id the store holds adds nothing: one local effect.
 //! - **Exactly once from the topic into the store.** Kafka keeps no position for the consumer;
 //!   the consumer keeps each partition's next offset in the local store
-//!   ([`Store::advance_consumer_position`](crate::Store::advance_consumer_position)) and writes
-//!   it in the transaction that appends the batch. A consumer stopped anywhere (before,
+//!   ([`advance_consumer_position`](crate::store::ConsumerPositions::advance_consumer_position))
+//!   and writes it in the transaction that appends the batch. A consumer stopped anywhere (before,
 //!   during or after the commit) goes on from the stored offset: the batch's events and the
 //!   offset after them committed together, or neither did. Positions only move forward.
 //! - **Unreadable records never block.** A record that is not a relaybus event (no value, not
