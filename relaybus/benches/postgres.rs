@@ -116,6 +116,10 @@ struct Figures {
     claims: f64,
     /// Completion transactions per run (relaybus only).
     completions: f64,
+    /// WAL bytes the server wrote per delivery while publishing, and while draining (the
+    /// server's, so other clients of it count too).
+    wal_publish: f64,
+    wal_drain: f64,
 }
 
 #[tokio::main]
@@ -292,6 +296,10 @@ async fn main() -> Result<(), BoxError> {
         if figures.iter().any(|f| f.completions > 0.0) {
             summary["completions_per_run"] = spread(|f| f.completions).json(0);
         }
+        if figures.iter().any(|f| f.wal_drain > 0.0) {
+            summary["wal_publish_bytes_per_delivery"] = spread(|f| f.wal_publish).json(0);
+            summary["wal_drain_bytes_per_delivery"] = spread(|f| f.wal_drain).json(0);
+        }
         summary
     };
     let peer_number = |figures: &Value, name: &str| figures[name].as_f64().unwrap_or(f64::NAN);
@@ -395,8 +403,16 @@ async fn main() -> Result<(), BoxError> {
             ),
             _ => String::new(),
         };
+        let wal = match spread(|f| f.wal_drain).median() {
+            Some(w) if w > 0.0 => format!(
+                "; WAL per delivery: publish {} B, drain {} B",
+                spread(|f| f.wal_publish).text(0),
+                spread(|f| f.wal_drain).text(0)
+            ),
+            _ => String::new(),
+        };
         println!(
-            "{name:<10} publish {} /s, drain {} /s{claims}",
+            "{name:<10} publish {} /s, drain {} /s{claims}{wal}",
             spread(|f| f.publish).text(0),
             spread(|f| f.drain).text(0)
         );
@@ -671,6 +687,14 @@ where
     Ok(count as f64 / elapsed.as_secs_f64())
 }
 
+/// The server's WAL position, in bytes.
+async fn wal(admin: &PgPool) -> Result<f64, BoxError> {
+    let row = sqlx::query("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8")
+        .fetch_one(admin)
+        .await?;
+    Ok(row.try_get(0)?)
+}
+
 async fn count_rows(admin: &PgPool, table: &str) -> Result<i64, BoxError> {
     let row = sqlx::query(&format!("SELECT count(*) FROM {table}"))
         .fetch_one(admin)
@@ -769,6 +793,7 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
          created_at, lane) VALUES ($1, $2, $3, 'pending', $4, $4, 0)"
     );
     let channel = store.channel();
+    let wal_start = wal(admin).await?;
     let publish = publish_with(settings.deliveries, settings.publishers, {
         let admin = admin.clone();
         move |n| {
@@ -820,6 +845,7 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
         "WITH done AS (DELETE FROM {s}.deliveries WHERE id = ANY($1) RETURNING event_id) \
          UPDATE {s}.events SET completed_at = $2 WHERE id IN (SELECT event_id FROM done)"
     );
+    let wal_published = wal(admin).await?;
     let drain = drain_with(settings, settings.deliveries, |pool| {
         let (claim, complete) = (claim.clone(), complete.clone());
         async move {
@@ -857,10 +883,14 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
         0,
         "every delivery completed"
     );
+    let wal_drained = wal(admin).await?;
+    let per_delivery = settings.deliveries as f64;
     Ok(Figures {
         publish,
         drain,
         claims: statements(admin, schema).await?.0,
+        wal_publish: (wal_published - wal_start) / per_delivery,
+        wal_drain: (wal_drained - wal_published) / per_delivery,
         ..Figures::default()
     })
 }
@@ -1137,6 +1167,7 @@ async fn relaybus_drain(
         "bench-publisher".to_owned(),
         |_, _| {},
     )?);
+    let wal_start = wal(admin).await?;
     let publish = publish_with(count, settings.publishers, {
         let admin = admin.clone();
         move |n| {
@@ -1172,6 +1203,7 @@ async fn relaybus_drain(
             }
         })?);
     }
+    let wal_published = wal(admin).await?;
     let started = Instant::now();
     for bus in &buses {
         bus.start().await?;
@@ -1180,6 +1212,7 @@ async fn relaybus_drain(
     // The last completions are flushed by the shutdown; count them in.
     try_join_all(buses.iter().map(|bus| bus.shutdown())).await?;
     let drain = count as f64 / started.elapsed().as_secs_f64();
+    let wal_drained = wal(admin).await?;
     for bus in &buses {
         bus.store().pool().close().await;
     }
@@ -1201,6 +1234,8 @@ async fn relaybus_drain(
             drain,
             claims,
             completions,
+            wal_publish: (wal_published - wal_start) / count as f64,
+            wal_drain: (wal_drained - wal_published) / count as f64,
             ..Figures::default()
         },
         watch,
