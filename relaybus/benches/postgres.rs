@@ -30,6 +30,16 @@
 //! Publishing is timed while the drained rows are written, `RELAYBUS_BENCH_DELIVERIES` of them
 //! (4000); draining is timed from the workers' start to their shutdown.
 //!
+//! Keyed drains: relaybus and the floor drain `RELAYBUS_BENCH_DELIVERIES` events spread over
+//! `RELAYBUS_BENCH_KEYS` keys (100), and `RELAYBUS_BENCH_HOT_DELIVERIES` (1000) over
+//! `RELAYBUS_BENCH_HOT_KEYS` (10), published before the drain. Each checks that every key's
+//! deliveries start in sequence order, once each, and measures the time from a key's delivery
+//! starting to its next one starting (the handler does nothing, so this is the predecessor's
+//! completion and the next delivery's claim): `next_start_p50_ms` of the hot keys is the
+//! figure to watch. `keyed_ratio` is relaybus keyed / relaybus unkeyed, per round. The WAL the
+//! server wrote per delivery while publishing and while draining is printed for relaybus and
+//! the floor (the server's whole WAL, so other clients count too).
+//!
 //! Latency is the time from just after the publishing transaction's commit returned to the
 //! handler starting, on one idle worker woken by `NOTIFY` (relaybus's background dispatcher
 //! with its wake-up stream; graphile_worker's notification delivery), with a few milliseconds

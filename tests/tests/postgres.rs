@@ -963,12 +963,22 @@ async fn setup_upgrades_a_database_of_the_previous_schema_in_place() {
         .await
         .expect("the indexes")
     };
-    assert!(indexes("events").await.contains(&"events_finished".to_owned()));
-    assert!(indexes("deliveries").await.contains(&"deliveries_handler".to_owned()));
+    assert!(
+        indexes("events")
+            .await
+            .contains(&"events_finished".to_owned())
+    );
+    assert!(
+        indexes("deliveries")
+            .await
+            .contains(&"deliveries_handler".to_owned())
+    );
 
     // What the old tables hold: keyed backlogs (parked behind their heads) and unkeyed
     // deliveries for two handlers, and one event already completed.
-    let ran: Arc<Mutex<Vec<(String, Option<String>, Option<i64>)>>> = Arc::default();
+    // Each run's handler, key and sequence, in the order they ran.
+    type Runs = Vec<(String, Option<String>, Option<i64>)>;
+    let ran: Arc<Mutex<Runs>> = Arc::default();
     let subscribe = |id: &'static str| {
         let ran = Arc::clone(&ran);
         Subscription::new(
@@ -1038,19 +1048,32 @@ async fn setup_upgrades_a_database_of_the_previous_schema_in_place() {
     .fetch_one(&pool)
     .await
     .unwrap();
-    assert_eq!(parked, 18, "3 of each key's 4 deliveries wait, for each handler");
+    assert_eq!(
+        parked, 18,
+        "3 of each key's 4 deliveries wait, for each handler"
+    );
 
     store.setup().await.expect("the upgrade");
-    store.setup().await.expect("setup again, on the upgraded schema");
-    assert!(!indexes("events").await.contains(&"events_finished".to_owned()));
-    assert!(!indexes("deliveries").await.contains(&"deliveries_handler".to_owned()));
-    let options: Vec<String> = sqlx::query_scalar(
-        "SELECT unnest(reloptions) FROM pg_class WHERE oid = to_regclass($1)",
-    )
-    .bind(format!("{quoted}.events"))
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    store
+        .setup()
+        .await
+        .expect("setup again, on the upgraded schema");
+    assert!(
+        !indexes("events")
+            .await
+            .contains(&"events_finished".to_owned())
+    );
+    assert!(
+        !indexes("deliveries")
+            .await
+            .contains(&"deliveries_handler".to_owned())
+    );
+    let options: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(reloptions) FROM pg_class WHERE oid = to_regclass($1)")
+            .bind(format!("{quoted}.events"))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(options, ["fillfactor=70"]);
 
     let report = bus.run_until_idle().await.expect("drained");

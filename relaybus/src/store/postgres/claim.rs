@@ -196,11 +196,7 @@ impl PostgresEventStore {
         }
         let batch = Batch::of(leases);
         let mut attempts = Attempts::new(None).retry_for(RETRY_LIMIT);
-        let always_one = std::env::var_os("RELAYBUS_PG_EXPERIMENT_ONE_COMPLETION").is_some();
         let outcome = loop {
-            if always_one {
-                break Outcome::Ordered;
-            }
             attempts.start();
             let mut connection = self.inner.pool.acquire().await.map_err(db_error)?;
             match self.complete_unordered(&mut connection, &batch, now).await {

@@ -166,8 +166,8 @@
 //! | claim | 1 (its own commit) | per delivery 1 HOT row version (lease, claim generation; an expired lease's charged attempt) |
 //! | complete, no ordered delivery | 1 (its own commit) | per delivery: the row deleted, its event's stamp (HOT), a completion record with history (1 row + 3 index entries) |
 //! | complete, with ordered deliveries | 2 (the first writes nothing; one commit) | as above, plus the key counter row locks and, per key, the next delivery unparked (1 row + its claim index entry) |
-//! | release, reschedule | 1 | 1 row version (HOT unless the due time changes: a new claim index entry) |
-//! | bury | a transaction of 4 | the row (`status` changes: new index entries), the key's head moved |
+//! | release, reschedule | 1 | 1 row version with a new due time (in the claim index: an entry in each index) |
+//! | bury | a transaction of up to 4 statements | the row (`status` changes: an entry in each index), the key's head moved |
 //! | renew | 1 per batch | 1 HOT row version per delivery |
 //!
 //! So an unkeyed delivery of one handler costs, from publish to completion, one statement in
