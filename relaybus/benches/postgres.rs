@@ -30,6 +30,16 @@
 //! Publishing is timed while the drained rows are written, `RELAYBUS_BENCH_DELIVERIES` of them
 //! (4000); draining is timed from the workers' start to their shutdown.
 //!
+//! Keyed drains: relaybus and the floor drain `RELAYBUS_BENCH_DELIVERIES` events spread over
+//! `RELAYBUS_BENCH_KEYS` keys (100), and `RELAYBUS_BENCH_HOT_DELIVERIES` (1000) over
+//! `RELAYBUS_BENCH_HOT_KEYS` (10), published before the drain. Each checks that every key's
+//! deliveries start in sequence order, once each, and measures the time from a key's delivery
+//! starting to its next one starting (the handler does nothing, so this is the predecessor's
+//! completion and the next delivery's claim): `next_start_p50_ms` of the hot keys is the
+//! figure to watch. `keyed_ratio` is relaybus keyed / relaybus unkeyed, per round. The WAL the
+//! server wrote per delivery while publishing and while draining is printed for relaybus and
+//! the floor (the server's whole WAL, so other clients count too).
+//!
 //! Latency is the time from just after the publishing transaction's commit returned to the
 //! handler starting, on one idle worker woken by `NOTIFY` (relaybus's background dispatcher
 //! with its wake-up stream; graphile_worker's notification delivery), with a few milliseconds
@@ -48,17 +58,20 @@
 //! is built and run only under `cargo bench`.
 
 use std::{
+    collections::HashMap,
     path::PathBuf,
     process::{Command, Stdio},
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
 
 use futures::future::try_join_all;
-use relaybus::{BoxError, Event, PostgresEventStore, PostgresSession, RelayBus, Subscription};
+use relaybus::{
+    BoxError, Event, HandlerContext, PostgresEventStore, PostgresSession, RelayBus, Subscription,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sqlx::{PgPool, Row, postgres::PgPoolOptions};
@@ -95,6 +108,11 @@ struct Settings {
     publishers: usize,
     workers: usize,
     samples: usize,
+    /// Keys of the keyed drain, over `deliveries` events.
+    keys: usize,
+    /// Keys of the hot-keys drain, over `hot_deliveries` events.
+    hot_keys: usize,
+    hot_deliveries: usize,
 }
 
 /// One round's figures of one subject.
@@ -108,6 +126,10 @@ struct Figures {
     claims: f64,
     /// Completion transactions per run (relaybus only).
     completions: f64,
+    /// WAL bytes the server wrote per delivery while publishing, and while draining (the
+    /// server's, so other clients of it count too).
+    wal_publish: f64,
+    wal_drain: f64,
 }
 
 #[tokio::main]
@@ -127,6 +149,21 @@ async fn main() -> Result<(), BoxError> {
             3
         } else {
             env_number("RELAYBUS_BENCH_SAMPLES", 1000).max(1)
+        },
+        keys: if smoke {
+            8
+        } else {
+            env_number("RELAYBUS_BENCH_KEYS", 100).max(1)
+        },
+        hot_keys: if smoke {
+            2
+        } else {
+            env_number("RELAYBUS_BENCH_HOT_KEYS", 10).max(1)
+        },
+        hot_deliveries: if smoke {
+            16
+        } else {
+            env_number("RELAYBUS_BENCH_HOT_DELIVERIES", 1000).max(1)
         },
     };
     let rounds = if smoke {
@@ -150,6 +187,9 @@ async fn main() -> Result<(), BoxError> {
     let mut floor = Vec::new();
     let mut ours = Vec::new();
     let mut theirs: Vec<Value> = Vec::new();
+    // Keyed drains: relaybus and the floor, over many keys and over a few hot ones.
+    let (mut ours_keyed, mut ours_hot) = (Vec::new(), Vec::new());
+    let (mut floor_keyed_runs, mut floor_hot) = (Vec::new(), Vec::new());
     for round in 1..=rounds {
         let prefix = format!("rbbench_{}_{round}", std::process::id());
         let figures = in_schema(&admin, &format!("{prefix}_raw"), async |schema| {
@@ -177,6 +217,58 @@ async fn main() -> Result<(), BoxError> {
             .await?;
         print_row(round, "relaybus", &figures, true);
         ours.push(figures);
+        let keyed = in_schema(&admin, &format!("{prefix}_keyed"), async |schema| {
+            relaybus_keyed(
+                &settings,
+                &admin,
+                schema,
+                settings.deliveries,
+                settings.keys,
+            )
+            .await
+        })
+        .await?;
+        let hot = in_schema(&admin, &format!("{prefix}_hot"), async |schema| {
+            relaybus_keyed(
+                &settings,
+                &admin,
+                schema,
+                settings.hot_deliveries,
+                settings.hot_keys,
+            )
+            .await
+        })
+        .await?;
+        print_keyed(round, "relaybus", &keyed, &hot);
+        ours_keyed.push(keyed);
+        ours_hot.push(hot);
+        if !smoke {
+            let keyed = in_schema(&admin, &format!("{prefix}_fkeyed"), async |schema| {
+                floor_keyed(
+                    &settings,
+                    &admin,
+                    schema,
+                    settings.deliveries,
+                    settings.keys,
+                )
+                .await
+            })
+            .await?;
+            let hot = in_schema(&admin, &format!("{prefix}_fhot"), async |schema| {
+                floor_keyed(
+                    &settings,
+                    &admin,
+                    schema,
+                    settings.hot_deliveries,
+                    settings.hot_keys,
+                )
+                .await
+            })
+            .await?;
+            print_keyed(round, "floor", &keyed, &hot);
+            floor_keyed_runs.push(keyed);
+            floor_hot.push(hot);
+        }
         if let Some(peer) = &peer {
             let figures = run_peer(peer, &settings, &format!("{prefix}_graphile"))?;
             let number = |name: &str| figures[name].as_f64().unwrap_or(f64::NAN);
@@ -213,6 +305,10 @@ async fn main() -> Result<(), BoxError> {
         }
         if figures.iter().any(|f| f.completions > 0.0) {
             summary["completions_per_run"] = spread(|f| f.completions).json(0);
+        }
+        if figures.iter().any(|f| f.wal_drain > 0.0) {
+            summary["wal_publish_bytes_per_delivery"] = spread(|f| f.wal_publish).json(0);
+            summary["wal_drain_bytes_per_delivery"] = spread(|f| f.wal_drain).json(0);
         }
         summary
     };
@@ -263,6 +359,45 @@ async fn main() -> Result<(), BoxError> {
         })
     };
 
+    let relaybus_floor_ratio = per_round(
+        ours.iter()
+            .zip(&floor)
+            .map(|(o, f)| o.drain / f.drain)
+            .collect(),
+    );
+    let peer_publish_ratio = per_round(
+        ours.iter()
+            .zip(&theirs)
+            .map(|(o, p)| o.publish / peer_number(p, "publish_per_sec"))
+            .collect(),
+    );
+    let keyed_ratio = per_round(
+        ours_keyed
+            .iter()
+            .zip(&ours)
+            .map(|(k, o)| k.drain / o.drain)
+            .collect(),
+    );
+    let keyed_floor_ratio = per_round(
+        ours_keyed
+            .iter()
+            .zip(&floor_keyed_runs)
+            .map(|(o, f)| o.drain / f.drain)
+            .collect(),
+    );
+    let keyed_spread =
+        |runs: &[Keyed], pick: fn(&Keyed) -> f64| Spread::of(runs.iter().map(pick).collect());
+    let keyed_json = |runs: &[Keyed]| -> Value {
+        if runs.is_empty() {
+            return Value::Null;
+        }
+        json!({
+            "drain_per_sec": keyed_spread(runs, |k| k.drain).json(0),
+            "next_start_p50_ms": keyed_spread(runs, |k| k.next_p50).json(2),
+            "next_start_p99_ms": keyed_spread(runs, |k| k.next_p99).json(2),
+        })
+    };
+
     println!("\nmedians (min..max) over {rounds} rounds");
     for (name, figures) in [("raw", &raw), ("floor", &floor), ("relaybus", &ours)] {
         if figures.is_empty() {
@@ -278,8 +413,16 @@ async fn main() -> Result<(), BoxError> {
             ),
             _ => String::new(),
         };
+        let wal = match spread(|f| f.wal_drain).median() {
+            Some(w) if w > 0.0 => format!(
+                "; WAL per delivery: publish {} B, drain {} B",
+                spread(|f| f.wal_publish).text(0),
+                spread(|f| f.wal_drain).text(0)
+            ),
+            _ => String::new(),
+        };
         println!(
-            "{name:<10} publish {} /s, drain {} /s{claims}",
+            "{name:<10} publish {} /s, drain {} /s{claims}{wal}",
             spread(|f| f.publish).text(0),
             spread(|f| f.drain).text(0)
         );
@@ -308,10 +451,63 @@ async fn main() -> Result<(), BoxError> {
         publish_ratio.text(3),
         peer_ratio.text(3)
     );
+    for (name, keyed, hot) in [
+        ("relaybus", &ours_keyed, &ours_hot),
+        ("floor", &floor_keyed_runs, &floor_hot),
+    ] {
+        if keyed.is_empty() {
+            continue;
+        }
+        println!(
+            "{name:<10} keyed ({} keys) drain {} /s, next start p50 {} ms; hot keys ({}) \
+             drain {} /s, next start p50 {} ms, p99 {} ms",
+            settings.keys,
+            keyed_spread(keyed, |k| k.drain).text(0),
+            keyed_spread(keyed, |k| k.next_p50).text(2),
+            settings.hot_keys,
+            keyed_spread(hot, |k| k.drain).text(0),
+            keyed_spread(hot, |k| k.next_p50).text(2),
+            keyed_spread(hot, |k| k.next_p99).text(2),
+        );
+    }
+    println!(
+        "relaybus / floor {}; publish relaybus / graphile_worker {}; keyed relaybus / unkeyed \
+         relaybus {}; keyed relaybus / keyed floor {}",
+        relaybus_floor_ratio.text(3),
+        peer_publish_ratio.text(3),
+        keyed_ratio.text(3),
+        keyed_floor_ratio.text(3),
+    );
     println!(
         "{}",
         json!({
             "bench": "postgres",
+            "keys": settings.keys,
+            "hot_keys": settings.hot_keys,
+            "hot_deliveries_per_run": settings.hot_deliveries,
+            "keyed": {
+                "relaybus": keyed_json(&ours_keyed),
+                "floor": keyed_json(&floor_keyed_runs),
+            },
+            "hot": {
+                "relaybus": keyed_json(&ours_hot),
+                "floor": keyed_json(&floor_hot),
+            },
+            "relaybus_floor_ratio": relaybus_floor_ratio.median_json(3),
+            "peer_publish_ratio": peer_publish_ratio.median_json(3),
+            "keyed_ratio": keyed_ratio.median_json(3),
+            "keyed_floor_ratio": keyed_floor_ratio.median_json(3),
+            "hot_next_start_p50_ms": keyed_spread(&ours_hot, |k| k.next_p50).median_json(2),
+            "spreads": {
+                "ratio": ratio.json(3),
+                "floor_ratio": floor_ratio.json(3),
+                "publish_ratio": publish_ratio.json(3),
+                "peer_ratio": peer_ratio.json(3),
+                "relaybus_floor_ratio": relaybus_floor_ratio.json(3),
+                "peer_publish_ratio": peer_publish_ratio.json(3),
+                "keyed_ratio": keyed_ratio.json(3),
+                "keyed_floor_ratio": keyed_floor_ratio.json(3),
+            },
             "deliveries_per_run": settings.deliveries,
             "publishers": settings.publishers,
             "workers": settings.workers,
@@ -333,6 +529,14 @@ async fn main() -> Result<(), BoxError> {
         })
     );
     Ok(())
+}
+
+fn print_keyed(round: usize, subject: &str, keyed: &Keyed, hot: &Keyed) {
+    println!(
+        "{round:<6} {subject:<10} keyed drain {:>8.0}/s, next start p50 {:.2} ms; hot keys \
+         drain {:>8.0}/s, next start p50 {:.2} ms, p99 {:.2} ms",
+        keyed.drain, keyed.next_p50, hot.drain, hot.next_p50, hot.next_p99
+    );
 }
 
 fn print_row(round: usize, subject: &str, figures: &Figures, latency: bool) {
@@ -493,6 +697,14 @@ where
     Ok(count as f64 / elapsed.as_secs_f64())
 }
 
+/// The server's WAL position, in bytes.
+async fn wal(admin: &PgPool) -> Result<f64, BoxError> {
+    let row = sqlx::query("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8")
+        .fetch_one(admin)
+        .await?;
+    Ok(row.try_get(0)?)
+}
+
 async fn count_rows(admin: &PgPool, table: &str) -> Result<i64, BoxError> {
     let row = sqlx::query(&format!("SELECT count(*) FROM {table}"))
         .fetch_one(admin)
@@ -591,6 +803,7 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
          created_at, lane) VALUES ($1, $2, $3, 'pending', $4, $4, 0)"
     );
     let channel = store.channel();
+    let wal_start = wal(admin).await?;
     let publish = publish_with(settings.deliveries, settings.publishers, {
         let admin = admin.clone();
         move |n| {
@@ -642,6 +855,7 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
         "WITH done AS (DELETE FROM {s}.deliveries WHERE id = ANY($1) RETURNING event_id) \
          UPDATE {s}.events SET completed_at = $2 WHERE id IN (SELECT event_id FROM done)"
     );
+    let wal_published = wal(admin).await?;
     let drain = drain_with(settings, settings.deliveries, |pool| {
         let (claim, complete) = (claim.clone(), complete.clone());
         async move {
@@ -679,11 +893,145 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
         0,
         "every delivery completed"
     );
+    let wal_drained = wal(admin).await?;
+    let per_delivery = settings.deliveries as f64;
     Ok(Figures {
         publish,
         drain,
         claims: statements(admin, schema).await?.0,
+        wal_publish: (wal_published - wal_start) / per_delivery,
+        wal_drain: (wal_drained - wal_published) / per_delivery,
         ..Figures::default()
+    })
+}
+
+/// The floor on `count` events spread over `keys` keys, held to their keys' order as the store
+/// holds them: a key's first delivery is its head, the others are parked, and a completion
+/// deletes the delivery and unparks its key's next one in the same statement. The events are
+/// written (numbered `n / keys + 1` within key `n % keys`) before the drain; a claimer that
+/// finds nothing while others still run waits for their next completion.
+async fn floor_keyed(
+    settings: &Settings,
+    admin: &PgPool,
+    schema: &str,
+    count: usize,
+    keys: usize,
+) -> Result<Keyed, BoxError> {
+    store(admin.clone(), schema).await?;
+    let s = format!("\"{schema}\"");
+    let insert = format!(
+        "WITH event AS (INSERT INTO {s}.events (id, event_type, key, sequence, payload, headers, \
+         created_at, appended_at, handlers) VALUES ($1, $2, $3, $4, $5::json, '{{}}'::json, $6, $6, \
+         ARRAY[$7]) RETURNING id) \
+         INSERT INTO {s}.deliveries (event_id, handler, event_type, key, sequence, status, \
+         parked, due_at, created_at, lane) \
+         SELECT id, $7, $2, $3, $4, 'pending', $4 > 1, $6, $6, 0 FROM event"
+    );
+    publish_with(count, settings.publishers, {
+        let admin = admin.clone();
+        move |n| {
+            let (admin, insert) = (admin.clone(), insert.clone());
+            async move {
+                let now = relaybus::Timestamp::now().timestamp_millis();
+                sqlx::query(&insert)
+                    .bind(uuid::Uuid::now_v7().to_string())
+                    .bind(Tick::TYPE)
+                    .bind(key_of(n, keys))
+                    .bind((n / keys as u64) as i64 + 1)
+                    .bind(serde_json::to_string(&Tick { n })?)
+                    .bind(now)
+                    .bind(HANDLER)
+                    .execute(&admin)
+                    .await?;
+                Ok(())
+            }
+        }
+    })
+    .await?;
+    let claim = format!(
+        "WITH picked AS MATERIALIZED ( \
+             SELECT id, event_id, key, sequence FROM {s}.deliveries \
+             WHERE status = 'pending' AND NOT parked AND due_at <= $1 \
+             ORDER BY due_at, id LIMIT {BATCH} FOR UPDATE SKIP LOCKED) \
+         SELECT p.id, p.key, p.sequence, e.payload::text AS payload FROM picked AS p \
+         JOIN {s}.events AS e ON e.id = p.event_id"
+    );
+    let complete = format!(
+        "WITH done AS ( \
+             DELETE FROM {s}.deliveries WHERE id = ANY($1) \
+             RETURNING event_id, handler, key, sequence \
+         ), stamped AS ( \
+             UPDATE {s}.events SET completed_at = $2 WHERE id IN (SELECT event_id FROM done) \
+         ) \
+         UPDATE {s}.deliveries AS d SET parked = false FROM done \
+         WHERE d.handler = done.handler AND d.key = done.key \
+           AND d.sequence = done.sequence + 1 AND d.status = 'pending'"
+    );
+    let handled = Arc::new(AtomicUsize::new(0));
+    let completed = Arc::new(Notify::new());
+    let watch = Arc::new(Mutex::new(KeyWatch::default()));
+    let drain = drain_with(settings, count, |pool| {
+        let (claim, complete) = (claim.clone(), complete.clone());
+        let (handled, completed, watch) = (
+            Arc::clone(&handled),
+            Arc::clone(&completed),
+            Arc::clone(&watch),
+        );
+        async move {
+            let mut mine = 0;
+            loop {
+                let now = relaybus::Timestamp::now().timestamp_millis();
+                let mut transaction = pool.begin().await?;
+                let rows = sqlx::query(&claim)
+                    .bind(now)
+                    .fetch_all(&mut *transaction)
+                    .await?;
+                if rows.is_empty() {
+                    transaction.commit().await?;
+                    if handled.load(Ordering::SeqCst) >= count {
+                        return Ok(mine);
+                    }
+                    // Another claimer runs the heads: wait for its completion.
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(5), completed.notified()).await;
+                    continue;
+                }
+                let mut ids = Vec::with_capacity(rows.len());
+                {
+                    let mut watch = watch.lock().expect("the watch is never poisoned");
+                    for row in &rows {
+                        let payload: String = row.try_get("payload")?;
+                        let _: Tick = serde_json::from_str(&payload)?;
+                        watch.started(row.try_get("key")?, row.try_get("sequence")?);
+                        ids.push(row.try_get::<i64, _>("id")?);
+                    }
+                }
+                sqlx::query(&complete)
+                    .bind(&ids)
+                    .bind(now)
+                    .execute(&mut *transaction)
+                    .await?;
+                transaction.commit().await?;
+                mine += ids.len();
+                handled.fetch_add(ids.len(), Ordering::SeqCst);
+                completed.notify_waiters();
+            }
+        }
+    })
+    .await?;
+    assert_eq!(
+        count_rows(admin, &format!("{s}.deliveries")).await?,
+        0,
+        "every delivery completed"
+    );
+    let (next_p50, next_p99) = watch
+        .lock()
+        .expect("the watch is never poisoned")
+        .percentiles();
+    Ok(Keyed {
+        drain,
+        next_p50,
+        next_p99,
     })
 }
 
@@ -691,7 +1039,7 @@ async fn floor_run(settings: &Settings, admin: &PgPool, schema: &str) -> Result<
 fn bus(
     store: PostgresEventStore,
     owner: String,
-    on_tick: impl Fn() + Clone + Send + Sync + 'static,
+    on_tick: impl Fn(Option<&str>, Option<i64>) + Clone + Send + Sync + 'static,
 ) -> Result<RelayBus<PostgresEventStore>, BoxError> {
     Ok(RelayBus::builder(store)
         .owner(owner)
@@ -701,21 +1049,30 @@ fn bus(
         .gauge_interval(None)
         .setup_on_start(false)
         .without_registered_handlers()
-        .subscribe(Subscription::new(HANDLER, move |_: Tick| {
-            on_tick();
-            async { Ok::<(), BoxError>(()) }
-        }))
+        .subscribe(Subscription::new(
+            HANDLER,
+            move |_: Tick, context: HandlerContext<PostgresEventStore>| {
+                on_tick(context.key(), context.sequence());
+                async { Ok::<(), BoxError>(()) }
+            },
+        ))
         .build()?)
 }
 
-/// Publishes one event in a transaction the caller began and commits.
+/// Publishes one event, under `key` if given, in a transaction the caller began and commits.
 async fn publish_one(
     bus: &RelayBus<PostgresEventStore>,
     pool: &PgPool,
     n: u64,
+    key: Option<String>,
 ) -> Result<(), BoxError> {
     let mut session = PostgresSession::from(pool.begin().await?);
-    bus.publish(&Tick { n }).session(&mut session).await?;
+    let publish = bus.publish(&Tick { n });
+    let publish = match key {
+        Some(key) => publish.key(key),
+        None => publish,
+    };
+    publish.session(&mut session).await?;
     session
         .into_transaction()
         .map_err(|_| "the session left its transaction")?
@@ -724,41 +1081,139 @@ async fn publish_one(
     Ok(())
 }
 
+/// The key of the `n`-th event of a run over `keys` keys.
+fn key_of(n: u64, keys: usize) -> String {
+    format!("k{}", n % keys as u64)
+}
+
+/// Per-key order and the time between a key's deliveries starting, as the handlers see them.
+#[derive(Default)]
+struct KeyWatch {
+    /// Each key's last sequence started, and when.
+    last: HashMap<String, (i64, Instant)>,
+    /// Milliseconds from a key's delivery starting to its next one starting.
+    gaps: Vec<f64>,
+    /// Deliveries that did not start with their key's next sequence.
+    violations: usize,
+}
+
+impl KeyWatch {
+    fn started(&mut self, key: &str, sequence: i64) {
+        let now = Instant::now();
+        let previous = self.last.get(key).copied();
+        if sequence != previous.map_or(1, |(last, _)| last + 1) {
+            self.violations += 1;
+        }
+        if let Some((_, at)) = previous {
+            self.gaps
+                .push(now.saturating_duration_since(at).as_secs_f64() * 1000.0);
+        }
+        self.last.insert(key.to_owned(), (sequence, now));
+    }
+
+    /// The gaps' p50 and p99 (ms), after checking per-key order.
+    fn percentiles(&mut self) -> (f64, f64) {
+        assert_eq!(
+            self.violations, 0,
+            "every key's deliveries start in sequence order"
+        );
+        if self.gaps.is_empty() {
+            return (f64::NAN, f64::NAN);
+        }
+        self.gaps.sort_by(|a, b| a.total_cmp(b));
+        let at = |q: f64| self.gaps[((self.gaps.len() as f64 - 1.0) * q).round() as usize];
+        (at(0.5), at(0.99))
+    }
+}
+
+/// A keyed drain's figures: deliveries per second, and the milliseconds from a key's delivery
+/// starting to the key's next one starting (p50, p99), the handler doing nothing: the
+/// predecessor's completion and the next delivery's claim.
+#[derive(Clone, Copy, Default)]
+struct Keyed {
+    drain: f64,
+    next_p50: f64,
+    next_p99: f64,
+}
+
 /// Relaybus: publishing in the caller's transactions, then draining through whole buses.
 async fn relaybus_run(
     settings: &Settings,
     admin: &PgPool,
     schema: &str,
 ) -> Result<Figures, BoxError> {
+    let (figures, _) = relaybus_drain(settings, admin, schema, settings.deliveries, None).await?;
+    Ok(figures)
+}
+
+/// Relaybus on `count` events spread over `keys` keys, published before the drain.
+async fn relaybus_keyed(
+    settings: &Settings,
+    admin: &PgPool,
+    schema: &str,
+    count: usize,
+    keys: usize,
+) -> Result<Keyed, BoxError> {
+    let (figures, mut watch) = relaybus_drain(settings, admin, schema, count, Some(keys)).await?;
+    let (next_p50, next_p99) = watch.percentiles();
+    Ok(Keyed {
+        drain: figures.drain,
+        next_p50,
+        next_p99,
+    })
+}
+
+/// Publishes `count` events (over `keys` keys when given), then drains them through whole
+/// buses, watching per-key order.
+async fn relaybus_drain(
+    settings: &Settings,
+    admin: &PgPool,
+    schema: &str,
+    count: usize,
+    keys: Option<usize>,
+) -> Result<(Figures, KeyWatch), BoxError> {
     let publisher = Arc::new(bus(
         store(admin.clone(), schema).await?,
         "bench-publisher".to_owned(),
-        || {},
+        |_, _| {},
     )?);
-    let publish = publish_with(settings.deliveries, settings.publishers, {
+    let wal_start = wal(admin).await?;
+    let publish = publish_with(count, settings.publishers, {
         let admin = admin.clone();
         move |n| {
             let (publisher, admin) = (Arc::clone(&publisher), admin.clone());
-            async move { publish_one(&publisher, &admin, n).await }
+            let key = keys.map(|keys| key_of(n, keys));
+            async move { publish_one(&publisher, &admin, n, key).await }
         }
     })
     .await?;
 
-    let count = settings.deliveries;
     let handled = Arc::new(AtomicUsize::new(0));
     let all_done = Arc::new(Notify::new());
+    let watch = Arc::new(Mutex::new(KeyWatch::default()));
     let mut buses = Vec::new();
     for i in 0..settings.workers {
-        let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
+        let (handled, all_done, watch) = (
+            Arc::clone(&handled),
+            Arc::clone(&all_done),
+            Arc::clone(&watch),
+        );
         let store = PostgresEventStore::builder(pool(&settings.url, POOL).await?)
             .schema(schema)
             .build()?;
-        buses.push(bus(store, format!("bench-{i}"), move || {
+        buses.push(bus(store, format!("bench-{i}"), move |key, sequence| {
+            if let (Some(key), Some(sequence)) = (key, sequence) {
+                watch
+                    .lock()
+                    .expect("the watch is never poisoned")
+                    .started(key, sequence);
+            }
             if handled.fetch_add(1, Ordering::Relaxed) + 1 == count {
                 all_done.notify_one();
             }
         })?);
     }
+    let wal_published = wal(admin).await?;
     let started = Instant::now();
     for bus in &buses {
         bus.start().await?;
@@ -767,6 +1222,7 @@ async fn relaybus_run(
     // The last completions are flushed by the shutdown; count them in.
     try_join_all(buses.iter().map(|bus| bus.shutdown())).await?;
     let drain = count as f64 / started.elapsed().as_secs_f64();
+    let wal_drained = wal(admin).await?;
     for bus in &buses {
         bus.store().pool().close().await;
     }
@@ -781,13 +1237,19 @@ async fn relaybus_run(
         0,
         "every delivery completed"
     );
-    Ok(Figures {
-        publish,
-        drain,
-        claims,
-        completions,
-        ..Figures::default()
-    })
+    let watch = std::mem::take(&mut *watch.lock().expect("the watch is never poisoned"));
+    Ok((
+        Figures {
+            publish,
+            drain,
+            claims,
+            completions,
+            wal_publish: (wal_published - wal_start) / count as f64,
+            wal_drain: (wal_drained - wal_published) / count as f64,
+            ..Figures::default()
+        },
+        watch,
+    ))
 }
 
 /// How many claim statements and completion transactions the drain of `schema` made: the
@@ -817,7 +1279,7 @@ async fn statements(admin: &PgPool, schema: &str) -> Result<(f64, f64), BoxError
 async fn latency_run(settings: &Settings, schema: &str) -> Result<(f64, f64), BoxError> {
     let store = store(pool(&settings.url, POOL).await?, schema).await?;
     let (sender, mut receiver) = mpsc::unbounded_channel::<Instant>();
-    let bus = bus(store, "bench-latency".to_owned(), move || {
+    let bus = bus(store, "bench-latency".to_owned(), move |_, _| {
         let _ = sender.send(Instant::now());
     })?;
     let publisher = pool(&settings.url, 2).await?;
@@ -826,7 +1288,7 @@ async fn latency_run(settings: &Settings, schema: &str) -> Result<(f64, f64), Bo
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut latencies = Vec::with_capacity(settings.samples);
     for n in 0..settings.samples as u64 {
-        publish_one(&bus, &publisher, n).await?;
+        publish_one(&bus, &publisher, n, None).await?;
         let committed = Instant::now();
         let handled = tokio::time::timeout(Duration::from_secs(30), receiver.recv())
             .await?

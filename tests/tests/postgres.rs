@@ -815,3 +815,277 @@ async fn gauge_samples_of_one_store_instance_share_a_count_while_it_is_young() {
         .unwrap();
     assert_eq!(pending(apart.gauge_statistics(age).await.unwrap()), [3]);
 }
+
+/// The tables and indexes `setup()` made before completions stopped writing index entries
+/// (`{s}` standing for the schema), as that version wrote them: a database to upgrade.
+const PREVIOUS_SCHEMA: &str = r#"
+CREATE SCHEMA IF NOT EXISTS {s};
+
+CREATE TABLE IF NOT EXISTS {s}.events (
+    id text PRIMARY KEY,
+    event_type text NOT NULL,
+    key text,
+    sequence bigint,
+    payload json NOT NULL,
+    headers json NOT NULL,
+    correlation_id text,
+    causation_id text,
+    created_at bigint NOT NULL,
+    appended_at bigint NOT NULL,
+    handlers text[] NOT NULL,
+    completed_at bigint
+);
+
+CREATE TABLE IF NOT EXISTS {s}.key_sequences (
+    key text PRIMARY KEY,
+    sequence bigint NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS {s}.consumer_positions (
+    consumer text NOT NULL,
+    source text NOT NULL,
+    partition integer NOT NULL,
+    next_offset bigint NOT NULL,
+    updated_at bigint NOT NULL,
+    PRIMARY KEY (consumer, source, partition)
+);
+
+CREATE TABLE IF NOT EXISTS {s}.deliveries (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id text NOT NULL REFERENCES {s}.events (id),
+    handler text NOT NULL,
+    event_type text NOT NULL,
+    key text,
+    sequence bigint,
+    unordered boolean NOT NULL DEFAULT false,
+    status text NOT NULL CHECK (status IN ('pending', 'dead')),
+    parked boolean NOT NULL DEFAULT false,
+    attempts integer NOT NULL DEFAULT 0,
+    due_at bigint NOT NULL,
+    created_at bigint NOT NULL,
+    updated_at bigint,
+    last_error text,
+    errors jsonb NOT NULL DEFAULT '[]',
+    requeued integer NOT NULL DEFAULT 0,
+    claims bigint NOT NULL DEFAULT 0,
+    lease_owner text,
+    lease_instance text,
+    lease_expires_at bigint,
+    lane integer NOT NULL,
+    UNIQUE (event_id, handler)
+) WITH (fillfactor = 50);
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_class WHERE oid = to_regclass('{s}.deliveries')
+                   AND 'fillfactor=50' = ANY (reloptions)) THEN
+        ALTER TABLE {s}.deliveries SET (fillfactor = 50);
+    END IF;
+END
+$$;
+DROP INDEX IF EXISTS {s}.deliveries_running;
+
+CREATE INDEX IF NOT EXISTS deliveries_claim ON {s}.deliveries (due_at, id)
+    WHERE status = 'pending' AND NOT parked;
+CREATE INDEX IF NOT EXISTS deliveries_ordering ON {s}.deliveries (handler, key, sequence)
+    WHERE status = 'pending' AND key IS NOT NULL AND NOT unordered;
+CREATE INDEX IF NOT EXISTS deliveries_heads ON {s}.deliveries (handler, key)
+    WHERE status = 'pending' AND key IS NOT NULL AND NOT unordered AND NOT parked;
+CREATE INDEX IF NOT EXISTS deliveries_dead ON {s}.deliveries (updated_at)
+    WHERE status = 'dead';
+CREATE INDEX IF NOT EXISTS deliveries_handler ON {s}.deliveries (handler, status);
+
+CREATE INDEX IF NOT EXISTS events_finished ON {s}.events (coalesce(completed_at, created_at));
+
+CREATE TABLE IF NOT EXISTS {s}.completed_deliveries (
+    id bigint PRIMARY KEY,
+    event_id text NOT NULL,
+    handler text NOT NULL,
+    event_type text NOT NULL,
+    key text,
+    sequence bigint,
+    unordered boolean NOT NULL,
+    attempts integer NOT NULL,
+    due_at bigint NOT NULL,
+    created_at bigint NOT NULL,
+    updated_at bigint,
+    completed_at bigint NOT NULL,
+    last_error text,
+    errors jsonb NOT NULL,
+    requeued integer NOT NULL
+);
+CREATE INDEX IF NOT EXISTS completed_deliveries_completed_at
+    ON {s}.completed_deliveries (completed_at);
+CREATE INDEX IF NOT EXISTS completed_deliveries_event ON {s}.completed_deliveries (event_id);
+
+CREATE TABLE IF NOT EXISTS {s}.leads (
+    role text PRIMARY KEY,
+    holder text NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+"#;
+
+/// `setup()` upgrades a database made by the previous schema in place: the indexes no query
+/// reads any more are gone, the events keep room for their completion stamps, and what the
+/// old tables held (parked backlogs of keys, unkeyed deliveries, completed events) drains in
+/// order.
+#[tokio::test]
+async fn setup_upgrades_a_database_of_the_previous_schema_in_place() {
+    use relaybus::{BoxError, HandlerContext, Subscription};
+    use sqlx::Executor;
+    use std::sync::{Arc, Mutex};
+
+    let schema = Schema::new("upgrade");
+    let pool = pool().await;
+    let quoted = format!("\"{}\"", schema.name);
+    pool.execute(format!("DROP SCHEMA IF EXISTS {quoted} CASCADE").as_str())
+        .await
+        .expect("a leftover schema dropped");
+    pool.execute(PREVIOUS_SCHEMA.replace("{s}", &quoted).as_str())
+        .await
+        .expect("the previous schema");
+    let store = PostgresEventStore::builder(pool.clone())
+        .schema(&schema.name)
+        .build()
+        .expect("valid options");
+    let indexes = async |table: &str| -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
+             ORDER BY indexname",
+        )
+        .bind(&schema.name)
+        .bind(table)
+        .fetch_all(&pool)
+        .await
+        .expect("the indexes")
+    };
+    assert!(
+        indexes("events")
+            .await
+            .contains(&"events_finished".to_owned())
+    );
+    assert!(
+        indexes("deliveries")
+            .await
+            .contains(&"deliveries_handler".to_owned())
+    );
+
+    // What the old tables hold: keyed backlogs (parked behind their heads) and unkeyed
+    // deliveries for two handlers, and one event already completed.
+    // Each run's handler, key and sequence, in the order they ran.
+    type Runs = Vec<(String, Option<String>, Option<i64>)>;
+    let ran: Arc<Mutex<Runs>> = Arc::default();
+    let subscribe = |id: &'static str| {
+        let ran = Arc::clone(&ran);
+        Subscription::new(
+            id,
+            move |_: OrderPlaced, ctx: HandlerContext<PostgresEventStore>| {
+                ran.lock().unwrap().push((
+                    ctx.handler().to_owned(),
+                    ctx.key().map(str::to_owned),
+                    ctx.sequence(),
+                ));
+                async { Ok::<(), BoxError>(()) }
+            },
+        )
+    };
+    let bus: RelayBus<PostgresEventStore> = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .subscribe(subscribe("tally"))
+        .subscribe(subscribe("ship"))
+        .build()
+        .unwrap();
+    let publish = async |n: usize, key: Option<String>| {
+        bus.transaction(async |session| {
+            let publish = bus.publish(&OrderPlaced {
+                order_id: format!("o-{n}"),
+            });
+            match key.clone() {
+                Some(key) => publish.key(key).session(session).await?,
+                None => publish.session(session).await?,
+            };
+            Ok(())
+        })
+        .await
+        .expect("published");
+    };
+    publish(0, None).await;
+    let both = handlers(&["tally", "ship"]);
+    let completed = store
+        .claim(relaybus::store::ClaimRequest {
+            owner: "before",
+            handlers: &both,
+            limit: 2,
+            run: 1,
+            runs: 0,
+            lease_duration: Duration::from_secs(60),
+            now: Timestamp::now(),
+            reported: &[],
+            reports_complete: false,
+            arrivals: &[],
+        })
+        .await
+        .expect("claimed");
+    assert_eq!(completed.len(), 2);
+    let leases: Vec<_> = completed.iter().map(|c| c.lease).collect();
+    assert_eq!(
+        store.complete(&leases, Timestamp::now()).await.unwrap(),
+        [true, true]
+    );
+    for n in 1..=12 {
+        publish(n, Some(format!("k{}", n % 3))).await;
+    }
+    for n in 13..=16 {
+        publish(n, None).await;
+    }
+    let parked: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {quoted}.deliveries WHERE parked"
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        parked, 18,
+        "3 of each key's 4 deliveries wait, for each handler"
+    );
+
+    store.setup().await.expect("the upgrade");
+    store
+        .setup()
+        .await
+        .expect("setup again, on the upgraded schema");
+    assert!(
+        !indexes("events")
+            .await
+            .contains(&"events_finished".to_owned())
+    );
+    assert!(
+        !indexes("deliveries")
+            .await
+            .contains(&"deliveries_handler".to_owned())
+    );
+    let options: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(reloptions) FROM pg_class WHERE oid = to_regclass($1)")
+            .bind(format!("{quoted}.events"))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(options, ["fillfactor=70"]);
+
+    let report = bus.run_until_idle().await.expect("drained");
+    assert_eq!(report.succeeded().count(), 32, "{report:?}");
+    assert_eq!(store.statistics().await.unwrap().pending, 0);
+    let ran = ran.lock().unwrap().clone();
+    for handler in ["tally", "ship"] {
+        for key in ["k0", "k1", "k2"] {
+            let sequences: Vec<i64> = ran
+                .iter()
+                .filter(|(h, k, _)| h == handler && k.as_deref() == Some(key))
+                .filter_map(|(_, _, s)| *s)
+                .collect();
+            assert_eq!(sequences, [1, 2, 3, 4], "{handler} {key}");
+        }
+        let unkeyed = ran.iter().filter(|(h, k, _)| h == handler && k.is_none());
+        assert_eq!(unkeyed.count(), 4, "{handler}");
+    }
+}

@@ -15,6 +15,27 @@ use crate::{
 
 /// The longest `pg_notify` payload sent; PostgreSQL takes up to 8000 bytes.
 const MAX_NOTIFY_PAYLOAD: usize = 7_900;
+/// The CTEs that make the lowest pending ordered delivery of each `(handler, key)` of `pairs`
+/// its unparked head and park the others no worker runs, leaving out the rows of `done` (which
+/// the statement deletes).
+pub(super) const MOVE_HEADS: &str = "heads AS ( \
+         SELECT h.id FROM pairs, LATERAL ( \
+             SELECT d.id FROM {s}.deliveries AS d \
+             WHERE d.handler = pairs.handler AND d.key = pairs.key \
+               AND d.status = 'pending' AND NOT d.unordered \
+               AND d.id NOT IN (SELECT id FROM done) \
+             ORDER BY d.sequence LIMIT 1) AS h \
+     ), unparked AS ( \
+         UPDATE {s}.deliveries AS d SET parked = false FROM heads \
+         WHERE d.id = heads.id AND d.parked RETURNING d.id \
+     ), parked AS ( \
+         UPDATE {s}.deliveries AS d SET parked = true FROM pairs \
+         WHERE d.handler = pairs.handler AND d.key = pairs.key \
+           AND d.status = 'pending' AND d.key IS NOT NULL AND NOT d.unordered \
+           AND NOT d.parked AND d.lease_owner IS NULL \
+           AND d.id NOT IN (SELECT id FROM heads) AND d.id NOT IN (SELECT id FROM done) \
+         RETURNING d.id \
+     )";
 /// The payload of a wake-up that names no handler: every watcher looks.
 pub(super) const NOTIFY_ALL: &str = "*";
 
@@ -102,8 +123,109 @@ impl PostgresEventStore {
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        if items.iter().all(|item| item.event.key().is_none())
+            && self.append_new(connection, &items, now).await?
+        {
+            return Ok(appended(
+                &items,
+                &of_request,
+                &vec![None; items.len()],
+                |index| (true, &items[index].handlers),
+            ));
+        }
         self.append_items(connection, &items, &of_request, now)
             .await
+    }
+
+    /// Appends a batch of unkeyed events in one statement when the store holds none of their
+    /// ids, the common case: the events, their deliveries and the wake-up. `false` when it
+    /// holds one, having written nothing: the general path then merges the handlers. An id
+    /// that a concurrent transaction stored meanwhile is a transient error, as there.
+    async fn append_new(
+        &self,
+        connection: &mut PgConnection,
+        items: &[Item<'_>],
+        now: Timestamp,
+    ) -> Result<bool> {
+        let mut events = EventColumns::default();
+        let mut rows = DeliveryColumns::default();
+        let mut notified: BTreeSet<&str> = BTreeSet::new();
+        for item in items {
+            events.push(item, None)?;
+            let due = item.due_at.unwrap_or(now).timestamp_millis();
+            for handler in &item.handlers {
+                notified.insert(handler);
+                rows.event_ids.push(item.event.id());
+                rows.handlers.push(handler);
+                rows.types.push(item.event.event_type());
+                rows.keys.push(None);
+                rows.sequences.push(None);
+                rows.unordered.push(false);
+                rows.due_at.push(due);
+                rows.lanes.push(lane_of(None, item.event.id()) as i32);
+            }
+        }
+        let mut payload = notified.into_iter().collect::<Vec<_>>().join(",");
+        if payload.len() > MAX_NOTIFY_PAYLOAD {
+            payload = NOTIFY_ALL.to_owned();
+        }
+        let row = sqlx::query(&self.sql(
+            "WITH known AS ( \
+                 SELECT FROM {s}.events WHERE id = ANY($1) LIMIT 1 \
+             ), event AS ( \
+                 INSERT INTO {s}.events (id, event_type, key, sequence, payload, headers, \
+                     correlation_id, causation_id, created_at, appended_at, handlers) \
+                 SELECT id, event_type, NULL, NULL, payload::json, headers::json, \
+                     correlation_id, causation_id, created_at, $11, string_to_array(handlers, ',') \
+                 FROM unnest($1::text[], $2::text[], $5::text[], $6::text[], $7::text[], \
+                     $8::text[], $9::bigint[], $10::text[]) \
+                     AS v(id, event_type, payload, headers, correlation_id, causation_id, \
+                     created_at, handlers) \
+                 WHERE NOT EXISTS (SELECT FROM known) \
+                 ON CONFLICT (id) DO NOTHING RETURNING id \
+             ), delivery AS ( \
+                 INSERT INTO {s}.deliveries (event_id, handler, event_type, unordered, status, \
+                     due_at, created_at, lane) \
+                 SELECT v.event_id, v.handler, v.event_type, false, 'pending', v.due_at, $11, \
+                     v.lane \
+                 FROM unnest($12::text[], $13::text[], $14::text[], $15::bigint[], \
+                     $16::integer[]) AS v(event_id, handler, event_type, due_at, lane) \
+                 WHERE v.event_id IN (SELECT id FROM event) \
+                 RETURNING 1 \
+             ) \
+             SELECT EXISTS (SELECT FROM known) AS known, \
+                 (SELECT count(*) FROM event) AS inserted, \
+                 (SELECT pg_notify($3, $4) WHERE EXISTS (SELECT FROM delivery)) IS NULL AS n",
+        ))
+        .bind(&events.ids)
+        .bind(&events.types)
+        .bind(self.channel())
+        .bind(payload)
+        .bind(&events.payloads)
+        .bind(&events.headers)
+        .bind(&events.correlation_ids)
+        .bind(&events.causation_ids)
+        .bind(&events.created_at)
+        .bind(&events.handlers)
+        .bind(now.timestamp_millis())
+        .bind(&rows.event_ids)
+        .bind(&rows.handlers)
+        .bind(&rows.types)
+        .bind(&rows.due_at)
+        .bind(&rows.lanes)
+        .fetch_one(&mut *connection)
+        .await
+        .map_err(db_error)?;
+        if row.try_get::<bool, _>("known").map_err(db_error)? {
+            return Ok(false);
+        }
+        let inserted: i64 = row.try_get("inserted").map_err(db_error)?;
+        if inserted != items.len() as i64 {
+            return Err(conflict(
+                "an event id of the batch was appended by a concurrent transaction",
+            ));
+        }
+        Ok(true)
     }
 
     /// Checks the requests only: what `append` does before it looks at the session.
@@ -354,27 +476,12 @@ impl PostgresEventStore {
                 .map_err(db_error)?;
         }
 
-        let mut reported = vec![false; items.len()];
-        Ok(of_request
-            .iter()
-            .map(|&index| {
-                let item = &items[index];
-                let first = !std::mem::replace(&mut reported[index], true);
-                Appended {
-                    event_id: item.event.id().to_owned(),
-                    created: first && !stored.contains_key(item.event.id()),
-                    sequence: sequences[index],
-                    new_deliveries: if first {
-                        new_handlers[index]
-                            .iter()
-                            .map(|h| (*h).to_owned())
-                            .collect()
-                    } else {
-                        Vec::new()
-                    },
-                }
-            })
-            .collect())
+        Ok(appended(items, of_request, &sequences, |index| {
+            (
+                !stored.contains_key(items[index].event.id()),
+                &new_handlers[index],
+            )
+        }))
     }
 
     /// Locks the counter rows of `keys`, in key order: what every write that adds or ends an
@@ -413,25 +520,12 @@ impl PostgresEventStore {
         }
         let (handlers, keys): (Vec<&str>, Vec<&str>) =
             pairs.iter().map(|(h, k)| (h.as_str(), k.as_str())).unzip();
-        sqlx::query(&self.sql(
+        sqlx::query(&self.sql(&format!(
             "WITH pairs AS ( \
                  SELECT DISTINCT handler, key FROM unnest($1::text[], $2::text[]) AS p(handler, key) \
-             ), heads AS ( \
-                 SELECT h.id FROM pairs, LATERAL ( \
-                     SELECT d.id FROM {s}.deliveries AS d \
-                     WHERE d.handler = pairs.handler AND d.key = pairs.key \
-                       AND d.status = 'pending' AND NOT d.unordered \
-                     ORDER BY d.sequence LIMIT 1) AS h \
-             ), unparked AS ( \
-                 UPDATE {s}.deliveries AS d SET parked = false FROM heads \
-                 WHERE d.id = heads.id AND d.parked RETURNING d.id \
-             ) \
-             UPDATE {s}.deliveries AS d SET parked = true FROM pairs \
-             WHERE d.handler = pairs.handler AND d.key = pairs.key \
-               AND d.status = 'pending' AND d.key IS NOT NULL AND NOT d.unordered \
-               AND NOT d.parked AND d.lease_owner IS NULL \
-               AND d.id NOT IN (SELECT id FROM heads)",
-        ))
+             ), done AS (SELECT NULL::bigint AS id WHERE false), {MOVE_HEADS} \
+             SELECT 1",
+        )))
         .bind(&handlers)
         .bind(&keys)
         .execute(&mut *connection)
@@ -439,6 +533,39 @@ impl PostgresEventStore {
         .map_err(db_error)?;
         Ok(())
     }
+}
+
+/// What an append reports per request: for the first request of each id, whether its event
+/// is new and the deliveries it got (`fresh` says both), for a later one of the same id
+/// nothing.
+fn appended<'a, 'b>(
+    items: &[Item<'a>],
+    of_request: &[usize],
+    sequences: &[Option<i64>],
+    fresh: impl Fn(usize) -> (bool, &'b Vec<&'a str>),
+) -> Vec<Appended>
+where
+    'a: 'b,
+{
+    let mut reported = vec![false; items.len()];
+    of_request
+        .iter()
+        .map(|&index| {
+            let item = &items[index];
+            let first = !std::mem::replace(&mut reported[index], true);
+            let (created, handlers) = fresh(index);
+            Appended {
+                event_id: item.event.id().to_owned(),
+                created: first && created,
+                sequence: sequences[index],
+                new_deliveries: if first {
+                    handlers.iter().map(|h| (*h).to_owned()).collect()
+                } else {
+                    Vec::new()
+                },
+            }
+        })
+        .collect()
 }
 
 /// The columns of new events, one array each, for one `INSERT .. SELECT FROM unnest(..)`.

@@ -2,8 +2,7 @@
 
 use std::{collections::BTreeMap, fmt};
 
-use futures::FutureExt;
-use sqlx::{PgConnection, Row, postgres::PgRow};
+use sqlx::{Executor, PgConnection, Row, postgres::PgRow};
 
 use super::{PostgresEventStore, checks, db_error};
 use crate::{
@@ -212,17 +211,19 @@ impl PostgresEventStore {
         };
         let done = match outcome {
             Outcome::Done(done) => done,
-            Outcome::Ordered(pairs) => {
-                self.own_transaction(
-                    &(self, &batch, &pairs, now),
-                    |connection, (store, batch, pairs, now)| {
-                        store
-                            .complete_ordered(connection, batch, pairs, *now)
-                            .boxed()
-                    },
-                )
-                .await?
-            }
+            Outcome::Ordered => loop {
+                attempts.start();
+                let mut connection = self.inner.pool.acquire().await.map_err(db_error)?;
+                match self.complete_ordered(&mut connection, &batch, now).await {
+                    Ok(done) => break done,
+                    Err(error) => {
+                        if attempts.retry_after(&error).await {
+                            continue;
+                        }
+                        return Err(error);
+                    }
+                }
+            },
         };
         Ok(batch.flags(&done))
     }
@@ -238,19 +239,16 @@ impl PostgresEventStore {
         let batch = Batch::of(leases);
         let done = match self.complete_unordered(connection, &batch, now).await? {
             Outcome::Done(done) => done,
-            Outcome::Ordered(pairs) => {
-                self.complete_ordered(connection, &batch, &pairs, now)
-                    .await?
-            }
+            Outcome::Ordered => self.complete_ordered(connection, &batch, now).await?,
         };
         Ok(batch.flags(&done))
     }
 
     /// One statement: when no lease of the batch holds a delivery held to its key's order, it
     /// deletes the deliveries the leases hold (fenced by their claim generation), records them
-    /// with completion history and stamps their events. Otherwise it writes nothing and returns
-    /// the `(handler, key)` pairs of the ordered ones, for [`complete_ordered`](Self::complete_ordered),
-    /// which must lock the keys before it touches a delivery or an event.
+    /// with completion history and stamps their events. Otherwise it writes nothing, for
+    /// [`complete_ordered`](Self::complete_ordered), which must lock the keys before it
+    /// touches a delivery or an event.
     async fn complete_unordered(
         &self,
         connection: &mut PgConnection,
@@ -267,8 +265,8 @@ impl PostgresEventStore {
                    AND NOT EXISTS (SELECT FROM held WHERE ordered) \
                  RETURNING d.* \
              ), {record} \
-             SELECT false AS ordered, id, NULL AS handler, NULL AS key FROM done \
-             UNION ALL SELECT true, NULL, handler, key FROM held WHERE ordered",
+             SELECT false AS ordered, id FROM done \
+             UNION ALL (SELECT true, NULL FROM held WHERE ordered LIMIT 1)",
             held = HELD,
             record = RECORD,
         )))
@@ -280,56 +278,75 @@ impl PostgresEventStore {
         .await
         .map_err(db_error)?;
         let mut done = Vec::with_capacity(rows.len());
-        let mut ordered = Vec::new();
         for row in rows {
             if row.try_get::<bool, _>("ordered").map_err(db_error)? {
-                ordered.push(row);
-            } else {
-                done.push(row.try_get::<i64, _>("id").map_err(db_error)?);
+                return Ok(Outcome::Ordered);
             }
+            done.push(row.try_get::<i64, _>("id").map_err(db_error)?);
         }
-        Ok(if ordered.is_empty() {
-            Outcome::Done(done)
-        } else {
-            Outcome::Ordered(pairs_of(&ordered)?)
-        })
+        Ok(Outcome::Done(done))
     }
 
-    /// Completes a batch holding deliveries held to their keys' order, in a transaction: locks
-    /// the keys (`pairs`, read by [`complete_unordered`](Self::complete_unordered); a
-    /// delivery's handler and key never change), deletes what the leases still hold, records
-    /// it, stamps the events and moves the heads of the keys. The ids it completed.
+    /// Completes a batch holding deliveries held to their keys' order in one round trip: two
+    /// statements in one simple query, which PostgreSQL runs as one transaction (or inside the
+    /// caller's). The first locks the keys of the ordered deliveries the leases name (a
+    /// delivery's key never changes); the second, whose snapshot is taken once it holds them
+    /// and so sees every append of those keys, deletes what the leases still hold, records it,
+    /// stamps the events and moves the heads of the keys, leaving out the rows it deletes. The
+    /// ids it completed.
+    ///
+    /// A simple query takes no parameters, so the values are written into the text: integers
+    /// and a boolean only, never text.
     async fn complete_ordered(
         &self,
         connection: &mut PgConnection,
         batch: &Batch,
-        pairs: &[(String, String)],
         now: Timestamp,
     ) -> Result<Vec<i64>> {
-        let keys: Vec<String> = pairs.iter().map(|(_, k)| k.clone()).collect();
-        self.lock_keys(connection, &keys).await?;
-        let rows = sqlx::query(&self.sql(&format!(
-            "WITH done AS ( \
+        let ids = bigint_array(&batch.ids);
+        let sql = self
+            .sql(&format!(
+                "SELECT count(*) AS locked FROM ( \
+                 SELECT FROM {{s}}.key_sequences WHERE key IN ( \
+                     SELECT d.key FROM {{s}}.deliveries AS d \
+                     WHERE d.id = ANY($1::bigint[]) AND d.key IS NOT NULL AND NOT d.unordered) \
+                 ORDER BY key FOR NO KEY UPDATE) AS l; \
+             WITH done AS ( \
                  DELETE FROM {{s}}.deliveries AS d WHERE {held} RETURNING d.* \
-             ), {record} \
+             ), {record}, pairs AS ( \
+                 SELECT DISTINCT handler, key FROM done WHERE key IS NOT NULL AND NOT unordered \
+             ), {heads} \
              SELECT id FROM done",
-            held = HELD,
-            record = RECORD,
-        )))
-        .bind(&batch.ids)
-        .bind(&batch.claims)
-        .bind(now.timestamp_millis())
-        .bind(self.inner.completion_history)
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(db_error)?;
+                held = HELD,
+                record = RECORD,
+                heads = super::append::MOVE_HEADS,
+            ))
+            .replace("$1", &ids)
+            .replace("$2", &bigint_array(&batch.claims))
+            .replace("$3", &now.timestamp_millis().to_string())
+            .replace(
+                "$4",
+                if self.inner.completion_history {
+                    "true"
+                } else {
+                    "false"
+                },
+            );
+        let rows = connection.fetch_all(sql.as_str()).await.map_err(db_error)?;
         let mut done: Vec<i64> = Vec::with_capacity(rows.len());
         for row in &rows {
-            done.push(row.try_get("id").map_err(db_error)?);
+            if let Ok(id) = row.try_get::<i64, _>("id") {
+                done.push(id);
+            }
         }
-        self.move_heads(connection, pairs).await?;
         Ok(done)
     }
+}
+
+/// An array literal of integers, for SQL text: `'{1,2}'::bigint[]`.
+fn bigint_array(values: &[i64]) -> String {
+    let items: Vec<String> = values.iter().map(i64::to_string).collect();
+    format!("'{{{}}}'::bigint[]", items.join(","))
 }
 
 /// The condition on `d` (deliveries) of a delivery that a lease of the batch holds: `$1` the
@@ -383,9 +400,8 @@ impl Batch {
 enum Outcome {
     /// It completed these deliveries.
     Done(Vec<i64>),
-    /// It wrote nothing: the batch holds deliveries of these `(handler, key)` pairs held to
-    /// their keys' order.
-    Ordered(Vec<(String, String)>),
+    /// It wrote nothing: the batch holds deliveries held to their keys' order.
+    Ordered,
 }
 
 /// The distinct `(handler, key)` pairs of rows with those columns.

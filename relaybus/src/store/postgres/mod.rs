@@ -65,7 +65,9 @@
 //!
 //! - `events`: one row per event id (payload and headers as `json`, kept byte for byte), with
 //!   the handlers it was ever delivered to (`handlers text[]`, which deduplicates a retried
-//!   publish) and when its last delivery finished (`completed_at`, read by purge).
+//!   publish) and when its last delivery finished (`completed_at`, read by purge). Its only
+//!   index is the primary key, and it keeps 30% of each page free (fill factor 70), so that
+//!   the completion stamp is a heap-only update too.
 //! - `deliveries`: one row per unfinished event and handler, `pending` or `dead`, with a
 //!   `bigint` identity id (the delivery id of leases and listings), the event's key and
 //!   sequence, `unordered`, `parked`, the attempt count and error history, the claim generation
@@ -73,7 +75,10 @@
 //!   holds every delivery to its event. The table keeps half of each page free (fill factor
 //!   50) and no index reads the lease or the claim generation, so that a claim, which writes
 //!   only those, updates its rows in place (heap-only tuples) without writing index entries;
-//!   `relinquish` and the lane report, which look for running deliveries, scan the table.
+//!   `relinquish` and the lane report, which look for running deliveries, scan the table. Its
+//!   indexes: the primary key, `(event_id, handler)`, the claim index (unparked pending
+//!   deliveries in due order), two of keyed ordered deliveries (which unkeyed ones never
+//!   enter) and one of dead letters; listings filtered by handler scan.
 //! - `key_sequences`: one counter row per ordering key.
 //! - `completed_deliveries`: completion records, with
 //!   [`completion_history`](PostgresEventStoreBuilder::completion_history).
@@ -85,6 +90,9 @@
 //!
 //! # How it works
 //!
+//! - **Append of new unkeyed events** (the common case) is one statement: it inserts the
+//!   events, their deliveries and the wake-up only if the store holds none of the batch's ids,
+//!   and otherwise writes nothing and leaves the batch to the general path below.
 //! - **Append** (in the caller's transaction, `READ COMMITTED` or stricter): it locks the
 //!   counter rows of the batch's keys first, in key order (`INSERT .. ON CONFLICT DO UPDATE`,
 //!   a row lock that concurrent appenders of a key wait for instead of failing), then reads
@@ -118,11 +126,12 @@
 //! - **Completion** deletes the deliveries (found by primary key, fenced by their claim
 //!   generation), writes their completion records when history is on and stamps
 //!   `completed_at` on their events, in one statement and one round trip when no delivery of
-//!   the batch is held to its key's order. When one is, that statement writes nothing and
-//!   returns the batch's keys, and a transaction locks them, deletes, records and stamps as
-//!   above and moves the keys' heads (the lock order below). `complete_in_transaction` does
-//!   the same in the handler's transaction, so the handler's writes commit with it or not at
-//!   all.
+//!   the batch is held to its key's order. When one is, that statement writes nothing, and
+//!   one simple query of two statements (one round trip, one transaction) locks the keys of
+//!   the batch, then deletes, records and stamps as above and moves the keys' heads: the
+//!   second statement's snapshot is taken once the locks are held, so it sees every append of
+//!   those keys. `complete_in_transaction` does the same in the handler's transaction, so the
+//!   handler's writes commit with it or not at all.
 //! - **Wake-ups.** An append sends one `pg_notify` per call on the channel `relaybus:<schema>`
 //!   with the handlers it added deliveries for; PostgreSQL delivers it at commit and drops it
 //!   on rollback. [`watch`](crate::store::Queue::watch) listens with sqlx's `PgListener`. Polling
@@ -144,6 +153,27 @@
 //! Serialization failures (`40001`) and deadlocks (`40P01`) are transient errors
 //! ([`DatabaseError::is_transient`](crate::DatabaseError::is_transient)): the transaction
 //! helpers run the whole transaction again.
+//!
+//! # What each operation costs
+//!
+//! Round trips to the server and rows written, per call; every commit outside the caller's
+//! transaction flushes the WAL once. "HOT": the row is rewritten on its page and no index
+//! entry is written.
+//!
+//! | Operation | Round trips | Writes |
+//! |---|---|---|
+//! | append, new unkeyed events | 1 statement (in the caller's transaction) | per event 1 row + 1 index entry; per delivery 1 row + 3 index entries (primary key, `(event_id, handler)`, claim); 1 notification |
+//! | append, keyed or known events | up to 7 statements | as above, plus the key counter rows (HOT), the ordering indexes of keyed deliveries, and the parking of the keys' waiting deliveries |
+//! | claim | 1 (its own commit) | per delivery 1 HOT row version (lease, claim generation; an expired lease's charged attempt) |
+//! | complete, no ordered delivery | 1 (its own commit) | per delivery: the row deleted, its event's stamp (HOT), a completion record with history (1 row + 3 index entries) |
+//! | complete, with ordered deliveries | 2 (the first writes nothing; one commit) | as above, plus the key counter row locks and, per key, the next delivery unparked (1 row + its claim index entry) |
+//! | release, reschedule | 1 | 1 row version with a new due time (in the claim index: an entry in each index) |
+//! | bury | a transaction of up to 4 statements | the row (`status` changes: an entry in each index), the key's head moved |
+//! | renew | 1 per batch | 1 HOT row version per delivery |
+//!
+//! So an unkeyed delivery of one handler costs, from publish to completion, one statement in
+//! the publishing transaction, a share of one claim and of one completion (each a commit of
+//! the store's own, batched up to the dispatcher's batch size), and 4 index entries.
 //!
 //! # Differences from the MongoDB store
 //!
