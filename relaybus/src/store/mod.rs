@@ -42,6 +42,7 @@
 //! result is unknown, the time budget) is written once, in [`transaction`], and used by the
 //! bus, the dispatcher's transactional handlers and `relaybus-axum`'s request layer.
 
+pub mod administration;
 #[cfg(any(feature = "memory", feature = "postgres"))]
 mod checks;
 #[cfg(feature = "memory")]
@@ -68,6 +69,7 @@ pub use model::{
     PurgeOptions, Purged, Requeued, Statistics,
 };
 
+pub use administration::{Administration, SetupStep, SetupStepKind};
 pub use position::{MAX_POSITION_NAME_BYTES, PositionKey};
 
 use crate::{error::Result, event::EventEnvelope, time::Timestamp};
