@@ -14,6 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use futures::TryStreamExt;
 use relaybus::{
     BoxError, DeliveryQuery, DeliveryStatus, EventEnvelope, HandlerContext, MongoEventStore,
     PostgresEventStore, RelayBus, RetryPolicy, Store, Subscription, Timestamp,
@@ -478,6 +479,112 @@ async fn every_command_on_postgres_after_a_known_load() {
         .unwrap()
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_dry_run_of_setup_shows_the_upgrade_of_a_0_1_database_and_changes_nothing() {
+    use mongodb::{
+        IndexModel,
+        bson::{DateTime, Document, doc},
+        options::IndexOptions,
+    };
+    let db = test_db("cli_upgrade").await;
+    let target = mongo_target(&db).await;
+    // What 0.1.0 left: events without handlers or creation time, a claimed (`processing`)
+    // delivery with its own lease, a pending one outside any lane, and the `running` index.
+    let events = db.db().collection::<Document>("relaybus_events");
+    let deliveries = db.db().collection::<Document>("relaybus_deliveries");
+    events
+        .insert_many([
+            doc! { "_id": "e-1", "type": "order.placed.v1", "payload": {} },
+            doc! { "_id": "e-2", "type": "order.placed.v1", "payload": {} },
+        ])
+        .await
+        .unwrap();
+    let delivery = |event: &str, status: &str| {
+        doc! {
+            "eventId": event, "handler": "projector", "eventType": "order.placed.v1",
+            "status": status, "attempts": 1, "dueAt": DateTime::now(),
+            "createdAt": DateTime::now(),
+        }
+    };
+    let mut claimed = delivery("e-1", "processing");
+    claimed.insert("leaseOwner", "worker-of-0.1.0");
+    deliveries
+        .insert_many([claimed, delivery("e-2", "pending")])
+        .await
+        .unwrap();
+    deliveries
+        .create_index(
+            IndexModel::builder()
+                .keys(doc! { "status": 1, "leaseOwner": 1 })
+                .options(IndexOptions::builder().name("running".to_owned()).build())
+                .build(),
+        )
+        .await
+        .unwrap();
+    let snapshot = async || {
+        let mut all: Vec<Document> = Vec::new();
+        for collection in [&events, &deliveries] {
+            all.extend(
+                collection
+                    .find(doc! {})
+                    .await
+                    .unwrap()
+                    .try_collect::<Vec<_>>()
+                    .await
+                    .unwrap(),
+            );
+        }
+        let indexes = deliveries.list_index_names().await.unwrap();
+        (all, indexes)
+    };
+    let before = snapshot().await;
+
+    let plan = target.run(&["--json", "setup", "--dry-run"]).ok().json();
+    let upgrade: Vec<&str> = plan
+        .iter()
+        .filter(|s| s["step"] == "upgrade")
+        .map(|s| s["description"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        upgrade,
+        [
+            "upgrade from 0.1.0: make 1 claimed (`processing`) deliveries pending and due again",
+            "upgrade from 0.1.0: remove the per-delivery lease fields of 1 deliveries",
+            "upgrade from 0.1.0: make 1 pending deliveries claimable",
+            "upgrade from 0.1.0: give 2 deliveries the lane of their key",
+            "upgrade from 0.1.0: give 2 events their handlers and creation time",
+            "upgrade from 0.1.0: drop the 0.1.0 index `running` of relaybus_deliveries",
+        ],
+        "{plan:?}"
+    );
+    assert!(
+        plan.iter()
+            .any(|s| s["description"] == "create 256 lane documents in relaybus_lanes"),
+        "{plan:?}"
+    );
+    assert_eq!(snapshot().await, before, "the dry run changed nothing");
+    assert!(
+        !db.db()
+            .list_collection_names()
+            .await
+            .unwrap()
+            .contains(&"relaybus_lanes".to_owned()),
+        "nor created anything"
+    );
+
+    target.run(&["setup"]).ok();
+    assert_eq!(
+        deliveries
+            .count_documents(doc! { "status": "processing" })
+            .await
+            .unwrap(),
+        0,
+        "the setup upgraded"
+    );
+    let again = target.run(&["setup", "--dry-run"]).ok();
+    assert_eq!(again.stdout.trim(), "nothing to do: the store is set up");
 }
 
 /// 10,000 dead letters of `mailer`: published, then buried through the store.

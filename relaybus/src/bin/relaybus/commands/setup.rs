@@ -39,7 +39,7 @@ fn print_plan(plan: &[SetupStep], dry_run: bool) {
         .iter()
         .map(|step| vec![step.kind.as_str().to_owned(), step.description.clone()])
         .collect();
-    output::table(&["STEP", "WHAT"], &rows);
+    output::table(&["KIND", "WHAT"], &rows);
     if dry_run {
         println!("dry run: {} steps, nothing changed", plan.len());
     } else {
