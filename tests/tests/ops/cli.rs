@@ -32,8 +32,27 @@ fn binary() -> &'static PathBuf {
             return PathBuf::from(path);
         }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        // The packages of this test build, so that the build shares its features and artifacts.
-        let output = Command::new(cargo)
+        // The packages of this test build, so that the build shares its features and artifacts;
+        // and without what cargo set for this test process (build scripts such as ring's
+        // rebuild when `CARGO_PKG_*` differ), so that neither build undoes the other.
+        let mut command = Command::new(cargo);
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            let set_for_tests = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_EXE_"]
+                .iter()
+                .any(|prefix| name.starts_with(prefix))
+                || [
+                    "CARGO_CRATE_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                    "OUT_DIR",
+                ]
+                .contains(&name.as_ref());
+            if set_for_tests {
+                command.env_remove(name.as_ref());
+            }
+        }
+        let output = command
             .args([
                 "build",
                 "-p",

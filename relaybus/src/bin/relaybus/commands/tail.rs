@@ -1,9 +1,9 @@
 //! `relaybus tail`: new deliveries as they commit, woken by the store's wake-up stream.
 //!
-//! A wake-up says that deliveries committed, not which: each one (and a poll every second,
-//! for when the stream is down or a handler is new) lists the deliveries created lately and
-//! prints those not printed before. A delivery that completes and is deleted before it is
-//! listed is not shown.
+//! A wake-up says that deliveries committed, not which: each one (and a poll every five
+//! seconds, for when the stream is down or a handler is new) lists the deliveries created
+//! lately and prints those not printed before. A delivery that completes and is deleted before
+//! it is listed is not shown.
 
 use std::{
     collections::HashMap,
@@ -17,7 +17,7 @@ use relaybus::{DeliveryQuery, DeliveryRecord, Timestamp, store::Administration, 
 use crate::{failure::Failure, output, selection};
 
 /// How long after the last wake-up the deliveries are listed again anyway.
-const POLL: Duration = Duration::from_secs(1);
+const POLL: Duration = Duration::from_secs(5);
 /// How far back each look reaches: a delivery's creation time is its publisher's clock, and
 /// its commit comes after it.
 const LOOK_BACK: Duration = Duration::from_secs(30);
