@@ -153,6 +153,9 @@ pub use store::{
 };
 pub use time::Timestamp;
 
+#[doc = include_str!("../docs/cli.md")]
+pub mod command_line {}
+
 /// The README's examples, compiled as doc tests. They use the MongoDB and the in-memory store,
 /// so they run when both features are on (`scripts/test --all-features`, as in CI).
 #[cfg(all(doctest, feature = "mongodb", feature = "memory"))]

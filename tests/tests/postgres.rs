@@ -1016,13 +1016,8 @@ async fn setup_upgrades_a_database_of_the_previous_schema_in_place() {
             owner: "before",
             handlers: &both,
             limit: 2,
-            run: 1,
-            runs: 0,
             lease_duration: Duration::from_secs(60),
             now: Timestamp::now(),
-            reported: &[],
-            reports_complete: false,
-            arrivals: &[],
         })
         .await
         .expect("claimed");

@@ -72,6 +72,7 @@
 //! in [`transaction`], and used by the bus, the dispatcher's transactional handlers and
 //! `relaybus-axum`'s request layer.
 
+pub mod administration;
 mod append;
 #[cfg(any(feature = "memory", feature = "postgres"))]
 mod checks;
@@ -106,6 +107,7 @@ pub use model::{
     PurgeOptions, Purged, Requeued, Statistics,
 };
 
+pub use administration::{Administration, SetupStep, SetupStepKind};
 pub use append::Append;
 pub use inspect::Inspect;
 pub use leadership::Leadership;

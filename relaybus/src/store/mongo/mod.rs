@@ -1,5 +1,6 @@
 //! The MongoDB event store.
 
+mod administration;
 mod append;
 mod boundary;
 mod bson_json;

@@ -199,6 +199,7 @@
 //!   commit of a transaction that notified; the store notifies once per append call, not per
 //!   event.
 
+mod administration;
 mod append;
 mod boundary;
 mod checks;
