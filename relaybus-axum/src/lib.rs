@@ -12,7 +12,8 @@
 //!
 //! The store is a feature: `mongodb` (on by default), `postgres`, `memory`. The types take the
 //! store as a parameter, MongoDB by default; [`postgres`], [`mongo`] and [`memory`] name them for
-//! one store (`relaybus_axum::postgres::Publisher`).
+//! one store (`relaybus_axum::postgres::Publisher`). The [`guide`] has the
+//! [Axum guide](guide::axum) and the [operator page's](guide::operator_page).
 //!
 //! # Example
 //!
@@ -108,6 +109,7 @@
 mod aliases;
 mod config;
 mod dispatcher;
+pub mod guide;
 pub mod ops;
 mod publisher;
 pub mod rejection;

@@ -6,6 +6,10 @@
 //! handler subscribed to the event's type gets a delivery of its own, at least once, with
 //! retries, dead letters, per-key order and leases fenced against stale workers.
 //!
+//! The [`guide`] has a page per subject: [stores](guide::stores), [handlers](guide::handlers),
+//! [testing](guide::testing), [transports](guide::transports),
+//! [operations](guide::operations), [reliability](guide::reliability),
+//! [differences from the specification](guide::differences) and [upgrading](guide::upgrading).
 //! The Axum integration is the `relaybus-axum` crate.
 //!
 //! # Stores
@@ -60,6 +64,9 @@
 //! # }
 //! ```
 //!
+//! The same on PostgreSQL, and with `#[event]` and `#[handler]` declared where they live, is in
+//! the [stores](guide::stores) and [handlers](guide::handlers) guides.
+//!
 //! # Transactions and retries
 //!
 //! [`RelayBus::transaction`] runs the whole body again after a transient error such as a write
@@ -79,6 +86,7 @@ pub mod clock;
 mod dispatcher;
 pub mod error;
 pub mod event;
+pub mod guide;
 mod handler;
 pub mod registry;
 mod state;
