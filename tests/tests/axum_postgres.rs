@@ -1299,7 +1299,13 @@ async fn the_postgres_names_take_sqlx_queries_and_errors_as_they_are() {
     assert_eq!(report.succeeded().count(), 2, "{report:?}");
     assert_eq!(shop.counts().await, (1, 1, 0), "both deliveries completed");
     let ops: Router = Router::new().nest("/ops", relaybus_axum::ops::router(shop.bus.clone()));
-    let handlers = json(ops.oneshot(get_from("/ops/handlers")).await.unwrap()).await;
+    let handlers = json(
+        ops.clone()
+            .oneshot(get_from("/ops/handlers"))
+            .await
+            .unwrap(),
+    )
+    .await;
     let listed: Vec<(&str, u64, u64)> = handlers["handlers"]
         .as_array()
         .unwrap()
