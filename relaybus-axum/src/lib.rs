@@ -1,5 +1,6 @@
-//! Axum and Tower integration for relaybus: a MongoDB transaction per request, in which routes
-//! write their data and publish their events, committed with the response.
+//! Axum and Tower integration for relaybus: a database transaction per request, on MongoDB or
+//! PostgreSQL, in which routes write their data and publish their events, committed with the
+//! response.
 //!
 //! - [`RequestTxLayer`] gives each request a transaction, started lazily on first use and
 //!   committed on 1xx–3xx or aborted on 4xx/5xx, a panic or a dropped request.
@@ -9,7 +10,15 @@
 //!   gracefully on SIGINT or SIGTERM.
 //! - [`ops::router`] answers operators: statistics, deliveries, requeueing dead letters.
 //!
+//! The store is a feature: `mongodb` (on by default), `postgres`, `memory`. The types take the
+//! store as a parameter, MongoDB by default; [`postgres`], [`mongo`] and [`memory`] name them for
+//! one store (`relaybus_axum::postgres::Publisher`). The [`guide`] has the
+//! [Axum guide](guide::axum) and the [operator page's](guide::operator_page).
+//!
 //! # Example
+//!
+//! A route on PostgreSQL is in the [`postgres`] module's documentation, and a whole service on
+//! each store in the README. On MongoDB, the default:
 //!
 //! ```no_run
 //! use axum::{Router, http::StatusCode, routing::post};
@@ -97,8 +106,10 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod aliases;
 mod config;
 mod dispatcher;
+pub mod guide;
 pub mod ops;
 mod publisher;
 pub mod rejection;
@@ -110,6 +121,13 @@ pub use dispatcher::{DispatcherService, ServeError, serve};
 pub use publisher::{PublishError, Publisher};
 pub use transaction::{RequestTx, RequestTxLayer, RetryRequest};
 pub use tx::Tx;
+
+#[cfg(feature = "memory")]
+pub use aliases::memory;
+#[cfg(feature = "mongodb")]
+pub use aliases::mongo;
+#[cfg(feature = "postgres")]
+pub use aliases::postgres;
 
 use relaybus::{ConfigurationError, RelayBus, Store};
 

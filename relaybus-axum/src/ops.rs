@@ -31,7 +31,7 @@
 //! | Route | Answers |
 //! |---|---|
 //! | `GET /statistics` | `{"pending", "running", "parked", "dead", "completed", "completion_history", "oldest_due_at"}`; `completed` is `null`, with `completed_note`, without completion history |
-//! | `GET /handlers` | `{"handlers": [{"handler", "waiting", "running", "parked", "dead", "oldest_due_at", "oldest_due_age_seconds"}, ..]}` |
+//! | `GET /handlers` | `{"handlers": [{"handler", "waiting", "running", "parked", "dead", "oldest_due_at", "oldest_due_age_seconds", "last_hour": {"succeeded", "failed", "dead_lettered"}}, ..]}`: every handler the bus runs, and any other with deliveries; `last_hour` counts this process's runs |
 //! | `GET /activity` | `{"handlers": [{"handler", "succeeded", "failed", "dead_lettered", "minutes": [..]}, ..]}`: this process's last hour |
 //! | `GET /deliveries` | `{"deliveries": [..], "limit", "next_after"}`, oldest first |
 //! | `GET /events/{event_id}` | `{"event": {"id", "type", "key", "sequence", "headers", "payload", "created_at", "completed_at", "handlers", ..}, "deliveries": [..]}`, 404 for an unknown id |
@@ -835,22 +835,46 @@ async fn bury<St: Store>(
 }
 
 async fn handlers<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
-    let handlers = bus
+    let statistics = bus
         .store()
         .handler_statistics()
         .await
         .map_err(OpsError::Store)?;
+    let activity = bus.activity();
+    // Every handler this bus runs, and any other with deliveries in the store: a handler whose
+    // work has all finished has no statistics row, and is still worth seeing.
+    let mut names: Vec<&str> = bus
+        .subscriptions()
+        .iter()
+        .map(|subscription| subscription.id())
+        .chain(statistics.iter().map(|h| h.handler.as_str()))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
     let now = bus.now();
     Ok(Json(json!({
-        "handlers": handlers.iter().map(|h| json!({
-            "handler": h.handler,
-            "waiting": h.pending.saturating_sub(h.running).saturating_sub(h.parked),
-            "running": h.running,
-            "parked": h.parked,
-            "dead": h.dead,
-            "oldest_due_at": h.oldest_due_at.map(rfc3339),
-            "oldest_due_age_seconds": h.oldest_due_at.map(|due| now.duration_since(due).as_secs_f64()),
-        })).collect::<Vec<_>>(),
+        "handlers": names.iter().map(|name| {
+            let counts = statistics.iter().find(|h| h.handler == *name);
+            let recent = activity.iter().find(|h| h.handler == *name);
+            let pending = counts.map_or(0, |h| h.pending);
+            let running = counts.map_or(0, |h| h.running);
+            let parked = counts.map_or(0, |h| h.parked);
+            let oldest_due_at = counts.and_then(|h| h.oldest_due_at);
+            json!({
+                "handler": name,
+                "waiting": pending.saturating_sub(running).saturating_sub(parked),
+                "running": running,
+                "parked": parked,
+                "dead": counts.map_or(0, |h| h.dead),
+                "oldest_due_at": oldest_due_at.map(rfc3339),
+                "oldest_due_age_seconds": oldest_due_at.map(|due| now.duration_since(due).as_secs_f64()),
+                "last_hour": {
+                    "succeeded": recent.map_or(0, |h| h.succeeded),
+                    "failed": recent.map_or(0, |h| h.failed),
+                    "dead_lettered": recent.map_or(0, |h| h.dead_lettered),
+                },
+            })
+        }).collect::<Vec<_>>(),
     })))
 }
 

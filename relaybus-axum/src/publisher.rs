@@ -148,8 +148,8 @@ where
 ///   sees the 503 only when the retries are spent;
 /// - 500 for anything else.
 ///
-/// It converts from [`relaybus::Error`] and from the MongoDB driver's error, so that the
-/// route's own writes answer the same way. The body says what happened without database
+/// It converts from [`relaybus::Error`], from the MongoDB driver's error (feature `mongodb`)
+/// and from sqlx's (feature `postgres`), so that the route's own writes answer the same way. The body says what happened without database
 /// details; the error is logged.
 ///
 /// ```no_run
@@ -176,8 +176,18 @@ impl From<relaybus::Error> for PublishError {
     }
 }
 
-impl From<mongodb::error::Error> for PublishError {
-    fn from(error: mongodb::error::Error) -> Self {
+#[cfg(feature = "mongodb")]
+impl From<relaybus::mongodb::error::Error> for PublishError {
+    fn from(error: relaybus::mongodb::error::Error) -> Self {
+        PublishError(error.into())
+    }
+}
+
+/// A route's own queries answer as its publishes do: a serialization failure or a deadlock is
+/// transient (503, and the request runs again), anything else a 500.
+#[cfg(feature = "postgres")]
+impl From<relaybus::sqlx::Error> for PublishError {
+    fn from(error: relaybus::sqlx::Error) -> Self {
         PublishError(error.into())
     }
 }

@@ -576,6 +576,16 @@ impl Subscription {
         Subscription::new::<E, (), F>(id, handler)
     }
 
+    /// Whether the handler runs on store `S`: it takes no context, a context of `S`, or is
+    /// generic over the store. A bus on `S` refuses the others
+    /// ([`ConfigurationError::HandlerOfAnotherStore`]).
+    pub fn runs_on<S: Store>(&self) -> bool {
+        self.needs.iter().all(|need| match need {
+            Need::Context(tag) => (tag.type_id)() == TypeId::of::<S>(),
+            Need::State { .. } => true,
+        })
+    }
+
     /// Refuses a subscription whose handler is written for another store than `S`, or takes
     /// a state the bus was not given.
     pub(crate) fn check_needs<S: Store>(&self, state: &StateMap) -> Result<(), ConfigurationError> {

@@ -1,8 +1,23 @@
-//! relaybus is a reliable event bus on the transactional outbox, with a MongoDB event store.
+//! relaybus is a reliable event bus on the transactional outbox, with stores for MongoDB,
+//! PostgreSQL and memory, and transports to NATS, RabbitMQ and Kafka.
 //!
-//! An event is written in the **same MongoDB transaction** as the business data that caused it:
-//! a committed change always has its event, and a rolled-back one never leaks one. Every handler
-//! subscribed to the event's type gets a delivery of its own.
+//! An event is written in the **same database transaction** as the business data that caused
+//! it: a committed change always has its event, and a rolled-back one never leaks one. Every
+//! handler subscribed to the event's type gets a delivery of its own, at least once, with
+//! retries, dead letters, per-key order and leases fenced against stale workers.
+//!
+//! The [`guide`] has a page per subject: [stores](guide::stores), [handlers](guide::handlers),
+//! [testing](guide::testing), [transports](guide::transports),
+//! [operations](guide::operations), [reliability](guide::reliability),
+//! [differences from the specification](guide::differences) and [upgrading](guide::upgrading).
+//! The Axum integration is the `relaybus-axum` crate.
+//!
+//! # Stores
+//!
+//! Each store is a cargo feature: `mongodb` (on by default), `postgres` and `memory`. The bus
+//! and the handler context are generic over the store; each store has a module of short names
+//! for its types ([`postgres`], [`mongo`], [`memory`]), and without the `mongodb` feature
+//! there is no default store, so a service names its own.
 //!
 //! # Example
 //!
@@ -21,7 +36,7 @@
 //! }
 //!
 //! # async fn example() -> Result<(), relaybus::Error> {
-//! let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:27117/?replicaSet=relaybus-dev").await?;
+//! let client = mongodb::Client::with_uri_str("mongodb://127.0.0.1:27017/?replicaSet=rs0").await?;
 //! let store = MongoEventStore::builder(client.clone()).database("shop").build()?;
 //! store.setup().await?;
 //!
@@ -49,51 +64,14 @@
 //! # }
 //! ```
 //!
-//! # Events and handlers declared where they live
-//!
-//! With the `macros` feature (on by default), [`#[event]`](macro@event) declares an event type
-//! and [`#[handler]`](macro@handler) an `async fn` that handles one; both are registered at link
-//! time, and [`RelayBus::builder`] subscribes every registered handler, so there is no central
-//! list to keep. [`registry`] lists what is registered; two events with one type name or two
-//! handlers with one id anywhere in the binary make [`build`](RelayBusBuilder::build) fail,
-//! naming both items.
-//!
-//! ```no_run
-//! use relaybus::{BoxError, HandlerContext, MongoEventStore, RelayBus};
-//! use serde::{Deserialize, Serialize};
-//!
-//! #[relaybus::event("order.placed.v1")]
-//! #[derive(Debug, Serialize, Deserialize)]
-//! struct OrderPlaced {
-//!     order_id: String,
-//! }
-//!
-//! #[relaybus::handler(id = "send-confirmation", max_attempts = 5)]
-//! async fn send_confirmation(event: OrderPlaced, context: HandlerContext) -> Result<(), BoxError> {
-//!     println!("confirming {} (attempt {})", event.order_id, context.attempt());
-//!     Ok(())
-//! }
-//!
-//! # async fn example(store: MongoEventStore) -> Result<(), relaybus::Error> {
-//! let bus = RelayBus::builder(store).build()?;
-//! assert_eq!(bus.handlers_for("order.placed.v1"), ["send-confirmation"]);
-//! bus.start().await?;
-//! bus.publish(&OrderPlaced { order_id: "o-1".into() }).await?;
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! # Requirements
-//!
-//! MongoDB 6.0 or newer running as a replica set or a sharded cluster: MongoDB has
-//! multi-document transactions only there. A single-node replica set is enough for development.
-//! A standalone `mongod` is refused with [`ConfigurationError::NotReplicaSet`].
+//! The same on PostgreSQL, and with `#[event]` and `#[handler]` declared where they live, is in
+//! the [stores](guide::stores) and [handlers](guide::handlers) guides.
 //!
 //! # Transactions and retries
 //!
-//! [`RelayBus::transaction`] and [`MongoEventStore::transaction`] run the whole body again after
-//! a transient error such as a write conflict, so the body may run more than once. Keep side
-//! effects that do not go through the session out of it: publishing an event is how to make them
+//! [`RelayBus::transaction`] runs the whole body again after a transient error such as a write
+//! conflict or a serialization failure, so the body may run more than once. Keep side effects
+//! that do not go through the session out of it: publishing an event is how to make them
 //! happen once the data is committed.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -102,11 +80,13 @@
 #[path = "private.rs"]
 pub mod __private;
 pub mod activity;
+mod aliases;
 mod bus;
 pub mod clock;
 mod dispatcher;
 pub mod error;
 pub mod event;
+pub mod guide;
 mod handler;
 pub mod registry;
 mod state;
@@ -153,16 +133,20 @@ pub use store::{
 };
 pub use time::Timestamp;
 
-#[doc = include_str!("../docs/cli.md")]
-pub mod command_line {}
-
-/// The README's examples, compiled as doc tests. They use the MongoDB and the in-memory store,
-/// so they run when both features are on (`scripts/test --all-features`, as in CI).
-#[cfg(all(doctest, feature = "mongodb", feature = "memory"))]
-#[doc = include_str!("../../README.md")]
-struct ReadmeDoctests;
+#[cfg(feature = "memory")]
+pub use aliases::memory;
+#[cfg(feature = "mongodb")]
+pub use aliases::mongo;
+#[cfg(feature = "postgres")]
+pub use aliases::postgres;
 
 /// The MongoDB driver of the MongoDB store, for its `ClientSession` and `bson` types.
 #[cfg(feature = "mongodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mongodb")))]
 pub use mongodb;
+
+/// sqlx, the driver of the PostgreSQL store, for its pool and query types at the version the
+/// store uses.
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sqlx;

@@ -154,6 +154,23 @@ impl HandlerDescriptor {
         self.rust_path
     }
 
+    /// Whether the handler runs on store `S` (see [`Subscription::runs_on`]): the filter that
+    /// picks the registered handlers a test bus on the memory store can run.
+    ///
+    /// ```no_run
+    /// use relaybus::{ConfigurationError, RelayBus, Store};
+    ///
+    /// /// A bus of every registered handler that can run on `store`.
+    /// fn test_bus<S: Store>(store: S) -> Result<RelayBus<S>, ConfigurationError> {
+    ///     RelayBus::builder(store)
+    ///         .registered_handlers_where(|handler| handler.runs_on::<S>())
+    ///         .build()
+    /// }
+    /// ```
+    pub fn runs_on<S: crate::Store>(&self) -> bool {
+        (self.subscribe)().runs_on::<S>()
+    }
+
     /// Whether it runs in the transaction that completes its delivery (`transactional`).
     pub fn is_transactional(&self) -> bool {
         self.transactional

@@ -1235,3 +1235,92 @@ async fn ops_routes_answer_statistics_listings_and_requeues_on_postgres() {
     let report = bus.run_once().await.unwrap();
     assert_eq!(report.claimed, 3, "{report:?}");
 }
+
+/// The PostgreSQL names of the extractors and the state (`relaybus_axum::postgres`), the
+/// request's session handed to sqlx as it is, and sqlx's errors answered through `?` as
+/// `PublishError`: a failed query answers 500 and commits nothing of the request.
+#[tokio::test]
+async fn the_postgres_names_take_sqlx_queries_and_errors_as_they_are() {
+    use relaybus_axum::postgres;
+
+    let shop = Shop::new("names").await;
+    let orders = table(&shop.store, "orders");
+    let state: postgres::RelayState = shop.state.clone();
+    let layer: postgres::RequestTxLayer = shop.layer.clone();
+    let insert = format!("INSERT INTO {orders} (id, total_cents) VALUES ($1, 1250)");
+    let router = Router::new()
+        .route(
+            "/orders/{id}",
+            post(
+                async move |Path(id): Path<String>,
+                            mut publisher: postgres::Publisher|
+                            -> Result<StatusCode, PublishError> {
+                    sqlx::query(&insert)
+                        .bind(&id)
+                        .execute(publisher.session())
+                        .await?;
+                    publisher.publish(&placed(&id)).key(&id).await?;
+                    // A query the server refuses, after the row and the event.
+                    if id == "bad" {
+                        sqlx::query("SELECT * FROM no_such_table")
+                            .execute(publisher.session())
+                            .await?;
+                    }
+                    Ok(StatusCode::CREATED)
+                },
+            ),
+        )
+        .layer(layer)
+        .with_state(state);
+
+    let created = router
+        .clone()
+        .oneshot(post_to("/orders/o-1"))
+        .await
+        .unwrap();
+    assert_eq!(created.status(), StatusCode::CREATED);
+    assert_eq!(
+        shop.counts().await,
+        (1, 1, 2),
+        "order, event, two deliveries"
+    );
+
+    let refused = router.oneshot(post_to("/orders/bad")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(text(refused).await, "the request could not be saved");
+    assert_eq!(
+        shop.counts().await,
+        (1, 1, 2),
+        "nothing of the failed request"
+    );
+
+    // Once the work is done, the operators still see both handlers, with what they ran.
+    let report = shop.bus.run_until_idle().await.unwrap();
+    assert_eq!(report.succeeded().count(), 2, "{report:?}");
+    assert_eq!(shop.counts().await, (1, 1, 0), "both deliveries completed");
+    let ops: Router = Router::new().nest("/ops", relaybus_axum::ops::router(shop.bus.clone()));
+    let handlers = json(
+        ops.clone()
+            .oneshot(get_from("/ops/handlers"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    let listed: Vec<(&str, u64, u64)> = handlers["handlers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["handler"].as_str().unwrap(),
+                h["waiting"].as_u64().unwrap(),
+                h["last_hour"]["succeeded"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [("projector", 0, 1), ("send-confirmation", 0, 1)],
+        "{handlers}"
+    );
+}

@@ -460,3 +460,30 @@ async fn registered_handlers_run_end_to_end() {
         [doc! { "_id": "e2e-1", "total_cents": 1250_i64 }]
     );
 }
+
+/// A test bus on the memory store takes the registered handlers that can run there: a bus
+/// given all of them refuses the MongoDB handlers, naming both stores, and `runs_on` picks the
+/// one that takes its event alone.
+#[test]
+fn a_memory_bus_takes_the_registered_handlers_that_run_on_it() {
+    use relaybus::{MemoryEventStore, MongoEventStore};
+
+    match RelayBus::builder(MemoryEventStore::new()).build() {
+        Err(ConfigurationError::HandlerOfAnotherStore {
+            handler_store,
+            bus_store,
+            ..
+        }) => assert_ne!(handler_store, bus_store),
+        other => panic!("expected a handler of another store, got {other:?}"),
+    }
+    let bus = RelayBus::builder(MemoryEventStore::new())
+        .registered_handlers_where(|handler| handler.runs_on::<MemoryEventStore>())
+        .build()
+        .unwrap();
+    let ids: Vec<&str> = bus.subscriptions().iter().map(|s| s.id()).collect();
+    assert_eq!(ids, ["macros.shipping-notice"]);
+    let on_mongo = registry::handlers()
+        .filter(|handler| handler.runs_on::<MongoEventStore>())
+        .count();
+    assert_eq!(on_mongo, registry::handlers().count(), "all run on MongoDB");
+}

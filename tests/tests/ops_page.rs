@@ -367,5 +367,20 @@ async fn an_operator_finds_requeues_and_discards_dead_letters_in_the_page() {
     )
     .await;
 
+    // Opened with credentials in its URL (as behind HTTP Basic authentication), the page still
+    // fetches its data: fetch refuses a URL that carries credentials, so the page builds its
+    // requests from its origin.
+    client
+        .goto(&format!("http://ops:secret@{address}/ops"))
+        .await
+        .unwrap();
+    until(
+        &client,
+        "#total-dead",
+        "the counts, with credentials in the URL",
+        |t| t == ["3"],
+    )
+    .await;
+
     client.close().await.unwrap();
 }

@@ -1084,3 +1084,198 @@ async fn setup_upgrades_a_database_of_the_previous_schema_in_place() {
         assert_eq!(unkeyed.count(), 4, "{handler}");
     }
 }
+
+/// Everything `tracing` records while it is installed on this thread, as text.
+#[derive(Clone, Default)]
+struct CapturedLog(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl CapturedLog {
+    /// Installs a subscriber of every level that writes here, for the current thread (the
+    /// test's runtime runs on it, and sqlx reads notices in the task that queries).
+    fn install(&self) -> tracing::subscriber::DefaultGuard {
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(self.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for CapturedLog {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for CapturedLog {
+    type Writer = CapturedLog;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// A process that starts on an existing schema (a new store value, its `setup()` and the bus's
+/// start) logs no server notice: `IF NOT EXISTS` on an existing table is no news.
+#[tokio::test]
+async fn a_start_on_an_existing_schema_logs_no_server_notice() {
+    let (first, schema) = store("quiet_setup").await;
+    let log = CapturedLog::default();
+    let _installed = log.install();
+
+    let restarted = PostgresEventStore::builder(first.pool().clone())
+        .schema(&schema.name)
+        .build()
+        .unwrap();
+    restarted
+        .setup()
+        .await
+        .expect("setup on the existing schema");
+    let bus = RelayBus::builder(restarted.clone())
+        .without_registered_handlers()
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    bus.shutdown().await.unwrap();
+    let quiet = log.text();
+    assert!(
+        !quiet.contains("already exists"),
+        "a start on an existing schema logged the server's notices:\n{quiet}"
+    );
+
+    // The capture does see the server's notices: the same statement outside the setup logs one.
+    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", schema.name))
+        .execute(first.pool())
+        .await
+        .unwrap();
+    assert!(
+        log.text().contains("already exists, skipping"),
+        "the capture missed a notice: {}",
+        log.text()
+    );
+}
+
+/// A store value and its clones set up once: the setup that `bus.start()` makes after the
+/// service's own changes nothing, while a new store value (another process) sets up again.
+#[tokio::test]
+async fn a_store_value_and_its_clones_set_up_once() {
+    let (store, schema) = store("setup_once").await;
+    let leads = schema.table("leads");
+    let exists = async |store: &PostgresEventStore| -> bool {
+        sqlx::query_scalar::<_, Option<String>>("SELECT to_regclass($1)::text")
+            .bind(&leads)
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+            .is_some()
+    };
+    sqlx::query(&format!("DROP TABLE {leads}"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+
+    store.clone().setup().await.unwrap();
+    let bus = RelayBus::builder(store.clone())
+        .without_registered_handlers()
+        .gauge_interval(None)
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    bus.shutdown().await.unwrap();
+    assert!(
+        !exists(&store).await,
+        "a second setup of one store value ran"
+    );
+
+    let another = PostgresEventStore::builder(store.pool().clone())
+        .schema(&schema.name)
+        .build()
+        .unwrap();
+    another.setup().await.unwrap();
+    assert!(exists(&store).await, "a new store value sets up");
+}
+
+/// The PostgreSQL names (`relaybus::postgres::{Bus, Context, Session}`) and a session handed to
+/// sqlx as it is: `&mut PostgresSession` is an `Executor`, in a bus transaction, in a
+/// transactional handler and from a transaction of the caller's.
+#[tokio::test]
+async fn the_postgres_names_and_a_session_as_an_sqlx_executor() {
+    use relaybus::{
+        BoxError, Subscription,
+        postgres::{Bus, Context, Session},
+    };
+
+    let (store, schema) = store("names").await;
+    let projections = schema.table("projections");
+    sqlx::query(&format!("CREATE TABLE {projections} (id text PRIMARY KEY)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let project = format!("INSERT INTO {projections} (id) VALUES ($1)");
+    let bus: Bus = Bus::builder(store.clone())
+        .without_registered_handlers()
+        .subscribe(
+            Subscription::new("project", move |event: OrderPlaced, ctx: Context| {
+                let project = project.clone();
+                async move {
+                    let mut session = ctx.session().await?;
+                    sqlx::query(&project)
+                        .bind(&event.order_id)
+                        .execute(&mut *session)
+                        .await?;
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .transactional(),
+        )
+        .build()
+        .unwrap();
+
+    let insert = format!("INSERT INTO {} (id) VALUES ($1)", schema.table("orders"));
+    bus.transaction(async |session| {
+        sqlx::query(&insert)
+            .bind("o-1")
+            .execute(&mut *session)
+            .await?;
+        let (count,): (i64,) =
+            sqlx::query_as(&format!("SELECT count(*) FROM {}", schema.table("orders")))
+                .fetch_one(&mut *session)
+                .await?;
+        assert_eq!(count, 1, "the session reads its own transaction's row");
+        bus.publish(&OrderPlaced {
+            order_id: "o-1".into(),
+        })
+        .session(session)
+        .await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+
+    let mut own = Session::from(store.pool().begin().await.unwrap());
+    sqlx::query(&insert)
+        .bind("o-2")
+        .execute(&mut own)
+        .await
+        .unwrap();
+    own.into_transaction().unwrap().rollback().await.unwrap();
+
+    let report = bus.run_until_idle().await.unwrap();
+    assert_eq!(report.succeeded().count(), 1, "{report:?}");
+    assert_eq!(orders(&store, &schema).await, ["o-1"]);
+    let projected: Vec<String> = sqlx::query_scalar(&format!("SELECT id FROM {projections}"))
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(projected, ["o-1"]);
+}

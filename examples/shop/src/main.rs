@@ -181,12 +181,14 @@ async fn main() -> Result<(), BoxError> {
             (events, schema)
         };
         if options.demo {
-            for dropped in [&events, &schema] {
-                sqlx::query(&format!("DROP SCHEMA IF EXISTS {dropped} CASCADE"))
-                    .execute(&pool)
-                    .await
-                    .map_err(relaybus::Error::from)?;
-            }
+            // One statement, with the server's notices about schemas that are not there off.
+            sqlx::raw_sql(&format!(
+                "SET client_min_messages = warning; DROP SCHEMA IF EXISTS {events}, {schema} CASCADE; \
+                 RESET client_min_messages"
+            ))
+            .execute(&pool)
+            .await
+            .map_err(relaybus::Error::from)?;
         }
         let store = PostgresEventStore::builder(pool.clone())
             .schema(events.clone())

@@ -30,7 +30,9 @@
   }
 
   async function api(path, options) {
-    const response = await fetch(BASE + path, options);
+    // From the page's origin, never from its URL: a page opened as http://user:pass@host/ops
+    // has the credentials in its URL, and fetch refuses a URL that carries them.
+    const response = await fetch(new URL(BASE + path, location.origin), options);
     let body = null;
     try { body = await response.json(); } catch (_) { /* not JSON */ }
     if (!response.ok) {

@@ -204,6 +204,7 @@ mod append;
 mod boundary;
 mod checks;
 mod claim;
+mod executor;
 mod operator;
 mod session;
 mod settle;
@@ -266,6 +267,8 @@ pub(crate) struct Inner {
     /// The last count of deliveries by handler for the gauges: the buses that share this
     /// instance sample with one count.
     pub(crate) gauge_sample: crate::store::GaugeSample,
+    /// Set once `setup` succeeded, so that it runs once per store value and its clones.
+    pub(crate) set_up: tokio::sync::OnceCell<()>,
 }
 
 impl fmt::Debug for PostgresEventStore {
@@ -404,6 +407,7 @@ impl PostgresEventStoreBuilder {
                 purge_batch_size: self.purge_batch_size,
                 instance: uuid::Uuid::now_v7().to_string(),
                 gauge_sample: crate::store::GaugeSample::default(),
+                set_up: tokio::sync::OnceCell::new(),
             }),
         })
     }

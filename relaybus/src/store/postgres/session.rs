@@ -15,9 +15,11 @@ use crate::error::{ConfigurationError, Result};
 /// The handle of a PostgreSQL transaction, through which business data is written together
 /// with events: the [`Session`](crate::store::Transactions::Session) of [`PostgresEventStore`].
 ///
-/// It dereferences to sqlx's [`PgConnection`], so queries run on it with
-/// `.execute(&mut *session)` (or `&mut **session` where the closure gets `&mut PostgresSession`),
-/// or through [`connection`](Self::connection).
+/// `&mut PostgresSession` is an sqlx [`Executor`](sqlx::Executor), so a query takes the session
+/// as it is: `.execute(&mut *session)`, whether `session` is a `&mut PostgresSession` (a
+/// `bus.transaction` body; the reborrow keeps it usable after the query) or a handler's
+/// [`SessionGuard`](crate::SessionGuard), and `.execute(publisher.session())` in a route. It also dereferences to sqlx's [`PgConnection`], and
+/// [`connection`](Self::connection) lends that for anything else.
 ///
 /// It comes in two kinds:
 ///

@@ -142,7 +142,12 @@ CREATE TABLE IF NOT EXISTS {s}.leads (
 impl PostgresEventStore {
     /// Creates the schema, its tables and indexes, idempotently: run it at every start. Setups
     /// running at the same time (processes starting together) take a transaction-level
-    /// advisory lock on the schema and run one after the other.
+    /// advisory lock on the schema and run one after the other. On a schema that exists it
+    /// changes nothing and logs nothing: the server's notices about what exists already are
+    /// turned off for its transaction.
+    ///
+    /// A store value and its clones run it once: a later call, such as the one
+    /// [`RelayBus::start`](crate::RelayBus::start) makes after yours, returns at once.
     ///
     /// # Errors
     ///
@@ -153,6 +158,14 @@ impl PostgresEventStore {
     ///
     /// Cancel safe: it is one transaction, and running it again finishes the job.
     pub async fn setup(&self) -> Result<()> {
+        self.inner
+            .set_up
+            .get_or_try_init(|| self.create_schema())
+            .await
+            .map(|_| ())
+    }
+
+    async fn create_schema(&self) -> Result<()> {
         let ddl = self.sql(DDL);
         let context = (ddl, self.inner.schema.clone());
         self.own_transaction(&context, |connection, (ddl, schema)| {
@@ -160,6 +173,12 @@ impl PostgresEventStore {
                 sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
                     .bind(SETUP_LOCK_CLASS)
                     .bind(schema)
+                    .execute(&mut *connection)
+                    .await
+                    .map_err(db_error)?;
+                // `IF NOT EXISTS` answers an existing object with a notice, which sqlx logs;
+                // a start on an existing schema is no news.
+                sqlx::query("SET LOCAL client_min_messages = warning")
                     .execute(&mut *connection)
                     .await
                     .map_err(db_error)?;
