@@ -434,7 +434,16 @@ impl MongoEventStore {
             .collect();
         scanned.sort_unstable();
         let running_count = listed.running.len();
-        let mut scan = Scan::new(Picking::new(limit, listed.running, listed.running_keys));
+        // Passed over: what the lanes list, gone or not, and what this instance handed out and
+        // had not seen settled when the claim began. A page read before a completion deleted a
+        // delivery still shows it; its lane lists it until the record takes it off.
+        let passed_over: HashSet<ObjectId> = lanes
+            .iter()
+            .flat_map(|(lane, _)| lane.in_flight.iter().copied())
+            .chain(issued.keys().copied())
+            .collect();
+        let running = listed.running;
+        let mut scan = Scan::new(Picking::new(limit, passed_over, listed.running_keys));
         scan.picking
             .learn_heads(lowest.keys().cloned().collect(), &lowest);
         // Deliveries unparking sent back to the lanes are not in the pages read before.
@@ -467,12 +476,7 @@ impl MongoEventStore {
             picking,
             mut events,
         } = scan;
-        let Picking {
-            picks,
-            running,
-            waiting,
-            ..
-        } = picking;
+        let Picking { picks, waiting, .. } = picking;
         let keep: HashSet<i32> = owned.clone().unwrap_or_default();
         let (read, recorded) = futures::join!(
             self.events_missing(&picks, &events),
