@@ -111,7 +111,7 @@ impl Orders for Table {
 
 /// The shop's `POST /orders/{customer}`: an order and its event, keyed by the customer.
 async fn place_order<O: Orders>(
-    State(orders): State<O>,
+    State(Shop { orders, .. }): State<Shop<O>>,
     Path(customer): Path<String>,
     mut publisher: Publisher<PublisherRejection, O::Store>,
 ) -> Result<StatusCode, PublishError> {
@@ -261,12 +261,6 @@ struct Shop<O: Orders> {
 impl<O: Orders> FromRef<Shop<O>> for RelayState<O::Store> {
     fn from_ref(shop: &Shop<O>) -> Self {
         shop.relay.clone()
-    }
-}
-
-impl<O: Orders> FromRef<Shop<O>> for O {
-    fn from_ref(shop: &Shop<O>) -> Self {
-        shop.orders.clone()
     }
 }
 

@@ -49,8 +49,7 @@ impl Store for MongoEventStore {
     }
 
     async fn abort(&self, session: &mut ClientSession) {
-        // Aborting can fail when the server already aborted; the outcome is the same.
-        let _ = session.abort_transaction().await;
+        self.abort_once(session).await;
     }
 
     async fn ensure_in_transaction(

@@ -12,6 +12,8 @@ mod operator;
 mod park;
 mod purge;
 mod schema;
+mod key_gate;
+mod process;
 mod sessions;
 mod settle;
 mod setup;
@@ -112,6 +114,8 @@ pub(crate) struct StoreInner {
     pub(crate) processes: Collection<Document>,
     /// The server sessions this instance starts transactions on.
     pub(crate) sessions: sessions::SessionRegistry,
+    /// The in-process queues of this instance's transactions for their ordering keys.
+    pub(crate) key_gates: key_gate::KeyGates,
     /// The last count of deliveries by handler for the gauges, and when it was taken: the buses
     /// that share this instance sample with one count (see `gauge_statistics`).
     pub(crate) gauge_sample: crate::store::GaugeSample,
@@ -458,6 +462,7 @@ impl MongoEventStoreBuilder {
             completed: collection("completed_deliveries"),
             processes: collection("processes"),
             sessions: sessions::SessionRegistry::new(self.heartbeat_expiry),
+            key_gates: key_gate::KeyGates::default(),
             client: self.client,
             db,
             prefix,
