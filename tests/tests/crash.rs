@@ -283,7 +283,12 @@ async fn line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>, wanted: 
 }
 
 /// Publishes the order `id` on `key` in a transaction with its business document.
-async fn place(bus: &relaybus::RelayBus, orders: &mongodb::Collection<Document>, id: &str, key: &str) {
+async fn place(
+    bus: &relaybus::RelayBus,
+    orders: &mongodb::Collection<Document>,
+    id: &str,
+    key: &str,
+) {
     let key_name = key;
     let (publisher, orders, id, key) = (bus.clone(), orders.clone(), id.to_owned(), key.to_owned());
     bus.transaction(async move |session| {
@@ -334,7 +339,11 @@ async fn a_restarted_process_ends_its_dead_predecessors_sessions_at_once() {
         "the dead predecessor's key took publishes again only after {took:?}"
     );
     assert!(
-        orders.find_one(doc! { "_id": "held" }).await.unwrap().is_none(),
+        orders
+            .find_one(doc! { "_id": "held" })
+            .await
+            .unwrap()
+            .is_none(),
         "the dead process's open transaction must not survive"
     );
     let left = processes(&db).await;
@@ -391,7 +400,10 @@ async fn a_process_paused_past_its_expiry_loses_its_transactions_and_commits_eac
         .trim_end_matches(" attempts")
         .parse()
         .unwrap_or_else(|_| panic!("{committed}"));
-    assert!(attempts >= 2, "its first attempt was killed while paused: {committed}");
+    assert!(
+        attempts >= 2,
+        "its first attempt was killed while paused: {committed}"
+    );
     // It beats again, and its load goes on.
     let beating = async {
         while processes(&db).await.len() < 2 {

@@ -432,7 +432,11 @@ async fn publishers_of_two_keys_in_opposite_orders_never_deadlock() {
     let all_done = async {
         for round in 0..ROUNDS {
             futures::future::join_all((0..PUBLISHERS).map(|n| {
-                let keys = if n % 2 == 0 { vec!["a", "b"] } else { vec!["b", "a"] };
+                let keys = if n % 2 == 0 {
+                    vec!["a", "b"]
+                } else {
+                    vec!["b", "a"]
+                };
                 place_on_keys(&bus, &db, format!("o-{round}-{n}"), keys)
             }))
             .await;
@@ -443,7 +447,10 @@ async fn publishers_of_two_keys_in_opposite_orders_never_deadlock() {
         .expect("every transaction commits");
     let total = (PUBLISHERS * ROUNDS) as i64;
     for key in ["a", "b"] {
-        assert_eq!(sequences_of(&db, key).await, (1..=total).collect::<Vec<_>>());
+        assert_eq!(
+            sequences_of(&db, key).await,
+            (1..=total).collect::<Vec<_>>()
+        );
     }
 }
 
@@ -458,7 +465,11 @@ async fn a_transaction_dropped_while_holding_a_key_keeps_it_only_briefly() {
         tokio::spawn(async move {
             let publisher = bus.clone();
             bus.transaction(async move |session| {
-                publisher.publish(&placed("dropped")).key("k").session(session).await?;
+                publisher
+                    .publish(&placed("dropped"))
+                    .key("k")
+                    .session(session)
+                    .await?;
                 let _ = published.send(());
                 std::future::pending::<()>().await;
                 Ok(())
@@ -475,7 +486,10 @@ async fn a_transaction_dropped_while_holding_a_key_keeps_it_only_briefly() {
     let started = std::time::Instant::now();
     let attempts = place_on_keys(&bus, &db, "next".to_owned(), vec!["k"]).await;
     let took = started.elapsed();
-    assert!(took < Duration::from_millis(2_500), "took {took:?} ({attempts} attempts)");
+    assert!(
+        took < Duration::from_millis(2_500),
+        "took {took:?} ({attempts} attempts)"
+    );
     assert_eq!(sequences_of(&db, "k").await, [1]);
 }
 

@@ -187,7 +187,8 @@ where
                 return response;
             };
             let deadline = *deadline.get_or_insert(opened + shared.budget);
-            let time_left = || deadline.saturating_duration_since(Instant::now()) >= MIN_ATTEMPT_BUDGET;
+            let time_left =
+                || deadline.saturating_duration_since(Instant::now()) >= MIN_ATTEMPT_BUDGET;
             if !outcome.retry || attempts.attempt() >= shared.attempts || !time_left() {
                 return response;
             }

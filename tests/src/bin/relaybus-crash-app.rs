@@ -126,10 +126,11 @@ async fn run(
         }
         if attempts == 1 {
             println!("holding");
-            let line = tokio::task::spawn_blocking(|| {
-                std::io::stdin().read_line(&mut String::new())
-            });
-            line.await.map_err(relaybus::Error::custom)?.map_err(relaybus::Error::custom)?;
+            let line =
+                tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new()));
+            line.await
+                .map_err(relaybus::Error::custom)?
+                .map_err(relaybus::Error::custom)?;
         }
         orders
             .insert_one(doc! { "_id": "held-after", "key": "held" })

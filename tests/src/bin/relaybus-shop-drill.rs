@@ -86,7 +86,9 @@ async fn drill(
     let database = format!("shop_drill_{}", std::process::id());
     let client = Client::with_uri_str(uri).await?;
     client.database(&database).drop().await?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let address = format!("127.0.0.1:{port}");
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -183,7 +185,11 @@ async fn drill(
             .unwrap_or_default();
         *events.entry(id.to_owned()).or_default() += 1;
     }
-    let missing = tally.created.iter().filter(|id| !orders.contains(*id)).count();
+    let missing = tally
+        .created
+        .iter()
+        .filter(|id| !orders.contains(*id))
+        .count();
     let without_event = orders.iter().filter(|id| !events.contains_key(*id)).count();
     let doubled = events.values().filter(|n| **n > 1).count();
     let phantom = events.keys().filter(|id| !orders.contains(*id)).count();

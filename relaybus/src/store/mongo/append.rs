@@ -14,8 +14,8 @@ use super::{
     MongoEventStore,
     bson_json::object_to_document,
     key_gate::{KeysBusy, KeysTaken},
-    sessions::session_key,
     schema::{FRESH_BY, field, lane, status},
+    sessions::session_key,
 };
 use crate::store::{AppendRequest, Appended, transaction};
 use crate::{

@@ -81,7 +81,12 @@ pub(crate) struct KeysTaken(pub(crate) Vec<String>);
 impl KeyGates {
     /// A transaction starts on `session`: waits for the gates of `keys` (those its last attempt
     /// noted), in key order, for at most [`WAIT_LIMIT`] or `budget`, and holds them.
-    pub(crate) async fn begin(&self, session: Vec<u8>, mut keys: Vec<String>, budget: Option<Duration>) {
+    pub(crate) async fn begin(
+        &self,
+        session: Vec<u8>,
+        mut keys: Vec<String>,
+        budget: Option<Duration>,
+    ) {
         // A transaction left open on this session was dropped: what it held is free.
         let stale = lock(&self.state).open.remove(&session);
         drop(stale);
@@ -110,7 +115,9 @@ impl KeyGates {
         let gate = lock(&self.state).gate(key);
         loop {
             let step = WAIT_STEP.min(deadline.saturating_duration_since(Instant::now()));
-            if let Ok(Ok(permit)) = tokio::time::timeout(step, Arc::clone(&gate).acquire_owned()).await {
+            if let Ok(Ok(permit)) =
+                tokio::time::timeout(step, Arc::clone(&gate).acquire_owned()).await
+            {
                 return Some(permit);
             }
             if Instant::now() >= deadline {
@@ -172,7 +179,6 @@ impl KeyGates {
         state.forget_idle_gates();
         keys
     }
-
 }
 
 impl State {
@@ -242,8 +248,14 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(50));
         assert!(started.elapsed() < HOLD_LIMIT);
         gates.begin(session(3), Vec::new(), None).await;
-        assert!(gates.take(&session(3), &["k"], true).is_err(), "session 2 holds it");
-        assert!(gates.take(&session(3), &["j"], true).is_ok(), "session 1 released it");
+        assert!(
+            gates.take(&session(3), &["k"], true).is_err(),
+            "session 2 holds it"
+        );
+        assert!(
+            gates.take(&session(3), &["j"], true).is_ok(),
+            "session 1 released it"
+        );
     }
 
     #[tokio::test]
@@ -257,14 +269,24 @@ mod tests {
         assert!(waited >= HOLD_LIMIT, "{waited:?}");
         assert!(waited < WAIT_LIMIT, "{waited:?}");
         gates.begin(session(3), Vec::new(), None).await;
-        assert!(gates.take(&session(3), &["k"], true).is_err(), "session 2 holds it");
+        assert!(
+            gates.take(&session(3), &["k"], true).is_err(),
+            "session 2 holds it"
+        );
         // A wait is bounded by the transaction's budget.
         let started = Instant::now();
         gates
-            .begin(session(3), vec!["k".to_owned()], Some(Duration::from_millis(30)))
+            .begin(
+                session(3),
+                vec!["k".to_owned()],
+                Some(Duration::from_millis(30)),
+            )
             .await;
         assert!(started.elapsed() < HOLD_LIMIT);
-        assert!(gates.take(&session(3), &["k"], true).is_ok(), "passed, written ungated");
+        assert!(
+            gates.take(&session(3), &["k"], true).is_ok(),
+            "passed, written ungated"
+        );
     }
 
     #[tokio::test]

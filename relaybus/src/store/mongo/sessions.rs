@@ -136,7 +136,10 @@ impl SessionRegistry {
         if let Some(process) = ProcessIdentity::current() {
             set.insert(field::HOST, &process.host);
             set.insert(field::PID, i64::from(process.pid));
-            set.insert(field::STARTED, i64::try_from(process.started).unwrap_or(i64::MAX));
+            set.insert(
+                field::STARTED,
+                i64::try_from(process.started).unwrap_or(i64::MAX),
+            );
         }
         processes
             .update_one(doc! { field::ID: self.id }, vec![doc! { "$set": set }])

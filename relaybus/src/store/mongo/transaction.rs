@@ -156,31 +156,31 @@ impl MongoEventStore {
         ) -> futures::future::BoxFuture<'b, Result<R>>,
     {
         transaction::queue_on_keys(async move {
-        let mut session = self.new_session().await?;
-        let mut attempts = Attempts::new(budget);
-        loop {
-            attempts.start();
-            self.start_transaction(&mut session, budget, read_concern.clone())
-                .await?;
-            let value = match transaction::as_body(work(&mut session, &mut context)).await {
-                Ok(value) => value,
-                Err(error) => {
-                    self.abort_once(&mut session).await;
-                    if attempts.retry_after(&error).await {
-                        continue;
+            let mut session = self.new_session().await?;
+            let mut attempts = Attempts::new(budget);
+            loop {
+                attempts.start();
+                self.start_transaction(&mut session, budget, read_concern.clone())
+                    .await?;
+                let value = match transaction::as_body(work(&mut session, &mut context)).await {
+                    Ok(value) => value,
+                    Err(error) => {
+                        self.abort_once(&mut session).await;
+                        if attempts.retry_after(&error).await {
+                            continue;
+                        }
+                        return Err(map_standalone(error));
                     }
-                    return Err(map_standalone(error));
+                };
+                if let Err(error) = attempts.check_budget() {
+                    self.abort_once(&mut session).await;
+                    return Err(error.into());
                 }
-            };
-            if let Err(error) = attempts.check_budget() {
-                self.abort_once(&mut session).await;
-                return Err(error.into());
+                match attempts.commit(self, &mut session).await? {
+                    Committed::Yes => return Ok(value),
+                    Committed::RunAgain => continue,
+                }
             }
-            match attempts.commit(self, &mut session).await? {
-                Committed::Yes => return Ok(value),
-                Committed::RunAgain => continue,
-            }
-        }
         })
         .await
     }
