@@ -414,7 +414,7 @@ async fn publishers_of_one_key_in_one_process_queue_for_it_instead_of_conflictin
         attempts.iter().all(|n| *n <= 2),
         "attempts per transaction: {attempts:?}"
     );
-    assert!(attempts.iter().any(|n| *n == 2), "they met: {attempts:?}");
+    assert!(attempts.contains(&2), "they met: {attempts:?}");
     assert_eq!(
         sequences_of(&db, "hot").await,
         (1..=PUBLISHERS as i64).collect::<Vec<_>>()
