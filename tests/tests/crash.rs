@@ -230,3 +230,224 @@ async fn a_heartbeat_expiry_out_of_range_is_refused() {
         );
     }
 }
+
+/// Starts the application with `heartbeat`, stdin piped; its stdout lines arrive on the
+/// receiver.
+fn start_app(
+    db: &TestDb,
+    heartbeat: Duration,
+    extra: &[&str],
+) -> (
+    std::process::Child,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    let mut command = Command::new(APP);
+    command
+        .args([
+            db.uri.as_str(),
+            db.name.as_str(),
+            &heartbeat.as_millis().to_string(),
+            "4",
+        ])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut app = relaybus_harness::spawn_tied(command).expect("start the application");
+    let stdout = app.stdout.take().expect("piped stdout");
+    let (lines, received) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (app, received)
+}
+
+/// Waits for the line `wanted` from the application, for at most a minute.
+async fn line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>, wanted: &str) -> String {
+    let found = async {
+        while let Some(line) = lines.recv().await {
+            if line.starts_with(wanted) {
+                return Some(line);
+            }
+        }
+        None
+    };
+    tokio::time::timeout(Duration::from_secs(60), found)
+        .await
+        .unwrap_or_else(|_| panic!("no line {wanted:?} from the application within a minute"))
+        .unwrap_or_else(|| panic!("the application exited before {wanted:?}"))
+}
+
+/// Publishes the order `id` on `key` in a transaction with its business document.
+async fn place(
+    bus: &relaybus::RelayBus,
+    orders: &mongodb::Collection<Document>,
+    id: &str,
+    key: &str,
+) {
+    let key_name = key;
+    let (publisher, orders, id, key) = (bus.clone(), orders.clone(), id.to_owned(), key.to_owned());
+    bus.transaction(async move |session| {
+        orders
+            .insert_one(doc! { "_id": &id, "key": &key })
+            .session(&mut *session)
+            .await?;
+        publisher
+            .publish(&placed(&id))
+            .key(key.clone())
+            .session(session)
+            .await?;
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("publish on {key}: {e}", key = key_name));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_process_ends_its_dead_predecessors_sessions_at_once() {
+    // An expiry far longer than the target: only recognising the dead process frees its keys.
+    const LONG: Duration = Duration::from_secs(30);
+    const TARGET: Duration = Duration::from_secs(2);
+    let db = test_db("crash_predecessor").await;
+    let limit = transaction_lifetime_limit(&db).await;
+    assert!(
+        limit > TARGET + MARGIN,
+        "the server aborts dead transactions after {limit:?} anyway"
+    );
+    let (mut app, mut lines) = start_app(&db, LONG, &[]);
+    line(&mut lines, "holding").await;
+    relaybus_harness::kill_tied(&mut app);
+    let killed = Instant::now();
+
+    // The process that takes its place, on the same host, with the same long expiry.
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .heartbeat_expiry(LONG)
+        .build()
+        .unwrap();
+    let bus = publisher(&store, &["projector"]);
+    let orders = db.db().collection::<Document>("orders");
+    place(&bus, &orders, "after-held", "held").await;
+    let took = killed.elapsed();
+    eprintln!("crash recovery: the dead predecessor's key took a publish {took:?} after the kill");
+    assert!(
+        took <= TARGET + MARGIN,
+        "the dead predecessor's key took publishes again only after {took:?}"
+    );
+    assert!(
+        orders
+            .find_one(doc! { "_id": "held" })
+            .await
+            .unwrap()
+            .is_none(),
+        "the dead process's open transaction must not survive"
+    );
+    let left = processes(&db).await;
+    assert_eq!(left.len(), 1, "only the new process beats: {left:?}");
+    db.drop_database().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_paused_past_its_expiry_loses_its_transactions_and_commits_each_once() {
+    let db = test_db("crash_paused").await;
+    let store = store(&db);
+    store.setup().await.unwrap();
+    let (mut app, mut lines) = start_app(&db, HEARTBEAT, &["resume"]);
+    line(&mut lines, "holding").await;
+    let pid = app.id();
+    let paused = processes(&db).await;
+    assert_eq!(paused.len(), 1, "{paused:?}");
+
+    relaybus_harness::pause_process(pid, Duration::from_secs(5))
+        .await
+        .expect("pause the application");
+    // A live process sweeps: the paused one's heartbeat expires, its sessions are killed. It
+    // still runs on this host, so only the expiry may end them.
+    let bus = publisher(&store, &["projector"]);
+    let orders = db.db().collection::<Document>("orders");
+    let pause_started = Instant::now();
+    place(&bus, &orders, "probe", "probe").await;
+    let swept = async {
+        while processes(&db)
+            .await
+            .iter()
+            .any(|p| p.get("_id") == paused[0].get("_id"))
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(HEARTBEAT * 4, swept)
+        .await
+        .expect("the paused process's sessions are killed after its expiry");
+    assert!(
+        pause_started.elapsed() >= HEARTBEAT - Duration::from_millis(500),
+        "a stopped process is not gone: only its expiry ends its sessions ({:?})",
+        pause_started.elapsed()
+    );
+
+    // Resumed, its held transaction finds itself aborted and runs again, once.
+    // SAFETY: a plain system call on the child's pid.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
+    use std::io::Write;
+    writeln!(app.stdin.as_mut().expect("piped stdin")).expect("wake the held transaction");
+    let committed = line(&mut lines, "held committed after").await;
+    let attempts: u32 = committed
+        .trim_start_matches("held committed after ")
+        .trim_end_matches(" attempts")
+        .parse()
+        .unwrap_or_else(|_| panic!("{committed}"));
+    assert!(
+        attempts >= 2,
+        "its first attempt was killed while paused: {committed}"
+    );
+    // It beats again, and its load goes on.
+    let beating = async {
+        while processes(&db).await.len() < 2 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(HEARTBEAT * 2, beating)
+        .await
+        .expect("the resumed process writes its document anew");
+    relaybus_harness::kill_tied(&mut app);
+
+    // Every order is stored once, with one event; each key's sequence has no gap or double.
+    let stored = all(&db, "orders").await;
+    let events = all(&db, "relaybus_events").await;
+    assert!(stored.iter().any(|o| o.get_str("_id") == Ok("held")));
+    assert!(stored.iter().any(|o| o.get_str("_id") == Ok("held-after")));
+    let mut by_order: std::collections::HashMap<String, Vec<&Document>> = Default::default();
+    for event in &events {
+        let order = event
+            .get_document("payload")
+            .and_then(|p| p.get_str("order_id"))
+            .unwrap_or_else(|_| panic!("{event:?}"));
+        by_order.entry(order.to_owned()).or_default().push(event);
+    }
+    for order in &stored {
+        let id = order.get_str("_id").unwrap();
+        if id == "held-after" {
+            continue;
+        }
+        let found = by_order.get(id).map_or(0, Vec::len);
+        assert_eq!(found, 1, "order {id} has {found} events");
+    }
+    assert_eq!(events.len(), stored.len() - 1, "no event without its order");
+    let mut sequences: std::collections::HashMap<&str, Vec<i64>> = Default::default();
+    for event in &events {
+        sequences
+            .entry(event.get_str("key").unwrap())
+            .or_default()
+            .push(event.get_i64("sequence").unwrap());
+    }
+    for (key, mut numbers) in sequences {
+        numbers.sort_unstable();
+        let expected: Vec<i64> = (1..=numbers.len() as i64).collect();
+        assert_eq!(numbers, expected, "the sequence of {key}");
+    }
+    db.drop_database().await.unwrap();
+}

@@ -361,6 +361,138 @@ async fn concurrent_publishers_on_one_key_get_gapless_sequences_in_commit_order(
     assert!(attempts.load(Ordering::Relaxed) as i64 >= total);
 }
 
+/// A transaction that inserts the order `id` first (taking the transaction's snapshot) and
+/// then publishes its event on each of `keys`, in turn; gives how many attempts it took.
+async fn place_on_keys(bus: &RelayBus, db: &TestDb, id: String, keys: Vec<&'static str>) -> u32 {
+    let orders = db.db().collection::<Document>("orders");
+    let mut attempts = 0;
+    bus.transaction(async |session| {
+        attempts += 1;
+        orders
+            .insert_one(doc! { "_id": &id })
+            .session(&mut *session)
+            .await?;
+        for key in &keys {
+            let envelope = EventEnvelope::new(&placed(&format!("{id}-{key}")))?.with_key(*key)?;
+            bus.publish_envelope(envelope)
+                .session(&mut *session)
+                .await?;
+        }
+        Ok(())
+    })
+    .await
+    .expect("committed");
+    attempts
+}
+
+/// The sequence numbers of `key`'s events, sorted.
+async fn sequences_of(db: &TestDb, key: &str) -> Vec<i64> {
+    let mut numbers: Vec<i64> = all(db, "relaybus_events")
+        .await
+        .iter()
+        .filter(|event| event.get_str("key") == Ok(key))
+        .map(|event| event.get_i64("sequence").unwrap())
+        .collect();
+    numbers.sort_unstable();
+    numbers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_of_one_key_in_one_process_queue_for_it_instead_of_conflicting() {
+    const PUBLISHERS: usize = 12;
+    let db = test_db("key_queue").await;
+    let store = store(&db).await;
+    let bus = publisher(&store, &["a"]);
+    let attempts = futures::future::join_all(
+        (0..PUBLISHERS).map(|n| place_on_keys(&bus, &db, format!("o-{n}"), vec!["hot"])),
+    )
+    .await;
+    // An attempt that finds the key taken gives up before it writes the counter, and the next
+    // one waits for the key before its snapshot: never a third attempt, where conflicting
+    // publishers retry until they happen not to meet.
+    assert!(
+        attempts.iter().all(|n| *n <= 2),
+        "attempts per transaction: {attempts:?}"
+    );
+    assert!(attempts.contains(&2), "they met: {attempts:?}");
+    assert_eq!(
+        sequences_of(&db, "hot").await,
+        (1..=PUBLISHERS as i64).collect::<Vec<_>>()
+    );
+    assert_eq!(count(&db, "orders").await, PUBLISHERS as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_of_two_keys_in_opposite_orders_never_deadlock() {
+    const PUBLISHERS: usize = 8;
+    const ROUNDS: usize = 3;
+    let db = test_db("key_queue_two").await;
+    let store = store(&db).await;
+    let bus = publisher(&store, &["a"]);
+    let all_done = async {
+        for round in 0..ROUNDS {
+            futures::future::join_all((0..PUBLISHERS).map(|n| {
+                let keys = if n % 2 == 0 {
+                    vec!["a", "b"]
+                } else {
+                    vec!["b", "a"]
+                };
+                place_on_keys(&bus, &db, format!("o-{round}-{n}"), keys)
+            }))
+            .await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all_done)
+        .await
+        .expect("every transaction commits");
+    let total = (PUBLISHERS * ROUNDS) as i64;
+    for key in ["a", "b"] {
+        assert_eq!(
+            sequences_of(&db, key).await,
+            (1..=total).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_dropped_while_holding_a_key_keeps_it_only_briefly() {
+    let db = test_db("key_queue_dropped").await;
+    let store = store(&db).await;
+    let bus = publisher(&store, &["a"]);
+    let (published, mut held) = tokio::sync::mpsc::unbounded_channel();
+    let holder = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            let publisher = bus.clone();
+            bus.transaction(async move |session| {
+                publisher
+                    .publish(&placed("dropped"))
+                    .key("k")
+                    .session(session)
+                    .await?;
+                let _ = published.send(());
+                std::future::pending::<()>().await;
+                Ok(())
+            })
+            .await
+        })
+    };
+    held.recv().await.expect("the holder published");
+    holder.abort();
+    assert!(holder.await.unwrap_err().is_cancelled());
+
+    // Nothing tells the store that the holder's session was dropped: its gate counts for a
+    // second at most, then the key's next publisher takes it.
+    let started = std::time::Instant::now();
+    let attempts = place_on_keys(&bus, &db, "next".to_owned(), vec!["k"]).await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(2_500),
+        "took {took:?} ({attempts} attempts)"
+    );
+    assert_eq!(sequences_of(&db, "k").await, [1]);
+}
+
 #[tokio::test]
 async fn a_transient_error_runs_the_whole_body_again() {
     let db = test_db("transient").await;

@@ -166,38 +166,45 @@ where
         }
         Buffered::Failed(response) => return response,
     };
-    let mut attempts = Attempts::new(None);
-    // Set when the first attempt opens its transaction: all attempts share one budget.
-    let mut deadline: Option<Instant> = None;
-    loop {
-        attempts.start();
-        let budget = match deadline {
-            None => shared.budget,
-            Some(deadline) => deadline.saturating_duration_since(Instant::now()),
-        };
-        let request = Request::from_parts(parts.clone(), Body::from(body.clone()));
-        let replica = inner.clone();
-        let (response, outcome) = attempt(inner, &shared, request, budget).await;
-        inner = replica;
-        let Some(opened) = outcome.opened else {
-            return response;
-        };
-        let deadline = *deadline.get_or_insert(opened + shared.budget);
-        let time_left = || deadline.saturating_duration_since(Instant::now()) >= MIN_ATTEMPT_BUDGET;
-        if !outcome.retry || attempts.attempt() >= shared.attempts || !time_left() {
-            return response;
+    // Attempts of one request queue for the ordering keys other requests of this process hold
+    // (see `queue_on_keys`): an attempt that finds its key taken gives up at once, and the
+    // next one waits for the key before its transaction starts.
+    relaybus::store::transaction::queue_on_keys(async move {
+        let mut attempts = Attempts::new(None);
+        // Set when the first attempt opens its transaction: all attempts share one budget.
+        let mut deadline: Option<Instant> = None;
+        loop {
+            attempts.start();
+            let budget = match deadline {
+                None => shared.budget,
+                Some(deadline) => deadline.saturating_duration_since(Instant::now()),
+            };
+            let request = Request::from_parts(parts.clone(), Body::from(body.clone()));
+            let replica = inner.clone();
+            let (response, outcome) = attempt(inner, &shared, request, budget).await;
+            inner = replica;
+            let Some(opened) = outcome.opened else {
+                return response;
+            };
+            let deadline = *deadline.get_or_insert(opened + shared.budget);
+            let time_left =
+                || deadline.saturating_duration_since(Instant::now()) >= MIN_ATTEMPT_BUDGET;
+            if !outcome.retry || attempts.attempt() >= shared.attempts || !time_left() {
+                return response;
+            }
+            // A short jittered pause, so that requests that conflicted do not meet again.
+            attempts.retry().await;
+            if !time_left() {
+                return response;
+            }
+            count("retried");
+            tracing::debug!(
+                attempt = attempts.attempt() + 1,
+                "the request transaction met a transient error; running the request again"
+            );
         }
-        // A short jittered pause, so that requests that conflicted do not meet again.
-        attempts.retry().await;
-        if !time_left() {
-            return response;
-        }
-        count("retried");
-        tracing::debug!(
-            attempt = attempts.attempt() + 1,
-            "the request transaction met a transient error; running the request again"
-        );
-    }
+    })
+    .await
 }
 
 /// Counts a request transaction's outcome: `relaybus.request.transactions`.

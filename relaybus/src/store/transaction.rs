@@ -6,7 +6,10 @@
 //! all follow these rules, through [`run`] or, where the body must be written inline, through
 //! [`Attempts`].
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 
 use rand::Rng;
 
@@ -60,6 +63,50 @@ pub(crate) fn in_transaction_body() -> bool {
 /// refused.
 pub(crate) async fn as_body<F: Future>(body: F) -> F::Output {
     IN_BODY.scope((), body).await
+}
+
+tokio::task_local! {
+    /// Set on the task while the attempts of one transaction run (see [`queue_on_keys`]).
+    static CONTENDED: Mutex<Vec<String>>;
+}
+
+/// Runs `attempts`, the loop of one transaction's attempts, so that its attempts queue for the
+/// ordering keys other transactions of this process hold, where a store can tell (MongoDB).
+///
+/// Inside it, an attempt that finds one of its keys held by another transaction of the same
+/// store instance gives up at once with a transient error, naming the key here; the next
+/// attempt waits for the key in the process before it starts, so that it reads and writes
+/// after the holder committed instead of conflicting with it on the server. Outside it,
+/// attempts do not queue: they write the key's counter and retry on conflicts. [`run`] and
+/// the stores' own transactions run inside it; a loop written with [`Attempts`] wraps itself.
+pub async fn queue_on_keys<F: Future>(attempts: F) -> F::Output {
+    CONTENDED.scope(Mutex::new(Vec::new()), attempts).await
+}
+
+/// Notes the keys an attempt gave up for, or must take again after an abort, for the next
+/// attempt; `false` outside [`queue_on_keys`], where no next attempt would take them.
+pub(crate) fn note_contended_keys(keys: impl IntoIterator<Item = String>) -> bool {
+    CONTENDED
+        .try_with(|contended| {
+            let mut contended = contended.lock().unwrap_or_else(|p| p.into_inner());
+            contended.extend(keys);
+        })
+        .is_ok()
+}
+
+/// Whether attempts queue for their keys on this task (inside [`queue_on_keys`]).
+pub(crate) fn queues_on_keys() -> bool {
+    CONTENDED.try_with(|_| ()).is_ok()
+}
+
+/// The keys the last attempt noted, for the attempt that starts now; empty outside
+/// [`queue_on_keys`].
+pub(crate) fn take_contended_keys() -> Vec<String> {
+    CONTENDED
+        .try_with(|contended| {
+            std::mem::take(&mut *contended.lock().unwrap_or_else(|p| p.into_inner()))
+        })
+        .unwrap_or_default()
 }
 
 /// The attempts of one transaction: how many ran, since when, and within which budget.
@@ -279,6 +326,19 @@ where
 ///
 /// As for [`run`]; after `retry_limit`, the last transient error.
 pub async fn run_within<S, R, F>(
+    store: &S,
+    budget: Option<Duration>,
+    retry_limit: Duration,
+    work: F,
+) -> Result<R>
+where
+    S: Store,
+    F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
+{
+    queue_on_keys(attempt_until_committed(store, budget, retry_limit, work)).await
+}
+
+async fn attempt_until_committed<S, R, F>(
     store: &S,
     budget: Option<Duration>,
     retry_limit: Duration,

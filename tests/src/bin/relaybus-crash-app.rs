@@ -3,13 +3,17 @@
 //! open.
 //!
 //! ```text
-//! relaybus-crash-app URI DATABASE HEARTBEAT_MS KEYS
+//! relaybus-crash-app URI DATABASE HEARTBEAT_MS KEYS [resume]
 //! ```
 //!
 //! Eight tasks commit business documents with their events, keyed `key-0` .. `key-{KEYS-1}`,
 //! in a loop. Once 50 of them committed, one more transaction writes a business document and
 //! publishes on `held`, prints `holding`, and never ends: it is open when the process dies.
 //! The process runs until it is killed.
+//!
+//! With `resume`, the held transaction's first attempt waits for a line on stdin instead, then
+//! writes one more document and commits; later attempts do not wait. Once it committed, the
+//! process prints `held committed after N attempts`, and runs on until it is killed.
 
 use std::{
     process::ExitCode,
@@ -30,15 +34,21 @@ use tokio::sync::Notify;
 #[tokio::main]
 async fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [uri, database, heartbeat_ms, keys] = args.as_slice() else {
-        eprintln!("usage: relaybus-crash-app URI DATABASE HEARTBEAT_MS KEYS");
-        return ExitCode::from(2);
+    let (uri, database, heartbeat_ms, keys, resume) = match args.as_slice() {
+        [uri, database, heartbeat_ms, keys] => (uri, database, heartbeat_ms, keys, false),
+        [uri, database, heartbeat_ms, keys, resume] if resume == "resume" => {
+            (uri, database, heartbeat_ms, keys, true)
+        }
+        _ => {
+            eprintln!("usage: relaybus-crash-app URI DATABASE HEARTBEAT_MS KEYS [resume]");
+            return ExitCode::from(2);
+        }
     };
     let (Ok(heartbeat_ms), Ok(keys)) = (heartbeat_ms.parse::<u64>(), keys.parse::<u32>()) else {
         eprintln!("relaybus-crash-app: HEARTBEAT_MS and KEYS must be whole numbers");
         return ExitCode::from(2);
     };
-    match run(uri, database, heartbeat_ms, keys.max(1)).await {
+    match run(uri, database, heartbeat_ms, keys.max(1), resume).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("relaybus-crash-app: {error}");
@@ -52,6 +62,7 @@ async fn run(
     database: &str,
     heartbeat_ms: u64,
     keys: u32,
+    resume: bool,
 ) -> Result<(), relaybus::BoxError> {
     let client = Client::with_uri_str(uri).await?;
     let store = MongoEventStore::builder(client.clone())
@@ -98,19 +109,37 @@ async fn run(
         });
     }
     enough.notified().await;
+    let mut attempts = 0u32;
     bus.transaction(async |session| {
+        attempts += 1;
         orders
             .insert_one(doc! { "_id": "held", "key": "held" })
             .session(&mut *session)
             .await?;
         bus.publish(&placed("held"))
             .key("held")
+            .session(&mut *session)
+            .await?;
+        if !resume {
+            println!("holding");
+            std::future::pending::<()>().await;
+        }
+        if attempts == 1 {
+            println!("holding");
+            let line =
+                tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new()));
+            line.await
+                .map_err(relaybus::Error::custom)?
+                .map_err(relaybus::Error::custom)?;
+        }
+        orders
+            .insert_one(doc! { "_id": "held-after", "key": "held" })
             .session(session)
             .await?;
-        println!("holding");
-        std::future::pending::<()>().await;
         Ok(())
     })
     .await?;
+    println!("held committed after {attempts} attempts");
+    std::future::pending::<()>().await;
     Ok(())
 }

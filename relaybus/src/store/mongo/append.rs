@@ -13,11 +13,13 @@ use mongodb::{
 use super::{
     MongoEventStore,
     bson_json::object_to_document,
+    key_gate::{KeysBusy, KeysTaken},
     schema::{FRESH_BY, field, lane, status},
+    sessions::session_key,
 };
-use crate::store::{AppendRequest, Appended};
+use crate::store::{AppendRequest, Appended, transaction};
 use crate::{
-    error::{EventValidationError, Result},
+    error::{DatabaseError, EventValidationError, Result},
     event::{EventEnvelope, lane_of},
     handler::validate_handler_id,
 };
@@ -127,6 +129,7 @@ impl MongoEventStore {
                 }
             }
         }
+        self.take_key_gates(session, &per_key)?;
         let base = self.take_sequences(session, &per_key).await?;
         let mut last: HashMap<&str, i64> = base.clone();
         for item in &mut items {
@@ -434,6 +437,30 @@ impl MongoEventStore {
             }
         }
         Ok(())
+    }
+
+    /// Takes the in-process gates of `per_key`'s keys before their counters are written (see
+    /// `key_gate`): an attempt that finds one taken by another transaction of this instance
+    /// gives up with a transient error, and its next attempt waits for the key before it
+    /// starts.
+    fn take_key_gates(&self, session: &ClientSession, per_key: &[(&str, i64)]) -> Result<()> {
+        if per_key.is_empty() {
+            return Ok(());
+        }
+        let Some(id) = session_key(session.id()) else {
+            return Ok(());
+        };
+        let keys: Vec<&str> = per_key.iter().map(|(key, _)| *key).collect();
+        let may_queue = transaction::queues_on_keys();
+        match self.inner.key_gates.take(&id, &keys, may_queue) {
+            Ok(()) => Ok(()),
+            Err(KeysBusy(keys)) => {
+                transaction::note_contended_keys(keys.iter().cloned());
+                Err(DatabaseError::new(KeysTaken(keys))
+                    .with_transient(true)
+                    .into())
+            }
+        }
     }
 
     /// Takes `count` sequence numbers from the counter of each key, returning the value each

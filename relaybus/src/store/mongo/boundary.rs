@@ -51,8 +51,7 @@ impl Transactions for MongoEventStore {
     }
 
     async fn abort(&self, session: &mut ClientSession) {
-        // Aborting can fail when the server already aborted; the outcome is the same.
-        let _ = session.abort_transaction().await;
+        self.abort_once(session).await;
     }
 
     async fn ensure_in_transaction(

@@ -142,6 +142,14 @@ pub(crate) mod field {
     pub(crate) const HOLDER: &str = "holder";
     /// A store instance's member list (`members:<instance>`): `{owner, handlers}` each.
     pub(crate) const MEMBERS: &str = "members";
+    /// Where a store instance's process runs: host, boot, process id namespace and user, so
+    /// that another process of the same host can tell whether it still runs.
+    pub(crate) const HOST: &str = "host";
+    /// The process id of a store instance's process.
+    pub(crate) const PID: &str = "pid";
+    /// When that process started, in the kernel's clock ticks since boot: a process id used
+    /// again by a later process names another process.
+    pub(crate) const STARTED: &str = "started";
 }
 
 /// Field paths, `$<field>`: the value of a field of the current document in an aggregation

@@ -17,6 +17,11 @@
 //! transactions and frees what they held; then the document is deleted, if it did not beat
 //! meanwhile. Times are the server's (`$$NOW`), so the processes' clocks do not matter.
 //!
+//! A dead process of the same host is known sooner (see `process`): the document names its
+//! host, process id and start time, and a sweep also kills the sessions of a same-host document
+//! whose process is gone, whatever its expiry says. A restarted process sweeps as it starts, so
+//! its dead predecessor's keys come back at once, not after the expiry.
+//!
 //! A process that was only paused past its expiry loses its open transactions (they fail with a
 //! transient error and run again) and writes its document anew at its next beat.
 
@@ -35,6 +40,7 @@ use tokio::sync::OnceCell;
 
 use super::{
     StoreInner,
+    process::ProcessIdentity,
     schema::{field, path},
 };
 use crate::error::Result;
@@ -128,14 +134,20 @@ impl SessionRegistry {
             known.values().map(|(lsid, _)| lsid.clone()).collect()
         };
         let expiry_ms = i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX);
+        let mut set = doc! {
+            field::SESSIONS: sessions,
+            field::EXPIRES_AT: { "$add": ["$$NOW", expiry_ms] },
+        };
+        if let Some(process) = ProcessIdentity::current() {
+            set.insert(field::HOST, &process.host);
+            set.insert(field::PID, i64::from(process.pid));
+            set.insert(
+                field::STARTED,
+                i64::try_from(process.started).unwrap_or(i64::MAX),
+            );
+        }
         processes
-            .update_one(
-                doc! { field::ID: self.id },
-                vec![doc! { "$set": {
-                    field::SESSIONS: sessions,
-                    field::EXPIRES_AT: { "$add": ["$$NOW", expiry_ms] },
-                } }],
-            )
+            .update_one(doc! { field::ID: self.id }, vec![doc! { "$set": set }])
             .upsert(true)
             .await?;
         Ok(())
@@ -211,21 +223,39 @@ impl super::MongoEventStore {
 /// `DuplicateKey`.
 const DUPLICATE_KEY: i32 = 11000;
 
-/// Kills the sessions of every process whose heartbeat expired, and deletes its document.
+/// Whether a document found by a sweep expired by the server's clock (computed, never stored).
+const EXPIRED: &str = "expired";
+
+/// Kills the sessions of every process whose heartbeat expired, or that ran on this host and is
+/// gone, and deletes its document.
 async fn sweep(store: &StoreInner) -> Result<u64> {
-    let mut expired = store
+    let expired = doc! { "$expr": { "$lt": [path::EXPIRES_AT, "$$NOW"] } };
+    let mut filter = doc! {
+        field::ID: { "$ne": store.sessions.id },
+        field::SESSIONS: { "$exists": true },
+    };
+    let here = ProcessIdentity::current();
+    match here {
+        Some(here) => filter.insert("$or", vec![expired, doc! { field::HOST: &here.host }]),
+        None => filter.insert("$and", vec![expired]),
+    };
+    let mut found = store
         .processes
-        .find(doc! {
-            field::ID: { "$ne": store.sessions.id },
-            field::SESSIONS: { "$exists": true },
-            "$expr": { "$lt": [path::EXPIRES_AT, "$$NOW"] },
-        })
+        .aggregate(vec![
+            doc! { "$match": filter },
+            doc! { "$set": { EXPIRED: { "$lt": [path::EXPIRES_AT, "$$NOW"] } } },
+        ])
         .await?;
     let mut killed = 0;
-    while let Some(process) = expired.try_next().await? {
+    while let Some(process) = found.try_next().await? {
         let Ok(sessions) = process.get_array(field::SESSIONS) else {
             continue;
         };
+        let dead = process.get_bool(EXPIRED) == Ok(true) || gone(&process);
+        if !dead {
+            // Beating, on this host, and its process still runs (a stopped one too).
+            continue;
+        }
         if !sessions.is_empty() {
             store
                 .client
@@ -245,16 +275,34 @@ async fn sweep(store: &StoreInner) -> Result<u64> {
             tracing::warn!(
                 process = %process.get(field::ID).map(ToString::to_string).unwrap_or_default(),
                 sessions = sessions.len(),
-                "relaybus killed the sessions of a process whose heartbeat expired, aborting \
-                 its open transactions"
+                "relaybus killed the sessions of a process that stopped (its heartbeat expired, \
+                 or it ran on this host and is gone), aborting its open transactions"
             );
         }
     }
     Ok(killed)
 }
 
+/// Whether the process of a same-host document is gone.
+fn gone(process: &Document) -> bool {
+    let Some(here) = ProcessIdentity::current() else {
+        return false;
+    };
+    let (Ok(host), Ok(pid), Ok(started)) = (
+        process.get_str(field::HOST),
+        process.get_i64(field::PID),
+        process.get_i64(field::STARTED),
+    ) else {
+        return false;
+    };
+    let (Ok(pid), Ok(started)) = (u32::try_from(pid), u64::try_from(started)) else {
+        return false;
+    };
+    host == here.host && ProcessIdentity::is_gone(pid, started)
+}
+
 /// The bytes of a session id document's `id`, the UUID that names it.
-fn session_key(lsid: &Document) -> Option<Vec<u8>> {
+pub(crate) fn session_key(lsid: &Document) -> Option<Vec<u8>> {
     match lsid.get("id")? {
         mongodb::bson::Bson::Binary(binary) => Some(binary.bytes.clone()),
         _ => None,

@@ -10,7 +10,7 @@ use mongodb::{
     options::ReadConcern,
 };
 
-use super::{MongoEventStore, error_code};
+use super::{MongoEventStore, error_code, sessions::session_key};
 use crate::{
     error::{CommitNotAcknowledgedError, ConfigurationError, Error, InvalidArgumentError, Result},
     store::transaction::{self, Attempts, Committed},
@@ -155,31 +155,34 @@ impl MongoEventStore {
             &'b mut C,
         ) -> futures::future::BoxFuture<'b, Result<R>>,
     {
-        let mut session = self.new_session().await?;
-        let mut attempts = Attempts::new(budget);
-        loop {
-            attempts.start();
-            self.start_transaction(&mut session, budget, read_concern.clone())
-                .await?;
-            let value = match transaction::as_body(work(&mut session, &mut context)).await {
-                Ok(value) => value,
-                Err(error) => {
-                    let _ = session.abort_transaction().await;
-                    if attempts.retry_after(&error).await {
-                        continue;
+        transaction::queue_on_keys(async move {
+            let mut session = self.new_session().await?;
+            let mut attempts = Attempts::new(budget);
+            loop {
+                attempts.start();
+                self.start_transaction(&mut session, budget, read_concern.clone())
+                    .await?;
+                let value = match transaction::as_body(work(&mut session, &mut context)).await {
+                    Ok(value) => value,
+                    Err(error) => {
+                        self.abort_once(&mut session).await;
+                        if attempts.retry_after(&error).await {
+                            continue;
+                        }
+                        return Err(map_standalone(error));
                     }
-                    return Err(map_standalone(error));
+                };
+                if let Err(error) = attempts.check_budget() {
+                    self.abort_once(&mut session).await;
+                    return Err(error.into());
                 }
-            };
-            if let Err(error) = attempts.check_budget() {
-                let _ = session.abort_transaction().await;
-                return Err(error.into());
+                match attempts.commit(self, &mut session).await? {
+                    Committed::Yes => return Ok(value),
+                    Committed::RunAgain => continue,
+                }
             }
-            match attempts.commit(self, &mut session).await? {
-                Committed::Yes => return Ok(value),
-                Committed::RunAgain => continue,
-            }
-        }
+        })
+        .await
     }
 
     /// A session, once the server was seen to support transactions.
@@ -212,13 +215,40 @@ impl MongoEventStore {
             .start_transaction()
             .with_options(options)
             .await
-            .map_err(|e| map_standalone(e.into()))
+            .map_err(|e| map_standalone(e.into()))?;
+        // The keys the last attempt found taken or held: waited for now, before the
+        // transaction's first operation takes its snapshot.
+        if let Some(id) = session_key(session.id()) {
+            let keys = transaction::take_contended_keys();
+            self.inner.key_gates.begin(id, keys, budget).await;
+        }
+        Ok(())
+    }
+
+    /// Aborts, releasing the transaction's keys for its next attempt to take first. The server
+    /// may have ended the transaction already; the outcome is the same.
+    pub(crate) async fn abort_once(&self, session: &mut ClientSession) {
+        let _ = session.abort_transaction().await;
+        self.end_gated(session, false);
+    }
+
+    /// Releases the keys of the transaction on `session`; when it did not commit, notes them
+    /// for the next attempt, if one follows.
+    fn end_gated(&self, session: &ClientSession, committed: bool) {
+        if let Some(id) = session_key(session.id()) {
+            let keys = self.inner.key_gates.end(&id);
+            if !committed {
+                transaction::note_contended_keys(keys);
+            }
+        }
     }
 
     /// Commits once, as the runner asks. A write concern error means the primary committed:
     /// it is [`Error::CommitNotAcknowledged`], never an error to run the transaction again on.
     pub(crate) async fn commit_once(&self, session: &mut ClientSession) -> Result<()> {
-        session.commit_transaction().await.map_err(|e| {
+        let committed = session.commit_transaction().await;
+        self.end_gated(session, committed.is_ok());
+        committed.map_err(|e| {
             let applied = matches!(
                 *e.kind,
                 ErrorKind::Write(WriteFailure::WriteConcernError(_))
