@@ -62,7 +62,7 @@ trait Orders: Clone + Send + Sync + 'static {
 
     fn insert(
         &self,
-        session: &mut <Self::Store as Store>::Session,
+        session: &mut <Self::Store as relaybus::store::Transactions>::Session,
         id: &str,
         customer: &str,
     ) -> impl Future<Output = relaybus::Result<()>> + Send;

@@ -85,6 +85,7 @@ pub async fn queue_on_keys<F: Future>(attempts: F) -> F::Output {
 
 /// Notes the keys an attempt gave up for, or must take again after an abort, for the next
 /// attempt; `false` outside [`queue_on_keys`], where no next attempt would take them.
+#[cfg(feature = "mongodb")]
 pub(crate) fn note_contended_keys(keys: impl IntoIterator<Item = String>) -> bool {
     CONTENDED
         .try_with(|contended| {
@@ -95,12 +96,14 @@ pub(crate) fn note_contended_keys(keys: impl IntoIterator<Item = String>) -> boo
 }
 
 /// Whether attempts queue for their keys on this task (inside [`queue_on_keys`]).
+#[cfg(feature = "mongodb")]
 pub(crate) fn queues_on_keys() -> bool {
     CONTENDED.try_with(|_| ()).is_ok()
 }
 
 /// The keys the last attempt noted, for the attempt that starts now; empty outside
 /// [`queue_on_keys`].
+#[cfg(feature = "mongodb")]
 pub(crate) fn take_contended_keys() -> Vec<String> {
     CONTENDED
         .try_with(|contended| {
