@@ -434,13 +434,11 @@ impl MongoEventStore {
             .collect();
         scanned.sort_unstable();
         let running_count = listed.running.len();
-        // Passed over: what the lanes list, gone or not, and what this instance handed out and
-        // had not seen settled when the claim began. A page read before a completion deleted a
-        // delivery still shows it; its lane lists it until the record takes it off.
+        // Passed over: what the lanes list, gone or not. A page read before a completion
+        // deleted a delivery still shows it; its lane lists it until the record takes it off.
         let passed_over: HashSet<ObjectId> = lanes
             .iter()
             .flat_map(|(lane, _)| lane.in_flight.iter().copied())
-            .chain(issued.keys().copied())
             .collect();
         let running = listed.running;
         let mut scan = Scan::new(Picking::new(limit, passed_over, listed.running_keys));

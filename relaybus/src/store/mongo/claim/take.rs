@@ -77,8 +77,6 @@ impl MongoEventStore {
         }
         if !dirty.is_empty() {
             let taken = self.take_lanes(&dirty, owner, expires_at, now).await?;
-            let taken_over = taken.iter().filter(|lane| !lane.lost.is_empty()).count();
-            crate::telemetry::record_takeovers(taken_over as u64, 0);
             self.charge_lost(&taken, now).await?;
             scanned.extend(taken.iter().map(|lane| lane.id));
             lanes.extend(taken.into_iter().map(|lane| (lane, Hold::Taken)));
@@ -140,8 +138,6 @@ impl MongoEventStore {
         }
         if !dirty.is_empty() {
             let more = self.take_lanes(&dirty, owner, expires_at, now).await?;
-            let taken_over = more.iter().filter(|lane| !lane.lost.is_empty()).count();
-            crate::telemetry::record_takeovers(taken_over as u64, 0);
             self.charge_lost(&more, now).await?;
             taken.extend(more);
         }
@@ -214,6 +210,30 @@ impl MongoEventStore {
         if lost.is_empty() {
             return Ok(());
         }
+        // A lane taken over lists what its holder ran; what completed since is gone, and its
+        // completion wrote no lane document. Only lanes with a lost claim that still runs count
+        // as taken over.
+        let ids: Vec<ObjectId> = lost.iter().map(|lost| lost.delivery).collect();
+        let pending: HashSet<ObjectId> = self
+            .inner
+            .deliveries
+            .find(doc! { field::ID: { "$in": &ids }, field::STATUS: status::PENDING })
+            .projection(doc! { field::ID: 1 })
+            .await?
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(|doc| doc.get_object_id(field::ID).ok())
+            .collect();
+        let taken_over = lanes
+            .iter()
+            .filter(|lane| {
+                lane.lost
+                    .iter()
+                    .any(|lost| pending.contains(&lost.delivery))
+            })
+            .count();
+        crate::telemetry::record_takeovers(taken_over as u64, 0);
         let unstarted = self.never_started(&lost).await?;
         let statements: Vec<Document> = lost
             .iter()
