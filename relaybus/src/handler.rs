@@ -627,12 +627,6 @@ impl Subscription {
 
     /// Runs the handler inside a store transaction that also completes its delivery, so its
     /// writes and the completion commit together or not at all.
-    ///
-    /// Once a delivery of an ordered key has completed, the task that ran it asks the store for
-    /// that key's next delivery and runs it at once when the store can hand it out (MongoDB
-    /// can: see [`claim_next_of_key`](crate::store::ClaimShortcuts::claim_next_of_key)), instead
-    /// of leaving it to the dispatcher's next claim: a key with a backlog runs its deliveries
-    /// back to back.
     pub fn transactional(mut self) -> Self {
         self.transactional = true;
         self

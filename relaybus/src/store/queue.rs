@@ -18,7 +18,7 @@ pub trait Queue: Transactions {
     type Lease: StoreLease;
 
     /// Claims up to `request.limit` due deliveries of the given handlers, one at a time per key and
-    /// handler (or one run of them, see [`ClaimRequest::run`]), in sequence order; deliveries
+    /// handler, in sequence order; deliveries
     /// appended for a handler named [unordered](super::AppendRequest::unordered) are claimed as
     /// those of unkeyed events are. With no other claimer, it returns `limit` deliveries whenever
     /// that many are claimable.
@@ -84,8 +84,7 @@ pub trait Queue: Transactions {
 
     /// Opens a stream of wake-ups for new deliveries of `handlers`. The dispatcher reopens it
     /// after it fails or ends, and polls meanwhile: correctness never depends on it. A wake-up
-    /// may tell where its delivery is ([`WakeUp::at`]) and what it is ([`WakeUp::arrival`]);
-    /// the dispatcher hands both back with its next claim.
+    /// may tell where its delivery is ([`WakeUp::at`]); the dispatcher claims at once.
     fn watch(
         &self,
         handlers: &[String],
