@@ -19,20 +19,23 @@ const TABLES: [&str; 6] = [
 ];
 
 /// The indexes `setup()` creates, with their tables, in its order.
-const INDEXES: [(&str, &str); 8] = [
+const INDEXES: [(&str, &str); 6] = [
     ("deliveries_claim", "deliveries"),
     ("deliveries_ordering", "deliveries"),
     ("deliveries_heads", "deliveries"),
     ("deliveries_dead", "deliveries"),
-    ("deliveries_handler", "deliveries"),
-    ("events_finished", "events"),
     ("completed_deliveries_completed_at", "completed_deliveries"),
     ("completed_deliveries_event", "completed_deliveries"),
 ];
 
-/// The index of the lease columns that tables made before the fill factor had; `setup()`
-/// drops it.
-const RUNNING_INDEX: &str = "deliveries_running";
+/// Indexes of earlier versions that `setup()` drops: of the lease columns (before the fill
+/// factor), of the events' completion time (no reader used it), of the handler (the hot path
+/// never read it).
+const DROPPED_INDEXES: [&str; 3] = [
+    "deliveries_running",
+    "events_finished",
+    "deliveries_handler",
+];
 
 impl Administration for PostgresEventStore {
     async fn setup_plan(&self) -> Result<Vec<SetupStep>> {
@@ -86,11 +89,27 @@ impl Administration for PostgresEventStore {
                 ));
             }
         }
-        if find(RUNNING_INDEX).is_some() {
-            steps.push(SetupStep::new(
-                SetupStepKind::Replace,
-                format!("drop the index {schema}.{RUNNING_INDEX} of the lease columns"),
-            ));
+        if let Some((_, options)) = find("events") {
+            let fill = options
+                .as_ref()
+                .is_some_and(|o| o.iter().any(|o| o == "fillfactor=70"));
+            if !fill {
+                steps.push(SetupStep::new(
+                    SetupStepKind::Replace,
+                    format!(
+                        "set the fill factor of {schema}.events to 70, so that completions \
+                         stamp rows in place"
+                    ),
+                ));
+            }
+        }
+        for index in DROPPED_INDEXES {
+            if find(index).is_some() {
+                steps.push(SetupStep::new(
+                    SetupStepKind::Replace,
+                    format!("drop the index {schema}.{index}"),
+                ));
+            }
         }
         for (index, table) in INDEXES {
             if find(index).is_none() {
