@@ -204,9 +204,6 @@ pub(crate) struct OwnerState {
     /// The owned lanes the owner held when its last claim ended: the next claim reads their
     /// first page while it reads its lanes, and uses it if they are still the lanes it scans.
     pub(crate) held: Vec<i32>,
-    /// How many deliveries ran in the owner's lanes when its last claim ended: the first page
-    /// read beside the lanes makes room for them.
-    pub(crate) running: usize,
     /// When the owner last tried to take owned lanes it did not hold, and the member list's
     /// generation then.
     pub(crate) taken_at: Option<(u64, super::claim::Tried)>,

@@ -371,12 +371,19 @@ impl MongoEventStore {
 
         // The owner's lanes, read while the first pages of the lanes it kept are.
         let expected = std::mem::take(&mut state.held);
-        let window = page_window(limit + state.running);
+        let window = page_window(limit);
         let first_pages = async {
             if expected.is_empty() {
                 return Ok(None);
             }
-            self.first_pages(&expected, handlers, now, window, &HashSet::new())
+            // What this instance handed out in those lanes runs, or ran: left out on the index
+            // keys, so that the page holds what may be picked.
+            let handed: HashSet<ObjectId> = issued
+                .iter()
+                .filter(|(_, claim)| expected.binary_search(&claim.lane).is_ok())
+                .map(|(id, _)| *id)
+                .collect();
+            self.first_pages(&expected, handlers, now, window, &handed)
                 .await
                 .map(Some)
         };
@@ -433,7 +440,6 @@ impl MongoEventStore {
             })
             .collect();
         scanned.sort_unstable();
-        let running_count = listed.running.len();
         // Passed over: what the lanes list, gone or not. A page read before a completion
         // deleted a delivery still shows it; its lane lists it until the record takes it off.
         let passed_over: HashSet<ObjectId> = lanes
@@ -502,7 +508,6 @@ impl MongoEventStore {
             })
             .collect();
         state.held.sort_unstable();
-        state.running = running_count + recorded.picks.len();
 
         let (claimed, orphaned) =
             self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
@@ -517,10 +522,11 @@ impl MongoEventStore {
         Ok(Some((claimed, recorded.raced)))
     }
 
-    /// The lanes `owner` holds on this instance, each with what it lists that still exists:
-    /// one aggregation that looks the listed deliveries up by id.
+    /// The lanes `owner` holds on this instance, with what they list that still exists: one
+    /// aggregation that gathers the lanes' lists first and looks them up by id once (a
+    /// `$lookup` runs its query once per input document).
     async fn own_lanes(&self, owner: &str) -> Result<(Vec<Lane>, Vec<Document>)> {
-        let docs: Vec<Document> = self
+        let found: Option<Document> = self
             .inner
             .lanes
             .aggregate(vec![
@@ -528,9 +534,22 @@ impl MongoEventStore {
                     field::OWNER: owner,
                     field::INSTANCE: self.inner.claims.instance,
                 } },
+                doc! { "$group": {
+                    "_id": null,
+                    "lanes": { "$push": "$$ROOT" },
+                    "ids": { "$push": { "$ifNull": [format!("${}", field::IN_FLIGHT), []] } },
+                } },
+                doc! { "$project": {
+                    "lanes": 1,
+                    "ids": { "$reduce": {
+                        "input": "$ids",
+                        "initialValue": [],
+                        "in": { "$concatArrays": ["$$value", "$$this"] },
+                    } },
+                } },
                 doc! { "$lookup": {
                     "from": self.inner.deliveries.name(),
-                    "localField": field::IN_FLIGHT,
+                    "localField": "ids",
                     "foreignField": field::ID,
                     "pipeline": [{ "$project": {
                         field::CLAIMS: 1, field::STATUS: 1, field::HANDLER: 1, field::KEY: 1,
@@ -538,18 +557,30 @@ impl MongoEventStore {
                     } }],
                     "as": "listed",
                 } },
+                doc! { "$project": { "ids": 0 } },
             ])
             .await?
-            .try_collect()
+            .try_next()
             .await?;
-        let lanes = docs.iter().filter_map(Lane::from_document).collect();
-        let listed = docs
+        let Some(found) = found else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let documents = |name: &str| -> Vec<Document> {
+            found
+                .get_array(name)
+                .map(|items| {
+                    items
+                        .iter()
+                        .filter_map(|item| item.as_document().cloned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let lanes = documents("lanes")
             .iter()
-            .filter_map(|doc| doc.get_array("listed").ok())
-            .flatten()
-            .filter_map(|listed| listed.as_document().cloned())
+            .filter_map(Lane::from_document)
             .collect();
-        Ok((lanes, listed))
+        Ok((lanes, documents("listed")))
     }
 
     /// What the held lanes list, judged by the deliveries that still exist (`found`): those
