@@ -47,8 +47,11 @@ pub(super) async fn run<S: Administration>(
     };
     // What is there already is not new.
     tail.look(store, false).await?;
-    eprintln!("relaybus: following new deliveries (Ctrl-C stops)");
+    // Said once the wake-up stream listens: what commits from then on is shown at once.
     let mut wake_ups: Option<WakeUps> = store.watch(&handlers).await.ok();
+    eprintln!("relaybus: following new deliveries (Ctrl-C stops)");
+    // What committed between the first look and the stream's opening.
+    tail.look(store, true).await?;
     let mut refreshed = Instant::now();
     loop {
         match wake_ups.as_mut() {
