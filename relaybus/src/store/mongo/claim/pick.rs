@@ -24,8 +24,9 @@ pub(super) type KeyOf = (String, String);
 pub(super) struct Picking {
     /// The most deliveries the claim hands out.
     pub(super) limit: usize,
-    /// Deliveries listed by the owner's lanes whose documents exist: they run.
-    pub(super) running: HashSet<ObjectId>,
+    /// Deliveries the owner's lanes list: they run, or ran and are gone (a page read before
+    /// their completion still shows them).
+    pub(super) passed_over: HashSet<ObjectId>,
     /// Keys with a running delivery.
     running_keys: HashSet<KeyOf>,
     /// The lowest pending delivery of each key looked up so far (`None`: nothing pending).
@@ -38,15 +39,15 @@ pub(super) struct Picking {
 }
 
 impl Picking {
-    /// Picking up to `limit` deliveries, with what runs in the owner's lanes.
+    /// Picking up to `limit` deliveries, passing over what the owner's lanes list.
     pub(super) fn new(
         limit: usize,
-        running: HashSet<ObjectId>,
+        passed_over: HashSet<ObjectId>,
         running_keys: HashSet<KeyOf>,
     ) -> Picking {
         Picking {
             limit,
-            running,
+            passed_over,
             running_keys,
             ..Picking::default()
         }
@@ -54,6 +55,19 @@ impl Picking {
 
     pub(super) fn full(&self) -> bool {
         self.picks.len() >= self.limit
+    }
+
+    /// Whether `lane` gave picks, all unkeyed, and nothing of it waits: reading it deeper may
+    /// give more.
+    pub(super) fn drains_unkeyed(&self, lane: i32) -> bool {
+        let mut picked = self.picks.iter().filter(|pick| pick.lane == lane).peekable();
+        picked.peek().is_some()
+            && picked.all(|pick| pick.key.is_none())
+            && !self
+                .waiting
+                .values()
+                .flatten()
+                .any(|(_, waits_in)| *waits_in == lane)
     }
 
     /// The keys of `page` whose lowest pending delivery the per-key rules need and do not know
@@ -96,7 +110,7 @@ impl Picking {
             if self.full() {
                 break;
             }
-            if self.running.contains(&candidate.id) {
+            if self.passed_over.contains(&candidate.id) {
                 continue;
             }
             let Some(key) = &candidate.key else {

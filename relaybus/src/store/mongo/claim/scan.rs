@@ -25,6 +25,8 @@ use crate::{
 pub(super) const LANES_PER_QUERY: usize = 128;
 /// Deliveries read per batch once the first page did not yield enough.
 const SCAN_BATCH: u32 = 500;
+/// The lanes the first round of picking draws from; each further round draws from twice as many.
+const FIRST_ROUND_LANES: usize = 4;
 
 /// A due, ready delivery seen by a claim.
 #[derive(Debug, Clone)]
@@ -288,7 +290,7 @@ impl MongoEventStore {
             Some(first) => first,
             None => {
                 let window = page_window(scan.picking.limit - scan.picking.picks.len());
-                self.first_pages(lanes, handlers, now, window, &scan.picking.running)
+                self.first_pages(lanes, handlers, now, window, &scan.picking.passed_over)
                     .await?
             }
         };
@@ -307,7 +309,9 @@ impl MongoEventStore {
             merged.extend(page);
         }
         merged.sort_by_key(|candidate| (candidate.due_at, candidate.id));
-        self.look_up_and_pick(merged, scan).await?;
+        let mut seen: HashSet<ObjectId> = merged.iter().map(|candidate| candidate.id).collect();
+        self.drain_few_lanes(&merged, handlers, now, scan, &mut seen)
+            .await?;
         for (group, due, id) in unfinished {
             if scan.picking.full() {
                 break;
@@ -334,7 +338,9 @@ impl MongoEventStore {
             loop {
                 let next = cursor.try_next().await?;
                 let done = next.is_none();
-                if let Some(candidate) = next.as_ref().and_then(Candidate::from_document) {
+                if let Some(candidate) = next.as_ref().and_then(Candidate::from_document)
+                    && seen.insert(candidate.id)
+                {
                     batch.push(candidate);
                 }
                 if (done && !batch.is_empty()) || batch.len() >= SCAN_BATCH as usize {
@@ -345,6 +351,68 @@ impl MongoEventStore {
                     break;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Picks from the first pages (`merged`, in `(dueAt, _id)` order) a few lanes at a time:
+    /// the lanes of the oldest deliveries first, 4, then 8, 16, ... a round. A lane whose picks
+    /// of the page were all unkeyed, and none waited, is read deeper before the next round, so
+    /// that a batch comes from as few lanes as fill it: the record then writes a few lanes,
+    /// and the completions fence against a few. `seen` gathers what was read.
+    async fn drain_few_lanes(
+        &self,
+        merged: &[Candidate],
+        handlers: &[&str],
+        now: DateTime,
+        scan: &mut Scan,
+        seen: &mut HashSet<ObjectId>,
+    ) -> Result<()> {
+        let mut order: Vec<i32> = Vec::new();
+        for candidate in merged {
+            if !order.contains(&candidate.lane) {
+                order.push(candidate.lane);
+            }
+        }
+        let mut round = FIRST_ROUND_LANES;
+        let mut next = 0;
+        while next < order.len() && !scan.picking.full() {
+            let chosen = &order[next..(next + round).min(order.len())];
+            next += chosen.len();
+            round *= 2;
+            let page: Vec<Candidate> = merged
+                .iter()
+                .filter(|candidate| chosen.contains(&candidate.lane))
+                .cloned()
+                .collect();
+            self.look_up_and_pick(page, scan).await?;
+            if scan.picking.full() {
+                break;
+            }
+            let open: Vec<i32> = chosen
+                .iter()
+                .copied()
+                .filter(|lane| scan.picking.drains_unkeyed(*lane))
+                .collect();
+            if open.is_empty() {
+                continue;
+            }
+            let need = scan.picking.limit - scan.picking.picks.len();
+            let mut filter = scan_filter(&open, handlers, now);
+            let known: Vec<ObjectId> = seen
+                .iter()
+                .chain(&scan.picking.passed_over)
+                .copied()
+                .collect();
+            filter.insert(field::ID, doc! { "$nin": known });
+            let deeper: Vec<Candidate> = self
+                .page(filter, page_window(need))
+                .await?
+                .iter()
+                .filter_map(|doc| Candidate::from_raw(doc))
+                .filter(|candidate| seen.insert(candidate.id))
+                .collect();
+            self.look_up_and_pick(deeper, scan).await?;
         }
         Ok(())
     }
