@@ -71,6 +71,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, mpsc, oneshot};
 
 mod common;
+#[path = "dispatch/rebalance.rs"]
+mod rebalance;
 
 use common::{ClaimCounter, Floor, Memory, ServerWork, Summary, baseline, floor, store};
 
@@ -100,6 +102,10 @@ fn env_number(name: &str, default: usize) -> usize {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // A bus of the rebalance run, in a process of its own so that it can be killed.
+    if rebalance::child_bus().await? {
+        return Ok(());
+    }
     // Before any bus is built: buses register their metrics as they are built.
     ClaimCounter::install();
     let smoke = !std::env::args().any(|arg| arg == "--bench");
@@ -116,10 +122,11 @@ async fn main() -> Result<(), BoxError> {
     let only = match std::env::var("RELAYBUS_BENCH_ONLY") {
         Ok(only) if only == "throughput" => Some(Only::Throughput),
         Ok(only) if only == "hot-keys" => Some(Only::HotKeys),
+        Ok(only) if only == "rebalance" => Some(Only::Rebalance),
         Ok(other) => {
             return Err(format!(
-                "RELAYBUS_BENCH_ONLY={other:?}: the parts that run alone are `throughput` and \
-                 `hot-keys`"
+                "RELAYBUS_BENCH_ONLY={other:?}: the parts that run alone are `throughput`, \
+                 `hot-keys` and `rebalance`"
             )
             .into());
         }
@@ -159,6 +166,16 @@ async fn main() -> Result<(), BoxError> {
         concurrency()?,
         window.map_or_else(|| "not reported".to_owned(), |s| format!("{s} s"))
     );
+    let rebalance_backlog = sized("RELAYBUS_BENCH_REBALANCE_BACKLOG", 20_000, 64);
+    if only == Some(Only::Rebalance) {
+        let rebalance =
+            rebalance_part(&client, &uri, [fresh_db(), fresh_db()], rebalance_backlog).await?;
+        println!(
+            "{}",
+            serde_json::json!({ "bench": "dispatch", "profile": "rebalance", "rebalance": rebalance })
+        );
+        return Ok(());
+    }
     println!(
         "{:<10} {:<8} {:>6} {:>16} {:>8} {:>10} {:>12}",
         "subject", "keys", "buses", "deliveries/s", "/ floor", "/ unkeyed", "server CPU"
@@ -437,6 +454,14 @@ async fn main() -> Result<(), BoxError> {
         "hwm_kb": memory_json(|m| m.hwm_kb),
     });
 
+    // The kill waits out a lease (30 s): not in the smoke run of `cargo test`.
+    let rebalance = if smoke {
+        println!("\nrebalance: runs with --bench only (it waits out a lease)");
+        serde_json::Value::Null
+    } else {
+        rebalance_part(&client, &uri, [fresh_db(), fresh_db()], rebalance_backlog).await?
+    };
+
     let headline = throughput
         .iter()
         .find(|r| r["buses"] == 4 && r["keyed"] == false);
@@ -460,11 +485,37 @@ async fn main() -> Result<(), BoxError> {
             "fresh_key_under_backlog": fresh_key_under_backlog,
             "backlog": backlog_json,
             "hot_keys": hot_keys,
+            "rebalance": rebalance,
+            "rebalance_join_s": rebalance["join_s"],
+            "rebalance_kill_s": rebalance["kill_s"],
             "floor_ratio": floor_ratio,
             "ratio": ratio,
         })
     );
     Ok(())
+}
+
+/// The rebalance runs (see [`rebalance`]) on `dbs`, printed and as JSON.
+async fn rebalance_part(
+    client: &Client,
+    uri: &str,
+    dbs: [Database; 2],
+    backlog: usize,
+) -> Result<serde_json::Value, BoxError> {
+    let figures = rebalance::rebalance(client, uri, dbs, backlog).await?;
+    println!(
+        "\nrebalance over a backlog of {backlog}: a fourth bus joining three holds its share in \
+         {:.2} s ({} deliveries ran twice); a bus SIGKILLed mid-drain has its lanes held \
+         elsewhere in {:.2} s (lease {:.0} s)",
+        figures.join_s, figures.join_run_twice, figures.kill_s, figures.lease_s
+    );
+    Ok(serde_json::json!({
+        "backlog": backlog,
+        "join_s": (figures.join_s * 100.0).round() / 100.0,
+        "join_run_twice": figures.join_run_twice,
+        "kill_s": (figures.kill_s * 100.0).round() / 100.0,
+        "lease_s": figures.lease_s,
+    }))
 }
 
 /// The parts of the benchmark that run alone (`RELAYBUS_BENCH_ONLY`).
@@ -474,6 +525,8 @@ enum Only {
     Throughput,
     /// The hot keys, with the unkeyed one-bus row their rate is given against.
     HotKeys,
+    /// The rebalance runs.
+    Rebalance,
 }
 
 /// The hot-keys profile, relaybus then its floor, each on one of `dbs`: prints them and

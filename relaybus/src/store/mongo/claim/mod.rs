@@ -350,6 +350,16 @@ impl MongoEventStore {
         self.inner.members.clear();
     }
 
+    /// The lanes `owner` owns among the members this store instance knows of, as a claim of it
+    /// through this instance would take them; `None` when it owns none (it is no member, or the
+    /// members claim for different handler sets). For benchmarks and tests of rebalancing.
+    #[doc(hidden)]
+    pub fn lane_share(&self, owner: &str) -> Option<Vec<i32>> {
+        self.inner
+            .members
+            .lanes_of(owner, self.inner.claims.instance)
+    }
+
     /// One pass of a claim, with the owner's lock held: what it handed out, and whether it gave
     /// up picks because another claimer took their lane first. `None` when the owner's lanes
     /// list a delivery this instance did not hand out; nothing was recorded then.

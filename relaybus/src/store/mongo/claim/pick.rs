@@ -60,7 +60,11 @@ impl Picking {
     /// Whether `lane` gave picks, all unkeyed, and nothing of it waits: reading it deeper may
     /// give more.
     pub(super) fn drains_unkeyed(&self, lane: i32) -> bool {
-        let mut picked = self.picks.iter().filter(|pick| pick.lane == lane).peekable();
+        let mut picked = self
+            .picks
+            .iter()
+            .filter(|pick| pick.lane == lane)
+            .peekable();
         picked.peek().is_some()
             && picked.all(|pick| pick.key.is_none())
             && !self

@@ -9,7 +9,7 @@
 //! claim for its work is read without a write: the record takes it, on condition that its
 //! epoch, its requeue count and its empty lists are still what was read.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use futures::{TryStreamExt, future};
 use mongodb::{
@@ -22,7 +22,7 @@ use crate::{
     error::{Error, Result},
     store::mongo::{
         MongoEventStore,
-        lane::{Lane, LostClaim, STATEMENTS_PER_COMMAND, free_and_clean, int, string},
+        lane::{Lane, LostClaim, STATEMENTS_PER_COMMAND, free_and_clean},
         schema::{field, path, status},
     },
 };
@@ -199,12 +199,6 @@ impl MongoEventStore {
     /// Charges the lost claims listed by `lanes` one attempt, once, with [`LOST_ERROR`] as its
     /// error: `lostAt` records the epoch of the last lost claim charged and only grows. The
     /// claim generation moves on, so the lease of the lost claim can no longer match.
-    ///
-    /// Only a claim whose delivery may have started is charged. A worker runs the deliveries of
-    /// a key held to its order one after the other, each once its predecessor's completion is
-    /// durable (a run, see `runs`), so of the lost claims of one handler and key only the one
-    /// with the lowest sequence may have started; the others only move their claim generation
-    /// on, uncharged.
     pub(super) async fn charge_lost(&self, lanes: &[Lane], now: DateTime) -> Result<()> {
         let lost: Vec<&LostClaim> = lanes.iter().flat_map(|lane| lane.lost.iter()).collect();
         if lost.is_empty() {
@@ -234,26 +228,17 @@ impl MongoEventStore {
             })
             .count();
         crate::telemetry::record_takeovers(taken_over as u64, 0);
-        let unstarted = self.never_started(&lost).await?;
         let statements: Vec<Document> = lost
             .iter()
             .map(|lost| {
-                let mut set = doc! {
+                let set = doc! {
                     field::CLAIMS: { "$add": [{ "$ifNull": [path::CLAIMS, 0_i64] }, 1_i64] },
                     field::LOST_AT: lost.epoch,
                     field::UPDATED_AT: now,
+                    field::ATTEMPTS: { "$add": [{ "$ifNull": [path::ATTEMPTS, 0_i32] }, 1_i32] },
+                    field::LAST_ERROR: { "$literal": LOST_ERROR },
+                    field::ERRORS: crate::store::mongo::lane::push_error(LOST_ERROR, now),
                 };
-                if !unstarted.contains(&lost.delivery) {
-                    set.insert(
-                        field::ATTEMPTS,
-                        doc! { "$add": [{ "$ifNull": [path::ATTEMPTS, 0_i32] }, 1_i32] },
-                    );
-                    set.insert(field::LAST_ERROR, doc! { "$literal": LOST_ERROR });
-                    set.insert(
-                        field::ERRORS,
-                        crate::store::mongo::lane::push_error(LOST_ERROR, now),
-                    );
-                }
                 doc! {
                     "q": {
                         field::ID: lost.delivery,
@@ -275,56 +260,11 @@ impl MongoEventStore {
             charged +=
                 crate::store::mongo::lane::int(&reply, "nModified").map_or(0, |n| n.max(0) as u64);
         }
-        crate::telemetry::record_takeovers(0, charged.saturating_sub(unstarted.len() as u64));
+        crate::telemetry::record_takeovers(0, charged);
         self.inner
             .claims
             .forget(lost.iter().map(|lost| lost.delivery));
         Ok(())
-    }
-
-    /// Of the deliveries of `lost` claims, those that cannot have started: held to their key's
-    /// order behind another lost claim of the same handler and key with a lower sequence.
-    async fn never_started(&self, lost: &[&LostClaim]) -> Result<HashSet<ObjectId>> {
-        if lost.len() < 2 {
-            return Ok(HashSet::new());
-        }
-        let ids: Vec<ObjectId> = lost.iter().map(|lost| lost.delivery).collect();
-        let found: Vec<Document> = self
-            .inner
-            .deliveries
-            .find(doc! { field::ID: { "$in": ids }, field::KEY: { "$exists": true } })
-            .projection(doc! {
-                field::HANDLER: 1, field::KEY: 1, field::SEQUENCE: 1, field::UNORDERED: 1,
-            })
-            .await?
-            .try_collect()
-            .await?;
-        let mut lowest: HashMap<(String, String), (i64, ObjectId)> = HashMap::new();
-        let mut ordered = Vec::new();
-        for doc in &found {
-            let (Ok(id), Some(handler), Some(key), Some(sequence)) = (
-                doc.get_object_id(field::ID),
-                string(doc, field::HANDLER),
-                string(doc, field::KEY),
-                int(doc, field::SEQUENCE),
-            ) else {
-                continue;
-            };
-            if doc.get_bool(field::UNORDERED) == Ok(true) {
-                continue;
-            }
-            let key_of = (handler, key);
-            let entry = lowest.entry(key_of.clone()).or_insert((sequence, id));
-            if sequence < entry.0 {
-                *entry = (sequence, id);
-            }
-            ordered.push((id, key_of));
-        }
-        Ok(ordered
-            .into_iter()
-            .filter(|(id, key_of)| lowest.get(key_of).is_some_and(|(_, first)| first != id))
-            .map(|(id, _)| id)
-            .collect())
     }
 }
 
