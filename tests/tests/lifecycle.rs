@@ -1873,16 +1873,14 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
         completes.push(used);
     }
     // A claim from held lanes: the lanes read beside the first pages of the held lanes (two
-    // groups of 128: the one owner owns every lane), then the events of the picks beside the
-    // record; the first also looks up parked deliveries. Whatever the batch size.
+    // groups of 128: the one owner owns every lane), one deeper read of the first lanes it
+    // picks from when the pages did not hold all that is due, then the events of the picks
+    // beside the record; the first also looks up parked deliveries. Whatever the batch size.
     assert!(
-        claims[1..].iter().all(|n| *n == claims[1]),
+        claims[1..].iter().all(|n| (5..=6).contains(n)),
         "claims: {claims:?}"
     );
-    assert!(
-        claims[1] <= 6 && claims[0] <= claims[1] + 1,
-        "claims: {claims:?}"
-    );
+    assert!(claims[0] <= 7, "claims: {claims:?}");
     assert_eq!(completes, vec![3, 3, 3]);
 }
 

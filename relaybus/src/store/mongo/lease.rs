@@ -204,6 +204,11 @@ pub(crate) struct OwnerState {
     /// The owned lanes the owner held when its last claim ended: the next claim reads their
     /// first page while it reads its lanes, and uses it if they are still the lanes it scans.
     pub(crate) held: Vec<i32>,
+    /// The lanes the owner held when its last claim ended, as that claim wrote them, when its
+    /// record matched every lane it wrote: the next claim reads only the lanes that list
+    /// something and takes the others as these say. `None`: unknown, read them all. A lane
+    /// that changed meanwhile fails the record's condition, which forgets them.
+    pub(crate) known: Option<Vec<super::lane::Lane>>,
     /// When the owner last tried to take owned lanes it did not hold, and the member list's
     /// generation then.
     pub(crate) taken_at: Option<(u64, super::claim::Tried)>,

@@ -280,6 +280,7 @@ impl MongoEventStore {
         let mut state = lock.lock().await;
         if state.interrupted {
             // The previous claim of this owner was dropped half-way.
+            state.known = None;
             self.reconcile(owner, now).await?;
             state.interrupted = false;
         }
@@ -397,8 +398,16 @@ impl MongoEventStore {
                 .await
                 .map(Some)
         };
-        let (held, first_pages) = futures::join!(self.own_lanes(owner), first_pages);
-        let (held, found) = held?;
+        let known = state.known.take();
+        let (held, first_pages) =
+            futures::join!(self.own_lanes(owner, known.is_some()), first_pages);
+        let (mut held, found) = held?;
+        // The lanes that list nothing were not read: as the last claim left them.
+        for lane in known.into_iter().flatten() {
+            if !held.iter().any(|read| read.id == lane.id) {
+                held.push(lane);
+            }
+        }
         let lost: Vec<Lane> = held
             .iter()
             .filter(|lane| !lane.lost.is_empty())
@@ -518,6 +527,18 @@ impl MongoEventStore {
             })
             .collect();
         state.held.sort_unstable();
+        state.known = recorded.all_matched.then(|| {
+            recorded
+                .lanes
+                .iter()
+                .filter(|lane| !recorded.handed_back.contains(&lane.id))
+                .map(|lane| Lane {
+                    in_flight: Vec::new(),
+                    lost: Vec::new(),
+                    ..lane.clone()
+                })
+                .collect()
+        });
 
         let (claimed, orphaned) =
             self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
@@ -532,18 +553,29 @@ impl MongoEventStore {
         Ok(Some((claimed, recorded.raced)))
     }
 
-    /// The lanes `owner` holds on this instance, with what they list that still exists: one
-    /// aggregation that gathers the lanes' lists first and looks them up by id once (a
-    /// `$lookup` runs its query once per input document).
-    async fn own_lanes(&self, owner: &str) -> Result<(Vec<Lane>, Vec<Document>)> {
+    /// The lanes `owner` holds on this instance (only those that list something when
+    /// `listing`), with what they list that still exists: one aggregation that gathers the
+    /// lanes' lists first and looks them up by id once (a `$lookup` runs its query once per
+    /// input document).
+    async fn own_lanes(&self, owner: &str, listing: bool) -> Result<(Vec<Lane>, Vec<Document>)> {
+        let mut held = doc! {
+            field::OWNER: owner,
+            field::INSTANCE: self.inner.claims.instance,
+        };
+        if listing {
+            held.insert(
+                "$or",
+                vec![
+                    doc! { format!("{}.0", field::IN_FLIGHT): { "$exists": true } },
+                    doc! { format!("{}.0", field::LOST): { "$exists": true } },
+                ],
+            );
+        }
         let found: Option<Document> = self
             .inner
             .lanes
             .aggregate(vec![
-                doc! { "$match": {
-                    field::OWNER: owner,
-                    field::INSTANCE: self.inner.claims.instance,
-                } },
+                doc! { "$match": held },
                 doc! { "$group": {
                     "_id": null,
                     "lanes": { "$push": "$$ROOT" },

@@ -36,6 +36,8 @@ pub(super) struct Recorded {
     pub(super) raced: bool,
     /// The lanes handed back: everything due in them waits.
     pub(super) handed_back: HashSet<i32>,
+    /// Every lane written to matched its condition.
+    pub(super) all_matched: bool,
 }
 
 impl MongoEventStore {
@@ -160,7 +162,16 @@ impl MongoEventStore {
         let (relisting, relisted_lanes) = relist_statements(&relists, expires_at);
         let expected = statements.len() as u64 + relisted_lanes;
         statements.extend(relisting);
-        let lanes: Vec<Lane> = lanes.into_iter().map(|(lane, _)| lane).collect();
+        let lanes: Vec<Lane> = lanes
+            .into_iter()
+            .map(|(mut lane, _)| {
+                // A relist renews the lease up to the claim's expiry.
+                if relists.iter().any(|relist| relist.lane == lane.id) {
+                    lane.lease_expires_at = lane.lease_expires_at.max(Some(expires_at));
+                }
+                lane
+            })
+            .collect();
         let mut matched = 0;
         for chunk in statements.chunks(STATEMENTS_PER_COMMAND) {
             matched += self.update_lanes(chunk).await?;
@@ -187,6 +198,7 @@ impl MongoEventStore {
             picks,
             raced,
             handed_back,
+            all_matched: matched == expected,
         })
     }
 

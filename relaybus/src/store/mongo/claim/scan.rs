@@ -310,8 +310,15 @@ impl MongoEventStore {
         }
         merged.sort_by_key(|candidate| (candidate.due_at, candidate.id));
         let mut seen: HashSet<ObjectId> = merged.iter().map(|candidate| candidate.id).collect();
-        self.drain_few_lanes(&merged, handlers, now, scan, &mut seen)
-            .await?;
+        self.drain_few_lanes(
+            &merged,
+            !unfinished.is_empty(),
+            handlers,
+            now,
+            scan,
+            &mut seen,
+        )
+        .await?;
         for (group, due, id) in unfinished {
             if scan.picking.full() {
                 break;
@@ -356,13 +363,15 @@ impl MongoEventStore {
     }
 
     /// Picks from the first pages (`merged`, in `(dueAt, _id)` order) a few lanes at a time:
-    /// the lanes of the oldest deliveries first, 4, then 8, 16, ... a round. A lane whose picks
-    /// of the page were all unkeyed, and none waited, is read deeper before the next round, so
-    /// that a batch comes from as few lanes as fill it: the record then writes a few lanes,
-    /// and the completions fence against a few. `seen` gathers what was read.
+    /// the lanes of the oldest deliveries first, 4, then 8, 16, ... a round. When the pages did
+    /// not hold every due delivery of their lanes (`more`), the first round's lanes whose picks
+    /// were all unkeyed, and of which nothing waited, are read deeper before the next round: a
+    /// batch then comes from a few lanes, so the record writes a few lanes and the completions
+    /// fence against a few. `seen` gathers what was read.
     async fn drain_few_lanes(
         &self,
         merged: &[Candidate],
+        more: bool,
         handlers: &[&str],
         now: DateTime,
         scan: &mut Scan,
@@ -378,6 +387,7 @@ impl MongoEventStore {
         let mut next = 0;
         while next < order.len() && !scan.picking.full() {
             let chosen = &order[next..(next + round).min(order.len())];
+            let first = next == 0;
             next += chosen.len();
             round *= 2;
             let page: Vec<Candidate> = merged
@@ -386,15 +396,12 @@ impl MongoEventStore {
                 .cloned()
                 .collect();
             self.look_up_and_pick(page, scan).await?;
-            if scan.picking.full() {
-                break;
-            }
             let open: Vec<i32> = chosen
                 .iter()
                 .copied()
                 .filter(|lane| scan.picking.drains_unkeyed(*lane))
                 .collect();
-            if open.is_empty() {
+            if !first || !more || open.is_empty() || scan.picking.full() {
                 continue;
             }
             let need = scan.picking.limit - scan.picking.picks.len();
