@@ -1003,10 +1003,16 @@ async fn per_key_rules_one_at_a_time_in_sequence_and_blocked_keys_do_not_starve_
     let readied = db
         .db()
         .collection::<Document>("relaybus_deliveries")
-        .update_many(doc! { "key": "order-1" }, doc! { "$set": { "lane": "ready" } })
+        .update_many(
+            doc! { "key": "order-1" },
+            doc! { "$set": { "lane": "ready" } },
+        )
         .await
         .unwrap();
-    assert_eq!(readied.modified_count, 29, "the append had parked the followers");
+    assert_eq!(
+        readied.modified_count, 29,
+        "the append had parked the followers"
+    );
 
     // A claim of 4 reads a first page of 20, all of the key: one pick, 19 blocked. The unkeyed
     // work lies past the page and past the rest of the blocked backlog.

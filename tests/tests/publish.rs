@@ -700,7 +700,10 @@ async fn a_commit_stopped_at_max_commit_time_is_a_transaction_timeout() {
     let max_time = match commits[0].get("maxTimeMS") {
         Some(Bson::Int32(ms)) => i64::from(*ms),
         Some(Bson::Int64(ms)) => *ms,
-        other => panic!("the commit carries no maxTimeMS ({other:?}): {}", commits[0]),
+        other => panic!(
+            "the commit carries no maxTimeMS ({other:?}): {}",
+            commits[0]
+        ),
     };
     assert!(
         (1..=budget).contains(&max_time),
