@@ -984,21 +984,48 @@ async fn a_completion_that_lands_while_a_claim_reads_is_not_taken_for_an_orphan(
 async fn per_key_rules_one_at_a_time_in_sequence_and_blocked_keys_do_not_starve_others() {
     let db = test_db("per_key").await;
     let store = store(&db).await;
-    let keyed: Vec<EventEnvelope> = (0..5)
+    // 30 deliveries of one key, fewer than a claim parks, all due before the unkeyed work.
+    let keyed: Vec<EventEnvelope> = (0..30)
         .map(|i| event(&format!("k-{i}"), Some("order-1")))
         .collect();
     publish(&store, &keyed, &[HANDLER], at(0)).await;
-    publish_unkeyed(&store, "free", 3, at(1)).await;
+    // Unkeyed work in the key's own lane, so that every page the claim reads holds the key.
+    let key_lane = lane_of(Some("order-1"), "");
+    let free: Vec<EventEnvelope> = (0..)
+        .map(|i| format!("free-{i}"))
+        .filter(|id| lane_of(None, id) == key_lane)
+        .take(3)
+        .map(|id| event(&id, None))
+        .collect();
+    publish(&store, &free, &[HANDLER], at(1)).await;
+    // The append wrote parked what waits behind the key's first delivery; ready, as a requeue
+    // or an earlier version leaves them, the claims must scan past them.
+    let readied = db
+        .db()
+        .collection::<Document>("relaybus_deliveries")
+        .update_many(
+            doc! { "key": "order-1" },
+            doc! { "$set": { "lane": "ready" } },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        readied.modified_count, 29,
+        "the append had parked the followers"
+    );
 
-    let batch = claim(&store, "w", 10, at(2)).await;
+    // A claim of 4 reads a first page of 20, all of the key: one pick, 19 blocked. The unkeyed
+    // work lies past the page and past the rest of the blocked backlog.
+    let batch = claim(&store, "w", 4, at(2)).await;
     let keyed_picks: Vec<&ClaimedDelivery> = batch.iter().filter(|d| d.key().is_some()).collect();
     assert_eq!(keyed_picks.len(), 1, "one delivery of a key per claim");
     assert_eq!(keyed_picks[0].sequence(), Some(1));
     assert_eq!(
         batch.len(),
         4,
-        "the blocked key did not starve the unkeyed work"
+        "the scan went past the 29 blocked deliveries to the unkeyed work"
     );
+    assert_eq!(parked_count(&db).await, 0, "scanned, not parked");
     let head = keyed_picks[0].clone();
 
     // While the head runs, nothing of its key comes out.
@@ -1278,6 +1305,15 @@ async fn a_parked_backlog_of_5000_unparks_level_triggered_after_its_head_complet
     assert_eq!(store.statistics().await.unwrap().parked, 4_999);
 
     assert!(store.complete(head.lease(), at(5)).await.unwrap());
+    // Nothing but the parked backlog is pending now: the oldest due time is theirs, as
+    // appended.
+    let stats = store.statistics().await.unwrap();
+    assert_eq!((stats.pending, stats.parked), (4_999, 4_999));
+    assert_eq!(
+        stats.oldest_due_at,
+        Some(at(0).into()),
+        "parked deliveries keep their due time and count"
+    );
     let next = claim(&store, "w", 10, at(6)).await;
     assert_eq!(next.len(), 1);
     assert_eq!(

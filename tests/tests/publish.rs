@@ -3,7 +3,7 @@
 use std::{
     collections::HashMap,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicU32, Ordering},
     },
     time::Duration,
@@ -13,6 +13,7 @@ use futures::TryStreamExt;
 use mongodb::{
     Client,
     bson::{Bson, Document, doc},
+    event::{EventHandler, command::CommandEvent},
     options::ClientOptions,
 };
 use relaybus::{
@@ -644,7 +645,19 @@ async fn the_budget_covers_every_attempt_of_a_transaction() {
 async fn a_commit_stopped_at_max_commit_time_is_a_transaction_timeout() {
     let db = test_db("budget_commit").await;
     let app = "relaybus-max-commit-time";
-    let client = client_named(&db, app).await;
+    // The commits the client sends, as the server receives them.
+    let commits = Arc::new(Mutex::new(Vec::new()));
+    let mut options = ClientOptions::parse(&db.uri).await.unwrap();
+    options.app_name = Some(app.to_owned());
+    let sink = Arc::clone(&commits);
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event
+            && started.command_name == "commitTransaction"
+        {
+            sink.lock().unwrap().push(started.command);
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
     let store = store_on(&client, &db).await;
     let bus = RelayBus::builder(store)
         .subscribe(noop::<OrderPlaced>("a"))
@@ -680,6 +693,22 @@ async fn a_commit_stopped_at_max_commit_time_is_a_transaction_timeout() {
         other => panic!("expected a transaction timeout, got {other:?}"),
     }
     assert_eq!(written(&db).await, (0, 0, 0, 0));
+    // The commit carried what was left of the budget as its `maxTimeMS`.
+    let commits = commits.lock().unwrap().clone();
+    assert_eq!(commits.len(), 1, "one commit, not retried: {commits:?}");
+    let budget = bus.transaction_timeout().as_millis() as i64;
+    let max_time = match commits[0].get("maxTimeMS") {
+        Some(Bson::Int32(ms)) => i64::from(*ms),
+        Some(Bson::Int64(ms)) => *ms,
+        other => panic!(
+            "the commit carries no maxTimeMS ({other:?}): {}",
+            commits[0]
+        ),
+    };
+    assert!(
+        (1..=budget).contains(&max_time),
+        "maxTimeMS {max_time} within the budget of {budget} ms"
+    );
 }
 
 #[tokio::test]

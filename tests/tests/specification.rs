@@ -1,6 +1,7 @@
 //! Items of the store specification that had no test of their own: the default transaction
 //! options, racing appends of one event id, the completion history's listing, the retry limit
-//! of transactions, documents an older writer left with null fields, and the retention purge.
+//! of transactions and its default, the write concern and read preference outside
+//! transactions, documents an older writer left with null fields, and the retention purge.
 
 use std::{
     sync::{
@@ -15,7 +16,7 @@ use mongodb::{
     Client,
     bson::{Bson, DateTime, Document, doc},
     event::{EventHandler, command::CommandEvent},
-    options::ClientOptions,
+    options::{ClientOptions, ReadPreference, SelectionCriteria, WriteConcern},
 };
 use relaybus::store::prelude::*;
 use relaybus::{
@@ -321,6 +322,35 @@ async fn transaction_retries_stop_at_their_limit_with_the_last_error() {
         elapsed < Duration::from_secs(3),
         "stopped at the limit, not the budget: {elapsed:?}"
     );
+}
+
+/// Without a limit of its own, a store's transaction retries transient errors for 120 seconds,
+/// then returns the last one. The runner is the one every store shares; on the in-memory store
+/// the test can pause time, so that the pauses between attempts pass at once.
+#[tokio::test(start_paused = true)]
+async fn transaction_retries_stop_after_120_seconds_by_default() {
+    let store = relaybus::MemoryEventStore::new();
+    let runs = AtomicU32::new(0);
+    let started = tokio::time::Instant::now();
+    let result: Result<(), Error> = store
+        .transaction(async |_session| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Err(Error::Database(
+                relaybus::DatabaseError::new(std::io::Error::other("always a write conflict"))
+                    .with_transient(true),
+            ))
+        })
+        .await;
+    let elapsed = started.elapsed();
+    match result {
+        Err(Error::Database(error)) => assert!(error.is_transient(), "{error}"),
+        other => panic!("expected the last transient error, got {other:?}"),
+    }
+    assert!(
+        (Duration::from_secs(120)..Duration::from_secs(121)).contains(&elapsed),
+        "retried for {elapsed:?}"
+    );
+    assert!(runs.load(Ordering::SeqCst) > 1_000, "it retried all along");
 }
 
 /// The documents of an event and its delivery written by another writer that stores absent
@@ -1188,6 +1218,101 @@ async fn a_completion_stamps_with_majority_before_it_deletes() {
         ],
         "{writes:?}"
     );
+}
+
+/// The write concern a command asks for (`w`), as text.
+fn write_concern_of(command: &Document) -> Option<String> {
+    command
+        .get_document("writeConcern")
+        .ok()
+        .and_then(|w| w.get("w"))
+        .map(|w| match w {
+            Bson::String(w) => w.clone(),
+            other => other.to_string(),
+        })
+}
+
+/// Claims, renewals, lane hand-backs and completions write with majority outside transactions,
+/// transactions commit with majority, and every read goes to the primary, whatever the client's
+/// defaults are: here acknowledgement by one node, and reads from a secondary, which a
+/// single-node replica set does not have, so that a read left to the client's default finds
+/// no server.
+#[tokio::test]
+async fn claims_lanes_and_completions_write_with_majority_and_read_from_the_primary() {
+    let db = test_db("spec_concerns").await;
+    let (mut options, seen) = recording_client(&db.uri).await;
+    options.write_concern = Some(WriteConcern::nodes(1));
+    options.selection_criteria = Some(SelectionCriteria::ReadPreference(
+        ReadPreference::Secondary {
+            options: Default::default(),
+        },
+    ));
+    options.server_selection_timeout = Some(Duration::from_secs(2));
+    let store = MongoEventStore::builder(Client::with_options(options).unwrap())
+        .database(&db.name)
+        .build()
+        .unwrap();
+    store.setup().await.unwrap();
+    seen.lock().unwrap().clear();
+
+    let handlers = ["projector".to_owned()];
+    let now = Timestamp::now();
+    for id in ["o-1", "o-2"] {
+        append_one(&store, &envelope(id), &handlers, now).await;
+    }
+    let claimed = claim_as(&store, "w", &handlers, 10, now).await;
+    assert_eq!(claimed.len(), 2);
+    let leases: Vec<relaybus::Lease> = claimed.iter().map(|c| c.lease).collect();
+    assert_eq!(
+        Queue::renew(&store, &leases, Duration::from_secs(60), now)
+            .await
+            .unwrap(),
+        2
+    );
+    // More than a minute after the deliveries were created: the completion stamps the event.
+    let later = now.saturating_add(Duration::from_secs(61));
+    assert_eq!(
+        Queue::complete(&store, &leases[..1], later).await.unwrap(),
+        [true]
+    );
+    assert!(Queue::release(&store, &leases[1], later).await.unwrap());
+    assert!(Queue::relinquish(&store, "w").await.unwrap() >= 1);
+
+    let commands = seen.lock().unwrap().clone();
+    let mut written = std::collections::BTreeSet::new();
+    for command in &commands {
+        let Some(name) = command.keys().next() else {
+            continue;
+        };
+        let target = command.get_str(name).unwrap_or_default();
+        let in_transaction = command.get_bool("autocommit") == Ok(false);
+        let write = ["insert", "update", "delete", "findAndModify"].contains(&name.as_str());
+        if (write && !in_transaction) || name == "commitTransaction" {
+            assert_eq!(
+                write_concern_of(command).as_deref(),
+                Some("majority"),
+                "{command}"
+            );
+            written.insert(format!("{name} {target}"));
+        }
+        // A `getMore` goes on where its cursor is, whatever it names.
+        if let (Ok(preference), false) =
+            (command.get_document("$readPreference"), name == "getMore")
+        {
+            assert_eq!(preference.get_str("mode"), Ok("primary"), "{command}");
+        }
+    }
+    for expected in [
+        "update relaybus_lanes",
+        "update relaybus_events",
+        "delete relaybus_deliveries",
+        "commitTransaction",
+    ] {
+        assert!(
+            written.iter().any(|w| w.starts_with(expected)),
+            "no {expected}: {written:?}"
+        );
+    }
 }
 
 /// A completion within a minute of a fresh event's creation deletes its delivery and stamps

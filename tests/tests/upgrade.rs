@@ -72,6 +72,8 @@ async fn write_0_1(db: &TestDb, bulk: usize) {
     ];
     let mut claimed = delivery_0_1("e-claimed", "projector", "processing", Some(("cart-1", 1)));
     claimed.insert("attempts", 1);
+    // Due in an hour: only the upgrade can make it due at once.
+    claimed.insert("dueAt", millis_ago(-3_600_000));
     claimed.insert("leaseOwner", "worker-of-0.1.0");
     claimed.insert(
         "leaseExpiresAt",
@@ -173,7 +175,9 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
     let db = test_db("upgrade_0_1").await;
     write_0_1(&db, 2_500).await;
     let store = bare_store(&db);
+    let before = DateTime::now();
     store.setup().await.unwrap();
+    let after = DateTime::now();
 
     // The lanes mark the upgrade as done; the 0.1.0 indexes are gone or replaced.
     assert_eq!(count(&db, "relaybus_lanes").await, 256);
@@ -220,6 +224,19 @@ async fn setup_makes_a_0_1_database_claimable_listable_and_purgeable() {
     assert_eq!(
         waiting.get_i32("laneId").unwrap() as u32,
         lane_of(Some("cart-1"), "e-waiting")
+    );
+    // The claimed delivery, due in an hour before, is due at once: at the upgrade's time.
+    let claimed = db
+        .db()
+        .collection::<Document>("relaybus_deliveries")
+        .find_one(doc! { "eventId": "e-claimed" })
+        .await
+        .unwrap()
+        .unwrap();
+    let due = *claimed.get_datetime("dueAt").unwrap();
+    assert!(
+        before <= due && due <= after,
+        "due at {due}, the upgrade ran from {before} to {after}"
     );
     let events = db.db().collection::<Document>("relaybus_events");
     assert_eq!(

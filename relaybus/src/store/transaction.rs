@@ -12,6 +12,9 @@ use std::{
 };
 
 use rand::Rng;
+// The attempts' clock: Tokio's, which is the system's monotonic clock unless a test paused it,
+// so that the retry limit and the budget can be tested on paused time.
+use tokio::time::Instant as Moment;
 
 use super::Store;
 use crate::error::{ConfigurationError, Error, Result, TransactionTimeoutError};
@@ -134,10 +137,10 @@ pub(crate) fn take_contended_keys() -> Vec<String> {
 /// ```
 #[derive(Debug)]
 pub struct Attempts {
-    started: Instant,
+    started: Moment,
     attempt: u32,
     budget: Option<Duration>,
-    deadline: Instant,
+    deadline: Moment,
 }
 
 /// How a commit ended.
@@ -153,7 +156,7 @@ pub enum Committed {
 impl Attempts {
     /// The first attempt, now, retried for at most [`RETRY_LIMIT`].
     pub fn new(budget: Option<Duration>) -> Self {
-        let now = Instant::now();
+        let now = Moment::now();
         Attempts {
             started: now,
             attempt: 0,
@@ -171,7 +174,7 @@ impl Attempts {
     /// Stops retrying at `deadline` instead, if it is sooner: a transactional handler must
     /// end within its lease.
     pub fn retry_until(mut self, deadline: Instant) -> Self {
-        self.deadline = self.deadline.min(deadline);
+        self.deadline = self.deadline.min(Moment::from_std(deadline));
         self
     }
 
@@ -188,7 +191,7 @@ impl Attempts {
     /// Whether retrying is still allowed: before the retry deadline, and within the budget,
     /// which covers every attempt.
     pub fn time_left(&self) -> bool {
-        Instant::now() < self.deadline && !self.over_budget()
+        Moment::now() < self.deadline && !self.over_budget()
     }
 
     /// Whether the attempts so far have used up the budget.
@@ -287,7 +290,7 @@ impl Attempts {
             if error.is_unknown_commit_result() {
                 // It may have committed: sending it again is the only way to know, whatever
                 // the budget says, until the retry deadline.
-                if Instant::now() < self.deadline {
+                if Moment::now() < self.deadline {
                     continue;
                 }
                 return Err(error);

@@ -442,10 +442,10 @@ impl MongoEventStoreBuilder {
                 ))
                 .build()
         });
-        // Writes outside transactions (claims, renewals, setup) always use majority write concern
-        // and read from the primary, whatever the client's defaults are. One write waits for the
-        // primary alone: a completion's event update, which the completion's majority delete
-        // follows and so proves.
+        // Writes outside transactions (claims, lane hand-backs, completions, setup) always use
+        // majority write concern and read from the primary, whatever the client's defaults are:
+        // a lease or a completion acknowledged once survives a failover, and no claim reads a
+        // stale secondary.
         let db = self.client.database_with_options(
             &database,
             mongodb::options::DatabaseOptions::builder()
