@@ -212,6 +212,9 @@ pub(crate) struct OwnerState {
     /// When the owner last tried to take owned lanes it did not hold, and the member list's
     /// generation then.
     pub(crate) taken_at: Option<(u64, super::claim::Tried)>,
+    /// The owner's last claim handed out nothing: the next one tries to take its lanes and
+    /// looks at free lanes whatever the intervals say.
+    pub(crate) came_up_empty: bool,
     /// When the owner last looked at free lanes.
     pub(crate) probed_at: Option<super::claim::Tried>,
     /// The lanes it holds that it took to help with, not owning them: scanned until they are

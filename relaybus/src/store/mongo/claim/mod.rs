@@ -432,9 +432,12 @@ impl MongoEventStore {
                 .filter(|id| !lanes.iter().any(|(lane, _)| lane.id == **id))
                 .copied()
                 .collect();
-            let due = state
-                .taken_at
-                .is_none_or(|(known, tried)| known != generation || tried.due(TAKE_INTERVAL, now));
+            // An owner whose last claim came up empty tries at once: it may have been woken by
+            // work in one of these lanes, and an idle owner claims seldom.
+            let due = state.came_up_empty
+                || state.taken_at.is_none_or(|(known, tried)| {
+                    known != generation || tried.due(TAKE_INTERVAL, now)
+                });
             if !missing.is_empty() && due {
                 state.taken_at = Some((generation, Tried::at(now)));
                 let taken = self.take_owned(&missing, request).await?;
@@ -479,6 +482,7 @@ impl MongoEventStore {
         // of members it did not see join yet).
         let probe = !scan.picking.full()
             && (owned.is_none()
+                || (state.came_up_empty && scan.picking.picks.is_empty())
                 || state
                     .probed_at
                     .is_none_or(|tried| tried.due(PROBE_INTERVAL, now)));
@@ -542,6 +546,7 @@ impl MongoEventStore {
 
         let (claimed, orphaned) =
             self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
+        state.came_up_empty = claimed.is_empty();
         self.park_waiting(owner, &waiting, &recorded.handed_back)
             .await;
         for lease in orphaned {
