@@ -12,7 +12,9 @@
 //!   member list changed, and otherwise every 250 ms at most. A lane another holder still
 //!   holds is left to it until it hands the lane back or its lease expires.
 //! - **Scanning** ([`scan`]) the owned lanes it holds: their due, ready deliveries in
-//!   `(dueAt, _id)` order, and **picking** ([`pick`]) from them under the per-key rules.
+//!   `(dueAt, _id)` order, and **picking** ([`pick`]) from them under the per-key rules, a few
+//!   lanes at a time, the lanes of the oldest deliveries first, so that a batch is recorded on
+//!   a few lanes.
 //! - **Free lanes** ([`free`]), if its lanes did not fill the claim, at most once a second
 //!   (at every such claim while the members claim for different handler sets): free lanes
 //!   with due deliveries of its handlers, the oldest due first, 4, then 8, 16, ... a round.
@@ -191,7 +193,8 @@ impl MongoEventStore {
     ///
     /// With its lanes held, a claim costs four commands in two round trips whatever `limit` is
     /// (its lanes beside the first page of their deliveries, then the events of the picks beside
-    /// the record), one more when the page does not fill it, and one lookup per handler for the
+    /// the record), one more when the page does not fill it from the first lanes it picks from
+    /// (a claim picks from a few lanes at a time), and one lookup per handler for the
     /// keys it picks from, in parallel. It writes no delivery document for an unkeyed batch.
     ///
     /// # Errors
