@@ -847,7 +847,7 @@ async fn forgetting_the_claim_state_mid_run_costs_runs_never_a_second_live_lease
 }
 
 #[tokio::test]
-async fn a_listing_the_instance_did_not_hand_out_is_reconciled_by_the_next_claim() {
+async fn a_listing_the_instance_did_not_hand_out_is_reconciled_within_9_claims() {
     let db = test_db("orphan").await;
     let store = store(&db).await;
     // Two deliveries in one lane.
@@ -878,18 +878,28 @@ async fn a_listing_the_instance_did_not_hand_out_is_reconciled_by_the_next_claim
         )
         .await
         .unwrap();
-    let next = claim(&store, "w", 10, at(3)).await;
+    // The owner takes its lanes as its last record left them for a few claims, then reads
+    // them and finds the listing.
+    let mut claims = 0;
+    let next = loop {
+        claims += 1;
+        let next = claim(&store, "w", 10, at(3)).await;
+        if !next.is_empty() || claims > 8 {
+            break next;
+        }
+    };
     assert_eq!(
         next.len(),
         1,
-        "the orphan was taken out and claimed properly"
+        "the orphan was taken out and claimed properly, after {claims} claims"
     );
     assert_eq!(next[0].delivery_id(), second_id);
-    assert_eq!(next[0].lease().claims(), 1, "its generation moved on");
+    // Reconciled at a read of the lanes (its generation moved on), or picked before one as
+    // the delivery it is: no lease of it was handed out.
+    assert!(next[0].lease().claims() <= 1, "{:?}", next[0].lease());
     assert_eq!(next[0].attempt(), 1);
-    let listed = in_flight(&lane(&db, lane_id).await);
-    assert_eq!(listed.len(), 2);
-    assert!(listed.contains(&first.delivery_id()) && listed.contains(&second_id));
+    let listed: HashSet<_> = in_flight(&lane(&db, lane_id).await).into_iter().collect();
+    assert_eq!(listed, HashSet::from([first.delivery_id(), second_id]));
     assert!(
         store.complete(first.lease(), at(4)).await.unwrap(),
         "handed-out claims kept"
@@ -1363,10 +1373,11 @@ async fn a_claim_that_unparks_keys_looks_each_of_them_up_once() {
         vec![Some(2), Some(2)],
         "each key's next delivery came back and was claimed"
     );
-    // The lanes, the parked heads, and one lookup of their keys' lowest pending deliveries,
-    // which decides what to unpark and serves the per-key rules too: no lookup of its own.
+    // The parked heads, and one lookup of their keys' lowest pending deliveries, which
+    // decides what to unpark and serves the per-key rules too: no lookup of its own. The lanes
+    // are not read: the last claim's record left them as it knows.
     let aggregations = sent.iter().filter(|name| *name == "aggregate").count();
-    assert_eq!(aggregations, 3, "{sent:?}");
+    assert_eq!(aggregations, 2, "{sent:?}");
     assert!(used <= 12, "{used} commands: {sent:?}");
     // The heads went back to their lanes in one update, and the record is the other.
     assert_eq!(
@@ -1908,15 +1919,16 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
         );
         completes.push(used);
     }
-    // A claim from held lanes: the lanes read beside the first pages of the held lanes (two
-    // groups of 128: the one owner owns every lane), one deeper read of the first lanes it
-    // picks from when the pages did not hold all that is due, then the events of the picks
-    // beside the record; the first also looks up parked deliveries. Whatever the batch size.
+    // A claim from held lanes, which it takes as its last record left them: the first pages
+    // of the held lanes (two groups of 128: the one owner owns every lane), one deeper read of
+    // the first lanes it picks from when the pages did not hold all that is due, then the
+    // events of the picks beside the record; the first also looks up parked deliveries.
+    // Whatever the batch size.
     assert!(
-        claims[1..].iter().all(|n| (5..=6).contains(n)),
+        claims[1..].iter().all(|n| (4..=5).contains(n)),
         "claims: {claims:?}"
     );
-    assert!(claims[0] <= 7, "claims: {claims:?}");
+    assert!(claims[0] <= 6, "claims: {claims:?}");
     assert_eq!(completes, vec![3, 3, 3]);
 }
 

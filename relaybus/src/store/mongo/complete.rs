@@ -108,10 +108,16 @@ impl MongoEventStore {
             self.own_transaction((self, leases, now), |session, (store, leases, now)| {
                 Box::pin(store.complete_in(session, leases, *now))
             })
-            .await?
+            .await
         } else {
-            self.complete_without_transaction(leases, now).await?
+            self.complete_without_transaction(leases, now).await
         };
+        let outcome = outcome.inspect_err(|_| {
+            // It may have applied: the next claim reads the lanes to know.
+            for lease in leases {
+                self.inner.claims.completing(lease);
+            }
+        })?;
         for lease in leases {
             self.inner.claims.settled(lease);
         }
@@ -156,6 +162,8 @@ impl MongoEventStore {
     ) -> Result<bool> {
         self.ensure_in_transaction(session, "MongoEventStore.complete_in_transaction")
             .await?;
+        // Whether it commits is the caller's: the next claim reads the lane to know.
+        self.inner.claims.completing(lease);
         self.complete_one_in(session, lease, now).await
     }
 

@@ -205,10 +205,17 @@ pub(crate) struct OwnerState {
     /// first page while it reads its lanes, and uses it if they are still the lanes it scans.
     pub(crate) held: Vec<i32>,
     /// The lanes the owner held when its last claim ended, as that claim wrote them, when its
-    /// record matched every lane it wrote: the next claim reads only the lanes that list
-    /// something and takes the others as these say. `None`: unknown, read them all. A lane
-    /// that changed meanwhile fails the record's condition, which forgets them.
-    pub(crate) known: Option<Vec<super::lane::Lane>>,
+    /// record matched every lane it wrote, with the registry's generation then: the next claim
+    /// takes them from here instead of reading them. What they list and this instance handed
+    /// out and has not seen settled runs; the rest is gone. `None`: unknown, read them. A lane
+    /// that changed meanwhile fails the record's condition, which forgets them; so does
+    /// [`ClaimRegistry::forget_everything`].
+    pub(crate) known: Option<(u64, Vec<super::lane::Lane>)>,
+    /// Claims since the owner last read its lanes.
+    pub(crate) unread: u32,
+    /// The handler and key of each keyed delivery the owner was handed out, for as long as it
+    /// is listed: what runs of a key when the lanes are not read.
+    pub(crate) keys: HashMap<ObjectId, (String, String)>,
     /// When the owner last tried to take owned lanes it did not hold, and the member list's
     /// generation then.
     pub(crate) taken_at: Option<(u64, super::claim::Tried)>,
@@ -235,7 +242,19 @@ pub(crate) struct ClaimRegistry {
     /// What the lane reads found of each handler's parked deliveries, and this instance's own
     /// parking writes since.
     parked: Mutex<ParkedLooks>,
+    /// Bumped when everything is forgotten: the owners' known lanes of before no longer count.
+    generation: std::sync::atomic::AtomicU64,
+    /// Deliveries whose claim this instance ended with the delivery kept (released,
+    /// rescheduled, buried): their lanes no longer list them, and the owners' known lanes still
+    /// do until their next claim takes them off.
+    given_back: Mutex<HashSet<ObjectId>>,
+    /// Deliveries completed in a caller's transaction, which this instance does not see
+    /// commit: a claim whose known lanes list one reads its lanes.
+    completing: Mutex<HashSet<ObjectId>>,
 }
+
+/// The most given-back deliveries remembered for the owners' known lanes.
+const MAX_GIVEN_BACK: usize = 100_000;
 
 /// How long, in claim time, lane reads go without looking up the parked deliveries of a handler
 /// whose last lookup found none, unless this store instance parks deliveries meanwhile: the
@@ -292,6 +311,9 @@ impl Default for ClaimRegistry {
             issued: Mutex::default(),
             facts: Mutex::default(),
             parked: Mutex::default(),
+            generation: Default::default(),
+            given_back: Mutex::default(),
+            completing: Mutex::default(),
         }
     }
 }
@@ -451,9 +473,75 @@ impl ClaimRegistry {
 
     /// Forgets everything but the instance's identity, as a restart would.
     pub(crate) fn forget_everything(&self) {
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         lock(&self.issued).clear();
+        lock(&self.given_back).clear();
+        lock(&self.completing).clear();
         lock(&self.facts).clear();
         *lock(&self.parked) = ParkedLooks::default();
+    }
+
+    /// Notes that the claim of `lease` ended with its delivery kept and taken off its lane.
+    pub(crate) fn given_back(&self, lease: &Lease) {
+        let mut given_back = lock(&self.given_back);
+        if given_back.len() >= MAX_GIVEN_BACK {
+            // Owners that stopped claiming left them: every owner reads its lanes again.
+            given_back.clear();
+            self.generation
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        given_back.insert(lease.delivery_id);
+    }
+
+    /// Notes that the delivery of `lease` is completed in a transaction that may commit.
+    pub(crate) fn completing(&self, lease: &Lease) {
+        let mut completing = lock(&self.completing);
+        if completing.len() >= MAX_GIVEN_BACK {
+            completing.clear();
+            self.generation
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        completing.insert(lease.delivery_id);
+    }
+
+    /// Whether `lanes` list a delivery completed in a transaction that may have committed.
+    pub(crate) fn list_completing(&self, lanes: &[super::lane::Lane]) -> bool {
+        let completing = lock(&self.completing);
+        !completing.is_empty()
+            && lanes
+                .iter()
+                .any(|lane| lane.in_flight.iter().any(|id| completing.contains(id)))
+    }
+
+    /// Forgets the completions in a transaction of the deliveries `lanes` list and that a read
+    /// of them found gone (not in `running`).
+    pub(crate) fn seen_completed(&self, lanes: &[super::lane::Lane], running: &HashSet<ObjectId>) {
+        let mut completing = lock(&self.completing);
+        if completing.is_empty() {
+            return;
+        }
+        for lane in lanes {
+            for id in lane.in_flight.iter().filter(|id| !running.contains(id)) {
+                completing.remove(id);
+            }
+        }
+    }
+
+    /// Takes off `lanes` what was given back since they were written.
+    pub(crate) fn take_off_given_back(&self, lanes: &mut [super::lane::Lane]) {
+        let mut given_back = lock(&self.given_back);
+        if given_back.is_empty() {
+            return;
+        }
+        for lane in lanes {
+            lane.in_flight.retain(|id| !given_back.remove(id));
+        }
+    }
+
+    /// Moves on each time everything is forgotten.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// How many claims this instance has handed out and not seen settled.

@@ -161,6 +161,9 @@ impl MongoEventStore {
             )
             .await?;
         self.inner.claims.settled(lease);
+        if ended {
+            self.inner.claims.given_back(lease);
+        }
         Ok(ended)
     }
 

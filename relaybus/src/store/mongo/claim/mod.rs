@@ -72,6 +72,10 @@ const RACE_RETRIES: usize = 2;
 const MAX_HANDLERS: usize = 1_000;
 /// How often a member tries to take owned lanes another holder held.
 const TAKE_INTERVAL: Duration = Duration::from_millis(250);
+/// How many claims in a row take the owner's lanes as its last record left them: then one
+/// reads them, and finds what settled without this instance seeing it (a completion whose
+/// reply was lost, a delivery deleted by hand).
+const READ_LANES_EVERY: u32 = 8;
 /// How often a member whose lanes did not fill its claim looks at free lanes.
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -401,24 +405,45 @@ impl MongoEventStore {
                 .await
                 .map(Some)
         };
-        let known = state.known.take();
-        let (held, first_pages) =
-            futures::join!(self.own_lanes(owner, known.is_some()), first_pages);
-        let (mut held, found) = held?;
-        // The lanes that list nothing were not read: as the last claim left them.
-        for lane in known.into_iter().flatten() {
-            if !held.iter().any(|read| read.id == lane.id) {
-                held.push(lane);
+        // The lanes as the last claim left them, when it knew them all; else read.
+        let generation = inner.claims.generation();
+        let known = state
+            .known
+            .take()
+            .filter(|(then, lanes)| {
+                *then == generation
+                    && state.unread < READ_LANES_EVERY
+                    && !inner.claims.list_completing(lanes)
+            })
+            .map(|(_, lanes)| lanes);
+        state.unread = if known.is_some() { state.unread + 1 } else { 0 };
+        let read = async {
+            match known {
+                Some(_) => Ok(None),
+                None => self.own_lanes(owner).await.map(Some),
             }
-        }
-        let lost: Vec<Lane> = held
-            .iter()
-            .filter(|lane| !lane.lost.is_empty())
-            .cloned()
-            .collect();
-        self.charge_lost(&lost, now).await?;
-        let Some(listed) = self.judge_listed(&held, &found, &issued) else {
-            return Ok(None);
+        };
+        let (read, first_pages) = futures::join!(read, first_pages);
+        let (held, listed) = match read? {
+            Some((held, found)) => {
+                let lost: Vec<Lane> = held
+                    .iter()
+                    .filter(|lane| !lane.lost.is_empty())
+                    .cloned()
+                    .collect();
+                self.charge_lost(&lost, now).await?;
+                let Some(listed) = self.judge_listed(&held, &found, &issued) else {
+                    return Ok(None);
+                };
+                inner.claims.seen_completed(&held, &listed.running);
+                (held, listed)
+            }
+            None => {
+                let mut held = known.unwrap_or_default();
+                inner.claims.take_off_given_back(&mut held);
+                let listed = listed_from_memory(&held, &issued, &mut state.keys);
+                (held, listed)
+            }
         };
 
         // The lanes it owns, taken when free.
@@ -535,17 +560,18 @@ impl MongoEventStore {
             .collect();
         state.held.sort_unstable();
         state.known = recorded.all_matched.then(|| {
-            recorded
+            let lanes = recorded
                 .lanes
                 .iter()
                 .filter(|lane| !recorded.handed_back.contains(&lane.id))
-                .map(|lane| Lane {
-                    in_flight: Vec::new(),
-                    lost: Vec::new(),
-                    ..lane.clone()
-                })
-                .collect()
+                .cloned()
+                .collect();
+            (generation, lanes)
         });
+        state.keys.extend(recorded.picks.iter().filter_map(|pick| {
+            let key = pick.key.clone()?;
+            Some((pick.id, (pick.handler.clone(), key)))
+        }));
 
         let (claimed, orphaned) =
             self.hand_out(recorded.picks, &recorded.lanes, &events, expires_at);
@@ -561,29 +587,18 @@ impl MongoEventStore {
         Ok(Some((claimed, recorded.raced)))
     }
 
-    /// The lanes `owner` holds on this instance (only those that list something when
-    /// `listing`), with what they list that still exists: one aggregation that gathers the
-    /// lanes' lists first and looks them up by id once (a `$lookup` runs its query once per
-    /// input document).
-    async fn own_lanes(&self, owner: &str, listing: bool) -> Result<(Vec<Lane>, Vec<Document>)> {
-        let mut held = doc! {
-            field::OWNER: owner,
-            field::INSTANCE: self.inner.claims.instance,
-        };
-        if listing {
-            held.insert(
-                "$or",
-                vec![
-                    doc! { format!("{}.0", field::IN_FLIGHT): { "$exists": true } },
-                    doc! { format!("{}.0", field::LOST): { "$exists": true } },
-                ],
-            );
-        }
+    /// The lanes `owner` holds on this instance, with what they list that still exists: one
+    /// aggregation that gathers the lanes' lists first and looks them up by id once (a
+    /// `$lookup` runs its query once per input document).
+    async fn own_lanes(&self, owner: &str) -> Result<(Vec<Lane>, Vec<Document>)> {
         let found: Option<Document> = self
             .inner
             .lanes
             .aggregate(vec![
-                doc! { "$match": held },
+                doc! { "$match": {
+                    field::OWNER: owner,
+                    field::INSTANCE: self.inner.claims.instance,
+                } },
                 doc! { "$group": {
                     "_id": null,
                     "lanes": { "$push": "$$ROOT" },
@@ -732,6 +747,30 @@ impl MongoEventStore {
         claims.note_parked_lookup(looked.iter().copied(), &found_for, now, parkings);
         (moved > 0, lowest)
     }
+}
+
+/// What the known lanes list, judged by what this instance handed out: a listed delivery it
+/// handed out under the lane's epoch and has not seen settled runs, with its key when it has
+/// one (from `keys`, which forgets the rest); any other is gone, and the record takes it off.
+fn listed_from_memory(
+    held: &[Lane],
+    issued: &HashMap<ObjectId, super::lease::Issued>,
+    keys: &mut HashMap<ObjectId, KeyOf>,
+) -> Listed {
+    let mut listed = Listed::default();
+    for lane in held {
+        for id in &lane.in_flight {
+            if issued
+                .get(id)
+                .is_some_and(|claim| claim.lane == lane.id && claim.epoch == lane.epoch)
+            {
+                listed.running.insert(*id);
+            }
+        }
+    }
+    keys.retain(|id, _| listed.running.contains(id));
+    listed.running_keys = keys.values().cloned().collect();
+    listed
 }
 
 /// When something was last tried: by the claims' clock and by this process's.

@@ -103,6 +103,8 @@ impl MongoEventStore {
                     });
                 } else {
                     lane.lease_expires_at = Some(expires_at);
+                    lane.in_flight = new_ids.to_vec();
+                    lane.lost.clear();
                     statements.push(doc! {
                         "q": filter,
                         "u": { "$set": {
@@ -165,9 +167,12 @@ impl MongoEventStore {
         let lanes: Vec<Lane> = lanes
             .into_iter()
             .map(|(mut lane, _)| {
-                // A relist renews the lease up to the claim's expiry.
-                if relists.iter().any(|relist| relist.lane == lane.id) {
+                // A relist renews the lease up to the claim's expiry, and lists what it says.
+                if let Some(relist) = relists.iter().find(|relist| relist.lane == lane.id) {
                     lane.lease_expires_at = lane.lease_expires_at.max(Some(expires_at));
+                    lane.in_flight.retain(|id| !relist.gone.contains(id));
+                    lane.in_flight.extend(relist.added.iter().copied());
+                    lane.lost.clear();
                 }
                 lane
             })
