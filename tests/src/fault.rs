@@ -243,9 +243,14 @@ pub fn check_one_event_per_tick(
         .take_while(|at| *at <= last)
         .collect();
     assert_eq!(ticks, expected, "one event per tick from {first} to {last}");
+    eprintln!(
+        "schedule: {} ticks from {first} to {last}, one event each",
+        ticks.len()
+    );
 }
 
-/// The tick times in event ids of [`SCHEDULE`] (`schedule:beat:<time>`).
+/// The tick times in the ids of [`Beat`] events, which must all be ticks of [`SCHEDULE`]
+/// (`schedule:beat:<time>`).
 pub fn tick_times(ids: impl IntoIterator<Item = String>) -> Vec<relaybus::Timestamp> {
     let prefix = format!("schedule:{SCHEDULE}:");
     ids.into_iter()

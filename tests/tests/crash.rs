@@ -476,7 +476,7 @@ async fn a_schedule_survives_a_killed_process_with_one_event_per_tick() {
         .client
         .database(&db.name)
         .collection::<Document>("relaybus_events")
-        .distinct("_id", doc! { "_id": { "$regex": "^schedule:" } })
+        .distinct("_id", doc! { "type": "schedule.beat.v1" })
         .await
         .expect("the ticks' events")
         .into_iter()

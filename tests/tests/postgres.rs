@@ -1307,7 +1307,7 @@ async fn a_schedule_survives_a_killed_process_with_one_event_per_tick() {
     )
     .await;
     let ids: Vec<String> = sqlx::query_scalar(&format!(
-        "SELECT id FROM {} WHERE id LIKE 'schedule:%'",
+        "SELECT id FROM {} WHERE event_type = 'schedule.beat.v1'",
         schema.table("events")
     ))
     .fetch_all(&pool().await)
