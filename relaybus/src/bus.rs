@@ -803,8 +803,10 @@ impl<S: Store> RelayBusBuilder<S> {
     /// # Errors
     ///
     /// [`ConfigurationError`] for an invalid or duplicate handler id, a setting out of range, a
-    /// subscription's retry policy out of range (the message names the handler), or a
-    /// subscription to an event type whose name breaks the naming rule.
+    /// subscription's retry policy out of range (the message names the handler), a
+    /// subscription to an event type whose name breaks the naming rule, a schedule that cannot
+    /// be used ([`ConfigurationError::InvalidSchedule`], naming it) or two schedules with one
+    /// id ([`ConfigurationError::DuplicateScheduleId`]).
     /// Duplicates are looked for among the subscriptions of this bus and in the whole
     /// [`registry`](crate::registry) ([`ConfigurationError::DuplicateEventType`] too), and the
     /// error names both items.

@@ -35,7 +35,7 @@ impl Cadence {
                 "the interval {interval:?} is out of range; use 1 second to 366 days"
             ));
         }
-        if interval.subsec_nanos() % 1_000_000 != 0 {
+        if !interval.subsec_nanos().is_multiple_of(1_000_000) {
             return Err(format!(
                 "the interval {interval:?} is not a whole number of milliseconds; round it"
             ));

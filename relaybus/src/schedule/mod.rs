@@ -37,8 +37,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use relaybus::{Event, MemoryEventStore, MissedTicks, RelayBus, Schedule, Tick, Timestamp};
-//! use relaybus::clock::TestClock;
+//! use relaybus::{Event, MissedTicks, RelayBus, Schedule, Store, Tick, Timestamp};
 //! use serde::{Deserialize, Serialize};
 //!
 //! #[derive(Serialize, Deserialize)]
@@ -50,37 +49,30 @@
 //!     const TYPE: &'static str = "report.due.v1";
 //! }
 //!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), relaybus::Error> {
-//! let clock = TestClock::new(Timestamp::parse_rfc3339("2030-01-01T08:59:59Z").unwrap());
-//! let bus = RelayBus::builder(MemoryEventStore::new())
-//!     .clock(clock.clone())
-//!     // At 09:00 every weekday, on the clock of Paris.
-//!     .schedule(
-//!         Schedule::cron("daily-report", "0 0 9 * * MON-FRI", |tick: Tick| ReportDue {
-//!             at: tick.at(),
-//!         })
-//!         .time_zone("Europe/Paris")
-//!         .missed(MissedTicks::Latest),
-//!     )
-//!     // Every 30 seconds, each missed tick of the last 10 minutes published late.
-//!     .schedule(
-//!         Schedule::every("heartbeat", Duration::from_secs(30), |tick: Tick| ReportDue {
-//!             at: tick.at(),
-//!         })
-//!         .missed(MissedTicks::Each { max: 20 })
-//!         .catch_up_within(Duration::from_secs(600)),
-//!     )
-//!     .build()?;
-//!
-//! clock.advance(Duration::from_secs(1)); // 09:00:00 UTC: 10:00 in Paris.
-//! let report = bus.publish_ticks().await?;
-//! assert_eq!(report.created(), 1); // The heartbeat at 09:00:00.
-//! # Ok(())
-//! # }
+//! fn bus<S: Store>(store: S) -> Result<RelayBus<S>, relaybus::ConfigurationError> {
+//!     RelayBus::builder(store)
+//!         // At 09:00 every weekday, on the clock of Paris.
+//!         .schedule(
+//!             Schedule::cron("daily-report", "0 0 9 * * MON-FRI", |tick: Tick| ReportDue {
+//!                 at: tick.at(),
+//!             })
+//!             .time_zone("Europe/Paris")
+//!             .missed(MissedTicks::Latest),
+//!         )
+//!         // Every 30 seconds, each missed tick of the last 10 minutes published late.
+//!         .schedule(
+//!             Schedule::every("heartbeat", Duration::from_secs(30), |tick: Tick| ReportDue {
+//!                 at: tick.at(),
+//!             })
+//!             .missed(MissedTicks::Each { max: 20 })
+//!             .catch_up_within(Duration::from_secs(600)),
+//!         )
+//!         .build()
+//! }
 //! ```
 //!
-//! (The example runs on the memory store, feature `memory`.)
+//! The [scheduled events guide](crate::guide::schedules) has the macro, tests with the test
+//! clock, and what the operator page shows.
 
 mod cadence;
 pub(crate) mod run;
