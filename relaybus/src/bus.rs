@@ -260,7 +260,7 @@ impl<S: Store> RelayBus<S> {
 
     /// The schedules of this bus: those given to
     /// [`RelayBusBuilder::schedule`] and those declared with
-    /// [`#[schedule]`](macro@crate::schedule) (see [`crate::schedule`]).
+    /// [`#[schedule]`](macro@crate::schedule) (see [`schedule`](mod@crate::schedule)).
     pub fn schedules(&self) -> impl Iterator<Item = &Schedule> {
         self.inner.schedules.schedules()
     }
@@ -634,7 +634,7 @@ impl<S: Store> RelayBusBuilder<S> {
     }
 
     /// Adds a schedule: once started, the bus publishes its event on every tick, once per
-    /// tick across every bus of the database (see [`crate::schedule`]).
+    /// tick across every bus of the database (see [`schedule`](mod@crate::schedule)).
     /// [`build`](Self::build) checks it.
     ///
     /// The tick's event gets deliveries for the handlers of this bus, as any publish of the

@@ -138,7 +138,7 @@ impl<S: Store> RelayBus<S> {
     /// Publishes the ticks of the bus's schedules that are due on its clock and that it has
     /// not published yet: those since its last call, and on the first call those the
     /// missed-ticks policy picks within each schedule's catch-up window (see
-    /// [`crate::schedule`]). A tick another bus published already is absorbed
+    /// [`schedule`](mod@crate::schedule)). A tick another bus published already is absorbed
     /// ([`PublishedTick::created`] is `false`). A started bus does this on its own, when each
     /// tick comes; call it in tests with a [`TestClock`](crate::clock::TestClock).
     ///
