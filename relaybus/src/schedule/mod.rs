@@ -408,3 +408,98 @@ impl Tick {
         format!("schedule:{}:{}", self.schedule, self.at)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::run::Schedules;
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Beat {}
+
+    impl Event for Beat {
+        const TYPE: &'static str = "schedule.beat.v1";
+    }
+
+    fn beat(_: Tick) -> Beat {
+        Beat {}
+    }
+
+    const WEEK: Option<Duration> = Some(Duration::from_secs(7 * 86_400));
+
+    /// The reason `build` gives for `schedule`, which must be about schedule `id`.
+    fn refused(schedule: Schedule) -> String {
+        let id = schedule.id().to_owned();
+        match Schedules::new(vec![schedule], WEEK) {
+            Err(ConfigurationError::InvalidSchedule { id: named, reason }) => {
+                assert_eq!(named, id);
+                reason
+            }
+            other => panic!("expected an invalid schedule, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_schedules_are_refused_with_what_to_do() {
+        let cases = [
+            (Schedule::cron("s", "every day", beat), "five"),
+            (
+                Schedule::cron("s", "0 9 * * *", beat).time_zone("Mars/Olympus"),
+                "IANA",
+            ),
+            (
+                Schedule::every("s", Duration::from_secs(60), beat).time_zone("UTC"),
+                "only a cron schedule",
+            ),
+            (
+                Schedule::every("s", Duration::from_millis(10), beat),
+                "1 second",
+            ),
+            (
+                Schedule::every("s", Duration::from_secs(60), beat)
+                    .missed(MissedTicks::Each { max: 0 }),
+                "1 to 1000",
+            ),
+            (
+                Schedule::every("s", Duration::from_secs(60), beat)
+                    .catch_up_within(Duration::from_secs(8 * 86_400)),
+                "Retention::completed",
+            ),
+            (
+                Schedule::every("s", Duration::from_secs(60), beat).catch_up_within(Duration::ZERO),
+                "1 second to 30 days",
+            ),
+            (
+                Schedule::every("a b", Duration::from_secs(60), beat),
+                "ASCII",
+            ),
+            (Schedule::every("", Duration::from_secs(60), beat), "empty"),
+        ];
+        for (schedule, hint) in cases {
+            let described = format!("{schedule:?}");
+            let reason = refused(schedule);
+            assert!(reason.contains(hint), "{described}: {reason}");
+        }
+        // Without retention, a long window is fine.
+        let long = Schedule::every("s", Duration::from_secs(60), beat)
+            .catch_up_within(Duration::from_secs(20 * 86_400));
+        assert!(Schedules::new(vec![long], None).is_ok());
+    }
+
+    #[test]
+    fn two_schedules_with_one_id_are_refused() {
+        let error = Schedules::new(
+            vec![
+                Schedule::every("report", Duration::from_secs(60), beat),
+                Schedule::cron("report", "0 9 * * *", beat),
+            ],
+            WEEK,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&error, ConfigurationError::DuplicateScheduleId { id, .. } if id == "report"),
+            "{error}"
+        );
+        assert!(error.to_string().contains("every 60s"), "{error}");
+    }
+}
