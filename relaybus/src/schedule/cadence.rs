@@ -67,10 +67,17 @@ impl Cadence {
                 )
             })?,
         };
-        Ok(Cadence::Cron {
+        let cadence = Cadence::Cron {
             cron: Box::new(cron),
             zone,
-        })
+        };
+        if cadence.next_after(Timestamp::now()).is_none() {
+            return Err(format!(
+                "the cron expression {expression:?} matches no date to come (such as the 30th \
+                 of February), so it would never tick; check its day and month fields"
+            ));
+        }
+        Ok(cadence)
     }
 
     /// The ticks after `after` up to `until` included, oldest first: the latest `limit` of
@@ -197,6 +204,8 @@ mod tests {
             Some(t("2030-01-01T08:00:00Z"))
         );
         assert!(Cadence::cron("61 * * * * *", None).is_err());
+        let never = Cadence::cron("0 0 0 30 2 *", None).unwrap_err();
+        assert!(never.contains("no date"), "{never}");
         assert!(Cadence::cron("* * * * * * 2030", None).is_err());
         let unknown = Cadence::cron("* * * * *", Some("Europe/Atlantis")).unwrap_err();
         assert!(unknown.contains("IANA"), "{unknown}");
