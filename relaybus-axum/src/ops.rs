@@ -22,6 +22,8 @@
 //!   browser a selection or everything matching the filter, always behind a confirmation;
 //! - the **lanes**: holders, lease expiries, in-flight counts, and the keys whose deliveries
 //!   are parked, with the delivery they wait for;
+//! - the **schedules** of the bus: when each ticks, its missed-ticks policy, and its last and
+//!   next ticks;
 //! - **live refresh**, polling every 5 seconds, paused while the tab is hidden.
 //!
 //! A read-only router ([`Ops::read_only`]) shows no write buttons.
@@ -37,6 +39,7 @@
 //! | `GET /events/{event_id}` | `{"event": {"id", "type", "key", "sequence", "headers", "payload", "created_at", "completed_at", "handlers", ..}, "deliveries": [..]}`, 404 for an unknown id |
 //! | `GET /dead-letters` | `{"groups": [{"handler", "error", "count", "first_created_at", "last_updated_at", "sample_id"}, ..]}`, the largest first; `?handler=` narrows it |
 //! | `GET /lanes` | `{"lanes": [{"lane", "owner", "lease_expires_at", "held", "in_flight", "lost", "epoch"}, ..], "blocked": [{"handler", "key", "parked", "first_parked_sequence", "waiting_for"}, ..]}` |
+//! | `GET /schedules` | `{"schedules": [{"id", "event_type", "cadence", "missed", "last_tick", "next_tick"}, ..]}`: the bus's schedules; `last_tick` is the latest tick whose event the store holds (looking back over the last 16 ticks within the schedule's catch-up window), whichever bus published it, `null` when none of them was |
 //! | `POST /deliveries/requeue` | `{"requeued": [..], "blocked": [..], "not_found": [..], "more"}` |
 //! | `POST /deliveries/discard` | `{"discarded": [..], "not_found": [..], "more"}` |
 //! | `POST /deliveries/bury` | `{"buried": [..], "running": [..], "not_found": [..]}` |
@@ -170,6 +173,7 @@ impl<St: Store> Ops<St> {
             .route("/lanes", get(lanes::<St>))
             .route("/dead-letters", get(dead_letters::<St>))
             .route("/activity", get(activity::<St>))
+            .route("/schedules", get(schedules::<St>))
             .route("/", get(page::index))
             .route("/assets/ops.js", get(page::script))
             .route("/assets/ops.css", get(page::style))
@@ -970,6 +974,20 @@ async fn dead_letters<St: Store>(
             "first_created_at": group.first_created_at.map(rfc3339),
             "last_updated_at": group.last_updated_at.map(rfc3339),
             "sample_id": group.sample_id,
+        })).collect::<Vec<_>>(),
+    })))
+}
+
+async fn schedules<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Value>, OpsError> {
+    let statuses = bus.schedule_statuses().await.map_err(OpsError::Store)?;
+    Ok(Json(json!({
+        "schedules": statuses.iter().map(|status| json!({
+            "id": status.id,
+            "event_type": status.event_type,
+            "cadence": status.cadence,
+            "missed": status.missed.to_string(),
+            "last_tick": status.last_tick.map(rfc3339),
+            "next_tick": status.next_tick.map(rfc3339),
         })).collect::<Vec<_>>(),
     })))
 }

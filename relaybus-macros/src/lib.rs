@@ -1,4 +1,4 @@
-//! Procedural macros for relaybus: `#[event]` and `#[handler]`.
+//! Procedural macros for relaybus: `#[event]`, `#[handler]` and `#[schedule]`.
 //!
 //! Use them through the `relaybus` crate (`#[relaybus::event]`, `#[relaybus::handler]`), whose
 //! `macros` feature, on by default, re-exports them; a crate that uses them depends on relaybus
@@ -10,6 +10,7 @@ mod ctxt;
 mod event;
 mod handler;
 mod rules;
+mod schedule;
 
 use proc_macro::TokenStream;
 
@@ -216,4 +217,71 @@ pub fn event(attr: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn handler(attr: TokenStream, item: TokenStream) -> TokenStream {
     handler::expand(attr.into(), item.into()).into()
+}
+
+/// Declares a schedule: a function that makes the event to publish on each tick of a cron
+/// expression or a fixed interval. Every bus of the binary runs it (unless built with
+/// `without_registered_schedules`), and each tick is published once across all of them (see
+/// `relaybus::schedule`).
+///
+/// # Syntax
+///
+/// ```text
+/// #[schedule(id = "daily-report", cron = "0 0 9 * * MON-FRI", time_zone = "Europe/Paris")]
+/// #[schedule(id = "heartbeat", every_ms = 30_000, each_missed = 20, catch_up_ms = 600_000,
+///            crate = path::to::relaybus)]
+/// ```
+///
+/// | Option | Meaning |
+/// |---|---|
+/// | `id = "..."` | Required. The schedule id, 1 to 128 ASCII letters, digits, `_`, `-`, `.` and `:`. The ticks' event ids are made of it, so keep it stable. |
+/// | `cron = "..."` | Ticks when the expression matches: five fields, or six with the seconds first. Checked when the bus is built. |
+/// | `time_zone = "..."` | The IANA zone whose clock the cron expression is read on (UTC by default). |
+/// | `every_ms = N` | Ticks every `N` milliseconds instead (1 second to 366 days), on the multiples of the interval since the Unix epoch. |
+/// | `each_missed = N` | Publishes each tick missed while no bus ran, at most the latest `N` (1 to 1000); without it, only the latest missed tick. |
+/// | `catch_up_ms = N` | How far back a bus looks for missed ticks (1 second to 30 days; 1 hour by default). |
+/// | `crate = path` | The relaybus crate, when it is not `::relaybus`. |
+///
+/// One of `cron` and `every_ms` is required. The function is a plain `fn` taking the
+/// `relaybus::Tick` and returning the event; it stays callable as written.
+///
+/// # Example
+///
+/// ```
+/// use relaybus::{Tick, Timestamp};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[relaybus::event("report.due.v1")]
+/// #[derive(Debug, Serialize, Deserialize)]
+/// pub struct ReportDue {
+///     pub at: Timestamp,
+/// }
+///
+/// /// At 09:00 every weekday in Paris.
+/// #[relaybus::schedule(id = "daily-report", cron = "0 0 9 * * MON-FRI", time_zone = "Europe/Paris")]
+/// fn daily_report(tick: Tick) -> ReportDue {
+///     ReportDue { at: tick.at() }
+/// }
+///
+/// let declared = relaybus::registry::schedules()
+///     .find(|s| s.id() == "daily-report")
+///     .unwrap();
+/// assert_eq!(declared.schedule().cron_expression(), Some("0 0 9 * * MON-FRI"));
+/// assert!(declared.rust_path().ends_with("::daily_report"));
+/// ```
+///
+/// A schedule that does not say when it ticks does not compile:
+///
+/// ```compile_fail
+/// # #[relaybus::event("report.due.v1")]
+/// # #[derive(serde::Serialize, serde::Deserialize)]
+/// # struct ReportDue {}
+/// #[relaybus::schedule(id = "daily-report")]
+/// fn daily_report(_: relaybus::Tick) -> ReportDue {
+///     ReportDue {}
+/// }
+/// ```
+#[proc_macro_attribute]
+pub fn schedule(attr: TokenStream, item: TokenStream) -> TokenStream {
+    schedule::expand(attr.into(), item.into()).into()
 }

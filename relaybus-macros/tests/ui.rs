@@ -1,4 +1,4 @@
-//! Compile-time behaviour of `#[event]` and `#[handler]`: what they accept, and where their
+//! Compile-time behaviour of `#[event]`, `#[handler]` and `#[schedule]`: what they accept, and where their
 //! errors point.
 //!
 //! The `.stderr` files hold rustc's output, which changes between compiler versions, so the
@@ -16,4 +16,6 @@ fn ui() {
     t.compile_fail("tests/ui/event/fail/*.rs");
     t.pass("tests/ui/handler/pass/*.rs");
     t.compile_fail("tests/ui/handler/fail/*.rs");
+    t.pass("tests/ui/schedule/pass/*.rs");
+    t.compile_fail("tests/ui/schedule/fail/*.rs");
 }

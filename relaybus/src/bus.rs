@@ -16,6 +16,7 @@ use crate::{
     error::{ConfigurationError, Error, Result},
     event::{Event, EventEnvelope},
     handler::{RetryPolicy, Subscription, validate_handler_id},
+    schedule::{Schedule, run::Schedules},
     state::StateMap,
     store::{
         AppendRequest, Appended, DefaultStore, Purged, Store,
@@ -80,7 +81,7 @@ impl<S: Store> Clone for RelayBus<S> {
     }
 }
 
-struct BusInner<S: Store> {
+pub(crate) struct BusInner<S: Store> {
     store: S,
     subscriptions: Vec<Subscription>,
     handlers_by_type: HashMap<&'static str, Vec<String>>,
@@ -90,6 +91,7 @@ struct BusInner<S: Store> {
     transaction_retry_limit: Duration,
     shared: Arc<Shared<S>>,
     dispatcher: tokio::sync::Mutex<DispatcherState>,
+    schedules: Schedules,
 }
 
 /// Whether the background dispatcher runs.
@@ -123,6 +125,8 @@ impl<S: Store> RelayBus<S> {
             store,
             subscriptions: Vec::new(),
             registered: crate::registry::Selection::All,
+            schedules: Vec::new(),
+            registered_schedules: true,
             transaction_timeout: DEFAULT_TRANSACTION_TIMEOUT,
             transaction_retry_limit: transaction::RETRY_LIMIT,
             owner: None,
@@ -171,7 +175,16 @@ impl<S: Store> RelayBus<S> {
         if self.inner.shared.settings.setup_on_start {
             self.inner.store.setup().await?;
         }
-        *state = DispatcherState::Running(Handle::spawn(Arc::clone(&self.inner.shared)));
+        let mut handle = Handle::spawn(Arc::clone(&self.inner.shared));
+        if !self.inner.schedules.is_empty() {
+            let ticks = tokio::spawn(crate::schedule::run::publish_periodically(
+                Arc::downgrade(&self.inner),
+                self.inner.shared.settings.poll_interval,
+                handle.token().child_token(),
+            ));
+            handle.also(ticks);
+        }
+        *state = DispatcherState::Running(handle);
         Ok(())
     }
 
@@ -233,6 +246,28 @@ impl<S: Store> RelayBus<S> {
     /// The current time of the bus's clock (see [`RelayBusBuilder::clock`]).
     pub fn now(&self) -> Timestamp {
         self.inner.shared.now()
+    }
+
+    /// The bus's clock.
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.inner.shared.settings.clock
+    }
+
+    /// The bus of a weak reference, if it is still alive.
+    pub(crate) fn upgrade(inner: &std::sync::Weak<BusInner<S>>) -> Option<Self> {
+        inner.upgrade().map(|inner| RelayBus { inner })
+    }
+
+    /// The schedules of this bus: those given to
+    /// [`RelayBusBuilder::schedule`] and those declared with
+    /// [`#[schedule]`](macro@crate::schedule) (see [`schedule`](mod@crate::schedule)).
+    pub fn schedules(&self) -> impl Iterator<Item = &Schedule> {
+        self.inner.schedules.schedules()
+    }
+
+    /// The schedules with the time up to which this bus published them.
+    pub(crate) fn schedules_state(&self) -> &Schedules {
+        &self.inner.schedules
     }
 
     /// Stops dispatching gracefully: no more claims; running handlers get the shutdown timeout
@@ -533,6 +568,8 @@ pub struct RelayBusBuilder<S: Store = DefaultStore> {
     store: S,
     subscriptions: Vec<Subscription>,
     registered: crate::registry::Selection,
+    schedules: Vec<Schedule>,
+    registered_schedules: bool,
     transaction_timeout: Duration,
     transaction_retry_limit: Duration,
     owner: Option<String>,
@@ -593,6 +630,27 @@ impl<S: Store> RelayBusBuilder<S> {
     /// Adds a subscription.
     pub fn subscribe(mut self, subscription: Subscription) -> Self {
         self.subscriptions.push(subscription);
+        self
+    }
+
+    /// Adds a schedule: once started, the bus publishes its event on every tick, once per
+    /// tick across every bus of the database (see [`schedule`](mod@crate::schedule)).
+    /// [`build`](Self::build) checks it.
+    ///
+    /// The tick's event gets deliveries for the handlers of this bus, as any publish of the
+    /// bus does: every bus that runs the schedule must subscribe every handler of its event
+    /// type.
+    pub fn schedule(mut self, schedule: Schedule) -> Self {
+        self.schedules.push(schedule);
+        self
+    }
+
+    /// Leaves out the schedules declared with [`#[schedule]`](macro@crate::schedule): the bus
+    /// runs only those passed to [`schedule`](Self::schedule). A bus that only serves requests,
+    /// for example, may leave the schedules to the workers (each tick is published once
+    /// whichever bus runs it).
+    pub fn without_registered_schedules(mut self) -> Self {
+        self.registered_schedules = false;
         self
     }
 
@@ -745,8 +803,10 @@ impl<S: Store> RelayBusBuilder<S> {
     /// # Errors
     ///
     /// [`ConfigurationError`] for an invalid or duplicate handler id, a setting out of range, a
-    /// subscription's retry policy out of range (the message names the handler), or a
-    /// subscription to an event type whose name breaks the naming rule.
+    /// subscription's retry policy out of range (the message names the handler), a
+    /// subscription to an event type whose name breaks the naming rule, a schedule that cannot
+    /// be used ([`ConfigurationError::InvalidSchedule`], naming it) or two schedules with one
+    /// id ([`ConfigurationError::DuplicateScheduleId`]).
     /// Duplicates are looked for among the subscriptions of this bus and in the whole
     /// [`registry`](crate::registry) ([`ConfigurationError::DuplicateEventType`] too), and the
     /// error names both items.
@@ -768,6 +828,13 @@ impl<S: Store> RelayBusBuilder<S> {
             });
         }
         self.check_dispatch_settings()?;
+        let schedules = Schedules::new(
+            crate::registry::bus_schedules(
+                self.registered_schedules,
+                std::mem::take(&mut self.schedules),
+            )?,
+            self.retention.map(|retention| retention.completed),
+        )?;
         if let Some(type_name) = self.duplicate_state {
             return Err(ConfigurationError::DuplicateState { type_name });
         }
@@ -868,6 +935,7 @@ impl<S: Store> RelayBusBuilder<S> {
                 transaction_retry_limit: self.transaction_retry_limit,
                 shared,
                 dispatcher: tokio::sync::Mutex::new(DispatcherState::Idle),
+                schedules,
             }),
         })
     }

@@ -366,6 +366,30 @@ pub enum ConfigurationError {
         /// The path of the second Rust type.
         second: String,
     },
+
+    /// A schedule cannot be used: its id, cron expression, time zone, interval, missed-ticks
+    /// bound or catch-up window.
+    #[error("invalid schedule {id:?}: {reason}")]
+    InvalidSchedule {
+        /// The schedule id.
+        id: String,
+        /// What is wrong and what is accepted.
+        reason: String,
+    },
+
+    /// Two schedules share one id: two given to a bus, or two `#[schedule]` functions linked
+    /// into the binary. The id names the ticks' events, so the two would publish one event.
+    #[error(
+        "schedule id {id:?} is given twice ({first} and {second}); give each schedule its own id"
+    )]
+    DuplicateScheduleId {
+        /// The id both use.
+        id: String,
+        /// The first schedule, described.
+        first: String,
+        /// The second schedule, described.
+        second: String,
+    },
 }
 
 /// An event that cannot be stored as it is. Nothing was written.

@@ -30,6 +30,10 @@ pub mod handlers {}
 #[cfg(any(doc, all(feature = "postgres", feature = "memory", feature = "macros")))]
 pub mod testing {}
 
+#[doc = include_str!("../docs/schedules.md")]
+#[cfg(any(doc, all(feature = "postgres", feature = "memory", feature = "macros")))]
+pub mod schedules {}
+
 #[doc = include_str!("../docs/transports.md")]
 pub mod transports {}
 

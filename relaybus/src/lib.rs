@@ -7,7 +7,8 @@
 //! retries, dead letters, per-key order and leases fenced against stale workers.
 //!
 //! The [`guide`] has a page per subject: [stores](guide::stores), [handlers](guide::handlers),
-//! [testing](guide::testing), [transports](guide::transports),
+//! [testing](guide::testing), [scheduled events](guide::schedules),
+//! [transports](guide::transports),
 //! [operations](guide::operations), [reliability](guide::reliability),
 //! [differences from the specification](guide::differences) and [upgrading](guide::upgrading).
 //! The Axum integration is the `relaybus-axum` crate.
@@ -89,6 +90,7 @@ pub mod event;
 pub mod guide;
 mod handler;
 pub mod registry;
+pub mod schedule;
 mod state;
 pub mod store;
 pub mod telemetry;
@@ -116,7 +118,8 @@ pub use handler::{
 };
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
-pub use relaybus_macros::{event, handler};
+pub use relaybus_macros::{event, handler, schedule};
+pub use schedule::{MissedTicks, Schedule, Tick};
 pub use state::State;
 #[cfg(feature = "memory")]
 pub use store::memory::{MemoryEventStore, MemorySession};

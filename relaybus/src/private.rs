@@ -10,7 +10,8 @@ pub use crate::{
     error::BoxError,
     event::{Event, check_type_name},
     handler::Subscription,
-    registry::{EventDescriptor, HandlerDescriptor},
+    registry::{EventDescriptor, HandlerDescriptor, ScheduleDescriptor},
+    schedule::{MissedTicks, Schedule, Tick},
 };
 
 /// Checks, at the span of a `#[handler]` function's argument type, that it can be one.

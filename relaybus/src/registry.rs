@@ -27,6 +27,7 @@ use std::{fmt, time::Duration};
 use crate::{
     error::ConfigurationError,
     handler::{RetryPolicy, Subscription},
+    schedule::Schedule,
 };
 
 /// An event type declared with [`#[event]`](macro@crate::event).
@@ -246,8 +247,103 @@ impl fmt::Debug for HandlerDescriptor {
     }
 }
 
+/// A schedule declared with [`#[schedule]`](macro@crate::schedule).
+#[derive(Clone, Copy)]
+pub struct ScheduleDescriptor {
+    id: &'static str,
+    rust_path: &'static str,
+    make: fn() -> Schedule,
+}
+
+impl ScheduleDescriptor {
+    /// Describes a schedule. Made by `#[schedule]`; not meant to be called by hand.
+    #[doc(hidden)]
+    pub const fn new(id: &'static str, rust_path: &'static str, make: fn() -> Schedule) -> Self {
+        ScheduleDescriptor {
+            id,
+            rust_path,
+            make,
+        }
+    }
+
+    /// The schedule id.
+    pub fn id(&self) -> &'static str {
+        self.id
+    }
+
+    /// The path of the Rust function that makes the tick's event, such as
+    /// `shop::reports::report_due`.
+    pub fn rust_path(&self) -> &'static str {
+        self.rust_path
+    }
+
+    /// The schedule, ready for [`RelayBusBuilder::schedule`](crate::RelayBusBuilder::schedule).
+    pub fn schedule(&self) -> Schedule {
+        (self.make)()
+    }
+
+    /// How errors name the schedule.
+    pub(crate) fn describe(&self) -> String {
+        format!("#[schedule] {}", self.rust_path)
+    }
+}
+
+impl fmt::Debug for ScheduleDescriptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ScheduleDescriptor")
+            .field("id", &self.id)
+            .field("rust_path", &self.rust_path)
+            .finish_non_exhaustive()
+    }
+}
+
 inventory::collect!(EventDescriptor);
 inventory::collect!(HandlerDescriptor);
+inventory::collect!(ScheduleDescriptor);
+
+/// Every schedule declared with `#[schedule]` in the binary, sorted by id, then by Rust path.
+pub fn schedules() -> impl ExactSizeIterator<Item = &'static ScheduleDescriptor> {
+    let mut schedules: Vec<&'static ScheduleDescriptor> =
+        inventory::iter::<ScheduleDescriptor>.into_iter().collect();
+    schedules.sort_by_key(|s| (s.id, s.rust_path));
+    schedules.into_iter()
+}
+
+/// The schedules of a bus: every registered one unless `registered` is off, sorted by id, then
+/// those given by hand.
+///
+/// # Errors
+///
+/// [`ConfigurationError::DuplicateScheduleId`] when two registered schedules share an id, or a
+/// schedule given by hand has the id of a registered one it runs.
+pub(crate) fn bus_schedules(
+    registered: bool,
+    manual: Vec<Schedule>,
+) -> Result<Vec<Schedule>, ConfigurationError> {
+    let declared: Vec<_> = schedules().collect();
+    if let Some(pair) = declared.windows(2).find(|w| w[0].id == w[1].id) {
+        return Err(ConfigurationError::DuplicateScheduleId {
+            id: pair[0].id.to_owned(),
+            first: pair[0].describe(),
+            second: pair[1].describe(),
+        });
+    }
+    if !registered {
+        return Ok(manual);
+    }
+    for schedule in &manual {
+        if let Some(declared) = declared.iter().find(|d| d.id == schedule.id()) {
+            return Err(ConfigurationError::DuplicateScheduleId {
+                id: schedule.id().to_owned(),
+                first: declared.describe(),
+                second: format!("a schedule {} given to the bus", schedule.describe()),
+            });
+        }
+    }
+    let mut all: Vec<Schedule> = declared.iter().map(|d| d.schedule()).collect();
+    all.extend(manual);
+    Ok(all)
+}
 
 /// Every event type declared with `#[event]` in the binary, sorted by type name, then by Rust
 /// type.

@@ -167,6 +167,26 @@ impl fmt::Display for Timestamp {
     }
 }
 
+/// An RFC 3339 string in UTC with milliseconds, as [`Display`](fmt::Display) writes it, so that
+/// an event can carry a time (a schedule's tick, say) that reads the same in every store.
+impl serde::Serialize for Timestamp {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// An RFC 3339 string, as [`Timestamp::parse_rfc3339`] reads it.
+impl<'de> serde::Deserialize<'de> for Timestamp {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        Timestamp::parse_rfc3339(&text).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "{text:?} is not an RFC 3339 time such as \"2030-01-01T08:00:00.000Z\""
+            ))
+        })
+    }
+}
+
 /// The day count since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
 fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
     let year = if month <= 2 { year - 1 } else { year };
@@ -252,6 +272,16 @@ mod tests {
         assert_eq!(Timestamp::from(SystemTime::from(t)), t);
         let before = Timestamp::from_millis(-5);
         assert_eq!(Timestamp::from(SystemTime::from(before)), before);
+    }
+
+    #[test]
+    fn serializes_as_rfc3339() {
+        let t = Timestamp::from_millis(1_796_111_633_123);
+        let json = serde_json::to_value(t).unwrap();
+        assert_eq!(json, serde_json::json!("2026-12-01T07:53:53.123Z"));
+        assert_eq!(serde_json::from_value::<Timestamp>(json).unwrap(), t);
+        let wrong = serde_json::from_value::<Timestamp>(serde_json::json!("noon")).unwrap_err();
+        assert!(wrong.to_string().contains("RFC 3339"), "{wrong}");
     }
 
     #[test]

@@ -146,3 +146,119 @@ pub(crate) fn outcome(event: &FaultOrder, attempt: u32) -> Result<(), BoxError> 
     }
     Ok(())
 }
+
+/// The schedule the `--schedule` workers run: every second, publishing [`Beat`].
+pub const SCHEDULE: &str = "beat";
+
+/// The event of a tick of [`SCHEDULE`].
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Beat {
+    /// The tick's time.
+    pub at: relaybus::Timestamp,
+}
+
+impl Event for Beat {
+    const TYPE: &'static str = "schedule.beat.v1";
+}
+
+/// Starts a `relaybus-fault-worker` (the binary at `worker`) with `args`, tied to the test
+/// process, and waits up to a minute for its `ready`.
+fn start_worker(worker: &str, args: &[String]) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+
+    let mut command = std::process::Command::new(worker);
+    command
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    let mut child = relaybus_harness::spawn_tied(command).expect("start a worker");
+    let stdout = child.stdout.take().expect("the worker's stdout");
+    let (ready, wait) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            match line {
+                Ok(line) if line == "ready" => {
+                    let _ = ready.send(());
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    });
+    wait.recv_timeout(Duration::from_secs(60))
+        .expect("the worker prints `ready` within a minute");
+    child
+}
+
+/// The schedule test on real processes: three `--schedule` workers on one database run
+/// [`SCHEDULE`] for `run` of real time; one is killed with SIGKILL at `kill_after` and started
+/// again under the same owner name. `args(owner)` gives a worker's arguments. Returns the
+/// wall-clock times between which all three ran (the kill and restart inside), once every
+/// worker is killed.
+pub async fn three_schedule_workers_one_killed(
+    worker: &str,
+    args: impl Fn(&str) -> Vec<String>,
+    run: Duration,
+    kill_after: Duration,
+) -> (relaybus::Timestamp, relaybus::Timestamp) {
+    let owners = ["beat-a", "beat-b", "beat-c"];
+    let mut workers: Vec<std::process::Child> = owners
+        .iter()
+        .map(|owner| start_worker(worker, &args(owner)))
+        .collect();
+    let started = relaybus::Timestamp::now();
+    tokio::time::sleep(kill_after).await;
+    relaybus_harness::kill_tied(&mut workers[1]);
+    workers[1] = start_worker(worker, &args(owners[1]));
+    tokio::time::sleep(run.saturating_sub(kill_after)).await;
+    let ended = relaybus::Timestamp::now();
+    for worker in &mut workers {
+        relaybus_harness::kill_tied(worker);
+    }
+    (started, ended)
+}
+
+/// Checks the ticks of [`SCHEDULE`] a database holds, as the times in their event ids: one per
+/// second, none missing or doubled, from no later than `started` to no earlier than 2 seconds
+/// before `ended`.
+pub fn check_one_event_per_tick(
+    mut ticks: Vec<relaybus::Timestamp>,
+    started: relaybus::Timestamp,
+    ended: relaybus::Timestamp,
+) {
+    ticks.sort();
+    let (Some(first), Some(last)) = (ticks.first().copied(), ticks.last().copied()) else {
+        panic!("no tick was published");
+    };
+    assert!(
+        first <= started,
+        "the first tick {first} came after the start {started}"
+    );
+    assert!(
+        last >= ended.saturating_sub(Duration::from_secs(2)),
+        "the last tick {last} is long before the end {ended}"
+    );
+    let expected: Vec<relaybus::Timestamp> = (0..)
+        .map(|n| first.saturating_add(Duration::from_secs(n)))
+        .take_while(|at| *at <= last)
+        .collect();
+    assert_eq!(ticks, expected, "one event per tick from {first} to {last}");
+    eprintln!(
+        "schedule: {} ticks from {first} to {last}, one event each",
+        ticks.len()
+    );
+}
+
+/// The tick times in the ids of [`Beat`] events, which must all be ticks of [`SCHEDULE`]
+/// (`schedule:beat:<time>`).
+pub fn tick_times(ids: impl IntoIterator<Item = String>) -> Vec<relaybus::Timestamp> {
+    let prefix = format!("schedule:{SCHEDULE}:");
+    ids.into_iter()
+        .map(|id| {
+            let time = id
+                .strip_prefix(&prefix)
+                .unwrap_or_else(|| panic!("{id:?} is no tick of {SCHEDULE}"));
+            relaybus::Timestamp::parse_rfc3339(time).expect("the tick's time in its event id")
+        })
+        .collect()
+}

@@ -451,3 +451,40 @@ async fn a_process_paused_past_its_expiry_loses_its_transactions_and_commits_eac
     }
     db.drop_database().await.unwrap();
 }
+
+/// Three worker processes run a schedule every second on one database for 30 seconds of real
+/// time; one is killed with SIGKILL and started again: each tick is one event, none missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_survives_a_killed_process_with_one_event_per_tick() {
+    let db = test_db("schedule_kill").await;
+    let (started, ended) = relaybus_tests::fault::three_schedule_workers_one_killed(
+        env!("CARGO_BIN_EXE_relaybus-fault-worker"),
+        |owner| {
+            [&db.uri, &db.name, owner, "2000", "200"]
+                .map(|arg| arg.to_string())
+                .into_iter()
+                .fold(vec!["--schedule".to_owned()], |mut args, arg| {
+                    args.push(arg);
+                    args
+                })
+        },
+        Duration::from_secs(30),
+        Duration::from_millis(12_300),
+    )
+    .await;
+    let ids: Vec<String> = db
+        .client
+        .database(&db.name)
+        .collection::<Document>("relaybus_events")
+        .distinct("_id", doc! { "type": "schedule.beat.v1" })
+        .await
+        .expect("the ticks' events")
+        .into_iter()
+        .map(|id| id.as_str().expect("a string id").to_owned())
+        .collect();
+    relaybus_tests::fault::check_one_event_per_tick(
+        relaybus_tests::fault::tick_times(ids),
+        started,
+        ended,
+    );
+}

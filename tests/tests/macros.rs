@@ -1,5 +1,6 @@
-//! Events and handlers declared only through `#[event]` and `#[handler]`, in two modules, found
-//! through the registry and run end to end on a real replica set.
+//! Events, handlers and schedules declared only through `#[event]`, `#[handler]` and
+//! `#[schedule]`, in three modules, found through the registry and run end to end on a real
+//! replica set (the schedules on the memory store).
 //!
 //! The registry is global to the binary, so every test here sees the same handlers. Those whose
 //! deliveries the end-to-end test runs record their calls in [`CALLS`], keyed by order id so
@@ -141,6 +142,40 @@ mod mailing {
         std::sync::Mutex::new(Vec::new());
 }
 
+/// The reports side: schedules declared with `#[schedule]`, publishing an event no handler
+/// takes (the other tests' buses run them too).
+mod reports {
+    use relaybus::{Tick, Timestamp};
+    use serde::{Deserialize, Serialize};
+
+    #[relaybus::event("macros.report.due.v1")]
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub(crate) struct ReportDue {
+        pub(crate) at: Timestamp,
+    }
+
+    /// At midnight on New Year's Day in Paris.
+    #[relaybus::schedule(
+        id = "macros.yearly-report",
+        cron = "0 0 0 1 1 *",
+        time_zone = "Europe/Paris"
+    )]
+    pub(crate) fn yearly_report(tick: Tick) -> ReportDue {
+        ReportDue { at: tick.at() }
+    }
+
+    /// Every day at midnight UTC, each missed day published, up to 3.
+    #[relaybus::schedule(
+        id = "macros.daily-report",
+        every_ms = 86_400_000,
+        each_missed = 3,
+        catch_up_ms = 259_200_000
+    )]
+    pub(crate) fn daily_report(tick: Tick) -> ReportDue {
+        ReportDue { at: tick.at() }
+    }
+}
+
 use mailing::OrderShipped;
 use orders::OrderPlaced;
 
@@ -154,6 +189,7 @@ fn the_registry_lists_what_the_macros_declared() {
         [
             ("macros.order.placed.v1", "macros::orders::OrderPlaced"),
             ("macros.order.shipped.v1", "macros::mailing::OrderShipped"),
+            ("macros.report.due.v1", "macros::reports::ReportDue"),
         ]
     );
     assert_eq!(
@@ -486,4 +522,96 @@ fn a_memory_bus_takes_the_registered_handlers_that_run_on_it() {
         .filter(|handler| handler.runs_on::<MongoEventStore>())
         .count();
     assert_eq!(on_mongo, registry::handlers().count(), "all run on MongoDB");
+}
+
+/// `#[schedule]` registers each schedule with its settings; every bus takes them unless told
+/// otherwise, publishes their ticks, and refuses a schedule of its own under a registered id.
+#[test]
+fn registered_schedules_publish_their_ticks() {
+    use relaybus::{MemoryEventStore, MissedTicks, Schedule, Tick, Timestamp, clock::TestClock};
+
+    let declared: Vec<_> = registry::schedules()
+        .map(|s| (s.id(), s.rust_path()))
+        .collect();
+    assert_eq!(
+        declared,
+        [
+            ("macros.daily-report", "macros::reports::daily_report"),
+            ("macros.yearly-report", "macros::reports::yearly_report"),
+        ]
+    );
+    let yearly = registry::schedules().nth(1).unwrap().schedule();
+    assert_eq!(yearly.cron_expression(), Some("0 0 0 1 1 *"));
+    assert_eq!(yearly.zone(), Some("Europe/Paris"));
+    assert_eq!(yearly.event_type(), "macros.report.due.v1");
+    let daily = registry::schedules().next().unwrap().schedule();
+    assert_eq!(daily.interval(), Some(Duration::from_secs(86_400)));
+    assert_eq!(daily.missed_ticks(), MissedTicks::Each { max: 3 });
+    assert_eq!(daily.catch_up_window(), Duration::from_secs(3 * 86_400));
+    // The function stays a plain function.
+    let at = Timestamp::parse_rfc3339("2030-01-01T00:00:00Z").unwrap();
+    assert_eq!(reports::yearly_report(Tick::new("x", at)).at, at);
+
+    // 2029-12-31T23:00Z is midnight in Paris, and the second daily tick of the window.
+    let clock = TestClock::new(Timestamp::parse_rfc3339("2029-12-31T23:00:00Z").unwrap());
+    let bus = RelayBus::builder(MemoryEventStore::new())
+        .registered_handlers_where(|handler| handler.runs_on::<MemoryEventStore>())
+        .clock(clock)
+        .build()
+        .unwrap();
+    let ids: Vec<&str> = bus.schedules().map(|s| s.id()).collect();
+    assert_eq!(ids, ["macros.daily-report", "macros.yearly-report"]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let report = runtime.block_on(bus.publish_ticks()).unwrap();
+    let published: Vec<(String, String)> = report
+        .ticks
+        .iter()
+        .map(|tick| (tick.schedule.clone(), tick.at.to_string()))
+        .collect();
+    assert_eq!(
+        published,
+        [
+            (
+                "macros.daily-report".to_owned(),
+                "2029-12-29T00:00:00.000Z".to_owned()
+            ),
+            (
+                "macros.daily-report".to_owned(),
+                "2029-12-30T00:00:00.000Z".to_owned()
+            ),
+            (
+                "macros.daily-report".to_owned(),
+                "2029-12-31T00:00:00.000Z".to_owned()
+            ),
+            (
+                "macros.yearly-report".to_owned(),
+                "2029-12-31T23:00:00.000Z".to_owned()
+            ),
+        ]
+    );
+
+    let without = RelayBus::builder(MemoryEventStore::new())
+        .registered_handlers_where(|handler| handler.runs_on::<MemoryEventStore>())
+        .without_registered_schedules()
+        .build()
+        .unwrap();
+    assert_eq!(without.schedules().count(), 0);
+    let twice = RelayBus::builder(MemoryEventStore::new())
+        .registered_handlers_where(|handler| handler.runs_on::<MemoryEventStore>())
+        .schedule(Schedule::every(
+            "macros.daily-report",
+            Duration::from_secs(60),
+            reports::daily_report,
+        ))
+        .build();
+    match twice {
+        Err(ConfigurationError::DuplicateScheduleId { id, first, .. }) => {
+            assert_eq!(id, "macros.daily-report");
+            assert!(first.contains("macros::reports::daily_report"), "{first}");
+        }
+        other => panic!("expected a duplicate schedule id, got {other:?}"),
+    }
 }

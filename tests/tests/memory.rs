@@ -1,7 +1,8 @@
 //! The in-memory store's own behaviour, beyond the conformance suite: business documents in
 //! the transaction of the events, write conflicts and their retry, sessions dropped with an
 //! open transaction, completion fenced at the commit, the budget at the commit, completion
-//! history, wake-ups, and a bus dispatching on it. No MongoDB is needed.
+//! history, wake-ups, a bus dispatching on it, and a started bus publishing its schedule. No
+//! MongoDB is needed.
 
 use std::{
     sync::atomic::{AtomicU32, Ordering},
@@ -776,4 +777,44 @@ async fn a_bus_dispatches_on_the_memory_store_and_handlers_write_in_its_transact
     );
     assert_eq!(store.statistics().await.unwrap().pending, 0);
     let _: Value = store.document("orders", "o-1").expect("the order");
+}
+
+/// A started bus publishes its schedule's ticks as its clock reaches them, and its handlers
+/// get them: the background loop looks again at the poll interval on a test clock.
+#[tokio::test]
+async fn a_started_bus_publishes_its_ticks_in_the_background() {
+    use relaybus::{Schedule, Tick, clock::TestClock};
+    use relaybus_tests::fault::Beat;
+
+    let clock = TestClock::new(at(0));
+    let (ticks, mut heard) = mpsc::unbounded_channel();
+    let bus = RelayBus::builder(MemoryEventStore::new())
+        .without_registered_handlers()
+        .without_registered_schedules()
+        .clock(clock.clone())
+        .poll_interval(Duration::from_millis(20))
+        .subscribe(Subscription::new("beat-listener", move |beat: Beat| {
+            let ticks = ticks.clone();
+            async move {
+                ticks.send(beat.at).map_err(BoxError::from)?;
+                Ok::<(), BoxError>(())
+            }
+        }))
+        .schedule(Schedule::every(
+            "beat",
+            Duration::from_secs(1),
+            |tick: Tick| Beat { at: tick.at() },
+        ))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    for second in 0..4 {
+        clock.advance_to(at(second));
+        let got = tokio::time::timeout(Duration::from_secs(10), heard.recv())
+            .await
+            .expect("the tick is published and handled")
+            .expect("the handler is alive");
+        assert_eq!(got, at(second));
+    }
+    bus.shutdown().await.unwrap();
 }

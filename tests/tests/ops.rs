@@ -334,3 +334,91 @@ async fn the_new_routes_refuse_bad_input_with_json() {
     let (_, stats) = ops.get("/ops/statistics").await;
     assert_eq!(stats["dead"], 6, "nothing was written: {stats}");
 }
+
+/// `GET /schedules` lists the bus's schedules with the last tick the store holds, whichever
+/// bus published it, and the next; the page has a view for them.
+#[tokio::test]
+async fn the_schedules_route_lists_last_and_next_ticks() {
+    use std::time::Duration;
+
+    use relaybus::{RelayBus, Schedule, Tick, Timestamp, clock::TestClock};
+    use relaybus_tests::fault::Beat;
+
+    let db = test_db("ops_schedules").await;
+    let store = relaybus_tests::support::store(&db).await;
+    let t = |text: &str| Timestamp::parse_rfc3339(text).unwrap();
+    let clock = TestClock::new(t("2030-01-01T08:59:59Z"));
+    let bus = || {
+        RelayBus::builder(store.clone())
+            .without_registered_handlers()
+            .without_registered_schedules()
+            .clock(clock.clone())
+            .schedule(
+                Schedule::cron("paris-report", "0 0 10 * * *", |tick: Tick| Beat {
+                    at: tick.at(),
+                })
+                .time_zone("Europe/Paris"),
+            )
+            .schedule(Schedule::every(
+                "minutely",
+                Duration::from_secs(60),
+                |tick: Tick| Beat { at: tick.at() },
+            ))
+            .build()
+            .unwrap()
+    };
+    let (publisher, viewer) = (bus(), bus());
+    let ops = Ops(Router::new().nest("/ops", relaybus_axum::ops::router(viewer)));
+
+    let (status, listed) = ops.get("/ops/schedules").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        listed,
+        json!({"schedules": [
+            {"id": "paris-report", "event_type": "schedule.beat.v1",
+             "cadence": "cron \"0 0 10 * * *\" in Europe/Paris", "missed": "latest",
+             "last_tick": null, "next_tick": "2030-01-01T09:00:00.000Z"},
+            {"id": "minutely", "event_type": "schedule.beat.v1", "cadence": "every 60s",
+             "missed": "latest", "last_tick": null, "next_tick": "2030-01-01T09:00:00.000Z"},
+        ]})
+    );
+
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(publisher.publish_ticks().await.unwrap().created(), 2);
+    let (_, listed) = ops.get("/ops/schedules").await;
+    let ticks: Vec<(&str, &str)> = listed["schedules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["last_tick"].as_str().unwrap(),
+                s["next_tick"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ticks,
+        [
+            ("2030-01-01T09:00:00.000Z", "2030-01-02T09:00:00.000Z"),
+            ("2030-01-01T09:01:00.000Z", "2030-01-01T09:02:00.000Z"),
+        ]
+    );
+
+    let page = body(
+        ops.raw(Request::get("/ops").body(Body::empty()).unwrap())
+            .await,
+    )
+    .await;
+    assert!(page.contains("data-view=\"schedules\""), "{page}");
+    let script = body(
+        ops.raw(
+            Request::get("/ops/assets/ops.js")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await,
+    )
+    .await;
+    assert!(script.contains("api(\"/schedules\")"));
+}

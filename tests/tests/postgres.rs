@@ -1279,3 +1279,44 @@ async fn the_postgres_names_and_a_session_as_an_sqlx_executor() {
         .unwrap();
     assert_eq!(projected, ["o-1"]);
 }
+
+/// Three worker processes run a schedule every second on one schema for 30 seconds of real
+/// time; one is killed with SIGKILL and started again: each tick is one event, none missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_survives_a_killed_process_with_one_event_per_tick() {
+    let (store, schema) = store("schedule_kill").await;
+    let url = url();
+    let (started, ended) = relaybus_tests::fault::three_schedule_workers_one_killed(
+        env!("CARGO_BIN_EXE_relaybus-fault-worker"),
+        |owner| {
+            [
+                "--store",
+                "postgres",
+                "--schedule",
+                &url,
+                &schema.name,
+                owner,
+                "2000",
+                "200",
+            ]
+            .map(str::to_owned)
+            .to_vec()
+        },
+        Duration::from_secs(30),
+        Duration::from_millis(12_300),
+    )
+    .await;
+    let ids: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT id FROM {} WHERE event_type = 'schedule.beat.v1'",
+        schema.table("events")
+    ))
+    .fetch_all(&pool().await)
+    .await
+    .expect("the ticks' events");
+    relaybus_tests::fault::check_one_event_per_tick(
+        relaybus_tests::fault::tick_times(ids),
+        started,
+        ended,
+    );
+    drop(store);
+}

@@ -296,6 +296,8 @@ impl<S: Store> Shared<S> {
 pub(crate) struct Handle {
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    /// Tasks beside the dispatch loop that stop with it (publishing scheduled ticks).
+    others: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Handle {
@@ -304,7 +306,22 @@ impl Handle {
         let cancel = CancellationToken::new();
         let span = info_span!("relaybus.dispatcher", owner = %shared.settings.owner);
         let task = tokio::spawn(dispatch(shared, cancel.clone()).instrument(span));
-        Handle { cancel, task }
+        Handle {
+            cancel,
+            task,
+            others: Vec::new(),
+        }
+    }
+
+    /// The token that stops the dispatcher, for tasks that stop with it.
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// A task that stops with the dispatcher (on its token) and that [`stop`](Self::stop)
+    /// waits for.
+    pub(crate) fn also(&mut self, task: tokio::task::JoinHandle<()>) {
+        self.others.push(task);
     }
 
     /// Stops claiming, lets running handlers finish within the shutdown timeout, gives back the
@@ -313,6 +330,11 @@ impl Handle {
         self.cancel.cancel();
         if let Err(error) = self.task.await {
             warn!(%error, "the dispatcher task ended abnormally");
+        }
+        for task in self.others {
+            if let Err(error) = task.await {
+                warn!(%error, "a task of the dispatcher ended abnormally");
+            }
         }
     }
 }

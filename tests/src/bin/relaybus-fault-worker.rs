@@ -2,12 +2,16 @@
 //! own so that the suite can kill it, pause it and restart it.
 //!
 //! ```text
-//! relaybus-fault-worker [--store mongodb|postgres] URL DATABASE OWNER LEASE_MS POLL_MS
+//! relaybus-fault-worker [--store mongodb|postgres] [--schedule] URL DATABASE OWNER LEASE_MS POLL_MS
 //! ```
 //!
 //! On MongoDB (the default) `URL` is a MongoDB URI and `DATABASE` the database; on PostgreSQL
 //! `URL` is a `postgres://` URL and `DATABASE` the store's schema (the worker names its
 //! connections `OWNER` as their `application_name`).
+//!
+//! With `--schedule` the bus runs no handler and one schedule instead,
+//! [`SCHEDULE`](relaybus_tests::fault::SCHEDULE) every second, publishing
+//! `schedule.beat.v1` with no deliveries: the processes of the schedule test.
 //!
 //! It prints `ready` once its bus runs, and shuts the bus down gracefully on SIGTERM or SIGINT
 //! (its lanes are handed back), exiting 0.
@@ -15,14 +19,15 @@
 use std::{process::ExitCode, str::FromStr, time::Duration};
 
 use relaybus::{
-    MongoEventStore, PostgresEventStore, RelayBus, Store, Subscription, mongodb::Client,
+    MongoEventStore, PostgresEventStore, RelayBus, Schedule, Store, Subscription, Tick,
+    mongodb::Client,
 };
 use relaybus_tests::fault;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
 
-const USAGE: &str =
-    "usage: relaybus-fault-worker [--store mongodb|postgres] URL DATABASE OWNER LEASE_MS POLL_MS";
+const USAGE: &str = "usage: relaybus-fault-worker [--store mongodb|postgres] [--schedule] URL \
+                     DATABASE OWNER LEASE_MS POLL_MS";
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -41,6 +46,10 @@ async fn main() -> ExitCode {
         store = args.remove(1);
         args.remove(0);
     }
+    let schedule = args.first().is_some_and(|a| a == "--schedule");
+    if schedule {
+        args.remove(0);
+    }
     let [url, database, owner, lease_ms, poll_ms] = args.as_slice() else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
@@ -53,6 +62,7 @@ async fn main() -> ExitCode {
         owner,
         lease: Duration::from_millis(lease_ms),
         poll: Duration::from_millis(poll_ms),
+        schedule,
     };
     let outcome = match store.as_str() {
         "mongodb" => run_mongodb(url, database, &timing).await,
@@ -75,6 +85,8 @@ struct Timing<'a> {
     owner: &'a str,
     lease: Duration,
     poll: Duration,
+    /// Run the schedule instead of the handlers.
+    schedule: bool,
 }
 
 async fn run_mongodb(
@@ -86,7 +98,11 @@ async fn run_mongodb(
     let store = MongoEventStore::builder(client.clone())
         .database(database)
         .build()?;
-    let subscriptions = fault::subscriptions(&client.database(database), timing.owner);
+    let subscriptions = if timing.schedule {
+        Vec::new()
+    } else {
+        fault::subscriptions(&client.database(database), timing.owner)
+    };
     run(store, subscriptions, timing).await
 }
 
@@ -104,7 +120,11 @@ async fn run_postgres(
     let store = PostgresEventStore::builder(pool.clone())
         .schema(schema)
         .build()?;
-    let subscriptions = fault::postgres::subscriptions(&pool, schema, timing.owner);
+    let subscriptions = if timing.schedule {
+        Vec::new()
+    } else {
+        fault::postgres::subscriptions(&pool, schema, timing.owner)
+    };
     run(store, subscriptions, timing).await
 }
 
@@ -118,6 +138,7 @@ async fn run<S: Store>(
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut bus = RelayBus::builder(store)
         .without_registered_handlers()
+        .without_registered_schedules()
         .owner(owner)
         .lease_duration(timing.lease)
         .poll_interval(timing.poll)
@@ -126,6 +147,13 @@ async fn run<S: Store>(
         .shutdown_timeout(Duration::from_secs(5));
     for subscription in subscriptions {
         bus = bus.subscribe(subscription);
+    }
+    if timing.schedule {
+        bus = bus.schedule(Schedule::every(
+            fault::SCHEDULE,
+            Duration::from_secs(1),
+            |tick: Tick| fault::Beat { at: tick.at() },
+        ));
     }
     let bus = bus.build()?;
     // A worker restarted while the server is down or electing keeps trying for a minute.

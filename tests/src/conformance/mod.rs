@@ -2,7 +2,8 @@
 //! and run for every store.
 //!
 //! Each test is a generic `async fn <behaviour><S: Store>(store: &S)` that uses the trait alone
-//! (plus [`relaybus::store::transaction::run`]) and documents the contract it checks. Every call
+//! (plus [`relaybus::store::transaction::run`]; the schedule tests use buses on the store, which
+//! is how schedules reach it) and documents the contract it checks. Every call
 //! takes an explicit clock (seconds after `T0`, a time in 2030), so due times and lease expiries
 //! are the test's to choose and nothing sleeps. One clock is not the test's: an event's creation
 //! time is the wall clock of `EventEnvelope::from_json`, which retention compares with purge
@@ -34,8 +35,9 @@
 //! - [`concurrent_claims_never_share_a_delivery_across_instances`]
 //! - [`relinquish_hands_back_across_instances`]
 //! - [`one_instance_leads_a_role_at_a_time_across_instances`]
+//! - [`a_schedule_publishes_each_tick_once_across_instances`]
 //!
-//! Every other test runs for every store. Skipped today: none for MongoDB; all five for the
+//! Every other test runs for every store. Skipped today: none for MongoDB; all six for the
 //! in-memory store (`relaybus::store::memory`), which lives in one process and has no second
 //! instance to open. Takeover, fencing and hand-back between owners of one store instance are
 //! checked for it by the other tests.
@@ -54,6 +56,7 @@ mod claim;
 mod inspect;
 mod instances;
 mod operator;
+mod schedule;
 mod settle;
 mod unordered;
 
@@ -71,6 +74,7 @@ pub use claim::*;
 pub use inspect::*;
 pub use instances::*;
 pub use operator::*;
+pub use schedule::*;
 pub use settle::*;
 pub use unordered::*;
 
@@ -129,6 +133,11 @@ macro_rules! conformance_tests {
             an_unordered_handler_gets_every_delivery_of_a_key_at_once,
             a_failed_unordered_delivery_holds_back_nothing_of_its_key,
             a_handler_added_as_unordered_ignores_the_key_of_a_known_event,
+            a_schedule_publishes_each_tick_once_across_three_buses,
+            missed_ticks_latest_publishes_only_the_latest,
+            missed_ticks_each_publishes_each_up_to_the_bound,
+            cron_ticks_follow_the_zone_across_daylight_saving,
+            a_restart_in_the_middle_of_a_tick_publishes_it_once,
         );
     };
     ($make_store:expr, $second_instance:expr $(,)?) => {
@@ -139,6 +148,7 @@ macro_rules! conformance_tests {
             concurrent_claims_never_share_a_delivery_across_instances,
             relinquish_hands_back_across_instances,
             one_instance_leads_a_role_at_a_time_across_instances,
+            a_schedule_publishes_each_tick_once_across_instances,
         );
     };
     (@single $make_store:expr; $($test:ident),+ $(,)?) => {

@@ -452,9 +452,29 @@
     ];
   }
 
+  // ---- schedules -------------------------------------------------------------------------
+
+  async function schedules() {
+    const report = await api("/schedules");
+    const rows = report.schedules.map((s) => el("tr", { "data-schedule": s.id },
+      el("td", { text: s.id }),
+      el("td", { text: s.event_type }),
+      el("td", { text: s.cadence }),
+      el("td", { text: s.missed }),
+      el("td", {}, s.last_tick ? link({ view: "event", id: `schedule:${s.id}:${s.last_tick}` }, time(s.last_tick))
+        : el("span", { class: "muted", text: "none recent" })),
+      el("td", { text: s.next_tick ? time(s.next_tick) : "never" })));
+    return [
+      el("h2", { text: "Schedules" }),
+      rows.length ? table(["Schedule", "Event type", "Ticks", "Missed ticks", "Last tick", "Next tick"], rows,
+        { id: "schedules" })
+        : el("p", { class: "muted", text: "This bus runs no schedule." }),
+    ];
+  }
+
   // ---- shell -----------------------------------------------------------------------------
 
-  const VIEWS = { overview, deliveries, event: eventView, dead: deadLetters, lanes };
+  const VIEWS = { overview, deliveries, event: eventView, dead: deadLetters, lanes, schedules };
   let rendering = false;
 
   async function render(background) {
