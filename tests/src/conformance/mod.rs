@@ -51,6 +51,7 @@
 
 mod append;
 mod claim;
+mod idempotency;
 mod inspect;
 mod instances;
 mod operator;
@@ -68,6 +69,7 @@ use serde_json::json;
 
 pub use append::*;
 pub use claim::*;
+pub use idempotency::*;
 pub use inspect::*;
 pub use instances::*;
 pub use operator::*;
@@ -129,6 +131,8 @@ macro_rules! conformance_tests {
             an_unordered_handler_gets_every_delivery_of_a_key_at_once,
             a_failed_unordered_delivery_holds_back_nothing_of_its_key,
             a_handler_added_as_unordered_ignores_the_key_of_a_known_event,
+            a_request_key_is_held_by_one_transaction,
+            expired_request_keys_are_replaced_and_purged,
         );
     };
     ($make_store:expr, $second_instance:expr $(,)?) => {
