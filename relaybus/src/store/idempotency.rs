@@ -108,12 +108,10 @@ pub fn key_problem(key: &str) -> Option<String> {
             "the idempotency key has {} characters, more than {MAX_IDEMPOTENCY_KEY_LEN}",
             key.chars().count()
         ))
-    } else if let Some(c) = key.chars().find(|c| !(' '..='~').contains(c)) {
-        Some(format!(
-            "the idempotency key has the character {c:?}, which is not printable ASCII"
-        ))
     } else {
-        None
+        key.chars().find(|c| !(' '..='~').contains(c)).map(|c| {
+            format!("the idempotency key has the character {c:?}, which is not printable ASCII")
+        })
     }
 }
 
