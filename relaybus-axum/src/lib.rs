@@ -6,6 +6,8 @@
 //!   committed on 1xx–3xx or aborted on 4xx/5xx, a panic or a dropped request.
 //! - [`Publisher`] publishes events into it, and lends its session for the route's own writes;
 //!   [`Tx`] gives the session alone.
+//! - [`IdempotencyLayer`] makes requests with an `Idempotency-Key` header idempotent: the first
+//!   runs, and its answer, stored in its transaction, is replayed to every repeat.
 //! - [`DispatcherService`] runs the bus's dispatcher next to `axum::serve` and shuts both down
 //!   gracefully on SIGINT or SIGTERM.
 //! - [`ops::router`] answers operators: statistics, deliveries, requeueing dead letters.
@@ -110,6 +112,7 @@ mod aliases;
 mod config;
 mod dispatcher;
 pub mod guide;
+pub mod idempotency;
 pub mod ops;
 mod publisher;
 pub mod rejection;
@@ -118,6 +121,7 @@ mod tx;
 
 pub use config::{CommitPolicy, Config, RelayState};
 pub use dispatcher::{DispatcherService, ServeError, serve};
+pub use idempotency::IdempotencyLayer;
 pub use publisher::{PublishError, Publisher};
 pub use transaction::{RequestTx, RequestTxLayer, RetryRequest};
 pub use tx::Tx;

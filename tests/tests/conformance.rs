@@ -1,6 +1,8 @@
 //! The store conformance suite (`relaybus_tests::conformance`) run for every store relaybus
 //! ships, one module per store: `cargo test -p relaybus-tests --test conformance memory` runs
-//! the in-memory store's, which needs no MongoDB.
+//! the in-memory store's, which needs no MongoDB. Each module also runs the idempotent requests
+//! suite (`relaybus_tests::idempotency`): relaybus-axum's `IdempotencyLayer` through the router,
+//! on that store.
 
 /// MongoDB: every test on a database of its own, with a second store instance for the
 /// `_instances` tests.
@@ -36,6 +38,7 @@ mod mongo {
     }
 
     relaybus_tests::conformance_tests!(mongo_store, second_instance);
+    relaybus_tests::idempotency_tests!(mongo_store);
 }
 
 /// The in-memory store: a fresh store per test. It lives in one process, so it has no second
@@ -49,4 +52,5 @@ mod memory {
     }
 
     relaybus_tests::conformance_tests!(memory_store);
+    relaybus_tests::idempotency_tests!(memory_store);
 }

@@ -1,6 +1,6 @@
 //! The store conformance suite (`relaybus_tests::conformance`) for the PostgreSQL store: every
 //! test on a schema of its own, with a second store instance (its own pool) for the
-//! `_instances` tests.
+//! `_instances` tests; then the idempotent requests suite (`relaybus_tests::idempotency`) on it.
 //!
 //! The server is `RELAYBUS_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`);
 //! a test fails, never skips, when it does not answer.
@@ -99,3 +99,4 @@ async fn second_instance(schema: &Schema) -> PostgresEventStore {
 }
 
 relaybus_tests::conformance_tests!(postgres_store, second_instance);
+relaybus_tests::idempotency_tests!(postgres_store);

@@ -372,8 +372,9 @@ async fn concurrent_setups_succeed() {
     .await
     .unwrap();
     assert_eq!(
-        tables, 6,
-        "events, deliveries, key_sequences, completed_deliveries, leads, consumer_positions"
+        tables, 7,
+        "events, deliveries, key_sequences, completed_deliveries, leads, consumer_positions, \
+         idempotency_keys"
     );
 }
 

@@ -737,6 +737,7 @@ async fn setup_creates_collections_indexes_and_lanes_and_can_run_concurrently() 
             "relaybus_completed_deliveries",
             "relaybus_deliveries",
             "relaybus_events",
+            "relaybus_idempotency_keys",
             "relaybus_key_sequences",
             "relaybus_lanes",
         ]

@@ -26,8 +26,9 @@ use relaybus::{
     Statistics, Store, Subscription, Timestamp,
     clock::TestClock,
     store::{
-        Append, ClaimRequest, Claimed, ConsumerPositions, Inspect, Leadership, Operate,
-        PositionKey, Queue, Transactions, WakeUp, memory::MemoryLease,
+        Append, ClaimRequest, Claimed, ConsumerPositions, IdempotentRequests, Inspect, Leadership,
+        Operate, PositionKey, Queue, RequestKey, RequestKeyState, StoredResponse, Transactions,
+        WakeUp, memory::MemoryLease,
     },
     transport::nats::{
         BatchReport, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SUBJECT_HEADER, NatsConsumer,
@@ -1043,6 +1044,26 @@ impl ConsumerPositions for HookedStore {
         self.inner
             .advance_consumer_position(session, key, next, now)
             .await
+    }
+}
+
+impl IdempotentRequests for HookedStore {
+    async fn take_request_key(
+        &self,
+        session: &mut MemorySession,
+        key: &RequestKey<'_>,
+        now: Timestamp,
+    ) -> Result<RequestKeyState, Error> {
+        self.inner.take_request_key(session, key, now).await
+    }
+
+    async fn store_response(
+        &self,
+        session: &mut MemorySession,
+        key: &RequestKey<'_>,
+        response: &StoredResponse,
+    ) -> Result<(), Error> {
+        self.inner.store_response(session, key, response).await
     }
 }
 

@@ -13,7 +13,7 @@ use axum::{
 use metrics_exporter_prometheus::PrometheusHandle;
 use mongodb::bson::oid::ObjectId;
 use relaybus::{BoxError, RelayBus};
-use relaybus_axum::{Publisher, RelayState, rejection::PublisherRejection};
+use relaybus_axum::{IdempotencyLayer, Publisher, RelayState, rejection::PublisherRejection};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -91,8 +91,14 @@ pub(crate) fn router<O: Orders>(
         require_operator,
     );
     let (relay, layer) = relaybus_axum::setup(bus.clone())?;
+    // A client that sends `POST /orders` again with the same `Idempotency-Key` (after a
+    // timeout, say) gets the first answer, stored with the order, instead of a second order.
+    // A repeat while the first still runs waits for it up to 5 s.
+    let idempotency = IdempotencyLayer::builder()
+        .wait(std::time::Duration::from_secs(5))
+        .build()?;
     let router = Router::new()
-        .route("/orders", post(place_order::<O>))
+        .route("/orders", post(place_order::<O>).layer(idempotency))
         .route("/orders/{id}", get(order::<O>))
         .route("/stats", get(stats::<O>))
         // Routes above get a request transaction.
@@ -163,7 +169,8 @@ impl IntoResponse for ApiError {
 }
 
 /// `POST /orders`: the order and its event commit together when this answers 201, and
-/// neither does when it answers anything else.
+/// neither does when it answers anything else. With an `Idempotency-Key` header, the 201 is
+/// stored with them and answered again to every repeat of the request.
 async fn place_order<O: Orders>(
     State(state): State<AppState<O>>,
     mut publisher: ShopPublisher<O>,

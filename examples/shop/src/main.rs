@@ -21,6 +21,11 @@
 //! curl localhost:3000/stats
 //! ```
 //!
+//! `POST /orders` is idempotent for a client that sends an `Idempotency-Key` header: the same
+//! request sent again with the same key (after a timeout, say) gets the first answer, marked
+//! `Idempotent-Replayed: true`, and places no second order; the same key with another body is
+//! answered 422.
+//!
 //! `SHOP_DATABASE` names the database (`shop` by default), `SHOP_ADDR` the address.
 //!
 //! `--store postgres` runs the shop on PostgreSQL instead: events in the schema `relaybus`

@@ -60,10 +60,14 @@ use std::{
 
 use axum::{
     body::{Body, Bytes, HttpBody},
-    http::{Extensions, Request},
+    http::{Extensions, Request, StatusCode},
     response::{IntoResponse, Response},
 };
-use relaybus::{BoxError, Store, store::DefaultStore, store::transaction::Attempts};
+use futures::future::BoxFuture;
+use relaybus::{
+    BoxError, Store, Timestamp,
+    store::{DefaultStore, RequestKey, RequestKeyState, StoredResponse, transaction::Attempts},
+};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower::{Service, ServiceExt};
 
@@ -235,6 +239,9 @@ where
 {
     let slot = Slot::new(Arc::clone(shared), budget);
     request.extensions_mut().insert(slot.clone());
+    request
+        .extensions_mut()
+        .insert(KeyedSlot(Arc::new(slot.clone())));
     let response = match inner.oneshot(request).await {
         Ok(response) => response.into_response(),
         Err(never) => match never {},
@@ -327,6 +334,18 @@ impl<St: Store> Slot<St> {
             }
         }
         Ok(Lease { guard })
+    }
+
+    /// Aborts the transaction if one is open, and makes the slot idle again: the next
+    /// extraction starts a new transaction. Does nothing while an extractor holds it.
+    async fn restart(&self) {
+        let Ok(mut guard) = Arc::clone(&self.state).try_lock_owned() else {
+            return;
+        };
+        if let State::Open { mut session, .. } = std::mem::replace(&mut *guard, State::Idle) {
+            self.shared.bus.store().abort(&mut session).await;
+            count("aborted");
+        }
     }
 
     /// Commits or aborts from the response status, and ends the slot.
@@ -470,6 +489,91 @@ async fn commit<St: Store>(
             });
         }
         return Err(CommitError::Database(error));
+    }
+}
+
+/// The request's transaction seen without its store type, as
+/// [`IdempotencyLayer`](crate::IdempotencyLayer) uses it: the layer names no store.
+#[derive(Clone)]
+pub(crate) struct KeyedSlot(pub(crate) Arc<dyn KeyedTransaction>);
+
+/// Why a key could not be taken or an answer stored.
+#[derive(Debug)]
+pub(crate) enum KeyError {
+    /// The transaction could not be had.
+    Rejection(TxRejection),
+    /// The store failed.
+    Store(relaybus::Error),
+}
+
+/// What [`IdempotencyLayer`](crate::IdempotencyLayer) asks of the request's transaction.
+pub(crate) trait KeyedTransaction: Send + Sync {
+    /// Takes `key` in the transaction, starting it if need be.
+    fn take_key<'a>(
+        &'a self,
+        key: RequestKey<'a>,
+    ) -> BoxFuture<'a, Result<RequestKeyState, KeyError>>;
+
+    /// Stores the answer of `key` in the transaction.
+    fn store_response<'a>(
+        &'a self,
+        key: RequestKey<'a>,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), KeyError>>;
+
+    /// Aborts the transaction, leaving the slot idle.
+    fn restart(&self) -> BoxFuture<'_, ()>;
+
+    /// Whether the commit policy commits `status`.
+    fn commits(&self, status: StatusCode) -> bool;
+
+    /// The time by the bus's clock.
+    fn now(&self) -> Timestamp;
+}
+
+impl<St: Store> KeyedTransaction for Slot<St> {
+    fn take_key<'a>(
+        &'a self,
+        key: RequestKey<'a>,
+    ) -> BoxFuture<'a, Result<RequestKeyState, KeyError>> {
+        Box::pin(async move {
+            let mut lease = self.lease().await.map_err(KeyError::Rejection)?;
+            let now = self.shared.bus.now();
+            self.shared
+                .bus
+                .store()
+                .take_request_key(lease.session_mut(), &key, now)
+                .await
+                .map_err(KeyError::Store)
+        })
+    }
+
+    fn store_response<'a>(
+        &'a self,
+        key: RequestKey<'a>,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), KeyError>> {
+        Box::pin(async move {
+            let mut lease = self.lease().await.map_err(KeyError::Rejection)?;
+            self.shared
+                .bus
+                .store()
+                .store_response(lease.session_mut(), &key, response)
+                .await
+                .map_err(KeyError::Store)
+        })
+    }
+
+    fn restart(&self) -> BoxFuture<'_, ()> {
+        Box::pin(Slot::restart(self))
+    }
+
+    fn commits(&self, status: StatusCode) -> bool {
+        self.shared.policy.commits(status)
+    }
+
+    fn now(&self) -> Timestamp {
+        self.shared.bus.now()
     }
 }
 

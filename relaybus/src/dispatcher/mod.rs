@@ -286,7 +286,8 @@ impl<S: Store> Shared<S> {
         let before = |keep: Duration| now.saturating_sub(keep);
         let options = PurgeOptions::new()
             .completed_before(before(retention.completed))
-            .dead_before(before(retention.dead));
+            .dead_before(before(retention.dead))
+            .request_keys_expired_at(now);
         self.store.purge(&options).await
     }
 }

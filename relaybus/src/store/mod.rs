@@ -28,6 +28,8 @@
 //! - [`Operate`]: requeueing, burying and discarding by id; purging. For operators and the
 //!   bus's retention.
 //! - [`Leadership`]: one store instance at a time per role. For the delivery gauges.
+//! - [`IdempotentRequests`]: the stored first answers of idempotent requests, in the request's
+//!   transaction. For `relaybus-axum`'s `IdempotencyLayer`.
 //!
 //! A method belongs to a capability every store implements; a store that has nothing better to
 //! do takes a trait's default. Code generic over `S: Store` calls every capability's methods
@@ -76,6 +78,7 @@ pub mod administration;
 mod append;
 #[cfg(any(feature = "memory", feature = "postgres"))]
 mod checks;
+mod idempotency;
 mod inspect;
 mod leadership;
 #[cfg(feature = "memory")]
@@ -109,6 +112,10 @@ pub use model::{
 
 pub use administration::{Administration, SetupStep, SetupStepKind};
 pub use append::Append;
+pub use idempotency::{
+    IdempotentRequests, MAX_IDEMPOTENCY_KEY_LEN, MAX_REQUEST_SCOPE_BYTES, RequestKey,
+    RequestKeyState, StoredResponse, key_problem,
+};
 pub use inspect::Inspect;
 pub use leadership::Leadership;
 #[cfg(not(feature = "mongodb"))]
@@ -122,8 +129,8 @@ pub use transactions::Transactions;
 /// `use relaybus::store::prelude::*;`. Code generic over `S: Store` needs none of it.
 pub mod prelude {
     pub use super::{
-        Append, ConsumerPositions, Inspect, Leadership, Operate, Queue, Store, StoreLease,
-        Transactions,
+        Append, ConsumerPositions, IdempotentRequests, Inspect, Leadership, Operate, Queue, Store,
+        StoreLease, Transactions,
     };
 }
 
@@ -151,6 +158,7 @@ pub trait Store:
     Transactions
     + Append
     + ConsumerPositions
+    + IdempotentRequests
     + Queue
     + Inspect
     + Operate

@@ -463,6 +463,7 @@ pub struct Buried {
 pub struct PurgeOptions {
     pub(crate) dead_before: Option<Timestamp>,
     pub(crate) completed_before: Option<Timestamp>,
+    pub(crate) request_keys_expired_at: Option<Timestamp>,
 }
 
 impl PurgeOptions {
@@ -484,7 +485,16 @@ impl PurgeOptions {
         self
     }
 
-    /// The earliest cutoff given: events that never completed go once created before it.
+    /// Delete the stored answers of idempotent requests that expired at or before `now`
+    /// ([`IdempotentRequests`](crate::store::IdempotentRequests)). The bus's retention gives
+    /// it the current time.
+    pub fn request_keys_expired_at(mut self, now: impl Into<Timestamp>) -> Self {
+        self.request_keys_expired_at = Some(now.into());
+        self
+    }
+
+    /// The earliest cutoff of deliveries and events given: events that never completed go
+    /// once created before it.
     pub fn earliest(&self) -> Option<Timestamp> {
         match (self.dead_before, self.completed_before) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -492,7 +502,7 @@ impl PurgeOptions {
         }
     }
 
-    /// The latest cutoff given: no event created after it can go.
+    /// The latest cutoff of deliveries and events given: no event created after it can go.
     pub fn latest(&self) -> Option<Timestamp> {
         match (self.dead_before, self.completed_before) {
             (Some(a), Some(b)) => Some(a.max(b)),
@@ -511,6 +521,8 @@ pub struct Purged {
     pub completion_records: u64,
     /// Events.
     pub events: u64,
+    /// Stored answers of idempotent requests whose retention ended.
+    pub request_keys: u64,
 }
 
 /// An event with every delivery it has, from

@@ -8,8 +8,9 @@ use futures::stream::BoxStream;
 use super::{
     Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
     DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-    Inspect, LaneReport, Leadership, Operate, PositionKey, PurgeOptions, Purged, Queue, Requeued,
-    Statistics, Store, StoreLease, Transactions, WakeUp,
+    IdempotentRequests, Inspect, LaneReport, Leadership, Operate, PositionKey, PurgeOptions,
+    Purged, Queue, RequestKey, RequestKeyState, Requeued, Statistics, Store, StoreLease,
+    StoredResponse, Transactions, WakeUp,
 };
 use crate::{
     error::{ConfigurationError, Result},
@@ -114,6 +115,13 @@ unavailable! {
     impl ConsumerPositions {
         async fn consumer_position(&self, &mut NoStore, &PositionKey<'_>) -> Result<Option<i64>>;
         async fn advance_consumer_position(&self, &mut NoStore, &PositionKey<'_>, i64, Timestamp)
+            -> Result<()>;
+    }
+
+    impl IdempotentRequests {
+        async fn take_request_key(&self, &mut NoStore, &RequestKey<'_>, Timestamp)
+            -> Result<RequestKeyState>;
+        async fn store_response(&self, &mut NoStore, &RequestKey<'_>, &StoredResponse)
             -> Result<()>;
     }
 

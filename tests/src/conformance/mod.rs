@@ -53,6 +53,7 @@
 
 mod append;
 mod claim;
+mod idempotency;
 mod inspect;
 mod instances;
 mod operator;
@@ -71,6 +72,7 @@ use serde_json::json;
 
 pub use append::*;
 pub use claim::*;
+pub use idempotency::*;
 pub use inspect::*;
 pub use instances::*;
 pub use operator::*;
@@ -138,6 +140,8 @@ macro_rules! conformance_tests {
             missed_ticks_each_publishes_each_up_to_the_bound,
             cron_ticks_follow_the_zone_across_daylight_saving,
             a_restart_in_the_middle_of_a_tick_publishes_it_once,
+            a_request_key_is_held_by_one_transaction,
+            expired_request_keys_are_replaced_and_purged,
         );
     };
     ($make_store:expr, $second_instance:expr $(,)?) => {

@@ -15,8 +15,9 @@ use crate::{
     store::{
         Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
         DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-        Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
-        Statistics, Store, Transactions, WakeUp,
+        IdempotentRequests, Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue,
+        RequestKey, RequestKeyState, Requeued, Statistics, Store, StoredResponse, Transactions,
+        WakeUp,
         position::{PositionKey, check_offset},
     },
     time::Timestamp,
@@ -25,6 +26,10 @@ use crate::{
 /// The document collection that holds consumer positions, one document per consumer, source
 /// and partition, with the id `[consumer, source, partition]` in JSON.
 pub const CONSUMER_POSITIONS: &str = "relaybus.consumer_positions";
+
+/// The document collection that holds the stored answers of idempotent requests, one
+/// document per key and scope, with the id [`RequestKey::id`].
+pub const IDEMPOTENCY_KEYS: &str = "relaybus.idempotency_keys";
 
 impl MemoryEventStore {
     /// Appends validated events in the session's transaction.
@@ -146,6 +151,69 @@ impl ConsumerPositions for MemoryEventStore {
             }),
         )
     }
+}
+
+impl IdempotentRequests for MemoryEventStore {
+    async fn take_request_key(
+        &self,
+        session: &mut MemorySession,
+        key: &RequestKey<'_>,
+        now: Timestamp,
+    ) -> Result<RequestKeyState> {
+        key.check()?;
+        let id = key.id();
+        if let Some(document) = session.get(IDEMPOTENCY_KEYS, &id)?
+            && let Some(response) = stored_response(&document)
+            && response.expires_at > now
+        {
+            return Ok(RequestKeyState::Answered(response));
+        }
+        // Taking the document holds it against every other open transaction, which fails to
+        // write it with a write conflict: that request is running.
+        let taken = serde_json::json!({ "taken_at": now.timestamp_millis() });
+        match session.put(IDEMPOTENCY_KEYS, &id, taken) {
+            Ok(()) => Ok(RequestKeyState::Taken),
+            Err(error) if error.is_transient_transaction_error() => Ok(RequestKeyState::Running),
+            Err(error) => Err(error),
+        }
+    }
+
+    async fn store_response(
+        &self,
+        session: &mut MemorySession,
+        key: &RequestKey<'_>,
+        response: &StoredResponse,
+    ) -> Result<()> {
+        key.check()?;
+        let document = serde_json::json!({
+            "key": key.key,
+            "method": key.method,
+            "route": key.route,
+            "caller": key.caller,
+            "fingerprint": response.fingerprint,
+            "status": response.status,
+            "headers": response.headers,
+            "body": response.body,
+            "created_at": response.created_at.timestamp_millis(),
+            "expires_at": response.expires_at.timestamp_millis(),
+        });
+        session.put(IDEMPOTENCY_KEYS, &key.id(), document)
+    }
+}
+
+/// The answer a stored document holds; `None` for a document without one.
+fn stored_response(document: &serde_json::Value) -> Option<StoredResponse> {
+    let status = u16::try_from(document.get("status")?.as_u64()?).ok()?;
+    let headers = serde_json::from_value(document.get("headers")?.clone()).ok()?;
+    let body = serde_json::from_value(document.get("body")?.clone()).ok()?;
+    Some(StoredResponse::new(
+        document.get("fingerprint")?.as_str()?,
+        status,
+        headers,
+        body,
+        Timestamp::from_millis(document.get("created_at")?.as_i64()?),
+        Timestamp::from_millis(document.get("expires_at")?.as_i64()?),
+    ))
 }
 
 impl Queue for MemoryEventStore {

@@ -163,7 +163,7 @@ use std::{
 
 use tokio::sync::broadcast;
 
-pub use boundary::CONSUMER_POSITIONS;
+pub use boundary::{CONSUMER_POSITIONS, IDEMPOTENCY_KEYS};
 pub use claim::{MemoryDeliveryId, MemoryLease};
 pub use error::MemoryStoreError;
 pub use session::MemorySession;

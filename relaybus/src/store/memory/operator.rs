@@ -316,6 +316,23 @@ pub(super) fn purge(state: &mut State, options: &PurgeOptions) -> Purged {
         state.events.remove(id);
     }
     purged.events = gone.len() as u64;
+    if let Some(now) = options.request_keys_expired_at
+        && let Some(keys) = state.documents.get_mut(super::IDEMPOTENCY_KEYS)
+    {
+        let before = keys.len();
+        let locks = &state.locks;
+        keys.retain(|id, document| {
+            let expired = document.value["expires_at"]
+                .as_i64()
+                .is_none_or(|at| at <= now.timestamp_millis());
+            !expired
+                || locks.contains_key(&Target::Document(
+                    super::IDEMPOTENCY_KEYS.to_owned(),
+                    id.clone(),
+                ))
+        });
+        purged.request_keys = (before - keys.len()) as u64;
+    }
     purged
 }
 

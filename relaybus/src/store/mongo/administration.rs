@@ -34,6 +34,7 @@ impl Administration for MongoEventStore {
             &inner.deliveries,
             &inner.key_sequences,
             &inner.lanes,
+            &inner.idempotency_keys,
         ];
         if inner.completion_history {
             collections.push(&inner.completed);
@@ -84,7 +85,10 @@ impl Administration for MongoEventStore {
                 }
             }
         }
-        let mut others = vec![(&inner.events, index::of_events())];
+        let mut others = vec![
+            (&inner.events, index::of_events()),
+            (&inner.idempotency_keys, index::of_idempotency_keys()),
+        ];
         if inner.completion_history {
             others.push((&inner.completed, index::of_completed_deliveries()));
         }

@@ -6,6 +6,7 @@ mod boundary;
 mod bson_json;
 mod claim;
 mod complete;
+mod idempotency;
 mod inspect;
 mod key_gate;
 mod lane;
@@ -105,6 +106,8 @@ pub(crate) struct StoreInner {
     /// Consumer positions (`<prefix>consumer_positions`), one per consumer, source and partition.
     pub(crate) consumer_positions: Collection<Document>,
     pub(crate) lanes: Collection<Document>,
+    /// The stored answers of idempotent requests (`<prefix>idempotency_keys`).
+    pub(crate) idempotency_keys: Collection<Document>,
     pub(crate) completed: Collection<Document>,
     /// Set once the server was seen to support transactions.
     pub(crate) topology_checked: OnceCell<()>,
@@ -469,6 +472,7 @@ impl MongoEventStoreBuilder {
             key_sequences: collection("key_sequences"),
             consumer_positions: collection("consumer_positions"),
             lanes: collection("lanes"),
+            idempotency_keys: collection("idempotency_keys"),
             completed: collection("completed_deliveries"),
             processes: collection("processes"),
             sessions: sessions::SessionRegistry::new(self.heartbeat_expiry),

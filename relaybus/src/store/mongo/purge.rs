@@ -91,6 +91,7 @@ impl MongoEventStore {
             }
         }
         purged.events += self.purge_events(options).await?;
+        purged.request_keys = self.purge_request_keys(options).await?;
         Ok(purged)
     }
 

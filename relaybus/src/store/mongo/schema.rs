@@ -264,6 +264,8 @@ pub(crate) mod index {
     pub(crate) const TYPE_CREATED: &str = "type_created";
     /// Events and completion records: by creation time.
     pub(crate) const CREATED: &str = "created";
+    /// Of the stored answers of idempotent requests, by expiry.
+    pub(crate) const EXPIRES: &str = "expires";
     /// Completion records: by event.
     pub(crate) const EVENT: &str = "event";
 
@@ -349,6 +351,11 @@ pub(crate) mod index {
             CREATED,
             doc! { field::CREATED_AT: 1, field::ID: 1 },
         )]
+    }
+
+    /// The indexes of the stored answers of idempotent requests: by expiry, for purge.
+    pub(crate) fn of_idempotency_keys() -> Vec<Index> {
+        vec![Index::new(EXPIRES, doc! { field::EXPIRES_AT: 1 })]
     }
 
     /// The indexes of the completion records, kept with completion history on.

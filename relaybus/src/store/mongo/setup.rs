@@ -130,6 +130,7 @@ impl MongoEventStore {
             &inner.deliveries,
             &inner.key_sequences,
             &inner.lanes,
+            &inner.idempotency_keys,
         ];
         if inner.completion_history {
             collections.push(&inner.completed);
@@ -188,6 +189,10 @@ impl MongoEventStore {
         inner
             .events
             .create_indexes(index::of_events().into_iter().map(model))
+            .await?;
+        inner
+            .idempotency_keys
+            .create_indexes(index::of_idempotency_keys().into_iter().map(model))
             .await?;
         if inner.completion_history {
             inner

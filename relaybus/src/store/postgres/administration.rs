@@ -9,23 +9,25 @@ use crate::{
 };
 
 /// The tables `setup()` creates, in its order.
-const TABLES: [&str; 6] = [
+const TABLES: [&str; 7] = [
     "events",
     "key_sequences",
     "consumer_positions",
     "deliveries",
     "completed_deliveries",
+    "idempotency_keys",
     "leads",
 ];
 
 /// The indexes `setup()` creates, with their tables, in its order.
-const INDEXES: [(&str, &str); 6] = [
+const INDEXES: [(&str, &str); 7] = [
     ("deliveries_claim", "deliveries"),
     ("deliveries_ordering", "deliveries"),
     ("deliveries_heads", "deliveries"),
     ("deliveries_dead", "deliveries"),
     ("completed_deliveries_completed_at", "completed_deliveries"),
     ("completed_deliveries_event", "completed_deliveries"),
+    ("idempotency_keys_expires_at", "idempotency_keys"),
 ];
 
 /// Indexes of earlier versions that `setup()` drops: of the lease columns (before the fill

@@ -82,6 +82,10 @@
 //! - `key_sequences`: one counter row per ordering key.
 //! - `completed_deliveries`: completion records, with
 //!   [`completion_history`](PostgresEventStoreBuilder::completion_history).
+//! - `idempotency_keys`: the stored first answer of each idempotent request
+//!   ([`IdempotentRequests`](crate::store::IdempotentRequests)), by the SHA-256 of its key and
+//!   scope, with an index of its expiry for purge. A transaction takes a key with an advisory
+//!   lock on its id, held until it ends.
 //! - `leads`: one row per [`lead`](crate::store::Leadership::lead) role, with its holder and
 //!   expiry.
 //!
@@ -205,6 +209,7 @@ mod boundary;
 mod checks;
 mod claim;
 mod executor;
+mod idempotency;
 mod operator;
 mod session;
 mod settle;

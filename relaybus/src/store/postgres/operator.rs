@@ -716,6 +716,17 @@ impl PostgresEventStore {
                 )
                 .await?;
         }
+        if let Some(now) = options.request_keys_expired_at {
+            purged.request_keys = self
+                .purge_batches(
+                    "DELETE FROM {s}.idempotency_keys WHERE id IN ( \
+                         SELECT id FROM {s}.idempotency_keys WHERE expires_at <= $1 \
+                         ORDER BY expires_at LIMIT $3 FOR UPDATE SKIP LOCKED)",
+                    now,
+                    None,
+                )
+                .await?;
+        }
         Ok(purged)
     }
 

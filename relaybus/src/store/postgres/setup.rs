@@ -132,6 +132,22 @@ CREATE INDEX IF NOT EXISTS completed_deliveries_completed_at
     ON {s}.completed_deliveries (completed_at);
 CREATE INDEX IF NOT EXISTS completed_deliveries_event ON {s}.completed_deliveries (event_id);
 
+-- The first answers of idempotent requests, written in the request's transaction.
+CREATE TABLE IF NOT EXISTS {s}.idempotency_keys (
+    id text PRIMARY KEY,
+    key text NOT NULL,
+    method text NOT NULL,
+    route text NOT NULL,
+    caller text,
+    fingerprint text NOT NULL,
+    status integer NOT NULL,
+    headers jsonb NOT NULL,
+    body bytea NOT NULL,
+    created_at bigint NOT NULL,
+    expires_at bigint NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_expires_at ON {s}.idempotency_keys (expires_at);
+
 CREATE TABLE IF NOT EXISTS {s}.leads (
     role text PRIMARY KEY,
     holder text NOT NULL,
