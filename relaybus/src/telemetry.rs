@@ -20,6 +20,7 @@
 //! | `relaybus.delivery.oldest_due.age` | gauge, s | consumer group | how long the handler's oldest pending delivery has been due |
 //! | `relaybus.lane.takeovers` | counter | | lanes taken over from a holder whose lease ended with deliveries unfinished |
 //! | `relaybus.delivery.lost_attempts` | counter | | attempts charged to deliveries their worker lost |
+//! | `relaybus.limit.waits` | counter | destination, consumer group, `relaybus.limit` | deliveries that waited for a limit before they started: `concurrency` (every slot of the handler's global concurrency held), `rate` (its rate limit's window full), `bus` (the bus held as many as the limit lets run, so it gave it back uncharged) |
 //! | `relaybus.lane.conflicts` | counter | | lanes a claim picked from that changed before its record (MongoDB: another claimer took them first, or a requeue touched them; the picks there go back) |
 //!
 //! The two gauges come from one aggregation of the store
@@ -83,6 +84,11 @@ pub const LOST_ATTEMPTS: &str = "relaybus.delivery.lost_attempts";
 /// record (the MongoDB store: another claimer took them first, or a requeue touched them; the
 /// claim gives those picks up). A steady count says claimers compete for the same free lanes.
 pub const LANE_CONFLICTS: &str = "relaybus.lane.conflicts";
+/// `relaybus.limit.waits`: deliveries that waited for a handler's global concurrency or rate
+/// limit before they started, by `relaybus.limit`.
+pub const LIMIT_WAITS: &str = "relaybus.limit.waits";
+/// The attribute naming the limit a delivery waited for: `concurrency`, `rate` or `bus`.
+pub const LIMIT_ATTRIBUTE: &str = "relaybus.limit";
 /// `relaybus.request.transactions`: request transactions of `relaybus-axum`, by outcome.
 pub const REQUEST_TRANSACTIONS: &str = "relaybus.request.transactions";
 
@@ -230,6 +236,13 @@ impl HandlerMetrics {
             activity: crate::activity::ActivityLog::default(),
             labels,
         }
+    }
+
+    /// Counts a delivery that waited for a limit (`concurrency`, `rate` or `bus`).
+    pub(crate) fn limit_wait(&self, limit: &'static str) {
+        let mut labels = self.labels.clone();
+        labels.push(Label::from_static_parts(LIMIT_ATTRIBUTE, limit));
+        counter!(LIMIT_WAITS, labels).increment(1);
     }
 
     /// Records a failed run: rare, so its handle is looked up each time.

@@ -2,4 +2,5 @@
 
 pub mod conformance;
 pub mod fault;
+pub mod limits;
 pub mod support;

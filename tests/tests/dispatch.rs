@@ -1350,3 +1350,28 @@ async fn shutdown_gives_back_uncharged_what_was_claimed_ahead_and_waits_for_a_sl
         assert_eq!(attempts(doc), 0, "given back uncharged: {doc}");
     }
 }
+
+/// Three buses on three store instances, a handler with `global_concurrency(4)`: at most 4
+/// runs at once across them, and the work drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_concurrency_holds_across_three_buses() {
+    let db = test_db("global_concurrency").await;
+    let stores = [
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+    ];
+    relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
+}
+
+/// A rate limit of 50 per second over three buses on three store instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_three_buses() {
+    let db = test_db("rate_limit").await;
+    let stores = [
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+    ];
+    relaybus_tests::limits::rate_limit_holds_across_buses(stores).await;
+}

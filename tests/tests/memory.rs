@@ -777,3 +777,24 @@ async fn a_bus_dispatches_on_the_memory_store_and_handlers_write_in_its_transact
     assert_eq!(store.statistics().await.unwrap().pending, 0);
     let _: Value = store.document("orders", "o-1").expect("the order");
 }
+
+/// Three buses on clones of one store, a handler with `global_concurrency(4)`: at most 4 runs
+/// at once across them, and the work drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_concurrency_holds_across_three_buses() {
+    let store = MemoryEventStore::new();
+    relaybus_tests::limits::global_concurrency_holds_across_buses([
+        store.clone(),
+        store.clone(),
+        store,
+    ])
+    .await;
+}
+
+/// A rate limit of 50 per second over three buses on clones of one store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_three_buses() {
+    let store = MemoryEventStore::new();
+    relaybus_tests::limits::rate_limit_holds_across_buses([store.clone(), store.clone(), store])
+        .await;
+}

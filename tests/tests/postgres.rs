@@ -372,8 +372,9 @@ async fn concurrent_setups_succeed() {
     .await
     .unwrap();
     assert_eq!(
-        tables, 6,
-        "events, deliveries, key_sequences, completed_deliveries, leads, consumer_positions"
+        tables, 8,
+        "events, deliveries, key_sequences, completed_deliveries, leads, consumer_positions, \
+         slots, rate_windows"
     );
 }
 
@@ -1278,4 +1279,56 @@ async fn the_postgres_names_and_a_session_as_an_sqlx_executor() {
         .await
         .unwrap();
     assert_eq!(projected, ["o-1"]);
+}
+
+/// Three buses on three stores of one schema (three pools, as three processes have), a
+/// handler with `global_concurrency(4)`: at most 4 runs at once, and the work drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_concurrency_holds_across_three_buses() {
+    let (first, schema) = store("global_concurrency").await;
+    let stores = [
+        first,
+        same_schema(&schema).await,
+        same_schema(&schema).await,
+    ];
+    relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
+}
+
+/// A rate limit of 50 per second over three buses on three stores of one schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_three_buses() {
+    let (first, schema) = store("rate_limit").await;
+    let stores = [
+        first,
+        same_schema(&schema).await,
+        same_schema(&schema).await,
+    ];
+    relaybus_tests::limits::rate_limit_holds_across_buses(stores).await;
+}
+
+/// Another store (its own pool) on the schema of a test.
+async fn same_schema(schema: &Schema) -> PostgresEventStore {
+    let store = PostgresEventStore::builder(pool().await)
+        .schema(&schema.name)
+        .build()
+        .expect("valid options");
+    store.setup().await.expect("setup");
+    store
+}
+
+/// A process holding all 4 slots of a handler's global concurrency is killed: the other buses
+/// take them within its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slots_of_a_killed_bus_free_within_its_lease() {
+    let (first, schema) = store("crash_slots").await;
+    let stores = [first, same_schema(&schema).await];
+    let mut holder = std::process::Command::new(env!("CARGO_BIN_EXE_relaybus-crash-app"));
+    holder.args([
+        "slots",
+        "postgres",
+        url().as_str(),
+        schema.name.as_str(),
+        &relaybus_tests::limits::KILLED_LEASE.as_millis().to_string(),
+    ]);
+    relaybus_tests::limits::slots_of_a_killed_bus_free_within_the_lease(stores, holder).await;
 }

@@ -160,7 +160,19 @@ impl<S: Store> Shared<S> {
                 finished_at: Timestamp::EPOCH,
             })
             .collect();
-        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
+        let never = tokio_util::sync::CancellationToken::new();
+        let outcomes = join_all(claimed.into_iter().map(|delivery| async {
+            let handler = delivery.handler.clone();
+            // The bus never stops here: each delivery passes its handler's limits, waiting
+            // for other buses as long as it takes.
+            let admission = self.admit(&handler, &never).await;
+            let outcome = run_delivery(self, delivery).await;
+            if let Some(admission) = admission {
+                self.give_back(&handler, admission).await;
+            }
+            outcome
+        }))
+        .await;
         let mut succeeded: Vec<(usize, S::Lease)> = Vec::new();
         for (at, outcome) in outcomes.into_iter().enumerate() {
             match outcome {

@@ -1,6 +1,7 @@
 //! The dispatcher: claims batches of deliveries, runs their handlers, and settles them.
 
 mod idle;
+mod limits;
 mod run;
 mod wake;
 
@@ -107,6 +108,8 @@ pub(crate) struct Shared<S: Store> {
     /// The handlers whose delivery gauges this bus set last.
     gauges: StdMutex<HashSet<String>>,
     running: StdMutex<RunningSet<S>>,
+    /// The gates of the limited handlers, and the slots this bus holds.
+    gates: limits::Gates,
     /// How long this bus's handlers took, on average (exponentially weighted, in µs; [`UNKNOWN`]
     /// before the first finished).
     handler_micros: AtomicU64,
@@ -159,6 +162,7 @@ impl<S: Store> Shared<S> {
             metrics,
             gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
+            gates: limits::Gates::new(subscriptions_list),
             handler_micros: AtomicU64::new(UNKNOWN),
         }
     }
@@ -400,8 +404,22 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         // first, deliveries not yet due when it looked): claim again at once, and wait for a
         // wake-up or the poll interval only after a claim that found nothing. Lanes this
         // worker holds are not left idle for a poll interval while they still have work.
-        let found = !batch.is_empty();
+        let mut found = false;
         for delivery in batch {
+            if shared.gates.limits(&delivery.handler) {
+                if shared.gates.enter(&delivery.handler) {
+                    found = true;
+                    starter.start(delivery, Seat::Gated(Arc::clone(&semaphore)));
+                } else {
+                    // The bus holds as many as the limit lets run: not one more.
+                    if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
+                        metrics.limit_wait("bus");
+                    }
+                    run::release(&shared, &delivery.lease).await;
+                }
+                continue;
+            }
+            found = true;
             let seat = match Arc::clone(&semaphore).try_acquire_owned() {
                 Ok(permit) => Seat::Slot(permit),
                 Err(_) => match Arc::clone(&ahead).try_acquire_owned() {
@@ -465,6 +483,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         .collect();
     let released = unfinished.len();
     join_all(unfinished.iter().map(|lease| run::release(&shared, lease))).await;
+    shared.give_back_all().await;
     match shared.store.relinquish(&settings.owner).await {
         Ok(lanes) => info!(released, lanes, "dispatcher stopped; lanes handed back"),
         Err(error) => {
@@ -477,6 +496,8 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
 /// ahead, which waits for a slot.
 enum Seat {
     Slot(tokio::sync::OwnedSemaphorePermit),
+    /// A delivery of a limited handler: it passes its gate first, then waits for a slot.
+    Gated(Arc<Semaphore>),
     Ahead {
         place: tokio::sync::OwnedSemaphorePermit,
         slots: Arc<Semaphore>,
@@ -516,7 +537,7 @@ impl<S: Store> Starter<S> {
             .subscriptions
             .get(&delivery.handler)
             .is_some_and(|s| s.transactional);
-        let waits = matches!(seat, Seat::Ahead { .. });
+        let waits = matches!(seat, Seat::Ahead { .. } | Seat::Gated(_));
         let id = delivery.lease.delivery_id();
         shared.running().insert(
             id.clone(),
@@ -533,8 +554,31 @@ impl<S: Store> Starter<S> {
         let wake = Arc::clone(&self.wake);
         let stopping = self.stopping.clone();
         let handle = self.tracker.spawn(async move {
+            let handler = delivery.handler.clone();
+            let mut admission = None;
             let permit = match seat {
                 Seat::Slot(permit) => permit,
+                Seat::Gated(slots) => {
+                    let Some(admitted) = task_shared.admit(&handler, &stopping).await else {
+                        // Stopping: not run; the shutdown gives it back uncharged.
+                        task_shared.gates.leave(&handler);
+                        return;
+                    };
+                    let permit = tokio::select! {
+                        permit = slots.acquire_owned() => permit.ok(),
+                        _ = stopping.cancelled() => None,
+                    };
+                    let Some(permit) = permit else {
+                        task_shared.give_back(&handler, admitted).await;
+                        task_shared.gates.leave(&handler);
+                        return;
+                    };
+                    admission = Some(admitted);
+                    if transactional && let Some(entry) = task_shared.running().get_mut(&task_id) {
+                        entry.transactional = true;
+                    }
+                    permit
+                }
                 Seat::Ahead { place, slots } => {
                     let permit = tokio::select! {
                         permit = slots.acquire_owned() => permit,
@@ -555,6 +599,10 @@ impl<S: Store> Starter<S> {
             let started = Instant::now();
             let outcome = run_delivery(&task_shared, delivery).await;
             task_shared.note_run(started.elapsed());
+            if let Some(admission) = admission {
+                task_shared.give_back(&handler, admission).await;
+                task_shared.gates.leave(&handler);
+            }
             match outcome {
                 // The completer removes it from the running set once completed, and wakes the
                 // loop for a keyed one.
@@ -656,6 +704,7 @@ async fn renew_leases<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToke
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(period) => {}
         }
+        shared.renew_slots().await;
         let leases: Vec<S::Lease> = shared
             .running()
             .values()

@@ -28,6 +28,8 @@
 //! - [`Operate`]: requeueing, burying and discarding by id; purging. For operators and the
 //!   bus's retention.
 //! - [`Leadership`]: one store instance at a time per role. For the delivery gauges.
+//! - [`Limits`]: the slots of handlers' global concurrency and the start counters of their rate
+//!   limits, shared by every bus of the database. For the dispatcher's workers.
 //!
 //! A method belongs to a capability every store implements; a store that has nothing better to
 //! do takes a trait's default. Code generic over `S: Store` calls every capability's methods
@@ -78,6 +80,7 @@ mod append;
 mod checks;
 mod inspect;
 mod leadership;
+mod limits;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub mod memory;
@@ -111,6 +114,8 @@ pub use administration::{Administration, SetupStep, SetupStepKind};
 pub use append::Append;
 pub use inspect::Inspect;
 pub use leadership::Leadership;
+pub(crate) use limits::rate_window;
+pub use limits::{Limits, MAX_GLOBAL_CONCURRENCY, Slot, SlotRequest};
 #[cfg(not(feature = "mongodb"))]
 pub use no_store::NoStore;
 pub use operate::Operate;
@@ -122,7 +127,7 @@ pub use transactions::Transactions;
 /// `use relaybus::store::prelude::*;`. Code generic over `S: Store` needs none of it.
 pub mod prelude {
     pub use super::{
-        Append, ConsumerPositions, Inspect, Leadership, Operate, Queue, Store, StoreLease,
+        Append, ConsumerPositions, Inspect, Leadership, Limits, Operate, Queue, Store, StoreLease,
         Transactions,
     };
 }
@@ -155,6 +160,7 @@ pub trait Store:
     + Inspect
     + Operate
     + Leadership
+    + Limits
     + Clone
     + Send
     + Sync

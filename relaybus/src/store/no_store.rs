@@ -8,8 +8,8 @@ use futures::stream::BoxStream;
 use super::{
     Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
     DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-    Inspect, LaneReport, Leadership, Operate, PositionKey, PurgeOptions, Purged, Queue, Requeued,
-    Statistics, Store, StoreLease, Transactions, WakeUp,
+    Inspect, LaneReport, Leadership, Limits, Operate, PositionKey, PurgeOptions, Purged, Queue,
+    Requeued, Slot, SlotRequest, Statistics, Store, StoreLease, Transactions, WakeUp,
 };
 use crate::{
     error::{ConfigurationError, Result},
@@ -148,6 +148,13 @@ unavailable! {
 
     impl Leadership {
         async fn lead(&self, &str, Duration) -> Result<bool>;
+    }
+
+    impl Limits {
+        async fn take_slot(&self, SlotRequest<'_>) -> Result<Option<Slot>>;
+        async fn renew_slots(&self, &[Slot], Duration, Timestamp) -> Result<usize>;
+        async fn give_back_slot(&self, &Slot) -> Result<bool>;
+        async fn take_start(&self, &str, u32, Duration, Timestamp) -> Result<Option<Timestamp>>;
     }
 }
 

@@ -9,13 +9,15 @@ use crate::{
 };
 
 /// The tables `setup()` creates, in its order.
-const TABLES: [&str; 6] = [
+const TABLES: [&str; 8] = [
     "events",
     "key_sequences",
     "consumer_positions",
     "deliveries",
     "completed_deliveries",
     "leads",
+    "slots",
+    "rate_windows",
 ];
 
 /// The indexes `setup()` creates, with their tables, in its order.
