@@ -317,7 +317,7 @@ pub trait HandlerArguments: seal::Arguments + Send + 'static {}
 
 /// What the argument traits do, out of users' reach so that they can grow.
 #[allow(unreachable_pub)]
-mod seal {
+pub(crate) mod seal {
     use std::any::{Any, TypeId};
 
     use super::StateMap;
@@ -508,6 +508,8 @@ pub struct Subscription {
     pub(crate) global_concurrency: Option<u32>,
     /// At most this many starts per interval across every bus of the database.
     pub(crate) rate_limit: Option<(u32, Duration)>,
+    /// A batch handler's settings and handler; `None` for one delivery at a time.
+    pub(crate) batch: Option<crate::batch::BatchSpec>,
     pub(crate) handler: Arc<ErasedHandler>,
     /// What the handler's arguments need from the bus: the store their context names (a
     /// handler without a context runs on any store), the state they take.
@@ -566,6 +568,7 @@ impl Subscription {
             timeout: None,
             global_concurrency: None,
             rate_limit: None,
+            batch: None,
             handler: Arc::new(erased),
             needs: <Args as seal::Arguments>::needs().into(),
         }
@@ -728,9 +731,9 @@ impl Subscription {
     /// handler slot of its bus nor an attempt, so other handlers run meanwhile; waits count in
     /// `relaybus.limit.waits`. Every window of `interval` starts at most `rate`; a span of
     /// `interval` across a window boundary may start up to `2 * rate`, and one of `k`
-    /// intervals at most `(k + 1) * rate`. This design costs one single-row write per start,
-    /// holds across processes and crashes without dividing the rate among the live buses, and
-    /// needs no token refill arithmetic.
+    /// intervals at most `(k + 1) * rate`. This design costs one single-row write per bus and
+    /// window for all the deliveries waiting there, holds across processes and crashes
+    /// without dividing the rate among the live buses, and needs no token refill arithmetic.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -787,6 +790,40 @@ impl Subscription {
                     self.id
                 ),
             });
+        }
+        if let Some(batch) = &self.batch {
+            if !(1..=crate::batch::MAX_BATCH).contains(&batch.max) {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "max_batch",
+                    reason: format!(
+                        "batch handler {:?} takes batches of at most {}; use 1 to {}",
+                        self.id,
+                        batch.max,
+                        crate::batch::MAX_BATCH
+                    ),
+                });
+            }
+            if batch.wait > Duration::from_secs(60) {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "batch_wait",
+                    reason: format!(
+                        "batch handler {:?} gathers its batches for {:?}, which holds their \
+                         deliveries too long; use at most 1 minute",
+                        self.id, batch.wait
+                    ),
+                });
+            }
+            if self.is_limited() {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "global_concurrency",
+                    reason: format!(
+                        "batch handler {:?} has a global concurrency or a rate limit, which \
+                         batch handlers do not take; drop the limit, or handle one delivery \
+                         at a time",
+                        self.id
+                    ),
+                });
+            }
         }
         Ok(())
     }
@@ -856,6 +893,7 @@ impl fmt::Debug for Subscription {
             .field("timeout", &self.timeout)
             .field("global_concurrency", &self.global_concurrency)
             .field("rate_limit", &self.rate_limit)
+            .field("batch", &self.batch)
             .finish_non_exhaustive()
     }
 }

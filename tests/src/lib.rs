@@ -1,5 +1,6 @@
 //! End-to-end tests of relaybus against a real MongoDB replica set.
 
+pub mod batches;
 pub mod conformance;
 pub mod fault;
 pub mod limits;

@@ -1332,3 +1332,60 @@ async fn the_slots_of_a_killed_bus_free_within_its_lease() {
     ]);
     relaybus_tests::limits::slots_of_a_killed_bus_free_within_the_lease(stores, holder).await;
 }
+
+/// 10,000 unkeyed events through a transactional batch handler of at most 100 that inserts one
+/// row per event in the batch's transaction: each effect once, in batches of at most 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_batches_drain_exactly_once() {
+    use relaybus::{Batch, BoxError, HandlerContext, Subscription};
+    use relaybus_tests::batches::{self, BATCHER, Batches};
+    use relaybus_tests::support::OrderPlaced;
+    let (store, schema) = store("batch_drain").await;
+    let effects = schema.table("effects");
+    sqlx::query(&format!("CREATE TABLE {effects} (id text PRIMARY KEY)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let insert = format!("INSERT INTO {effects} (id) SELECT unnest($1::text[])");
+    let recorded = std::sync::Arc::new(Batches::default());
+    let recorder = std::sync::Arc::clone(&recorded);
+    let handler = Subscription::batch(
+        BATCHER,
+        move |batch: Batch<OrderPlaced>, ctx: HandlerContext<PostgresEventStore>| {
+            let (recorder, insert) = (std::sync::Arc::clone(&recorder), insert.clone());
+            async move {
+                let ids: Vec<String> = batch.iter().map(|i| i.event_id().to_owned()).collect();
+                let mut session = ctx.session().await?;
+                sqlx::query(&insert)
+                    .bind(&ids)
+                    .execute(&mut **session)
+                    .await?;
+                drop(session);
+                recorder.record(&batch);
+                Ok::<(), BoxError>(())
+            }
+        },
+    )
+    .transactional();
+    let bus = batches::bus(store.clone(), handler);
+    batches::drain_in_batches(&bus, &recorded, 10_000, 100).await;
+    let written: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {effects}"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(written, 10_000, "each effect once");
+}
+
+/// Keyed events through a batch handler: each key's order holds across batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_order_holds_across_batches() {
+    let (store, _schema) = store("batch_keyed").await;
+    relaybus_tests::batches::keyed_order_holds_across_batches(store).await;
+}
+
+/// A poison event in a batch goes dead alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_event_in_a_batch_goes_dead_alone() {
+    let (store, _schema) = store("batch_poison").await;
+    relaybus_tests::batches::poison_goes_dead_alone(store).await;
+}

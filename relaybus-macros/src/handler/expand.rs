@@ -75,6 +75,15 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         .as_ref()
         .map(|(_, ms)| quote!(.with_timeout(::core::time::Duration::from_millis(#ms))));
 
+    let global_concurrency = args
+        .global_concurrency
+        .as_ref()
+        .map(|(_, n)| quote!(.with_global_concurrency(#n)));
+    let rate_limit = args.rate_limit.as_ref().map(|(_, rate)| {
+        let ms = args.rate_interval_ms.as_ref().map_or(1_000, |(_, ms)| *ms);
+        quote!(.with_rate_limit(#rate, ::core::time::Duration::from_millis(#ms)))
+    });
+
     quote! {
         const _: () = {
             fn __relaybus_subscription() -> #private::Subscription {
@@ -94,6 +103,8 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
                 #initial_backoff
                 #max_backoff
                 #timeout
+                #global_concurrency
+                #rate_limit
             }
         };
     }

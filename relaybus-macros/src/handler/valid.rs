@@ -67,6 +67,14 @@ fn check_args<'a>(cx: &Ctxt, args: &'a Args) -> Option<&'a LitStr> {
         );
         ok = false;
     }
+    if let (Some((lit, _)), None) = (&args.rate_interval_ms, &args.rate_limit) {
+        cx.error_spanned_by(
+            lit,
+            "`rate_interval_ms` sets the interval of a rate limit; add `rate_limit = N`, the \
+             starts allowed per interval",
+        );
+        ok = false;
+    }
     let id = match &args.id {
         Some(id) => match rules::check_handler_id(&id.value()) {
             Ok(()) => Some(id),

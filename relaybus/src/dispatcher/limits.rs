@@ -25,6 +25,7 @@ use super::Shared;
 use crate::{
     handler::Subscription,
     store::{Slot, SlotRequest, Store},
+    time::Timestamp,
 };
 
 /// The shortest wait before asking the store again.
@@ -48,6 +49,11 @@ struct Gate {
     cap: usize,
     /// How many it holds now.
     entered: AtomicUsize,
+    /// How many of them wait to pass.
+    waiting: AtomicUsize,
+    /// Starts this bus took in the store and has not used yet: until when (the window's end),
+    /// and how many.
+    starts: StdMutex<Option<(Timestamp, u32)>>,
     /// The waiters' turn to ask the store.
     turn: Mutex<()>,
     /// A slot was given back on this bus.
@@ -79,6 +85,8 @@ impl Gates {
                     rate: s.rate_limit,
                     cap,
                     entered: AtomicUsize::new(0),
+                    waiting: AtomicUsize::new(0),
+                    starts: StdMutex::new(None),
                     turn: Mutex::new(()),
                     freed: Notify::new(),
                 };
@@ -142,6 +150,18 @@ impl<S: Store> Shared<S> {
         let Some(gate) = self.gates.gates.get(handler) else {
             return Some(Admission::default());
         };
+        gate.waiting.fetch_add(1, Ordering::AcqRel);
+        let admitted = self.admit_at(handler, gate, stopping).await;
+        gate.waiting.fetch_sub(1, Ordering::AcqRel);
+        admitted
+    }
+
+    async fn admit_at(
+        &self,
+        handler: &str,
+        gate: &Gate,
+        stopping: &CancellationToken,
+    ) -> Option<Admission> {
         let _turn = tokio::select! {
             turn = gate.turn.lock() => turn,
             _ = stopping.cancelled() => return None,
@@ -207,12 +227,31 @@ impl<S: Store> Shared<S> {
         }
         if let Some((rate, interval)) = gate.rate {
             let now = self.now();
-            if let Some(next) = self.store.take_start(handler, rate, interval, now).await? {
+            {
+                let mut starts = gate.starts.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some((end, left)) = starts.as_mut()
+                    && now < *end
+                    && *left > 0
+                {
+                    *left -= 1;
+                    return Ok(None);
+                }
+            }
+            // One write for every delivery waiting here: the others take theirs from what is
+            // left over, within the window.
+            let wanted =
+                u32::try_from(gate.waiting.load(Ordering::Acquire).max(1)).unwrap_or(u32::MAX);
+            let (granted, end) = self
+                .store
+                .take_starts(handler, wanted, rate, interval, now)
+                .await?;
+            if granted == 0 {
                 // Into the next window, with a little spread so the buses do not all ask at
                 // its first millisecond.
                 let spread = Duration::from_millis(rand::random_range(0..=5));
-                return Ok(Some(("rate", Some(next.duration_since(now) + spread))));
+                return Ok(Some(("rate", Some(end.duration_since(now) + spread))));
             }
+            *gate.starts.lock().unwrap_or_else(|e| e.into_inner()) = Some((end, granted - 1));
         }
         Ok(None)
     }

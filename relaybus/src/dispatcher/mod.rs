@@ -1,5 +1,6 @@
 //! The dispatcher: claims batches of deliveries, runs their handlers, and settles them.
 
+mod batch;
 mod idle;
 mod limits;
 mod run;
@@ -371,7 +372,9 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         wake: Arc::clone(&notify),
         stopping: cancel.clone(),
     };
+    let mut gathering = Gathering::new(&shared);
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
+        gathering.flush_due(&starter, &semaphore);
         // While handlers finish quickly, the next claim runs while they do: it may take a
         // batch beyond the free slots, which waits for slots in the bus.
         let ahead_free = if shared.may_claim_ahead() {
@@ -384,6 +387,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 permit = Arc::clone(&semaphore).acquire_owned() => drop(permit),
+                _ = gathering.due() => {}
             }
             continue;
         }
@@ -406,6 +410,17 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         // worker holds are not left idle for a poll interval while they still have work.
         let mut found = false;
         for delivery in batch {
+            if gathering.takes(&delivery.handler) {
+                found = true;
+                let gathered = tokio::select! {
+                    _ = cancel.cancelled() => None,
+                    gathered = gathering.gather(delivery, &starter, &semaphore) => Some(gathered),
+                };
+                if gathered.is_none() {
+                    break;
+                }
+                continue;
+            }
             if shared.gates.limits(&delivery.handler) {
                 if shared.gates.enter(&delivery.handler) {
                     found = true;
@@ -442,8 +457,11 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             _ = cancel.cancelled() => break,
             _ = notify.notified() => {}
             _ = tokio::time::sleep(settings.poll_interval) => {}
+            _ = gathering.due() => {}
         }
     }
+    // Deliveries still gathering never ran: the shutdown gives them back uncharged.
+    drop(gathering);
     drop(starter);
 
     // Shutdown: no more claims; running handlers get the shutdown timeout to finish.
@@ -622,6 +640,191 @@ impl<S: Store> Starter<S> {
         });
         if let Some(entry) = shared.running().get_mut(&id) {
             entry.abort = Some(handle.abort_handle());
+        }
+    }
+}
+
+/// The batches of the bus's batch handlers being gathered: claimed deliveries wait here until
+/// their handler's batch is full or its wait since its first delivery has passed. Each
+/// batch handler has room for two batches (one running, one gathering); a full room holds the
+/// dispatch loop until a batch ends, as full handler slots do.
+struct Gathering<L> {
+    batches: HashMap<String, Gathered<L>>,
+}
+
+struct Gathered<L> {
+    max: usize,
+    wait: Duration,
+    room: Arc<Semaphore>,
+    deliveries: Vec<Claimed<L>>,
+    places: Vec<tokio::sync::OwnedSemaphorePermit>,
+    /// When the batch gathering now goes, full or not.
+    due: Option<tokio::time::Instant>,
+}
+
+impl<L: crate::store::StoreLease> Gathering<L> {
+    fn new<S: Store<Lease = L>>(shared: &Shared<S>) -> Self {
+        let batches = shared
+            .subscriptions
+            .values()
+            .filter_map(|s| {
+                let spec = s.batch.as_ref()?;
+                let gathered = Gathered {
+                    max: spec.max,
+                    wait: spec.wait,
+                    room: Arc::new(Semaphore::new(spec.max * 2)),
+                    deliveries: Vec::new(),
+                    places: Vec::new(),
+                    due: None,
+                };
+                Some((s.id.clone(), gathered))
+            })
+            .collect();
+        Gathering { batches }
+    }
+
+    /// Whether `handler` takes batches.
+    fn takes(&self, handler: &str) -> bool {
+        self.batches.contains_key(handler)
+    }
+
+    /// Adds a claimed delivery to its handler's batch, waiting for room first; starts the batch
+    /// once full.
+    async fn gather<S: Store<Lease = L>>(
+        &mut self,
+        delivery: Claimed<L>,
+        starter: &Starter<S>,
+        slots: &Arc<Semaphore>,
+    ) {
+        let handler = delivery.handler.clone();
+        let Some(gathered) = self.batches.get_mut(&handler) else {
+            return;
+        };
+        let place = match Arc::clone(&gathered.room).try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                // No room: what gathers goes now, then wait for a running batch to end.
+                Self::start(&handler, gathered, starter, slots);
+                match Arc::clone(&gathered.room).acquire_owned().await {
+                    Ok(place) => place,
+                    Err(_) => return,
+                }
+            }
+        };
+        starter.shared.running().insert(
+            delivery.lease.delivery_id(),
+            Running {
+                lease: delivery.lease.clone(),
+                // No transaction is open while it gathers: its lease is renewed meanwhile.
+                transactional: false,
+                abort: None,
+            },
+        );
+        gathered.deliveries.push(delivery);
+        gathered.places.push(place);
+        if gathered.due.is_none() {
+            gathered.due = Some(tokio::time::Instant::now() + gathered.wait);
+        }
+        if gathered.deliveries.len() >= gathered.max {
+            Self::start(&handler, gathered, starter, slots);
+        }
+    }
+
+    /// Starts the batches whose wait has passed.
+    fn flush_due<S: Store<Lease = L>>(&mut self, starter: &Starter<S>, slots: &Arc<Semaphore>) {
+        let now = tokio::time::Instant::now();
+        for (handler, gathered) in &mut self.batches {
+            if gathered.due.is_some_and(|due| due <= now) {
+                Self::start(handler, gathered, starter, slots);
+            }
+        }
+    }
+
+    /// Resolves when a batch's wait has passed (never while none gathers). Cancel safe.
+    async fn due(&self) {
+        match self.batches.values().filter_map(|g| g.due).min() {
+            Some(due) => tokio::time::sleep_until(due).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    fn start<S: Store<Lease = L>>(
+        handler: &str,
+        gathered: &mut Gathered<L>,
+        starter: &Starter<S>,
+        slots: &Arc<Semaphore>,
+    ) {
+        gathered.due = None;
+        if gathered.deliveries.is_empty() {
+            return;
+        }
+        let deliveries = std::mem::take(&mut gathered.deliveries);
+        let places = std::mem::take(&mut gathered.places);
+        starter.start_batch(handler, deliveries, places, Arc::clone(slots));
+    }
+}
+
+impl<S: Store> Starter<S> {
+    /// Runs a gathered batch in a task of its own, on one handler slot: its handler and the
+    /// settlement of each delivery.
+    fn start_batch(
+        &self,
+        handler: &str,
+        deliveries: Vec<Claimed<S::Lease>>,
+        places: Vec<tokio::sync::OwnedSemaphorePermit>,
+        slots: Arc<Semaphore>,
+    ) {
+        let Some(subscription) = self.shared.subscriptions.get(handler).cloned() else {
+            return;
+        };
+        let ids: Vec<_> = deliveries.iter().map(|d| d.lease.delivery_id()).collect();
+        let shared = Arc::clone(&self.shared);
+        let done = self.done.clone();
+        let wake = Arc::clone(&self.wake);
+        let stopping = self.stopping.clone();
+        let task_ids = ids.clone();
+        let handle = self.tracker.spawn(async move {
+            let permit = tokio::select! {
+                permit = slots.acquire_owned() => permit.ok(),
+                // Stopping: not run; the shutdown gives the batch back uncharged.
+                _ = stopping.cancelled() => None,
+            };
+            let Some(permit) = permit else { return };
+            if subscription.transactional {
+                let mut running = shared.running();
+                for id in &task_ids {
+                    if let Some(entry) = running.get_mut(id) {
+                        entry.transactional = true;
+                    }
+                }
+            }
+            let keyed = deliveries.iter().any(|d| d.event.key().is_some());
+            let started = Instant::now();
+            let outcomes = batch::run_batch_deliveries(&shared, &subscription, &deliveries).await;
+            shared.note_run(started.elapsed());
+            for (outcome, id) in outcomes.into_iter().zip(&task_ids) {
+                match outcome {
+                    Outcome::Succeeded(lease) => {
+                        if let Err(unsent) = done.send(Completion { lease, keyed }) {
+                            shared.running().remove(&unsent.0.lease.delivery_id());
+                        }
+                    }
+                    Outcome::Completed | Outcome::Settled(_) => {
+                        shared.running().remove(id);
+                    }
+                }
+            }
+            if keyed {
+                wake.notify_one();
+            }
+            drop(permit);
+            drop(places);
+        });
+        let mut running = self.shared.running();
+        for id in &ids {
+            if let Some(entry) = running.get_mut(id) {
+                entry.abort = Some(handle.abort_handle());
+            }
         }
     }
 }

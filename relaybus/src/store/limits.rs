@@ -24,9 +24,10 @@ pub const MAX_GLOBAL_CONCURRENCY: u32 = 10_000;
 /// # Start counters
 ///
 /// A handler limited to `r` starts per `interval` has one counter, for the current window of
-/// `interval` (windows start at multiples of `interval` since the Unix epoch). A start adds one
-/// and is allowed while the count stays at most `r`; a refused start learns when the window
-/// ends. See [`take_start`](Self::take_start).
+/// `interval` (windows start at multiples of `interval` since the Unix epoch). A bus takes
+/// starts in one write, as many as it has deliveries waiting, while the window's count stays
+/// at most `r`; a bus that gets none learns when the window ends. See
+/// [`take_starts`](Self::take_starts).
 ///
 /// Every time is the caller's (`now`), like the queue's: every bus of a database should run
 /// on clocks that agree to well within a lease.
@@ -54,16 +55,17 @@ pub trait Limits {
     /// Gives a slot back; `false` when its holder no longer held it.
     fn give_back_slot(&self, slot: &Slot) -> impl Future<Output = Result<bool>> + Send;
 
-    /// Counts one start of `handler` in the window of `interval` that holds `now`: `None` when
-    /// the window's count is at most `rate` with it (the start may go), or else the end of the
-    /// window, when the next one opens.
-    fn take_start(
+    /// Takes up to `wanted` starts of `handler` in the window of `interval` that holds `now`,
+    /// of the `rate` the window allows: how many it got (0 when the window is full), and the
+    /// end of the window, when the next one opens. Starts taken and not used are lost.
+    fn take_starts(
         &self,
         handler: &str,
+        wanted: u32,
         rate: u32,
         interval: Duration,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<Timestamp>>> + Send;
+    ) -> impl Future<Output = Result<(u32, Timestamp)>> + Send;
 }
 
 /// What one [`Limits::take_slot`] asks for.

@@ -154,7 +154,7 @@ unavailable! {
         async fn take_slot(&self, SlotRequest<'_>) -> Result<Option<Slot>>;
         async fn renew_slots(&self, &[Slot], Duration, Timestamp) -> Result<usize>;
         async fn give_back_slot(&self, &Slot) -> Result<bool>;
-        async fn take_start(&self, &str, u32, Duration, Timestamp) -> Result<Option<Timestamp>>;
+        async fn take_starts(&self, &str, u32, u32, Duration, Timestamp) -> Result<(u32, Timestamp)>;
     }
 }
 

@@ -93,20 +93,22 @@ impl Limits for MemoryEventStore {
         Ok(false)
     }
 
-    async fn take_start(
+    async fn take_starts(
         &self,
         handler: &str,
+        wanted: u32,
         rate: u32,
         interval: Duration,
         now: Timestamp,
-    ) -> Result<Option<Timestamp>> {
+    ) -> Result<(u32, Timestamp)> {
         let (start, end) = rate_window(interval, now);
         let mut state = self.limits();
         let counter = state.starts.entry(handler.to_owned()).or_insert((start, 0));
         if counter.0 < start {
             *counter = (start, 0);
         }
-        counter.1 += 1;
-        Ok((counter.1 > u64::from(rate)).then_some(end))
+        let granted = u64::from(wanted).min(u64::from(rate).saturating_sub(counter.1));
+        counter.1 += granted;
+        Ok((granted as u32, end))
     }
 }

@@ -26,6 +26,9 @@ const TRIES: usize = 3;
 /// The fields of a start counter.
 const WINDOW: &str = "window";
 const COUNT: &str = "count";
+const GRANTED: &str = "granted";
+/// The count before this write, while the write runs.
+const BEFORE: &str = "before";
 
 impl Limits for MongoEventStore {
     /// One read of the held slots, then a conditional upsert of a free one (at random, so that
@@ -114,25 +117,37 @@ impl Limits for MongoEventStore {
         Ok(deleted.deleted_count == 1)
     }
 
-    /// One pipeline upsert of `rate:<handler>`: a newer window starts the count at 1, the
-    /// current one adds 1 (a bus whose clock is behind counts into the newer window).
-    async fn take_start(
+    /// One pipeline upsert of `rate:<handler>`: a newer window starts the count afresh, the
+    /// current one (or an older one, from a bus whose clock is behind) adds what it grants;
+    /// `granted` keeps what this write granted.
+    async fn take_starts(
         &self,
         handler: &str,
+        wanted: u32,
         rate: u32,
         interval: Duration,
         now: Timestamp,
-    ) -> Result<Option<Timestamp>> {
+    ) -> Result<(u32, Timestamp)> {
         let (start, end) = rate_window(interval, now);
         let window = format!("${WINDOW}");
-        let update = vec![doc! { "$set": {
-            COUNT: { "$cond": [
+        let before = format!("${BEFORE}");
+        let granted = format!("${GRANTED}");
+        let update = vec![
+            doc! { "$set": { BEFORE: { "$cond": [
                 { "$gte": [&window, start] },
-                { "$add": [{ "$ifNull": [format!("${COUNT}"), 0_i64] }, 1_i64] },
-                1_i64,
-            ] },
-            WINDOW: { "$max": [&window, start] },
-        } }];
+                { "$ifNull": [format!("${COUNT}"), 0_i64] },
+                0_i64,
+            ] } } },
+            doc! { "$set": { GRANTED: { "$min": [
+                i64::from(wanted),
+                { "$max": [0_i64, { "$subtract": [i64::from(rate), &before] }] },
+            ] } } },
+            doc! { "$set": {
+                COUNT: { "$add": [&before, &granted] },
+                WINDOW: { "$max": [&window, start] },
+            } },
+            doc! { "$unset": BEFORE },
+        ];
         let mut tries = 0;
         let counter = loop {
             tries += 1;
@@ -153,11 +168,11 @@ impl Limits for MongoEventStore {
                 Err(error) => return Err(error.into()),
             }
         };
-        let count = match counter.as_ref().and_then(|c| c.get(COUNT)) {
-            Some(Bson::Int64(count)) => *count,
-            Some(Bson::Int32(count)) => i64::from(*count),
-            _ => 1,
+        let granted = match counter.as_ref().and_then(|c| c.get(GRANTED)) {
+            Some(Bson::Int64(n)) => *n,
+            Some(Bson::Int32(n)) => i64::from(*n),
+            _ => 0,
         };
-        Ok((count > i64::from(rate)).then_some(end))
+        Ok((u32::try_from(granted).unwrap_or(0), end))
     }
 }

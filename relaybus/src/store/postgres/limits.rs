@@ -27,15 +27,18 @@ const TAKE: &str = "WITH candidate AS ( \
      WHERE {s}.slots.expires_at <= $5 \
      RETURNING slot";
 
-/// A newer window starts the count at 1; the current one (or an older one, from a bus whose
-/// clock is behind) adds 1.
-const COUNT_START: &str = "INSERT INTO {s}.rate_windows (handler, window_start, starts) \
-     VALUES ($1, $2, 1) \
+/// A newer window starts the count afresh; the current one (or an older one, from a bus whose
+/// clock is behind) adds what it grants. `granted` keeps what this write granted, for its
+/// `RETURNING`. `$3`: wanted; `$4`: the rate.
+const TAKE_STARTS: &str = "INSERT INTO {s}.rate_windows AS w (handler, window_start, starts, granted) \
+     VALUES ($1, $2, LEAST($3, $4), LEAST($3, $4)) \
      ON CONFLICT (handler) DO UPDATE SET \
-         starts = CASE WHEN excluded.window_start > {s}.rate_windows.window_start THEN 1 \
-             ELSE {s}.rate_windows.starts + 1 END, \
-         window_start = GREATEST(excluded.window_start, {s}.rate_windows.window_start) \
-     RETURNING starts";
+         starts = CASE WHEN excluded.window_start > w.window_start THEN LEAST($3, $4) \
+             ELSE w.starts + LEAST($3, GREATEST(0, $4 - w.starts)) END, \
+         granted = CASE WHEN excluded.window_start > w.window_start THEN LEAST($3, $4) \
+             ELSE LEAST($3, GREATEST(0, $4 - w.starts)) END, \
+         window_start = GREATEST(excluded.window_start, w.window_start) \
+     RETURNING granted";
 
 impl Limits for PostgresEventStore {
     async fn take_slot(&self, request: SlotRequest<'_>) -> Result<Option<Slot>> {
@@ -115,20 +118,23 @@ impl Limits for PostgresEventStore {
         Ok(deleted.rows_affected() == 1)
     }
 
-    async fn take_start(
+    async fn take_starts(
         &self,
         handler: &str,
+        wanted: u32,
         rate: u32,
         interval: Duration,
         now: Timestamp,
-    ) -> Result<Option<Timestamp>> {
+    ) -> Result<(u32, Timestamp)> {
         let (start, end) = rate_window(interval, now);
-        let starts: i64 = sqlx::query_scalar(&self.sql(COUNT_START))
+        let granted: i64 = sqlx::query_scalar(&self.sql(TAKE_STARTS))
             .bind(handler)
             .bind(start)
+            .bind(i64::from(wanted))
+            .bind(i64::from(rate))
             .fetch_one(&self.inner.pool)
             .await
             .map_err(db_error)?;
-        Ok((starts > i64::from(rate)).then_some(end))
+        Ok((u32::try_from(granted).unwrap_or(0), end))
     }
 }

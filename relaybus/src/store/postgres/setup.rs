@@ -152,7 +152,8 @@ CREATE TABLE IF NOT EXISTS {s}.slots (
 CREATE TABLE IF NOT EXISTS {s}.rate_windows (
     handler text PRIMARY KEY,
     window_start bigint NOT NULL,
-    starts bigint NOT NULL
+    starts bigint NOT NULL,
+    granted bigint NOT NULL
 );
 "#;
 
