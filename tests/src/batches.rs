@@ -19,11 +19,14 @@ use crate::support::{OrderPlaced, placed};
 /// The handler id of the batch handlers.
 pub const BATCHER: &str = "batcher";
 
+/// One delivery a batch handler saw: its event id, key and sequence.
+pub type Seen = (String, Option<String>, Option<i64>);
+
 /// What batch handlers saw: each batch's event ids, in order.
 #[derive(Debug, Default)]
 pub struct Batches {
     /// Each batch's event ids, with their keys and sequences.
-    pub batches: Mutex<Vec<Vec<(String, Option<String>, Option<i64>)>>>,
+    pub batches: Mutex<Vec<Vec<Seen>>>,
     /// A batch ended.
     pub changed: Notify,
 }
@@ -289,8 +292,10 @@ pub async fn poison_goes_dead_alone<S: Store>(store: S) {
     let ids: Vec<&str> = dead.iter().map(|d| d.event_id.as_str()).collect();
     assert_eq!(ids, ["poison-7"], "the poison alone is dead");
     assert_eq!(dead[0].attempts, 3);
-    let recorded = batches.batches.lock().unwrap();
-    let others = recorded
+    let others = batches
+        .batches
+        .lock()
+        .unwrap()
         .iter()
         .flatten()
         .filter(|(id, _, _)| id != "poison-7")

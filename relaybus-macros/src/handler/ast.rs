@@ -14,7 +14,7 @@ const MAX_BACKOFF_MS: u64 = 86_400_000;
 
 /// `#[handler(id = "...", transactional, unordered, max_attempts = N, initial_backoff_ms = N,
 /// max_backoff_ms = N, timeout_ms = N, global_concurrency = N, rate_limit = N,
-/// rate_interval_ms = N, crate = path)]`.
+/// rate_interval_ms = N, batch, max_batch = N, batch_wait_ms = N, crate = path)]`.
 pub(super) struct Args {
     /// The handler id, when it was given as a string literal.
     pub(super) id: Option<LitStr>,
@@ -33,13 +33,18 @@ pub(super) struct Args {
     /// At most this many starts per `rate_interval_ms` (1 s unless given).
     pub(super) rate_limit: Option<(LitInt, u32)>,
     pub(super) rate_interval_ms: Option<(LitInt, u64)>,
+    /// A batch handler: it takes a `Batch<E>`.
+    pub(super) batch: bool,
+    pub(super) max_batch: Option<(LitInt, usize)>,
+    pub(super) batch_wait_ms: Option<(LitInt, u64)>,
     /// The path of the relaybus crate.
     pub(super) krate: Option<Path>,
 }
 
 const KNOWN: &str = "`id`, `transactional`, `unordered`, `max_attempts`, \
                      `initial_backoff_ms`, `max_backoff_ms`, `timeout_ms`, \
-                     `global_concurrency`, `rate_limit`, `rate_interval_ms` or `crate`";
+                     `global_concurrency`, `rate_limit`, `rate_interval_ms`, `batch`, \
+                     `max_batch`, `batch_wait_ms` or `crate`";
 
 impl Args {
     /// Parses the arguments, reporting every problem to `cx`.
@@ -55,6 +60,9 @@ impl Args {
         let mut global_concurrency = Arg::new("global_concurrency");
         let mut rate_limit = Arg::new("rate_limit");
         let mut rate_interval_ms = Arg::new("rate_interval_ms");
+        let mut batch = Arg::new("batch");
+        let mut max_batch = Arg::new("max_batch");
+        let mut batch_wait_ms = Arg::new("batch_wait_ms");
         let mut krate = Arg::new("crate");
         let parser = syn::meta::parser(|meta| {
             if meta.path.is_ident("id") {
@@ -96,6 +104,17 @@ impl Args {
                 if let Some(value) = attr::lit_int(cx, &meta, "1_000", 1..=MAX_BACKOFF_MS)? {
                     rate_interval_ms.set(cx, &meta, value);
                 }
+            } else if meta.path.is_ident("batch") {
+                attr::flag(cx, &meta)?;
+                batch.set(cx, &meta, ());
+            } else if meta.path.is_ident("max_batch") {
+                if let Some(value) = attr::lit_int(cx, &meta, "100", 1..=1_000)? {
+                    max_batch.set(cx, &meta, value);
+                }
+            } else if meta.path.is_ident("batch_wait_ms") {
+                if let Some(value) = attr::lit_int(cx, &meta, "50", 0..=60_000)? {
+                    batch_wait_ms.set(cx, &meta, value);
+                }
             } else if meta.path.is_ident("crate") {
                 if let Some(path) = attr::crate_path(cx, &meta)? {
                     krate.set(cx, &meta, path);
@@ -120,6 +139,9 @@ impl Args {
             global_concurrency: global_concurrency.get(),
             rate_limit: rate_limit.get(),
             rate_interval_ms: rate_interval_ms.get(),
+            batch: batch.get().is_some(),
+            max_batch: max_batch.get(),
+            batch_wait_ms: batch_wait_ms.get(),
             krate: krate.get(),
         }
     }

@@ -44,11 +44,40 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         let #result = #ident(#event #(, #vars)*).await;
         #private::HandlerResult::into_handler_result(#result)
     };
-    let subscribe = quote_spanned! {ident.span()=>
-        #private::Subscription::new::<#event_ty, (#(#arg_tys,)*), _>(
-            #id,
-            |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
-        )
+    let subscribe = if args.batch {
+        let call = quote_spanned! {output.span()=>
+            let #result = #ident(#event #(, #vars)*).await;
+            #private::BatchResult::into_batch_result(#result)
+        };
+        let max_batch = args.max_batch.as_ref().map(|(_, n)| quote!(.max_batch(#n)));
+        let batch_wait = args
+            .batch_wait_ms
+            .as_ref()
+            .map(|(_, ms)| quote!(.batch_wait(::core::time::Duration::from_millis(#ms))));
+        quote_spanned! {ident.span()=>
+            #private::Subscription::batch::<
+                <#event_ty as #private::BatchOf>::Event,
+                (#(#arg_tys,)*),
+                _,
+            >(
+                #id,
+                |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
+            )
+            #max_batch
+            #batch_wait
+        }
+    } else {
+        quote_spanned! {ident.span()=>
+            #private::Subscription::new::<#event_ty, (#(#arg_tys,)*), _>(
+                #id,
+                |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
+            )
+        }
+    };
+    let event_type = if args.batch {
+        quote!(<<#event_ty as #private::BatchOf>::Event as #private::Event>::TYPE)
+    } else {
+        quote!(<#event_ty as #private::Event>::TYPE)
     };
     let subscribe = quote! {
         #(#checks)*
@@ -93,7 +122,7 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
             #private::inventory::submit! {
                 #private::HandlerDescriptor::new(
                     #id,
-                    <#event_ty as #private::Event>::TYPE,
+                    #event_type,
                     ::core::concat!(::core::module_path!(), "::", ::core::stringify!(#ident)),
                     __relaybus_subscription,
                 )

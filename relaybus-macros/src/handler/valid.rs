@@ -75,6 +75,26 @@ fn check_args<'a>(cx: &Ctxt, args: &'a Args) -> Option<&'a LitStr> {
         );
         ok = false;
     }
+    for (given, name) in [
+        (args.max_batch.as_ref().map(|(lit, _)| lit), "max_batch"),
+        (
+            args.batch_wait_ms.as_ref().map(|(lit, _)| lit),
+            "batch_wait_ms",
+        ),
+    ] {
+        if let Some(lit) = given
+            && !args.batch
+        {
+            cx.error_spanned_by(
+                lit,
+                format_args!(
+                    "`{name}` sets the batches of a batch handler; add `batch`, and take a \
+                     `Batch<E>`"
+                ),
+            );
+            ok = false;
+        }
+    }
     let id = match &args.id {
         Some(id) => match rules::check_handler_id(&id.value()) {
             Ok(()) => Some(id),

@@ -20,4 +20,9 @@ async fn notify(_: OrderPlaced) -> Result<(), BoxError> {
     Ok(())
 }
 
+#[relaybus::handler(id = "projector", max_batch = 10)]
+async fn project(_: OrderPlaced) -> Result<(), BoxError> {
+    Ok(())
+}
+
 fn main() {}
