@@ -325,32 +325,32 @@ async fn transactional_attempt<S: Store>(
             return Attempt::Done(fail_all(shared, subscription, deliveries, &failure).await);
         }
     };
-    let now = shared.now();
-    for (position, delivery) in deliveries.iter().enumerate() {
-        if outcome.failure(position).is_some() {
-            continue;
+    let succeeded: Vec<S::Lease> = deliveries
+        .iter()
+        .enumerate()
+        .filter(|(position, _)| outcome.failure(*position).is_none())
+        .map(|(_, delivery)| delivery.lease.clone())
+        .collect();
+    match store
+        .complete_many_in_transaction(session, &succeeded, shared.now())
+        .await
+    {
+        Ok(completed) if completed.iter().all(|c| *c) => {}
+        Ok(_) => {
+            store.abort(session).await;
+            return Attempt::GiveBack(
+                "a lease of the batch ended before its transaction could complete it; its \
+                 writes were rolled back"
+                    .to_owned(),
+            );
         }
-        match store
-            .complete_in_transaction(session, &delivery.lease, now)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => {
-                store.abort(session).await;
-                return Attempt::GiveBack(
-                    "a lease of the batch ended before its transaction could complete it; its \
-                     writes were rolled back"
-                        .to_owned(),
-                );
-            }
-            Err(error) => {
-                store.abort(session).await;
-                return if error.is_transient_transaction_error() {
-                    Attempt::Again(error.to_string())
-                } else {
-                    Attempt::GiveBack(error.to_string())
-                };
-            }
+        Err(error) => {
+            store.abort(session).await;
+            return if error.is_transient_transaction_error() {
+                Attempt::Again(error.to_string())
+            } else {
+                Attempt::GiveBack(error.to_string())
+            };
         }
     }
     match attempts.commit(store, session).await {
