@@ -53,6 +53,7 @@ mod append;
 mod claim;
 mod inspect;
 mod instances;
+mod limits;
 mod operator;
 mod settle;
 mod unordered;
@@ -70,6 +71,7 @@ pub use append::*;
 pub use claim::*;
 pub use inspect::*;
 pub use instances::*;
+pub use limits::*;
 pub use operator::*;
 pub use settle::*;
 pub use unordered::*;
@@ -129,6 +131,8 @@ macro_rules! conformance_tests {
             an_unordered_handler_gets_every_delivery_of_a_key_at_once,
             a_failed_unordered_delivery_holds_back_nothing_of_its_key,
             a_handler_added_as_unordered_ignores_the_key_of_a_known_event,
+            slots_are_held_one_taker_at_a_time,
+            a_window_grants_at_most_its_rate,
         );
     };
     ($make_store:expr, $second_instance:expr $(,)?) => {
