@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use relaybus::store::{Limits, SlotRequest, Store};
+use relaybus::store::{SlotRequest, Store};
 
 use super::{LEASE, PROJECTOR, at};
 
@@ -55,7 +55,7 @@ pub async fn slots_are_held_one_taker_at_a_time<S: Store>(store: &S) {
 
     // The second slot is renewed past its first expiry; the third is not.
     let renewed = store
-        .renew_slots(&[second.clone()], LEASE, at(20))
+        .renew_slots(std::slice::from_ref(&second), LEASE, at(20))
         .await
         .unwrap();
     assert_eq!(renewed, 1);
@@ -76,7 +76,7 @@ pub async fn slots_are_held_one_taker_at_a_time<S: Store>(store: &S) {
     );
     assert_eq!(
         store
-            .renew_slots(&[third.clone()], LEASE, at(after_expiry))
+            .renew_slots(std::slice::from_ref(&third), LEASE, at(after_expiry))
             .await
             .unwrap(),
         0,
