@@ -51,6 +51,12 @@
 //! drain / graphile_worker drain), `latency_p50_ms`, `latency_p99_ms`, `peer_latency_p50_ms`
 //! and `peer_latency_p99_ms`.
 //!
+//! Last comes the projection (`projection` in the JSON): a transactional handler inserting one
+//! row per event, one delivery at a time, against a transactional batch handler of up to 100
+//! inserting its batch with one `INSERT .. SELECT unnest(..)`, each draining
+//! `RELAYBUS_BENCH_DELIVERIES` on one worker. `RELAYBUS_BENCH_ONLY=projection` runs it alone
+//! (`RELAYBUS_BENCH_ROUNDS` times, with medians and min..max).
+//!
 //! Run with `cargo bench -p relaybus --bench postgres --features postgres`. The server is
 //! `RELAYBUS_BENCH_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`); the
 //! user must be allowed to create schemas. Run by `cargo test` (without `--bench`), it makes a
@@ -172,6 +178,53 @@ async fn main() -> Result<(), BoxError> {
         env_number("RELAYBUS_BENCH_ROUNDS", 3).max(1)
     };
     let admin = pool(&settings.url, settings.publishers as u32 + 2).await?;
+    if std::env::var("RELAYBUS_BENCH_ONLY").is_ok_and(|only| only == "projection") {
+        let (mut single, mut batched) = (Vec::new(), Vec::new());
+        for round in 1..=rounds {
+            let prefix = format!("rbbench_{}_{round}_projection", std::process::id());
+            single.push(
+                in_schema(&admin, &format!("{prefix}_single"), async |schema| {
+                    projection_run(&settings, &admin, schema, false).await
+                })
+                .await?,
+            );
+            batched.push(
+                in_schema(&admin, &format!("{prefix}_batch"), async |schema| {
+                    projection_run(&settings, &admin, schema, true).await
+                })
+                .await?,
+            );
+            println!(
+                "round {round}: one delivery at a time {:.0}/s, batches of up to \
+                 {PROJECTION_BATCH} {:.0}/s",
+                single[round - 1],
+                batched[round - 1]
+            );
+        }
+        let ratios: Vec<f64> = single.iter().zip(&batched).map(|(s, b)| b / s).collect();
+        let (single, batched, ratios) =
+            (Spread::of(single), Spread::of(batched), Spread::of(ratios));
+        println!(
+            "{}",
+            json!({
+                "bench": "postgres",
+                "profile": "projection",
+                "projection": {
+                    "deliveries": settings.deliveries,
+                    "max_batch": PROJECTION_BATCH,
+                    "single_per_sec": single.median_json(0),
+                    "batch_per_sec": batched.median_json(0),
+                    "batch_to_single": ratios.median_json(3),
+                    "spreads": {
+                        "single_per_sec": single.json(0),
+                        "batch_per_sec": batched.json(0),
+                        "batch_to_single": ratios.json(3),
+                    },
+                },
+            })
+        );
+        return Ok(());
+    }
     let peer = if smoke { None } else { Some(build_peer()?) };
 
     println!(
@@ -1168,6 +1221,11 @@ async fn projection_run(
     let started = Instant::now();
     worker.start().await?;
     tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
+    // A transaction that ran again called its handler again: the count reached `count` before
+    // every row committed. Wait for the rows.
+    while count_rows(admin, &rows).await? < count as i64 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     worker.shutdown().await?;
     let rate = count as f64 / started.elapsed().as_secs_f64();
     worker.store().pool().close().await;
