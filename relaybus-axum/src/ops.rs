@@ -864,8 +864,21 @@ async fn handlers<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Val
             let running = counts.map_or(0, |h| h.running);
             let parked = counts.map_or(0, |h| h.parked);
             let oldest_due_at = counts.and_then(|h| h.oldest_due_at);
+            let subscription = bus.subscriptions().iter().find(|s| s.id() == *name);
+            let limits = subscription.map(|s| json!({
+                "global_concurrency": s.global_concurrency_limit(),
+                "rate_limit": s.rate().map(|(starts, interval)| json!({
+                    "starts": starts,
+                    "interval_ms": interval.as_millis() as u64,
+                })),
+                "batch": s.batch_limits().map(|(max, wait)| json!({
+                    "max": max,
+                    "wait_ms": wait.as_millis() as u64,
+                })),
+            }));
             json!({
                 "handler": name,
+                "limits": limits,
                 "waiting": pending.saturating_sub(running).saturating_sub(parked),
                 "running": running,
                 "parked": parked,

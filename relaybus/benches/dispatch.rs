@@ -44,7 +44,10 @@
 //! bus's own default is 32).
 //!
 //! `RELAYBUS_BENCH_ONLY=throughput` runs the throughput table alone, for profiling the server;
-//! `RELAYBUS_BENCH_ONLY=hot-keys` the hot keys with the unkeyed one-bus row they are set against.
+//! `RELAYBUS_BENCH_ONLY=hot-keys` the hot keys with the unkeyed one-bus row they are set against;
+//! `RELAYBUS_BENCH_ONLY=projection` the projection: a transactional handler inserting one
+//! document per event, one delivery at a time against a batch handler of up to 100 (one
+//! `insert_many` per batch), on one bus.
 //! `RELAYBUS_BENCH_SNAPSHOT_WINDOW=N` sets the server's snapshot history window to `N` seconds
 //! first (the server keeps it); the header and the JSON line say the window the run had.
 //!
@@ -123,10 +126,11 @@ async fn main() -> Result<(), BoxError> {
         Ok(only) if only == "throughput" => Some(Only::Throughput),
         Ok(only) if only == "hot-keys" => Some(Only::HotKeys),
         Ok(only) if only == "rebalance" => Some(Only::Rebalance),
+        Ok(only) if only == "projection" => Some(Only::Projection),
         Ok(other) => {
             return Err(format!(
                 "RELAYBUS_BENCH_ONLY={other:?}: the parts that run alone are `throughput`, \
-                 `hot-keys` and `rebalance`"
+                 `hot-keys`, `rebalance` and `projection`"
             )
             .into());
         }
@@ -156,6 +160,14 @@ async fn main() -> Result<(), BoxError> {
         run += 1;
         client.database(&format!("bench_dispatch_{}_{run}", std::process::id()))
     };
+    if only == Some(Only::Projection) {
+        let projection = projection_part(&client, [fresh_db(), fresh_db()], deliveries).await?;
+        println!(
+            "{}",
+            serde_json::json!({ "bench": "dispatch", "profile": "projection", "projection": projection })
+        );
+        return Ok(());
+    }
     let probe = fresh_db();
     let window = common::snapshot_window(&client, &store(&client, &probe).await?).await?;
     probe.drop().await?;
@@ -461,6 +473,7 @@ async fn main() -> Result<(), BoxError> {
     } else {
         rebalance_part(&client, &uri, [fresh_db(), fresh_db()], rebalance_backlog).await?
     };
+    let projection_json = projection_part(&client, [fresh_db(), fresh_db()], deliveries).await?;
 
     let headline = throughput
         .iter()
@@ -488,6 +501,7 @@ async fn main() -> Result<(), BoxError> {
             "rebalance": rebalance,
             "rebalance_join_s": rebalance["join_s"],
             "rebalance_kill_s": rebalance["kill_s"],
+            "projection": projection_json,
             "floor_ratio": floor_ratio,
             "ratio": ratio,
         })
@@ -527,6 +541,8 @@ enum Only {
     HotKeys,
     /// The rebalance runs.
     Rebalance,
+    /// The projection: batch handler against single-delivery handler.
+    Projection,
 }
 
 /// The hot-keys profile, relaybus then its floor, each on one of `dbs`: prints them and
@@ -892,6 +908,113 @@ fn draining_bus(
         .setup_on_start(false)
         .subscribe(subscription)
         .build()?)
+}
+
+/// The projection, single-delivery handler then batch handler, each on one of `dbs`: prints
+/// them and returns their JSON.
+async fn projection_part(
+    client: &Client,
+    [single_db, batch_db]: [Database; 2],
+    deliveries: usize,
+) -> Result<serde_json::Value, BoxError> {
+    let single = projection_run(client, &single_db, deliveries, false).await?;
+    let batched = projection_run(client, &batch_db, deliveries, true).await?;
+    println!(
+        "\nprojection, one document per event in the handler's transaction, one bus: one \
+         delivery at a time {single:.0}/s, batches of up to {PROJECTION_BATCH} {batched:.0}/s \
+         (batch / single {:.2})",
+        batched / single
+    );
+    Ok(serde_json::json!({
+        "deliveries": deliveries,
+        "max_batch": PROJECTION_BATCH,
+        "single_per_sec": single.round(),
+        "batch_per_sec": batched.round(),
+        "batch_to_single": thousandths(batched / single),
+    }))
+}
+
+/// The most deliveries per batch of the projection's batch handler.
+const PROJECTION_BATCH: usize = 100;
+
+/// Deliveries per second of a projection that inserts one document per event in its handler's
+/// transaction, on one bus: a transactional handler of one delivery at a time, or a
+/// transactional batch handler of up to [`PROJECTION_BATCH`] (one `insert_many` per batch).
+async fn projection_run(
+    client: &Client,
+    db: &Database,
+    count: usize,
+    batch: bool,
+) -> Result<f64, BoxError> {
+    let store = store(client, db).await?;
+    publish(&store, count, None).await?;
+    let rows = db.collection::<Document>("projection");
+    let handled = Arc::new(AtomicUsize::new(0));
+    let all_done = Arc::new(Notify::new());
+    let done = {
+        let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
+        move |n: usize| {
+            if handled.fetch_add(n, Ordering::Relaxed) + n >= count {
+                all_done.notify_one();
+            }
+        }
+    };
+    let subscription = if batch {
+        let rows = rows.clone();
+        Subscription::batch(
+            "tick",
+            move |batch: relaybus::Batch<Tick>, ctx: HandlerContext| {
+                let (rows, done) = (rows.clone(), done.clone());
+                async move {
+                    let docs: Vec<Document> = batch
+                        .iter()
+                        .map(|item| doc! { "_id": item.event_id(), "n": item.event().n as i64 })
+                        .collect();
+                    let mut session = ctx.session().await?;
+                    rows.insert_many(docs).session(&mut *session).await?;
+                    drop(session);
+                    done(batch.len());
+                    Ok::<(), BoxError>(())
+                }
+            },
+        )
+        .max_batch(PROJECTION_BATCH)
+        .transactional()
+    } else {
+        let rows = rows.clone();
+        Subscription::new("tick", move |tick: Tick, ctx: HandlerContext| {
+            let (rows, done) = (rows.clone(), done.clone());
+            async move {
+                let mut session = ctx.session().await?;
+                rows.insert_one(doc! { "_id": ctx.event_id(), "n": tick.n as i64 })
+                    .session(&mut *session)
+                    .await?;
+                drop(session);
+                done(1);
+                Ok::<(), BoxError>(())
+            }
+        })
+        .transactional()
+    };
+    let bus = draining_bus(&store, "projection", subscription)?;
+    let started = Instant::now();
+    bus.start().await?;
+    tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
+    // A transaction that ran again called its handler again: the count reached `count` before
+    // every row committed. Wait for the rows.
+    while rows.count_documents(doc! {}).await? < count as u64 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    bus.shutdown().await?;
+    let elapsed = started.elapsed();
+    assert_drained(db).await?;
+    let written = rows.count_documents(doc! {}).await?;
+    if written != count as u64 {
+        return Err(format!("the projection holds {written} rows for {count} events").into());
+    }
+    drop(store);
+    db.drop().await?;
+    Ok(count as f64 / elapsed.as_secs_f64())
 }
 
 /// Asserts that no delivery is left in `db`; if some are, the message shows the first few.

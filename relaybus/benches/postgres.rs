@@ -51,6 +51,12 @@
 //! drain / graphile_worker drain), `latency_p50_ms`, `latency_p99_ms`, `peer_latency_p50_ms`
 //! and `peer_latency_p99_ms`.
 //!
+//! Last comes the projection (`projection` in the JSON): a transactional handler inserting one
+//! row per event, one delivery at a time, against a transactional batch handler of up to 100
+//! inserting its batch with one `INSERT .. SELECT unnest(..)`, each draining
+//! `RELAYBUS_BENCH_DELIVERIES` on one worker. `RELAYBUS_BENCH_ONLY=projection` runs it alone
+//! (`RELAYBUS_BENCH_ROUNDS` times, with medians and min..max).
+//!
 //! Run with `cargo bench -p relaybus --bench postgres --features postgres`. The server is
 //! `RELAYBUS_BENCH_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`); the
 //! user must be allowed to create schemas. Run by `cargo test` (without `--bench`), it makes a
@@ -172,6 +178,53 @@ async fn main() -> Result<(), BoxError> {
         env_number("RELAYBUS_BENCH_ROUNDS", 3).max(1)
     };
     let admin = pool(&settings.url, settings.publishers as u32 + 2).await?;
+    if std::env::var("RELAYBUS_BENCH_ONLY").is_ok_and(|only| only == "projection") {
+        let (mut single, mut batched) = (Vec::new(), Vec::new());
+        for round in 1..=rounds {
+            let prefix = format!("rbbench_{}_{round}_projection", std::process::id());
+            single.push(
+                in_schema(&admin, &format!("{prefix}_single"), async |schema| {
+                    projection_run(&settings, &admin, schema, false).await
+                })
+                .await?,
+            );
+            batched.push(
+                in_schema(&admin, &format!("{prefix}_batch"), async |schema| {
+                    projection_run(&settings, &admin, schema, true).await
+                })
+                .await?,
+            );
+            println!(
+                "round {round}: one delivery at a time {:.0}/s, batches of up to \
+                 {PROJECTION_BATCH} {:.0}/s",
+                single[round - 1],
+                batched[round - 1]
+            );
+        }
+        let ratios: Vec<f64> = single.iter().zip(&batched).map(|(s, b)| b / s).collect();
+        let (single, batched, ratios) =
+            (Spread::of(single), Spread::of(batched), Spread::of(ratios));
+        println!(
+            "{}",
+            json!({
+                "bench": "postgres",
+                "profile": "projection",
+                "projection": {
+                    "deliveries": settings.deliveries,
+                    "max_batch": PROJECTION_BATCH,
+                    "single_per_sec": single.median_json(0),
+                    "batch_per_sec": batched.median_json(0),
+                    "batch_to_single": ratios.median_json(3),
+                    "spreads": {
+                        "single_per_sec": single.json(0),
+                        "batch_per_sec": batched.json(0),
+                        "batch_to_single": ratios.json(3),
+                    },
+                },
+            })
+        );
+        return Ok(());
+    }
     let peer = if smoke { None } else { Some(build_peer()?) };
 
     println!(
@@ -478,10 +531,35 @@ async fn main() -> Result<(), BoxError> {
         keyed_ratio.text(3),
         keyed_floor_ratio.text(3),
     );
+    let projection = {
+        let prefix = format!("rbbench_{}_projection", std::process::id());
+        let single = in_schema(&admin, &format!("{prefix}_single"), async |schema| {
+            projection_run(&settings, &admin, schema, false).await
+        })
+        .await?;
+        let batched = in_schema(&admin, &format!("{prefix}_batch"), async |schema| {
+            projection_run(&settings, &admin, schema, true).await
+        })
+        .await?;
+        println!(
+            "projection, one row per event in the handler's transaction, one worker: one \
+             delivery at a time {single:.0}/s, batches of up to {PROJECTION_BATCH} {batched:.0}/s \
+             (batch / single {:.2})",
+            batched / single
+        );
+        json!({
+            "deliveries": settings.deliveries,
+            "max_batch": PROJECTION_BATCH,
+            "single_per_sec": single.round(),
+            "batch_per_sec": batched.round(),
+            "batch_to_single": (batched / single * 1000.0).round() / 1000.0,
+        })
+    };
     println!(
         "{}",
         json!({
             "bench": "postgres",
+            "projection": projection,
             "keys": settings.keys,
             "hot_keys": settings.hot_keys,
             "hot_deliveries_per_run": settings.hot_deliveries,
@@ -1036,6 +1114,128 @@ async fn floor_keyed(
 }
 
 /// A bus on `store` with the `tick` handler calling `on_tick`.
+/// The most deliveries per batch of the projection's batch handler.
+const PROJECTION_BATCH: usize = 100;
+
+/// Deliveries per second of a projection that inserts one row per event in its handler's
+/// transaction, on one worker: a transactional handler of one delivery at a time, or a
+/// transactional batch handler of up to [`PROJECTION_BATCH`] (one `INSERT .. SELECT unnest`
+/// per batch).
+async fn projection_run(
+    settings: &Settings,
+    admin: &PgPool,
+    schema: &str,
+    batch: bool,
+) -> Result<f64, BoxError> {
+    let count = settings.deliveries;
+    let publisher = bus(
+        store(admin.clone(), schema).await?,
+        "bench-publisher".to_owned(),
+        |_, _| {},
+    )?;
+    let rows = format!("\"{schema}\".projection");
+    sqlx::query(&format!(
+        "CREATE TABLE {rows} (id text PRIMARY KEY, n bigint NOT NULL)"
+    ))
+    .execute(admin)
+    .await?;
+    let mut n = 0_u64;
+    while (n as usize) < count {
+        let chunk = (count - n as usize).min(500) as u64;
+        let envelopes = (n..n + chunk)
+            .map(|n| relaybus::EventEnvelope::new(&Tick { n }))
+            .collect::<Result<Vec<_>, _>>()?;
+        publisher.publish_all(envelopes).await?;
+        n += chunk;
+    }
+    let handled = Arc::new(AtomicUsize::new(0));
+    let all_done = Arc::new(Notify::new());
+    let done = {
+        let (handled, all_done) = (Arc::clone(&handled), Arc::clone(&all_done));
+        move |n: usize| {
+            if handled.fetch_add(n, Ordering::Relaxed) + n >= count {
+                all_done.notify_one();
+            }
+        }
+    };
+    let insert =
+        format!("INSERT INTO {rows} (id, n) SELECT * FROM unnest($1::text[], $2::bigint[])");
+    let subscription = if batch {
+        Subscription::batch(
+            HANDLER,
+            move |batch: relaybus::Batch<Tick>, ctx: HandlerContext<PostgresEventStore>| {
+                let (insert, done) = (insert.clone(), done.clone());
+                async move {
+                    let ids: Vec<String> = batch
+                        .iter()
+                        .map(|item| item.event_id().to_owned())
+                        .collect();
+                    let ns: Vec<i64> = batch.events().map(|tick| tick.n as i64).collect();
+                    let mut session = ctx.session().await?;
+                    sqlx::query(&insert)
+                        .bind(&ids)
+                        .bind(&ns)
+                        .execute(&mut **session)
+                        .await?;
+                    drop(session);
+                    done(batch.len());
+                    Ok::<(), BoxError>(())
+                }
+            },
+        )
+        .max_batch(PROJECTION_BATCH)
+        .transactional()
+    } else {
+        Subscription::new(
+            HANDLER,
+            move |tick: Tick, ctx: HandlerContext<PostgresEventStore>| {
+                let (insert, done) = (insert.clone(), done.clone());
+                async move {
+                    let mut session = ctx.session().await?;
+                    sqlx::query(&insert)
+                        .bind(vec![ctx.event_id().to_owned()])
+                        .bind(vec![tick.n as i64])
+                        .execute(&mut **session)
+                        .await?;
+                    drop(session);
+                    done(1);
+                    Ok::<(), BoxError>(())
+                }
+            },
+        )
+        .transactional()
+    };
+    let store = PostgresEventStore::builder(pool(&settings.url, POOL).await?)
+        .schema(schema)
+        .build()?;
+    let worker = RelayBus::builder(store)
+        .owner("bench-projection")
+        .batch_size(BATCH)
+        .concurrency(BATCH as usize)
+        .retention(None)
+        .gauge_interval(None)
+        .setup_on_start(false)
+        .without_registered_handlers()
+        .subscribe(subscription)
+        .build()?;
+    let started = Instant::now();
+    worker.start().await?;
+    tokio::time::timeout(Duration::from_secs(600), all_done.notified()).await?;
+    // A transaction that ran again called its handler again: the count reached `count` before
+    // every row committed. Wait for the rows.
+    while count_rows(admin, &rows).await? < count as i64 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    worker.shutdown().await?;
+    let rate = count as f64 / started.elapsed().as_secs_f64();
+    worker.store().pool().close().await;
+    let written = count_rows(admin, &rows).await?;
+    if written != count as i64 {
+        return Err(format!("the projection holds {written} rows for {count} events").into());
+    }
+    Ok(rate)
+}
+
 fn bus(
     store: PostgresEventStore,
     owner: String,

@@ -869,6 +869,7 @@ impl<S: Store> RelayBusBuilder<S> {
                     ),
                 });
             }
+            subscription.check_limits()?;
             if let Some(policy) = &subscription.retry {
                 policy.validate().map_err(|error| match error {
                     ConfigurationError::InvalidOption { option, reason } => {

@@ -26,6 +26,10 @@ pub mod stores {}
 ))]
 pub mod handlers {}
 
+#[doc = include_str!("../docs/limits.md")]
+#[cfg(any(doc, feature = "postgres"))]
+pub mod limits_and_batches {}
+
 #[doc = include_str!("../docs/testing.md")]
 #[cfg(any(doc, all(feature = "postgres", feature = "memory", feature = "macros")))]
 pub mod testing {}

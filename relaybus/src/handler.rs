@@ -317,7 +317,7 @@ pub trait HandlerArguments: seal::Arguments + Send + 'static {}
 
 /// What the argument traits do, out of users' reach so that they can grow.
 #[allow(unreachable_pub)]
-mod seal {
+pub(crate) mod seal {
     use std::any::{Any, TypeId};
 
     use super::StateMap;
@@ -504,6 +504,12 @@ pub struct Subscription {
     pub(crate) retry: Option<RetryPolicy>,
     /// How long one attempt may run; `None` for no limit.
     pub(crate) timeout: Option<Duration>,
+    /// At most this many runs at once across every bus of the database.
+    pub(crate) global_concurrency: Option<u32>,
+    /// At most this many starts per interval across every bus of the database.
+    pub(crate) rate_limit: Option<(u32, Duration)>,
+    /// A batch handler's settings and handler; `None` for one delivery at a time.
+    pub(crate) batch: Option<crate::batch::BatchSpec>,
     pub(crate) handler: Arc<ErasedHandler>,
     /// What the handler's arguments need from the bus: the store their context names (a
     /// handler without a context runs on any store), the state they take.
@@ -560,6 +566,9 @@ impl Subscription {
             unordered: false,
             retry: None,
             timeout: None,
+            global_concurrency: None,
+            rate_limit: None,
+            batch: None,
             handler: Arc::new(erased),
             needs: <Args as seal::Arguments>::needs().into(),
         }
@@ -680,6 +689,150 @@ impl Subscription {
         self
     }
 
+    /// Runs at most `n` deliveries of this handler at once across every bus of the database,
+    /// on every store: for a handler that calls a service which takes only so many requests
+    /// at a time. (The bus's [`concurrency`](crate::RelayBusBuilder::concurrency) is per bus,
+    /// so four buses make four times its load.) 1 to
+    /// [`MAX_GLOBAL_CONCURRENCY`](crate::store::MAX_GLOBAL_CONCURRENCY); checked when the bus
+    /// is built.
+    ///
+    /// A bus takes one of the handler's `n` slots in the store before it runs a delivery and
+    /// gives it back after. A slot is a lease renewed with the bus's delivery leases, so a bus
+    /// that dies holding slots gives them back within its
+    /// [`lease_duration`](crate::RelayBusBuilder::lease_duration). A claimed delivery that
+    /// finds every slot held waits for one, holding its delivery (and its key) but neither
+    /// a handler slot of its bus nor an attempt; each bus keeps at most `n` such deliveries
+    /// and gives the others back uncharged. Waits count in `relaybus.limit.waits`.
+    ///
+    /// ```
+    /// # use relaybus::{BoxError, Event, Subscription};
+    /// # #[derive(serde::Serialize, serde::Deserialize)]
+    /// # struct OrderPlaced { order_id: String }
+    /// # impl Event for OrderPlaced { const TYPE: &'static str = "order.placed.v1"; }
+    /// let charge = Subscription::without_context("charge-card", |event: OrderPlaced| async move {
+    ///     println!("charging for {}", event.order_id);
+    ///     Ok::<(), BoxError>(())
+    /// })
+    /// .global_concurrency(4);
+    /// assert_eq!(charge.global_concurrency_limit(), Some(4));
+    /// ```
+    pub fn global_concurrency(mut self, n: u32) -> Self {
+        self.global_concurrency = Some(n);
+        self
+    }
+
+    /// Starts at most `rate` deliveries of this handler per `interval` across every bus of
+    /// the database: for a handler that calls a rate-limited API. `rate` at least 1,
+    /// `interval` at least 1 ms; checked when the bus is built.
+    ///
+    /// The store keeps one counter per handler for fixed windows of `interval` (aligned on
+    /// the Unix epoch); a start adds one, and goes while the window holds at most `rate`.
+    /// A delivery refused waits for the next window, holding its delivery but neither a
+    /// handler slot of its bus nor an attempt, so other handlers run meanwhile; waits count in
+    /// `relaybus.limit.waits`. Every window of `interval` starts at most `rate`; a span of
+    /// `interval` across a window boundary may start up to `2 * rate`, and one of `k`
+    /// intervals at most `(k + 1) * rate`. This design costs one single-row write per bus and
+    /// window for all the deliveries waiting there, holds across processes and crashes
+    /// without dividing the rate among the live buses, and needs no token refill arithmetic.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use relaybus::{BoxError, Event, Subscription};
+    /// # #[derive(serde::Serialize, serde::Deserialize)]
+    /// # struct UserSignedUp { email: String }
+    /// # impl Event for UserSignedUp { const TYPE: &'static str = "user.signed-up.v1"; }
+    /// let mail = Subscription::without_context("welcome-mail", |event: UserSignedUp| async move {
+    ///     println!("mailing {}", event.email);
+    ///     Ok::<(), BoxError>(())
+    /// })
+    /// .rate_limit(50, Duration::from_secs(1));
+    /// assert_eq!(mail.rate(), Some((50, Duration::from_secs(1))));
+    /// ```
+    pub fn rate_limit(mut self, rate: u32, interval: Duration) -> Self {
+        self.rate_limit = Some((rate, interval));
+        self
+    }
+
+    /// The handler's global concurrency, if limited (see
+    /// [`global_concurrency`](Self::global_concurrency)).
+    pub fn global_concurrency_limit(&self) -> Option<u32> {
+        self.global_concurrency
+    }
+
+    /// The handler's rate limit, if any: starts per interval (see
+    /// [`rate_limit`](Self::rate_limit)).
+    pub fn rate(&self) -> Option<(u32, Duration)> {
+        self.rate_limit
+    }
+
+    /// Refuses limits no delivery could pass, or that the store cannot keep.
+    pub(crate) fn check_limits(&self) -> Result<(), ConfigurationError> {
+        let max = crate::store::MAX_GLOBAL_CONCURRENCY;
+        if let Some(n) = self.global_concurrency
+            && !(1..=max).contains(&n)
+        {
+            return Err(ConfigurationError::InvalidOption {
+                option: "global_concurrency",
+                reason: format!(
+                    "handler {:?} has a global concurrency of {n}; use 1 to {max}, or no limit",
+                    self.id
+                ),
+            });
+        }
+        if let Some((rate, interval)) = self.rate_limit
+            && (rate == 0 || interval < Duration::from_millis(1))
+        {
+            return Err(ConfigurationError::InvalidOption {
+                option: "rate_limit",
+                reason: format!(
+                    "handler {:?} has a rate limit of {rate} per {interval:?}, which lets no \
+                     delivery start; use a rate of at least 1 per at least 1 ms, or no limit",
+                    self.id
+                ),
+            });
+        }
+        if let Some(batch) = &self.batch {
+            if !(1..=crate::batch::MAX_BATCH).contains(&batch.max) {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "max_batch",
+                    reason: format!(
+                        "batch handler {:?} takes batches of at most {}; use 1 to {}",
+                        self.id,
+                        batch.max,
+                        crate::batch::MAX_BATCH
+                    ),
+                });
+            }
+            if batch.wait > Duration::from_secs(60) {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "batch_wait",
+                    reason: format!(
+                        "batch handler {:?} gathers its batches for {:?}, which holds their \
+                         deliveries too long; use at most 1 minute",
+                        self.id, batch.wait
+                    ),
+                });
+            }
+            if self.is_limited() {
+                return Err(ConfigurationError::InvalidOption {
+                    option: "global_concurrency",
+                    reason: format!(
+                        "batch handler {:?} has a global concurrency or a rate limit, which \
+                         batch handlers do not take; drop the limit, or handle one delivery \
+                         at a time",
+                        self.id
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a delivery of the handler has to pass a limit before it runs.
+    pub(crate) fn is_limited(&self) -> bool {
+        self.global_concurrency.is_some() || self.rate_limit.is_some()
+    }
+
     /// How long one attempt may run, if limited.
     pub fn attempt_timeout(&self) -> Option<Duration> {
         self.timeout
@@ -738,6 +891,9 @@ impl fmt::Debug for Subscription {
             .field("unordered", &self.unordered)
             .field("retry", &self.retry)
             .field("timeout", &self.timeout)
+            .field("global_concurrency", &self.global_concurrency)
+            .field("rate_limit", &self.rate_limit)
+            .field("batch", &self.batch)
             .finish_non_exhaustive()
     }
 }

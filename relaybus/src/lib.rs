@@ -82,6 +82,7 @@
 pub mod __private;
 pub mod activity;
 mod aliases;
+mod batch;
 mod bus;
 pub mod clock;
 mod dispatcher;
@@ -103,6 +104,9 @@ mod trace;
 )]
 pub mod transport;
 
+pub use batch::{
+    Batch, BatchHandler, BatchItem, BatchOutcome, DEFAULT_BATCH_WAIT, DEFAULT_MAX_BATCH, MAX_BATCH,
+};
 pub use bus::{
     DEFAULT_TRANSACTION_TIMEOUT, Publish, PublishAll, RelayBus, RelayBusBuilder, RunUntilIdle,
 };

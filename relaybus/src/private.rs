@@ -34,3 +34,35 @@ impl<E: Into<BoxError>> HandlerResult for Result<(), E> {
         self.map_err(Into::into)
     }
 }
+
+/// The event type of a `#[handler(.., batch)]` function's batch argument.
+#[diagnostic::on_unimplemented(
+    message = "a `#[handler(.., batch)]` function takes a `Batch<E>` first, not `{Self}`",
+    label = "not a batch",
+    note = "write `async fn project(batch: relaybus::Batch<OrderPlaced>) -> Result<(), BoxError>`"
+)]
+pub trait BatchOf {
+    /// The event type.
+    type Event: Event;
+}
+
+impl<E: Event> BatchOf for crate::batch::Batch<E> {
+    type Event = E;
+}
+
+/// What a `#[handler(.., batch)]` function may return: `Result<O, E>` where `O` is `()` or a
+/// [`BatchOutcome`](crate::BatchOutcome) and `E` converts into a [`BoxError`].
+#[diagnostic::on_unimplemented(
+    message = "a batch `#[handler]` function must return `Result<(), E>` or `Result<BatchOutcome, E>` with `E: Into<BoxError>`, not `{Self}`",
+    label = "this return type"
+)]
+pub trait BatchResult {
+    /// The result with its outcome and error converted.
+    fn into_batch_result(self) -> Result<crate::batch::BatchOutcome, BoxError>;
+}
+
+impl<O: Into<crate::batch::BatchOutcome>, E: Into<BoxError>> BatchResult for Result<O, E> {
+    fn into_batch_result(self) -> Result<crate::batch::BatchOutcome, BoxError> {
+        self.map(Into::into).map_err(Into::into)
+    }
+}

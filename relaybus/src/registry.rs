@@ -70,6 +70,8 @@ pub struct HandlerDescriptor {
     initial_backoff: Option<Duration>,
     max_backoff: Option<Duration>,
     timeout: Option<Duration>,
+    global_concurrency: Option<u32>,
+    rate_limit: Option<(u32, Duration)>,
     subscribe: fn() -> Subscription,
 }
 
@@ -95,6 +97,8 @@ impl HandlerDescriptor {
             initial_backoff: None,
             max_backoff: None,
             timeout: None,
+            global_concurrency: None,
+            rate_limit: None,
             subscribe,
         }
     }
@@ -133,6 +137,30 @@ impl HandlerDescriptor {
     pub const fn with_timeout(mut self, limit: Duration) -> Self {
         self.timeout = Some(limit);
         self
+    }
+
+    #[doc(hidden)]
+    pub const fn with_global_concurrency(mut self, n: u32) -> Self {
+        self.global_concurrency = Some(n);
+        self
+    }
+
+    #[doc(hidden)]
+    pub const fn with_rate_limit(mut self, rate: u32, interval: Duration) -> Self {
+        self.rate_limit = Some((rate, interval));
+        self
+    }
+
+    /// Its global concurrency (`global_concurrency`), if limited; see
+    /// [`Subscription::global_concurrency`].
+    pub fn global_concurrency(&self) -> Option<u32> {
+        self.global_concurrency
+    }
+
+    /// Its rate limit (`rate_limit`, per `rate_interval_ms` or 1 s), if any; see
+    /// [`Subscription::rate_limit`].
+    pub fn rate_limit(&self) -> Option<(u32, Duration)> {
+        self.rate_limit
     }
 
     /// How long one attempt may run (`timeout_ms`), if limited.
@@ -224,6 +252,12 @@ impl HandlerDescriptor {
         if let Some(limit) = self.timeout {
             subscription = subscription.timeout(limit);
         }
+        if let Some(n) = self.global_concurrency {
+            subscription = subscription.global_concurrency(n);
+        }
+        if let Some((rate, interval)) = self.rate_limit {
+            subscription = subscription.rate_limit(rate, interval);
+        }
         subscription
     }
 
@@ -243,6 +277,8 @@ impl fmt::Debug for HandlerDescriptor {
             .field("unordered", &self.unordered)
             .field("retry_policy", &self.retry_policy())
             .field("timeout", &self.timeout)
+            .field("global_concurrency", &self.global_concurrency)
+            .field("rate_limit", &self.rate_limit)
             .finish_non_exhaustive()
     }
 }

@@ -20,6 +20,8 @@
 //! | `relaybus.delivery.oldest_due.age` | gauge, s | consumer group | how long the handler's oldest pending delivery has been due |
 //! | `relaybus.lane.takeovers` | counter | | lanes taken over from a holder whose lease ended with deliveries unfinished |
 //! | `relaybus.delivery.lost_attempts` | counter | | attempts charged to deliveries their worker lost |
+//! | `relaybus.batch.size` | histogram | destination, consumer group | deliveries in each batch a batch handler ran |
+//! | `relaybus.limit.waits` | counter | destination, consumer group, `relaybus.limit` | deliveries that waited for a limit before they started: `concurrency` (every slot of the handler's global concurrency held), `rate` (its rate limit's window full), `bus` (the bus held as many as the limit lets run, so it gave it back uncharged) |
 //! | `relaybus.lane.conflicts` | counter | | lanes a claim picked from that changed before its record (MongoDB: another claimer took them first, or a requeue touched them; the picks there go back) |
 //!
 //! The two gauges come from one aggregation of the store
@@ -83,6 +85,13 @@ pub const LOST_ATTEMPTS: &str = "relaybus.delivery.lost_attempts";
 /// record (the MongoDB store: another claimer took them first, or a requeue touched them; the
 /// claim gives those picks up). A steady count says claimers compete for the same free lanes.
 pub const LANE_CONFLICTS: &str = "relaybus.lane.conflicts";
+/// `relaybus.batch.size`: how many deliveries each batch of a batch handler held.
+pub const BATCH_SIZE: &str = "relaybus.batch.size";
+/// `relaybus.limit.waits`: deliveries that waited for a handler's global concurrency or rate
+/// limit before they started, by `relaybus.limit`.
+pub const LIMIT_WAITS: &str = "relaybus.limit.waits";
+/// The attribute naming the limit a delivery waited for: `concurrency`, `rate` or `bus`.
+pub const LIMIT_ATTRIBUTE: &str = "relaybus.limit";
 /// `relaybus.request.transactions`: request transactions of `relaybus-axum`, by outcome.
 pub const REQUEST_TRANSACTIONS: &str = "relaybus.request.transactions";
 
@@ -209,6 +218,8 @@ pub(crate) struct HandlerMetrics {
     pub(crate) dead_letters: Counter,
     pub(crate) succeeded: Histogram,
     pub(crate) latency: Histogram,
+    /// How many deliveries each batch of a batch handler held.
+    pub(crate) batch_size: Histogram,
     /// The last hour's runs, for the operator page.
     pub(crate) activity: crate::activity::ActivityLog,
 }
@@ -227,9 +238,17 @@ impl HandlerMetrics {
             dead_letters: counter!(DEAD_LETTERS, labels.iter()),
             succeeded: histogram!(PROCESS_DURATION, labels.iter()),
             latency: histogram!(LATENCY, labels.iter()),
+            batch_size: histogram!(BATCH_SIZE, labels.iter()),
             activity: crate::activity::ActivityLog::default(),
             labels,
         }
+    }
+
+    /// Counts a delivery that waited for a limit (`concurrency`, `rate` or `bus`).
+    pub(crate) fn limit_wait(&self, limit: &'static str) {
+        let mut labels = self.labels.clone();
+        labels.push(Label::from_static_parts(LIMIT_ATTRIBUTE, limit));
+        counter!(LIMIT_WAITS, labels).increment(1);
     }
 
     /// Records a failed run: rare, so its handle is looked up each time.

@@ -1,6 +1,8 @@
 //! End-to-end tests of relaybus against a real MongoDB replica set.
 
+pub mod batches;
 pub mod conformance;
 pub mod fault;
 pub mod idempotency;
+pub mod limits;
 pub mod support;

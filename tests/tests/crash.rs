@@ -488,3 +488,23 @@ async fn a_schedule_survives_a_killed_process_with_one_event_per_tick() {
         ended,
     );
 }
+
+/// A process holding all 4 slots of a handler's global concurrency is killed: the other buses
+/// take them within its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slots_of_a_killed_bus_free_within_its_lease() {
+    let db = test_db("crash_slots").await;
+    let stores = [
+        relaybus_tests::support::store_on(&db.client, &db).await,
+        relaybus_tests::support::store_on(&db.client, &db).await,
+    ];
+    let mut holder = Command::new(APP);
+    holder.args([
+        "slots",
+        "mongodb",
+        db.uri.as_str(),
+        db.name.as_str(),
+        &relaybus_tests::limits::KILLED_LEASE.as_millis().to_string(),
+    ]);
+    relaybus_tests::limits::slots_of_a_killed_bus_free_within_the_lease(stores, holder).await;
+}

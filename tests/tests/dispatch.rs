@@ -1350,3 +1350,82 @@ async fn shutdown_gives_back_uncharged_what_was_claimed_ahead_and_waits_for_a_sl
         assert_eq!(attempts(doc), 0, "given back uncharged: {doc}");
     }
 }
+
+/// Three buses on three store instances, a handler with `global_concurrency(4)`: at most 4
+/// runs at once across them, and the work drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_concurrency_holds_across_three_buses() {
+    let db = test_db("global_concurrency").await;
+    let stores = [
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+    ];
+    relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
+}
+
+/// A rate limit of 50 per second over three buses on three store instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_three_buses() {
+    let db = test_db("rate_limit").await;
+    let stores = [
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+    ];
+    relaybus_tests::limits::rate_limit_holds_across_buses(stores).await;
+}
+
+/// 10,000 unkeyed events through a transactional batch handler of at most 100 that inserts one
+/// document per event in the batch's transaction: each effect once, in batches of at most 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_batches_drain_exactly_once() {
+    use relaybus::Batch;
+    use relaybus_tests::batches::{self, BATCHER, Batches};
+    let db = test_db("batch_drain").await;
+    let store = store(&db).await;
+    let effects = db.db().collection::<Document>("effects");
+    let recorded = Arc::new(Batches::default());
+    let recorder = Arc::clone(&recorded);
+    let handler = Subscription::batch(
+        BATCHER,
+        move |batch: Batch<OrderPlaced>, ctx: HandlerContext| {
+            let (recorder, effects) = (Arc::clone(&recorder), effects.clone());
+            async move {
+                let rows: Vec<Document> = batch
+                    .iter()
+                    .map(|item| doc! { "_id": item.event_id(), "order": &item.event().order_id })
+                    .collect();
+                let mut session = ctx.session().await?;
+                effects.insert_many(rows).session(&mut *session).await?;
+                drop(session);
+                recorder.record(&batch);
+                Ok::<(), BoxError>(())
+            }
+        },
+    )
+    .transactional();
+    let bus = batches::bus(store, handler);
+    batches::drain_in_batches(&bus, &recorded, 10_000, 100).await;
+    let written = db
+        .db()
+        .collection::<Document>("effects")
+        .count_documents(doc! {})
+        .await
+        .unwrap();
+    assert_eq!(written, 10_000, "each effect once");
+}
+
+/// Keyed events through a batch handler: each key's order holds across batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_order_holds_across_batches() {
+    let db = test_db("batch_keyed").await;
+    relaybus_tests::batches::keyed_order_holds_across_batches(store(&db).await).await;
+}
+
+/// A poison event in a batch goes dead alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_event_in_a_batch_goes_dead_alone() {
+    let db = test_db("batch_poison").await;
+    relaybus_tests::batches::poison_goes_dead_alone(store(&db).await).await;
+}

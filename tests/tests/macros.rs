@@ -116,7 +116,10 @@ mod mailing {
         max_attempts = 3,
         initial_backoff_ms = 20,
         max_backoff_ms = 200,
-        timeout_ms = 5_000
+        timeout_ms = 5_000,
+        global_concurrency = 8,
+        rate_limit = 10_000,
+        rate_interval_ms = 2_000
     )]
     pub(crate) async fn send_confirmation(
         event: OrderPlaced,
@@ -239,6 +242,26 @@ fn the_registry_lists_what_the_macros_declared() {
     );
     let timeouts: Vec<_> = registry::handlers().map(|h| h.timeout()).collect();
     assert_eq!(timeouts, [Some(Duration::from_secs(5)), None, None]);
+    let limits: Vec<_> = registry::handlers()
+        .map(|h| {
+            let subscription = h.subscription();
+            (
+                h.global_concurrency(),
+                h.rate_limit(),
+                subscription.global_concurrency_limit(),
+                subscription.rate(),
+            )
+        })
+        .collect();
+    let mailer_rate = Some((10_000, Duration::from_secs(2)));
+    assert_eq!(
+        limits,
+        [
+            (Some(8), mailer_rate, Some(8), mailer_rate),
+            (None, None, None, None),
+            (None, None, None, None),
+        ]
+    );
     let unordered: Vec<_> = registry::handlers().map(|h| h.is_unordered()).collect();
     assert_eq!(unordered, [true, false, false]);
     assert_eq!(registry::check(), Ok(()));

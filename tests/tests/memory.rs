@@ -818,3 +818,70 @@ async fn a_started_bus_publishes_its_ticks_in_the_background() {
     }
     bus.shutdown().await.unwrap();
 }
+
+/// Three buses on clones of one store, a handler with `global_concurrency(4)`: at most 4 runs
+/// at once across them, and the work drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_concurrency_holds_across_three_buses() {
+    let store = MemoryEventStore::new();
+    relaybus_tests::limits::global_concurrency_holds_across_buses([
+        store.clone(),
+        store.clone(),
+        store,
+    ])
+    .await;
+}
+
+/// A rate limit of 50 per second over three buses on clones of one store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_three_buses() {
+    let store = MemoryEventStore::new();
+    relaybus_tests::limits::rate_limit_holds_across_buses([store.clone(), store.clone(), store])
+        .await;
+}
+
+/// 10,000 unkeyed events through a transactional batch handler of at most 100 that writes one
+/// document per event in the batch's transaction: each effect once, in batches of at most 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_batches_drain_exactly_once() {
+    use relaybus::Batch;
+    use relaybus_tests::batches::{self, BATCHER, Batches};
+    let store = MemoryEventStore::new();
+    let recorded = std::sync::Arc::new(Batches::default());
+    let recorder = std::sync::Arc::clone(&recorded);
+    let handler = Subscription::batch(
+        BATCHER,
+        move |batch: Batch<OrderPlaced>, ctx: HandlerContext<MemoryEventStore>| {
+            let recorder = std::sync::Arc::clone(&recorder);
+            async move {
+                let mut session = ctx.session().await?;
+                for item in &batch {
+                    session.insert(
+                        "effects",
+                        item.event_id(),
+                        json!({ "order": item.event().order_id }),
+                    )?;
+                }
+                drop(session);
+                recorder.record(&batch);
+                Ok::<(), BoxError>(())
+            }
+        },
+    )
+    .transactional();
+    let bus = batches::bus(store.clone(), handler);
+    batches::drain_in_batches(&bus, &recorded, 10_000, 100).await;
+    assert_eq!(store.count("effects"), 10_000, "each effect once");
+}
+
+/// Keyed events through a batch handler: each key's order holds across batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_order_holds_across_batches() {
+    relaybus_tests::batches::keyed_order_holds_across_batches(MemoryEventStore::new()).await;
+}
+
+/// A poison event in a batch goes dead alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_event_in_a_batch_goes_dead_alone() {
+    relaybus_tests::batches::poison_goes_dead_alone(MemoryEventStore::new()).await;
+}

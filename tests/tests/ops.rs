@@ -422,3 +422,66 @@ async fn the_schedules_route_lists_last_and_next_ticks() {
     .await;
     assert!(script.contains("api(\"/schedules\")"));
 }
+
+/// The handler overview shows each handler's limits: global concurrency, rate limit, batches.
+#[tokio::test]
+async fn the_handler_overview_shows_limits() {
+    use relaybus::{Batch, BoxError, MemoryEventStore, RelayBus, Subscription};
+    use relaybus_tests::support::OrderPlaced;
+    use std::time::Duration;
+    let charge = Subscription::new("charge", |_: OrderPlaced| async { Ok::<(), BoxError>(()) })
+        .global_concurrency(4)
+        .rate_limit(50, Duration::from_secs(1));
+    let project = Subscription::batch("project", |_: Batch<OrderPlaced>| async {
+        Ok::<(), BoxError>(())
+    })
+    .max_batch(200)
+    .batch_wait(Duration::from_millis(20));
+    let plain = Subscription::new("plain", |_: OrderPlaced| async { Ok::<(), BoxError>(()) });
+    let bus = RelayBus::builder(MemoryEventStore::new())
+        .without_registered_handlers()
+        .subscribe(charge)
+        .subscribe(project)
+        .subscribe(plain)
+        .build()
+        .expect("valid bus");
+    let ops = Ops(Router::new().nest("/ops", relaybus_axum::ops::router(bus)));
+    let (status, handlers) = ops.get("/ops/handlers").await;
+    assert_eq!(status, StatusCode::OK);
+    let limits: Vec<(String, Value)> = handlers["handlers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["handler"].as_str().unwrap().to_owned(),
+                h["limits"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        limits,
+        [
+            (
+                "charge".to_owned(),
+                json!({
+                    "global_concurrency": 4,
+                    "rate_limit": { "starts": 50, "interval_ms": 1000 },
+                    "batch": null,
+                })
+            ),
+            (
+                "plain".to_owned(),
+                json!({ "global_concurrency": null, "rate_limit": null, "batch": null })
+            ),
+            (
+                "project".to_owned(),
+                json!({
+                    "global_concurrency": null,
+                    "rate_limit": null,
+                    "batch": { "max": 200, "wait_ms": 20 },
+                })
+            ),
+        ]
+    );
+}

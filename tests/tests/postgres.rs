@@ -372,9 +372,9 @@ async fn concurrent_setups_succeed() {
     .await
     .unwrap();
     assert_eq!(
-        tables, 7,
+        tables, 9,
         "events, deliveries, key_sequences, completed_deliveries, leads, consumer_positions, \
-         idempotency_keys"
+         idempotency_keys, slots, rate_windows"
     );
 }
 
@@ -1320,4 +1320,113 @@ async fn a_schedule_survives_a_killed_process_with_one_event_per_tick() {
         ended,
     );
     drop(store);
+}
+
+/// Three buses on three stores of one schema (three pools, as three processes have), a
+/// handler with `global_concurrency(4)`: at most 4 runs at once, and the work drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_concurrency_holds_across_three_buses() {
+    let (first, schema) = store("global_concurrency").await;
+    let stores = [
+        first,
+        same_schema(&schema).await,
+        same_schema(&schema).await,
+    ];
+    relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
+}
+
+/// A rate limit of 50 per second over three buses on three stores of one schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_three_buses() {
+    let (first, schema) = store("rate_limit").await;
+    let stores = [
+        first,
+        same_schema(&schema).await,
+        same_schema(&schema).await,
+    ];
+    relaybus_tests::limits::rate_limit_holds_across_buses(stores).await;
+}
+
+/// Another store (its own pool) on the schema of a test.
+async fn same_schema(schema: &Schema) -> PostgresEventStore {
+    let store = PostgresEventStore::builder(pool().await)
+        .schema(&schema.name)
+        .build()
+        .expect("valid options");
+    store.setup().await.expect("setup");
+    store
+}
+
+/// A process holding all 4 slots of a handler's global concurrency is killed: the other buses
+/// take them within its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slots_of_a_killed_bus_free_within_its_lease() {
+    let (first, schema) = store("crash_slots").await;
+    let stores = [first, same_schema(&schema).await];
+    let mut holder = std::process::Command::new(env!("CARGO_BIN_EXE_relaybus-crash-app"));
+    holder.args([
+        "slots",
+        "postgres",
+        url().as_str(),
+        schema.name.as_str(),
+        &relaybus_tests::limits::KILLED_LEASE.as_millis().to_string(),
+    ]);
+    relaybus_tests::limits::slots_of_a_killed_bus_free_within_the_lease(stores, holder).await;
+}
+
+/// 10,000 unkeyed events through a transactional batch handler of at most 100 that inserts one
+/// row per event in the batch's transaction: each effect once, in batches of at most 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_batches_drain_exactly_once() {
+    use relaybus::{Batch, BoxError, HandlerContext, Subscription};
+    use relaybus_tests::batches::{self, BATCHER, Batches};
+    use relaybus_tests::support::OrderPlaced;
+    let (store, schema) = store("batch_drain").await;
+    let effects = schema.table("effects");
+    sqlx::query(&format!("CREATE TABLE {effects} (id text PRIMARY KEY)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let insert = format!("INSERT INTO {effects} (id) SELECT unnest($1::text[])");
+    let recorded = std::sync::Arc::new(Batches::default());
+    let recorder = std::sync::Arc::clone(&recorded);
+    let handler = Subscription::batch(
+        BATCHER,
+        move |batch: Batch<OrderPlaced>, ctx: HandlerContext<PostgresEventStore>| {
+            let (recorder, insert) = (std::sync::Arc::clone(&recorder), insert.clone());
+            async move {
+                let ids: Vec<String> = batch.iter().map(|i| i.event_id().to_owned()).collect();
+                let mut session = ctx.session().await?;
+                sqlx::query(&insert)
+                    .bind(&ids)
+                    .execute(&mut **session)
+                    .await?;
+                drop(session);
+                recorder.record(&batch);
+                Ok::<(), BoxError>(())
+            }
+        },
+    )
+    .transactional();
+    let bus = batches::bus(store.clone(), handler);
+    batches::drain_in_batches(&bus, &recorded, 10_000, 100).await;
+    let written: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {effects}"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(written, 10_000, "each effect once");
+}
+
+/// Keyed events through a batch handler: each key's order holds across batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_order_holds_across_batches() {
+    let (store, _schema) = store("batch_keyed").await;
+    relaybus_tests::batches::keyed_order_holds_across_batches(store).await;
+}
+
+/// A poison event in a batch goes dead alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_event_in_a_batch_goes_dead_alone() {
+    let (store, _schema) = store("batch_poison").await;
+    relaybus_tests::batches::poison_goes_dead_alone(store).await;
 }

@@ -1329,3 +1329,38 @@ impl Operate for HookedStore {
 }
 
 impl Leadership for HookedStore {}
+
+impl relaybus::store::Limits for HookedStore {
+    async fn take_slot(
+        &self,
+        request: relaybus::store::SlotRequest<'_>,
+    ) -> Result<Option<relaybus::store::Slot>, Error> {
+        self.inner.take_slot(request).await
+    }
+
+    async fn renew_slots(
+        &self,
+        slots: &[relaybus::store::Slot],
+        lease_duration: Duration,
+        now: Timestamp,
+    ) -> Result<usize, Error> {
+        self.inner.renew_slots(slots, lease_duration, now).await
+    }
+
+    async fn give_back_slot(&self, slot: &relaybus::store::Slot) -> Result<bool, Error> {
+        self.inner.give_back_slot(slot).await
+    }
+
+    async fn take_starts(
+        &self,
+        handler: &str,
+        wanted: u32,
+        rate: u32,
+        interval: Duration,
+        now: Timestamp,
+    ) -> Result<(u32, Timestamp), Error> {
+        self.inner
+            .take_starts(handler, wanted, rate, interval, now)
+            .await
+    }
+}

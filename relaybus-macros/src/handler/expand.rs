@@ -44,11 +44,40 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         let #result = #ident(#event #(, #vars)*).await;
         #private::HandlerResult::into_handler_result(#result)
     };
-    let subscribe = quote_spanned! {ident.span()=>
-        #private::Subscription::new::<#event_ty, (#(#arg_tys,)*), _>(
-            #id,
-            |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
-        )
+    let subscribe = if args.batch {
+        let call = quote_spanned! {output.span()=>
+            let #result = #ident(#event #(, #vars)*).await;
+            #private::BatchResult::into_batch_result(#result)
+        };
+        let max_batch = args.max_batch.as_ref().map(|(_, n)| quote!(.max_batch(#n)));
+        let batch_wait = args
+            .batch_wait_ms
+            .as_ref()
+            .map(|(_, ms)| quote!(.batch_wait(::core::time::Duration::from_millis(#ms))));
+        quote_spanned! {ident.span()=>
+            #private::Subscription::batch::<
+                <#event_ty as #private::BatchOf>::Event,
+                (#(#arg_tys,)*),
+                _,
+            >(
+                #id,
+                |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
+            )
+            #max_batch
+            #batch_wait
+        }
+    } else {
+        quote_spanned! {ident.span()=>
+            #private::Subscription::new::<#event_ty, (#(#arg_tys,)*), _>(
+                #id,
+                |#event: #event_ty #(, #vars: #arg_tys)*| async move { #call },
+            )
+        }
+    };
+    let event_type = if args.batch {
+        quote!(<<#event_ty as #private::BatchOf>::Event as #private::Event>::TYPE)
+    } else {
+        quote!(<#event_ty as #private::Event>::TYPE)
     };
     let subscribe = quote! {
         #(#checks)*
@@ -75,6 +104,15 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
         .as_ref()
         .map(|(_, ms)| quote!(.with_timeout(::core::time::Duration::from_millis(#ms))));
 
+    let global_concurrency = args
+        .global_concurrency
+        .as_ref()
+        .map(|(_, n)| quote!(.with_global_concurrency(#n)));
+    let rate_limit = args.rate_limit.as_ref().map(|(_, rate)| {
+        let ms = args.rate_interval_ms.as_ref().map_or(1_000, |(_, ms)| *ms);
+        quote!(.with_rate_limit(#rate, ::core::time::Duration::from_millis(#ms)))
+    });
+
     quote! {
         const _: () = {
             fn __relaybus_subscription() -> #private::Subscription {
@@ -84,7 +122,7 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
             #private::inventory::submit! {
                 #private::HandlerDescriptor::new(
                     #id,
-                    <#event_ty as #private::Event>::TYPE,
+                    #event_type,
                     ::core::concat!(::core::module_path!(), "::", ::core::stringify!(#ident)),
                     __relaybus_subscription,
                 )
@@ -94,6 +132,8 @@ pub(super) fn expand(handler: &Handler<'_>) -> TokenStream {
                 #initial_backoff
                 #max_backoff
                 #timeout
+                #global_concurrency
+                #rate_limit
             }
         };
     }

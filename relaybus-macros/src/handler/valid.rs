@@ -67,6 +67,34 @@ fn check_args<'a>(cx: &Ctxt, args: &'a Args) -> Option<&'a LitStr> {
         );
         ok = false;
     }
+    if let (Some((lit, _)), None) = (&args.rate_interval_ms, &args.rate_limit) {
+        cx.error_spanned_by(
+            lit,
+            "`rate_interval_ms` sets the interval of a rate limit; add `rate_limit = N`, the \
+             starts allowed per interval",
+        );
+        ok = false;
+    }
+    for (given, name) in [
+        (args.max_batch.as_ref().map(|(lit, _)| lit), "max_batch"),
+        (
+            args.batch_wait_ms.as_ref().map(|(lit, _)| lit),
+            "batch_wait_ms",
+        ),
+    ] {
+        if let Some(lit) = given
+            && !args.batch
+        {
+            cx.error_spanned_by(
+                lit,
+                format_args!(
+                    "`{name}` sets the batches of a batch handler; add `batch`, and take a \
+                     `Batch<E>`"
+                ),
+            );
+            ok = false;
+        }
+    }
     let id = match &args.id {
         Some(id) => match rules::check_handler_id(&id.value()) {
             Ok(()) => Some(id),

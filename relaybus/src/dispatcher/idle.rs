@@ -160,9 +160,62 @@ impl<S: Store> Shared<S> {
                 finished_at: Timestamp::EPOCH,
             })
             .collect();
-        let outcomes = join_all(claimed.into_iter().map(|d| run_delivery(self, d))).await;
+        // Batch handlers' deliveries run in batches of their handler (in claim order, up to
+        // its most per batch), the others one by one, all at once.
+        let mut singles = Vec::new();
+        let mut batches: Vec<(String, Vec<usize>)> = Vec::new();
+        for (at, delivery) in claimed.iter().enumerate() {
+            match self
+                .subscriptions
+                .get(&delivery.handler)
+                .and_then(|s| s.batch.as_ref())
+            {
+                Some(spec) => match batches
+                    .iter_mut()
+                    .find(|(h, ats)| *h == delivery.handler && ats.len() < spec.max)
+                {
+                    Some((_, ats)) => ats.push(at),
+                    None => batches.push((delivery.handler.clone(), vec![at])),
+                },
+                None => singles.push(at),
+            }
+        }
+        let never = tokio_util::sync::CancellationToken::new();
+        let claimed = &claimed;
+        let single_runs = join_all(singles.iter().map(|&at| {
+            let never = &never;
+            async move {
+                let delivery = claimed[at].clone();
+                let handler = delivery.handler.clone();
+                // The bus never stops here: each delivery passes its handler's limits,
+                // waiting for other buses as long as it takes.
+                let admission = self.admit(&handler, never).await;
+                let outcome = run_delivery(self, delivery).await;
+                if let Some(admission) = admission {
+                    self.give_back(&handler, admission).await;
+                }
+                vec![(at, outcome)]
+            }
+        }));
+        let batch_runs = join_all(batches.iter().map(|(handler, ats)| async move {
+            let deliveries: Vec<_> = ats.iter().map(|&at| claimed[at].clone()).collect();
+            let outcomes = match self.subscriptions.get(handler) {
+                Some(subscription) => {
+                    super::batch::run_batch_deliveries(self, subscription, &deliveries).await
+                }
+                None => Vec::new(),
+            };
+            ats.iter().copied().zip(outcomes).collect::<Vec<_>>()
+        }));
+        let (single_runs, batch_runs) = futures::join!(single_runs, batch_runs);
+        let mut outcomes: Vec<(usize, Outcome<S::Lease>)> = single_runs
+            .into_iter()
+            .chain(batch_runs)
+            .flatten()
+            .collect();
+        outcomes.sort_by_key(|(at, _)| *at);
         let mut succeeded: Vec<(usize, S::Lease)> = Vec::new();
-        for (at, outcome) in outcomes.into_iter().enumerate() {
+        for (at, outcome) in outcomes {
             match outcome {
                 Outcome::Succeeded(lease) => succeeded.push((at, lease)),
                 Outcome::Completed => runs[at].outcome = RunOutcome::Succeeded,

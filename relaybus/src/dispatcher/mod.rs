@@ -1,6 +1,8 @@
 //! The dispatcher: claims batches of deliveries, runs their handlers, and settles them.
 
+mod batch;
 mod idle;
+mod limits;
 mod run;
 mod wake;
 
@@ -107,6 +109,8 @@ pub(crate) struct Shared<S: Store> {
     /// The handlers whose delivery gauges this bus set last.
     gauges: StdMutex<HashSet<String>>,
     running: StdMutex<RunningSet<S>>,
+    /// The gates of the limited handlers, and the slots this bus holds.
+    gates: limits::Gates,
     /// How long this bus's handlers took, on average (exponentially weighted, in µs; [`UNKNOWN`]
     /// before the first finished).
     handler_micros: AtomicU64,
@@ -159,6 +163,7 @@ impl<S: Store> Shared<S> {
             metrics,
             gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
+            gates: limits::Gates::new(subscriptions_list),
             handler_micros: AtomicU64::new(UNKNOWN),
         }
     }
@@ -390,7 +395,9 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         wake: Arc::clone(&notify),
         stopping: cancel.clone(),
     };
+    let mut gathering = Gathering::new(&shared);
     while !cancel.is_cancelled() && !shared.handler_ids.is_empty() {
+        gathering.flush_due(&starter, &semaphore);
         // While handlers finish quickly, the next claim runs while they do: it may take a
         // batch beyond the free slots, which waits for slots in the bus.
         let ahead_free = if shared.may_claim_ahead() {
@@ -403,6 +410,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 permit = Arc::clone(&semaphore).acquire_owned() => drop(permit),
+                _ = gathering.due() => {}
             }
             continue;
         }
@@ -423,8 +431,33 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         // first, deliveries not yet due when it looked): claim again at once, and wait for a
         // wake-up or the poll interval only after a claim that found nothing. Lanes this
         // worker holds are not left idle for a poll interval while they still have work.
-        let found = !batch.is_empty();
+        let mut found = false;
         for delivery in batch {
+            if gathering.takes(&delivery.handler) {
+                found = true;
+                let gathered = tokio::select! {
+                    _ = cancel.cancelled() => None,
+                    gathered = gathering.gather(delivery, &starter, &semaphore) => Some(gathered),
+                };
+                if gathered.is_none() {
+                    break;
+                }
+                continue;
+            }
+            if shared.gates.limits(&delivery.handler) {
+                if shared.gates.enter(&delivery.handler) {
+                    found = true;
+                    starter.start(delivery, Seat::Gated(Arc::clone(&semaphore)));
+                } else {
+                    // The bus holds as many as the limit lets run: not one more.
+                    if let Some(metrics) = shared.metrics.handler(&delivery.handler) {
+                        metrics.limit_wait("bus");
+                    }
+                    run::release(&shared, &delivery.lease).await;
+                }
+                continue;
+            }
+            found = true;
             let seat = match Arc::clone(&semaphore).try_acquire_owned() {
                 Ok(permit) => Seat::Slot(permit),
                 Err(_) => match Arc::clone(&ahead).try_acquire_owned() {
@@ -447,8 +480,11 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
             _ = cancel.cancelled() => break,
             _ = notify.notified() => {}
             _ = tokio::time::sleep(settings.poll_interval) => {}
+            _ = gathering.due() => {}
         }
     }
+    // Deliveries still gathering never ran: the shutdown gives them back uncharged.
+    drop(gathering);
     drop(starter);
 
     // Shutdown: no more claims; running handlers get the shutdown timeout to finish.
@@ -488,6 +524,7 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
         .collect();
     let released = unfinished.len();
     join_all(unfinished.iter().map(|lease| run::release(&shared, lease))).await;
+    shared.give_back_all().await;
     match shared.store.relinquish(&settings.owner).await {
         Ok(lanes) => info!(released, lanes, "dispatcher stopped; lanes handed back"),
         Err(error) => {
@@ -500,6 +537,8 @@ async fn dispatch<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToken) {
 /// ahead, which waits for a slot.
 enum Seat {
     Slot(tokio::sync::OwnedSemaphorePermit),
+    /// A delivery of a limited handler: it passes its gate first, then waits for a slot.
+    Gated(Arc<Semaphore>),
     Ahead {
         place: tokio::sync::OwnedSemaphorePermit,
         slots: Arc<Semaphore>,
@@ -539,7 +578,7 @@ impl<S: Store> Starter<S> {
             .subscriptions
             .get(&delivery.handler)
             .is_some_and(|s| s.transactional);
-        let waits = matches!(seat, Seat::Ahead { .. });
+        let waits = matches!(seat, Seat::Ahead { .. } | Seat::Gated(_));
         let id = delivery.lease.delivery_id();
         shared.running().insert(
             id.clone(),
@@ -556,8 +595,31 @@ impl<S: Store> Starter<S> {
         let wake = Arc::clone(&self.wake);
         let stopping = self.stopping.clone();
         let handle = self.tracker.spawn(async move {
+            let handler = delivery.handler.clone();
+            let mut admission = None;
             let permit = match seat {
                 Seat::Slot(permit) => permit,
+                Seat::Gated(slots) => {
+                    let Some(admitted) = task_shared.admit(&handler, &stopping).await else {
+                        // Stopping: not run; the shutdown gives it back uncharged.
+                        task_shared.gates.leave(&handler);
+                        return;
+                    };
+                    let permit = tokio::select! {
+                        permit = slots.acquire_owned() => permit.ok(),
+                        _ = stopping.cancelled() => None,
+                    };
+                    let Some(permit) = permit else {
+                        task_shared.give_back(&handler, admitted).await;
+                        task_shared.gates.leave(&handler);
+                        return;
+                    };
+                    admission = Some(admitted);
+                    if transactional && let Some(entry) = task_shared.running().get_mut(&task_id) {
+                        entry.transactional = true;
+                    }
+                    permit
+                }
                 Seat::Ahead { place, slots } => {
                     let permit = tokio::select! {
                         permit = slots.acquire_owned() => permit,
@@ -578,6 +640,10 @@ impl<S: Store> Starter<S> {
             let started = Instant::now();
             let outcome = run_delivery(&task_shared, delivery).await;
             task_shared.note_run(started.elapsed());
+            if let Some(admission) = admission {
+                task_shared.give_back(&handler, admission).await;
+                task_shared.gates.leave(&handler);
+            }
             match outcome {
                 // The completer removes it from the running set once completed, and wakes the
                 // loop for a keyed one.
@@ -597,6 +663,191 @@ impl<S: Store> Starter<S> {
         });
         if let Some(entry) = shared.running().get_mut(&id) {
             entry.abort = Some(handle.abort_handle());
+        }
+    }
+}
+
+/// The batches of the bus's batch handlers being gathered: claimed deliveries wait here until
+/// their handler's batch is full or its wait since its first delivery has passed. Each
+/// batch handler has room for two batches (one running, one gathering); a full room holds the
+/// dispatch loop until a batch ends, as full handler slots do.
+struct Gathering<L> {
+    batches: HashMap<String, Gathered<L>>,
+}
+
+struct Gathered<L> {
+    max: usize,
+    wait: Duration,
+    room: Arc<Semaphore>,
+    deliveries: Vec<Claimed<L>>,
+    places: Vec<tokio::sync::OwnedSemaphorePermit>,
+    /// When the batch gathering now goes, full or not.
+    due: Option<tokio::time::Instant>,
+}
+
+impl<L: crate::store::StoreLease> Gathering<L> {
+    fn new<S: Store<Lease = L>>(shared: &Shared<S>) -> Self {
+        let batches = shared
+            .subscriptions
+            .values()
+            .filter_map(|s| {
+                let spec = s.batch.as_ref()?;
+                let gathered = Gathered {
+                    max: spec.max,
+                    wait: spec.wait,
+                    room: Arc::new(Semaphore::new(spec.max * 2)),
+                    deliveries: Vec::new(),
+                    places: Vec::new(),
+                    due: None,
+                };
+                Some((s.id.clone(), gathered))
+            })
+            .collect();
+        Gathering { batches }
+    }
+
+    /// Whether `handler` takes batches.
+    fn takes(&self, handler: &str) -> bool {
+        self.batches.contains_key(handler)
+    }
+
+    /// Adds a claimed delivery to its handler's batch, waiting for room first; starts the batch
+    /// once full.
+    async fn gather<S: Store<Lease = L>>(
+        &mut self,
+        delivery: Claimed<L>,
+        starter: &Starter<S>,
+        slots: &Arc<Semaphore>,
+    ) {
+        let handler = delivery.handler.clone();
+        let Some(gathered) = self.batches.get_mut(&handler) else {
+            return;
+        };
+        let place = match Arc::clone(&gathered.room).try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                // No room: what gathers goes now, then wait for a running batch to end.
+                Self::start(&handler, gathered, starter, slots);
+                match Arc::clone(&gathered.room).acquire_owned().await {
+                    Ok(place) => place,
+                    Err(_) => return,
+                }
+            }
+        };
+        starter.shared.running().insert(
+            delivery.lease.delivery_id(),
+            Running {
+                lease: delivery.lease.clone(),
+                // No transaction is open while it gathers: its lease is renewed meanwhile.
+                transactional: false,
+                abort: None,
+            },
+        );
+        gathered.deliveries.push(delivery);
+        gathered.places.push(place);
+        if gathered.due.is_none() {
+            gathered.due = Some(tokio::time::Instant::now() + gathered.wait);
+        }
+        if gathered.deliveries.len() >= gathered.max {
+            Self::start(&handler, gathered, starter, slots);
+        }
+    }
+
+    /// Starts the batches whose wait has passed.
+    fn flush_due<S: Store<Lease = L>>(&mut self, starter: &Starter<S>, slots: &Arc<Semaphore>) {
+        let now = tokio::time::Instant::now();
+        for (handler, gathered) in &mut self.batches {
+            if gathered.due.is_some_and(|due| due <= now) {
+                Self::start(handler, gathered, starter, slots);
+            }
+        }
+    }
+
+    /// Resolves when a batch's wait has passed (never while none gathers). Cancel safe.
+    async fn due(&self) {
+        match self.batches.values().filter_map(|g| g.due).min() {
+            Some(due) => tokio::time::sleep_until(due).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    fn start<S: Store<Lease = L>>(
+        handler: &str,
+        gathered: &mut Gathered<L>,
+        starter: &Starter<S>,
+        slots: &Arc<Semaphore>,
+    ) {
+        gathered.due = None;
+        if gathered.deliveries.is_empty() {
+            return;
+        }
+        let deliveries = std::mem::take(&mut gathered.deliveries);
+        let places = std::mem::take(&mut gathered.places);
+        starter.start_batch(handler, deliveries, places, Arc::clone(slots));
+    }
+}
+
+impl<S: Store> Starter<S> {
+    /// Runs a gathered batch in a task of its own, on one handler slot: its handler and the
+    /// settlement of each delivery.
+    fn start_batch(
+        &self,
+        handler: &str,
+        deliveries: Vec<Claimed<S::Lease>>,
+        places: Vec<tokio::sync::OwnedSemaphorePermit>,
+        slots: Arc<Semaphore>,
+    ) {
+        let Some(subscription) = self.shared.subscriptions.get(handler).cloned() else {
+            return;
+        };
+        let ids: Vec<_> = deliveries.iter().map(|d| d.lease.delivery_id()).collect();
+        let shared = Arc::clone(&self.shared);
+        let done = self.done.clone();
+        let wake = Arc::clone(&self.wake);
+        let stopping = self.stopping.clone();
+        let task_ids = ids.clone();
+        let handle = self.tracker.spawn(async move {
+            let permit = tokio::select! {
+                permit = slots.acquire_owned() => permit.ok(),
+                // Stopping: not run; the shutdown gives the batch back uncharged.
+                _ = stopping.cancelled() => None,
+            };
+            let Some(permit) = permit else { return };
+            if subscription.transactional {
+                let mut running = shared.running();
+                for id in &task_ids {
+                    if let Some(entry) = running.get_mut(id) {
+                        entry.transactional = true;
+                    }
+                }
+            }
+            let keyed = deliveries.iter().any(|d| d.event.key().is_some());
+            let started = Instant::now();
+            let outcomes = batch::run_batch_deliveries(&shared, &subscription, &deliveries).await;
+            shared.note_run(started.elapsed());
+            for (outcome, id) in outcomes.into_iter().zip(&task_ids) {
+                match outcome {
+                    Outcome::Succeeded(lease) => {
+                        if let Err(unsent) = done.send(Completion { lease, keyed }) {
+                            shared.running().remove(&unsent.0.lease.delivery_id());
+                        }
+                    }
+                    Outcome::Completed | Outcome::Settled(_) => {
+                        shared.running().remove(id);
+                    }
+                }
+            }
+            if keyed {
+                wake.notify_one();
+            }
+            drop(permit);
+            drop(places);
+        });
+        let mut running = self.shared.running();
+        for id in &ids {
+            if let Some(entry) = running.get_mut(id) {
+                entry.abort = Some(handle.abort_handle());
+            }
         }
     }
 }
@@ -679,6 +930,7 @@ async fn renew_leases<S: Store>(shared: Arc<Shared<S>>, cancel: CancellationToke
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(period) => {}
         }
+        shared.renew_slots().await;
         let leases: Vec<S::Lease> = shared
             .running()
             .values()

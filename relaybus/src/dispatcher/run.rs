@@ -113,16 +113,16 @@ pub(crate) async fn run_delivery<S: Store>(
 /// as a whole (its error, or one in the error's chain, is a transient transaction error).
 #[derive(Debug)]
 pub(crate) struct Failure {
-    message: String,
-    transient: bool,
+    pub(super) message: String,
+    pub(super) transient: bool,
     /// The handler said no retry can help ([`Permanent`]).
-    permanent: bool,
+    pub(super) permanent: bool,
     /// How it failed, for the metrics.
-    kind: FailureKind,
+    pub(super) kind: FailureKind,
 }
 
 impl Failure {
-    fn new(message: impl Into<String>) -> Self {
+    pub(super) fn new(message: impl Into<String>) -> Self {
         Failure {
             message: message.into(),
             transient: false,
@@ -131,7 +131,7 @@ impl Failure {
         }
     }
 
-    fn panic(message: impl Into<String>) -> Self {
+    pub(super) fn panic(message: impl Into<String>) -> Self {
         Failure {
             kind: FailureKind::Panic,
             ..Failure::new(message)
@@ -267,7 +267,7 @@ async fn run_transactional<S: Store>(
 }
 
 /// When a transactional handler stops retrying: a margin before its lease ends.
-fn retry_deadline(
+pub(super) fn retry_deadline(
     lease_expires_at: Timestamp,
     now: Timestamp,
     lease_duration: Duration,
@@ -388,7 +388,7 @@ async fn complete_and_commit<S: Store>(
 }
 
 /// The message of an error with its sources.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(super) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut message = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
@@ -404,7 +404,7 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// Whether an error, or one in its chain, lets the whole transaction run again: a relaybus
 /// error or database error saying so, or a driver error the store recognizes.
-fn is_transient<S: Store>(error: &(dyn std::error::Error + 'static)) -> bool {
+pub(super) fn is_transient<S: Store>(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(error) = next {
         let transient = if let Some(error) = error.downcast_ref::<Error>() {
@@ -422,7 +422,7 @@ fn is_transient<S: Store>(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     let text = panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -432,7 +432,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Ends a failed attempt: a retry after the backoff, or the dead letters after the last attempt.
-async fn fail<S: Store>(
+pub(super) async fn fail<S: Store>(
     shared: &Shared<S>,
     subscription: &Subscription,
     delivery: &Claimed<S::Lease>,

@@ -30,6 +30,8 @@
 //! - [`Leadership`]: one store instance at a time per role. For the delivery gauges.
 //! - [`IdempotentRequests`]: the stored first answers of idempotent requests, in the request's
 //!   transaction. For `relaybus-axum`'s `IdempotencyLayer`.
+//! - [`Limits`]: the slots of handlers' global concurrency and the start counters of their rate
+//!   limits, shared by every bus of the database. For the dispatcher's workers.
 //!
 //! A method belongs to a capability every store implements; a store that has nothing better to
 //! do takes a trait's default. Code generic over `S: Store` calls every capability's methods
@@ -81,6 +83,7 @@ mod checks;
 mod idempotency;
 mod inspect;
 mod leadership;
+mod limits;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub mod memory;
@@ -118,6 +121,8 @@ pub use idempotency::{
 };
 pub use inspect::Inspect;
 pub use leadership::Leadership;
+pub(crate) use limits::rate_window;
+pub use limits::{Limits, MAX_GLOBAL_CONCURRENCY, Slot, SlotRequest};
 #[cfg(not(feature = "mongodb"))]
 pub use no_store::NoStore;
 pub use operate::Operate;
@@ -129,8 +134,8 @@ pub use transactions::Transactions;
 /// `use relaybus::store::prelude::*;`. Code generic over `S: Store` needs none of it.
 pub mod prelude {
     pub use super::{
-        Append, ConsumerPositions, IdempotentRequests, Inspect, Leadership, Operate, Queue, Store,
-        StoreLease, Transactions,
+        Append, ConsumerPositions, IdempotentRequests, Inspect, Leadership, Limits, Operate, Queue,
+        Store, StoreLease, Transactions,
     };
 }
 
@@ -163,6 +168,7 @@ pub trait Store:
     + Inspect
     + Operate
     + Leadership
+    + Limits
     + Clone
     + Send
     + Sync

@@ -8,9 +8,9 @@ use futures::stream::BoxStream;
 use super::{
     Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
     DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-    IdempotentRequests, Inspect, LaneReport, Leadership, Operate, PositionKey, PurgeOptions,
-    Purged, Queue, RequestKey, RequestKeyState, Requeued, Statistics, Store, StoreLease,
-    StoredResponse, Transactions, WakeUp,
+    IdempotentRequests, Inspect, LaneReport, Leadership, Limits, Operate, PositionKey,
+    PurgeOptions, Purged, Queue, RequestKey, RequestKeyState, Requeued, Slot, SlotRequest,
+    Statistics, Store, StoreLease, StoredResponse, Transactions, WakeUp,
 };
 use crate::{
     error::{ConfigurationError, Result},
@@ -156,6 +156,13 @@ unavailable! {
 
     impl Leadership {
         async fn lead(&self, &str, Duration) -> Result<bool>;
+    }
+
+    impl Limits {
+        async fn take_slot(&self, SlotRequest<'_>) -> Result<Option<Slot>>;
+        async fn renew_slots(&self, &[Slot], Duration, Timestamp) -> Result<usize>;
+        async fn give_back_slot(&self, &Slot) -> Result<bool>;
+        async fn take_starts(&self, &str, u32, u32, Duration, Timestamp) -> Result<(u32, Timestamp)>;
     }
 }
 

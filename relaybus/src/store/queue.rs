@@ -45,6 +45,29 @@ pub trait Queue: Transactions {
         now: Timestamp,
     ) -> impl Future<Output = Result<bool>> + Send;
 
+    /// Completes deliveries inside the caller's transaction, for transactional batch
+    /// handlers: one flag per lease, `false` where the lease no longer held (abort the
+    /// transaction then). The default completes them one by one with
+    /// [`complete_in_transaction`](Self::complete_in_transaction); a store that can do better
+    /// in fewer round trips overrides it.
+    fn complete_many_in_transaction(
+        &self,
+        session: &mut Self::Session,
+        leases: &[Self::Lease],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send
+    where
+        Self: Sync,
+    {
+        async move {
+            let mut completed = Vec::with_capacity(leases.len());
+            for lease in leases {
+                completed.push(self.complete_in_transaction(session, lease, now).await?);
+            }
+            Ok(completed)
+        }
+    }
+
     /// Gives a delivery back, due now, without charging its attempt.
     fn release(
         &self,

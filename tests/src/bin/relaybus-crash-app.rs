@@ -14,6 +14,14 @@
 //! With `resume`, the held transaction's first attempt waits for a line on stdin instead, then
 //! writes one more document and commits; later attempts do not wait. Once it committed, the
 //! process prints `held committed after N attempts`, and runs on until it is killed.
+//!
+//! ```text
+//! relaybus-crash-app slots mongodb|postgres URI DATABASE_OR_SCHEMA LEASE_MS
+//! ```
+//!
+//! Runs a bus whose handler `limited` (of `order.placed.v1`, `global_concurrency(4)`) never
+//! ends, with a lease of `LEASE_MS`; once 4 runs hold the handler's 4 slots, it prints
+//! `holding` and runs on until it is killed.
 
 use std::{
     process::ExitCode,
@@ -34,6 +42,28 @@ use tokio::sync::Notify;
 #[tokio::main]
 async fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [mode, store, uri, database, lease_ms] = args.as_slice()
+        && mode == "slots"
+    {
+        let Ok(lease_ms) = lease_ms.parse::<u64>() else {
+            eprintln!("relaybus-crash-app: LEASE_MS must be a whole number");
+            return ExitCode::from(2);
+        };
+        let lease = Duration::from_millis(lease_ms);
+        let held = match store.as_str() {
+            "mongodb" => hold_slots_mongodb(uri, database, lease).await,
+            "postgres" => hold_slots_postgres(uri, database, lease).await,
+            _ => {
+                eprintln!("relaybus-crash-app: the store is `mongodb` or `postgres`");
+                return ExitCode::from(2);
+            }
+        };
+        if let Err(error) = held {
+            eprintln!("relaybus-crash-app: {error}");
+            return ExitCode::FAILURE;
+        }
+        return ExitCode::SUCCESS;
+    }
     let (uri, database, heartbeat_ms, keys, resume) = match args.as_slice() {
         [uri, database, heartbeat_ms, keys] => (uri, database, heartbeat_ms, keys, false),
         [uri, database, heartbeat_ms, keys, resume] if resume == "resume" => {
@@ -140,6 +170,51 @@ async fn run(
     })
     .await?;
     println!("held committed after {attempts} attempts");
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+async fn hold_slots_mongodb(
+    uri: &str,
+    database: &str,
+    lease: Duration,
+) -> Result<(), relaybus::BoxError> {
+    let client = Client::with_uri_str(uri).await?;
+    let store = MongoEventStore::builder(client)
+        .database(database)
+        .build()?;
+    hold_slots(store, lease).await
+}
+
+async fn hold_slots_postgres(
+    url: &str,
+    schema: &str,
+    lease: Duration,
+) -> Result<(), relaybus::BoxError> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(url)
+        .await?;
+    let store = relaybus::PostgresEventStore::builder(pool)
+        .schema(schema)
+        .build()?;
+    hold_slots(store, lease).await
+}
+
+/// Runs the limited handler until its 4 slots are held by runs that never end.
+async fn hold_slots<S: relaybus::Store>(
+    store: S,
+    lease: Duration,
+) -> Result<(), relaybus::BoxError> {
+    let runs = Arc::new(relaybus_tests::limits::Runs::default());
+    let handler = relaybus_tests::limits::recording(&runs, None).global_concurrency(4);
+    let bus = relaybus_tests::limits::bus(store, handler, lease);
+    bus.start().await?;
+    runs.until(Duration::from_secs(60), "4 runs hold the slots", |runs| {
+        runs.running.load(Ordering::SeqCst) >= 4
+    })
+    .await;
+    println!("holding");
     std::future::pending::<()>().await;
     Ok(())
 }

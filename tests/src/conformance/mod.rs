@@ -56,6 +56,7 @@ mod claim;
 mod idempotency;
 mod inspect;
 mod instances;
+mod limits;
 mod operator;
 mod schedule;
 mod settle;
@@ -75,6 +76,7 @@ pub use claim::*;
 pub use idempotency::*;
 pub use inspect::*;
 pub use instances::*;
+pub use limits::*;
 pub use operator::*;
 pub use schedule::*;
 pub use settle::*;
@@ -142,6 +144,8 @@ macro_rules! conformance_tests {
             a_restart_in_the_middle_of_a_tick_publishes_it_once,
             a_request_key_is_held_by_one_transaction,
             expired_request_keys_are_replaced_and_purged,
+            slots_are_held_one_taker_at_a_time,
+            a_window_grants_at_most_its_rate,
         );
     };
     ($make_store:expr, $second_instance:expr $(,)?) => {

@@ -176,11 +176,18 @@
       el("div", { class: "label", text: label }));
     const rows = [...names].sort().map((name) => {
       const c = counts.get(name) || { waiting: 0, running: 0, parked: 0, dead: 0 };
+      const l = c.limits || {};
+      const limits = [
+        l.global_concurrency ? `${l.global_concurrency} at once` : null,
+        l.rate_limit ? `${l.rate_limit.starts} per ${l.rate_limit.interval_ms} ms` : null,
+        l.batch ? `batches of ${l.batch.max}` : null,
+      ].filter(Boolean).join(", ");
       const a = recent.get(name) || { succeeded: 0, failed: 0, dead_lettered: 0, minutes: [] };
       const n = (value, status) => el("td", { class: "num" },
         value ? link({ view: "deliveries", handler: name, status }, value) : "0");
       return el("tr", { "data-handler": name },
         el("td", {}, link({ view: "deliveries", handler: name }, name)),
+        el("td", { class: "limits", text: limits || "–" }),
         n(c.waiting, "waiting"), n(c.running, "running"), n(c.parked, "parked"),
         n(c.dead, "dead"),
         el("td", { class: "num", text: age(c.oldest_due_age_seconds) }),
@@ -202,7 +209,7 @@
       stats.completion_history ? null : el("p", { class: "note", id: "completed-note",
         text: stats.completed_note.charAt(0).toUpperCase() + stats.completed_note.slice(1) + "." }),
       el("h2", { text: "Handlers" }),
-      rows.length ? table(["Handler", { label: "Waiting", num: 1 }, { label: "Running", num: 1 },
+      rows.length ? table(["Handler", "Limits", { label: "Waiting", num: 1 }, { label: "Running", num: 1 },
         { label: "Parked", num: 1 }, { label: "Dead", num: 1 }, { label: "Oldest due", num: 1 },
         { label: "Succeeded (1 h)", num: 1 }, { label: "Failed (1 h)", num: 1 },
         { label: "Dead-lettered (1 h)", num: 1 }, "Last hour"], rows, { id: "handlers" })

@@ -150,6 +150,7 @@ mod claim;
 mod documents;
 mod error;
 mod inspect;
+mod limits;
 mod operator;
 mod session;
 mod settle;
@@ -208,6 +209,8 @@ pub(crate) struct Shared {
     /// The handlers of the deliveries each commit appended, for
     /// [`watch`](crate::store::Queue::watch).
     wake: broadcast::Sender<Arc<[String]>>,
+    /// Slots and start counters of the handlers' limits.
+    limits: Mutex<limits::LimitState>,
 }
 
 impl Shared {
@@ -334,6 +337,7 @@ impl MemoryEventStoreBuilder {
                 state: Mutex::new(state::State::default()),
                 completion_history: self.completion_history,
                 wake,
+                limits: limits::new_state(),
             }),
         }
     }

@@ -163,6 +163,15 @@ impl Queue for MongoEventStore {
         MongoEventStore::complete_in_transaction(self, session, lease, bson_date(now)).await
     }
 
+    async fn complete_many_in_transaction(
+        &self,
+        session: &mut ClientSession,
+        leases: &[Lease],
+        now: Timestamp,
+    ) -> Result<Vec<bool>> {
+        MongoEventStore::complete_many_in_transaction(self, session, leases, bson_date(now)).await
+    }
+
     async fn release(&self, lease: &Lease, now: Timestamp) -> Result<bool> {
         MongoEventStore::release(self, lease, bson_date(now)).await
     }

@@ -167,6 +167,23 @@ impl MongoEventStore {
         self.complete_one_in(session, lease, now).await
     }
 
+    /// Completes deliveries inside the caller's transaction, as `complete_many` does inside
+    /// the store's own: one read of the deliveries with their lanes, then the writes of all of
+    /// them, instead of a round trip per step of each delivery.
+    pub(crate) async fn complete_many_in_transaction(
+        &self,
+        session: &mut ClientSession,
+        leases: &[Lease],
+        now: DateTime,
+    ) -> Result<Vec<bool>> {
+        self.ensure_in_transaction(session, "MongoEventStore.complete_many_in_transaction")
+            .await?;
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.complete_in(session, leases, now).await
+    }
+
     /// The completion of one delivery inside a transaction, each step a lookup by `_id`: the
     /// lane must still list the delivery in the lease's epoch, the delivery is deleted only
     /// while it has the lease's claim generation (the delete returns the document, for the

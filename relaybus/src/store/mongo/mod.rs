@@ -11,6 +11,7 @@ mod inspect;
 mod key_gate;
 mod lane;
 mod lease;
+mod limits;
 mod operator;
 mod park;
 mod process;

@@ -9,7 +9,7 @@ use crate::{
 };
 
 /// The tables `setup()` creates, in its order.
-const TABLES: [&str; 7] = [
+const TABLES: [&str; 9] = [
     "events",
     "key_sequences",
     "consumer_positions",
@@ -17,6 +17,8 @@ const TABLES: [&str; 7] = [
     "completed_deliveries",
     "idempotency_keys",
     "leads",
+    "slots",
+    "rate_windows",
 ];
 
 /// The indexes `setup()` creates, with their tables, in its order.

@@ -88,6 +88,9 @@
 //!   lock on its id, held until it ends.
 //! - `leads`: one row per [`lead`](crate::store::Leadership::lead) role, with its holder and
 //!   expiry.
+//! - `slots`: one row per slot of a handler's global concurrency taken since it was last given
+//!   back, with its holder and expiry ([`Limits`](crate::store::Limits)); `rate_windows`: one
+//!   row per rate-limited handler, with its current window and its starts there.
 //!
 //! Times are `bigint` milliseconds since the epoch, as the store's callers give them (the
 //! store takes an explicit `now`); only leads use the server's clock.
@@ -210,6 +213,7 @@ mod checks;
 mod claim;
 mod executor;
 mod idempotency;
+mod limits;
 mod operator;
 mod session;
 mod settle;

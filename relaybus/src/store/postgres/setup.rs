@@ -153,6 +153,24 @@ CREATE TABLE IF NOT EXISTS {s}.leads (
     holder text NOT NULL,
     expires_at timestamptz NOT NULL
 );
+
+-- The slots of the handlers' global concurrency held now (or expired, free to take).
+CREATE TABLE IF NOT EXISTS {s}.slots (
+    handler text NOT NULL,
+    slot integer NOT NULL,
+    holder text NOT NULL,
+    owner text NOT NULL,
+    expires_at bigint NOT NULL,
+    PRIMARY KEY (handler, slot)
+);
+
+-- The start counter of each rate-limited handler, for its current window.
+CREATE TABLE IF NOT EXISTS {s}.rate_windows (
+    handler text PRIMARY KEY,
+    window_start bigint NOT NULL,
+    starts bigint NOT NULL,
+    granted bigint NOT NULL
+);
 "#;
 
 impl PostgresEventStore {
