@@ -508,3 +508,108 @@ async fn the_slots_of_a_killed_bus_free_within_its_lease() {
     ]);
     relaybus_tests::limits::slots_of_a_killed_bus_free_within_the_lease(stores, holder).await;
 }
+
+/// A process of this host killed while its handler runs the deliveries of 8 lanes: another
+/// process takes those lanes and runs the deliveries long before the dead one's lease (60 s)
+/// or heartbeat (30 s) would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lanes_of_a_killed_process_run_elsewhere_before_its_lease_ends() {
+    const LONG_LEASE: Duration = Duration::from_secs(60);
+    const LONG_HEARTBEAT: Duration = Duration::from_secs(30);
+    /// A few beats of the member list (a quarter of the expiry each), on a loaded machine.
+    const TARGET: Duration = Duration::from_secs(20);
+    const EVENTS: usize = 8;
+    let db = test_db("crash_lanes").await;
+    let store = MongoEventStore::builder(db.client.clone())
+        .database(&db.name)
+        .heartbeat_expiry(LONG_HEARTBEAT)
+        .build()
+        .unwrap();
+    let events: Vec<String> = (0..EVENTS).map(|n| format!("o-{n}")).collect();
+    {
+        let publishing = relaybus::RelayBus::builder(store.clone())
+            .without_registered_handlers()
+            .subscribe(relaybus::Subscription::new(
+                "slow",
+                |_: relaybus_tests::support::OrderPlaced, _: relaybus::HandlerContext| async {
+                    Ok::<(), relaybus::BoxError>(())
+                },
+            ))
+            .build()
+            .unwrap();
+        for id in &events {
+            publishing
+                .publish(&placed(id))
+                .key(id.clone())
+                .await
+                .unwrap();
+        }
+    }
+    let mut command = Command::new(APP);
+    command
+        .args([
+            "lanes",
+            db.uri.as_str(),
+            db.name.as_str(),
+            &LONG_LEASE.as_millis().to_string(),
+            &LONG_HEARTBEAT.as_millis().to_string(),
+            &EVENTS.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut app = relaybus_harness::spawn_tied(command).expect("start the application");
+    let stdout = app.stdout.take().expect("piped stdout");
+    let holding = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line == "holding")
+    });
+    let held = tokio::time::timeout(Duration::from_secs(60), holding)
+        .await
+        .expect("the application holds its lanes within 60 s")
+        .unwrap();
+    assert!(held, "the application ended before it held its lanes");
+    relaybus_harness::kill_tied(&mut app);
+    let killed = Instant::now();
+
+    let (ran_tx, mut ran) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let bus = relaybus::RelayBus::builder(store)
+        .without_registered_handlers()
+        .subscribe(relaybus::Subscription::new(
+            "slow",
+            move |event: relaybus_tests::support::OrderPlaced, _: relaybus::HandlerContext| {
+                let ran = ran_tx.clone();
+                async move {
+                    let _ = ran.send(event.order_id);
+                    Ok::<(), relaybus::BoxError>(())
+                }
+            },
+        ))
+        .lease_duration(LONG_LEASE)
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    bus.start().await.unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < EVENTS {
+        let id = tokio::time::timeout(TARGET.saturating_sub(killed.elapsed()), ran.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "after {:?} only {seen:?} ran: the dead process's lanes wait for its lease",
+                    killed.elapsed()
+                )
+            })
+            .expect("the bus runs");
+        seen.push(id);
+    }
+    eprintln!(
+        "crash recovery: the dead process's lanes ran elsewhere {:?} after the kill",
+        killed.elapsed()
+    );
+    seen.sort();
+    assert_eq!(seen, events, "each delivery ran once more, elsewhere");
+    bus.shutdown().await.unwrap();
+    db.drop_database().await.unwrap();
+}

@@ -16,6 +16,14 @@
 //! process prints `held committed after N attempts`, and runs on until it is killed.
 //!
 //! ```text
+//! relaybus-crash-app lanes URI DATABASE LEASE_MS HEARTBEAT_MS EVENTS
+//! ```
+//!
+//! Runs a bus whose handler `slow` (of `order.placed.v1`) never ends, with a lease of
+//! `LEASE_MS` and a heartbeat expiry of `HEARTBEAT_MS`; once `EVENTS` runs started, it prints
+//! `holding` and runs on until it is killed, holding their lanes.
+//!
+//! ```text
 //! relaybus-crash-app slots mongodb|postgres URI DATABASE_OR_SCHEMA LEASE_MS
 //! ```
 //!
@@ -59,6 +67,29 @@ async fn main() -> ExitCode {
             }
         };
         if let Err(error) = held {
+            eprintln!("relaybus-crash-app: {error}");
+            return ExitCode::FAILURE;
+        }
+        return ExitCode::SUCCESS;
+    }
+    if let [mode, uri, database, lease_ms, heartbeat_ms, events] = args.as_slice()
+        && mode == "lanes"
+    {
+        let (Ok(lease_ms), Ok(heartbeat_ms), Ok(events)) = (
+            lease_ms.parse::<u64>(),
+            heartbeat_ms.parse::<u64>(),
+            events.parse::<usize>(),
+        ) else {
+            eprintln!(
+                "relaybus-crash-app: LEASE_MS, HEARTBEAT_MS and EVENTS must be whole numbers"
+            );
+            return ExitCode::from(2);
+        };
+        let times = (
+            Duration::from_millis(lease_ms),
+            Duration::from_millis(heartbeat_ms),
+        );
+        if let Err(error) = hold_lanes(uri, database, times, events).await {
             eprintln!("relaybus-crash-app: {error}");
             return ExitCode::FAILURE;
         }
@@ -170,6 +201,44 @@ async fn run(
     })
     .await?;
     println!("held committed after {attempts} attempts");
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// Runs the `slow` handler until `events` runs that never end hold their lanes.
+async fn hold_lanes(
+    uri: &str,
+    database: &str,
+    (lease, heartbeat): (Duration, Duration),
+    events: usize,
+) -> Result<(), relaybus::BoxError> {
+    let client = Client::with_uri_str(uri).await?;
+    let store = MongoEventStore::builder(client)
+        .database(database)
+        .heartbeat_expiry(heartbeat)
+        .build()?;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let slow = relaybus::Subscription::new(
+        "slow",
+        move |_: relaybus_tests::support::OrderPlaced, _: relaybus::HandlerContext| {
+            let started = started_tx.clone();
+            async move {
+                let _ = started.send(());
+                std::future::pending::<()>().await;
+                Ok::<(), relaybus::BoxError>(())
+            }
+        },
+    );
+    let bus = RelayBus::builder(store)
+        .without_registered_handlers()
+        .subscribe(slow)
+        .lease_duration(lease)
+        .build()?;
+    bus.start().await?;
+    for _ in 0..events {
+        started.recv().await;
+    }
+    println!("holding");
     std::future::pending::<()>().await;
     Ok(())
 }

@@ -283,8 +283,9 @@ async fn sweep(store: &StoreInner) -> Result<u64> {
     Ok(killed)
 }
 
-/// Whether the process of a same-host document is gone.
-fn gone(process: &Document) -> bool {
+/// Whether the process a document names (host, process id, start time) ran on this host and
+/// is gone.
+pub(crate) fn gone(process: &Document) -> bool {
     let Some(here) = ProcessIdentity::current() else {
         return false;
     };

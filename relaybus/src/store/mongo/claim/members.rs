@@ -8,6 +8,12 @@
 //! `l` belongs to the member with the highest score for `l`, so that a member joining or
 //! leaving moves about one lane in N, and no coordinator or extra round trip is needed.
 //!
+//! A list names its process (host, process id, start time) as the crash-recovery heartbeat
+//! does. When another process of the same host reads a list whose process is gone, it drops
+//! the list and ends the leases of the lanes that instance held: a dead process runs nothing,
+//! so its lanes need not wait out their lease (30 s by default) to run elsewhere. A process
+//! that is only stopped, or runs on another host, keeps its lanes until their lease ends.
+//!
 //! The list is a preference, never a fence: two members that see different lists both try to
 //! take a lane, and the lane document's conditional take lets one of them have it. Members
 //! that claim for different handler sets own no lanes: a lane's holder claims for its own
@@ -27,7 +33,9 @@ use crate::{
     event::LANE_COUNT,
     store::mongo::{
         StoreInner,
+        process::ProcessIdentity,
         schema::{field, path},
+        sessions::gone,
     },
 };
 
@@ -184,14 +192,23 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
         .map(|member| doc! { field::OWNER: member.owner, field::HANDLERS: member.handlers })
         .collect();
     let expiry_ms = i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX);
+    let mut set = doc! {
+        field::MEMBERS: { "$literal": members },
+        field::EXPIRES_AT: { "$add": ["$$NOW", expiry_ms] },
+    };
+    if let Some(process) = ProcessIdentity::current() {
+        set.insert(field::HOST, &process.host);
+        set.insert(field::PID, i64::from(process.pid));
+        set.insert(
+            field::STARTED,
+            i64::try_from(process.started).unwrap_or(i64::MAX),
+        );
+    }
     store
         .processes
         .update_one(
             doc! { field::ID: list_id(instance) },
-            vec![doc! { "$set": {
-                field::MEMBERS: { "$literal": members },
-                field::EXPIRES_AT: { "$add": ["$$NOW", expiry_ms] },
-            } }],
+            vec![doc! { "$set": set }],
         )
         .upsert(true)
         .await?;
@@ -205,6 +222,7 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
         .try_collect()
         .await?;
     let mut remote = Vec::new();
+    let mut dead = Vec::new();
     for list in &lists {
         let Some(instance) = list
             .get_str(field::ID)
@@ -214,6 +232,10 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
         else {
             continue;
         };
+        if gone(list) {
+            dead.push(instance);
+            continue;
+        }
         let Ok(members) = list.get_array(field::MEMBERS) else {
             continue;
         };
@@ -238,6 +260,9 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
             });
         }
     }
+    if !dead.is_empty() {
+        free_lanes_of_dead(store, &dead).await?;
+    }
     remote.sort_by(|a, b| (a.instance, &a.owner).cmp(&(b.instance, &b.owner)));
     let mut known = lock(&store.members.remote);
     if *known != remote {
@@ -245,6 +270,33 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
         drop(known);
         store.members.changed();
     }
+    Ok(())
+}
+
+/// Ends the leases of the lanes that `dead` instances, whose processes are gone, held, and
+/// drops their lists. The lanes' in-flight claims are charged by their next taker, as after an
+/// expired lease.
+async fn free_lanes_of_dead(store: &StoreInner, dead: &[ObjectId]) -> Result<()> {
+    let freed = store
+        .lanes
+        .update_many(
+            doc! {
+                field::INSTANCE: { "$in": dead },
+                "$expr": { "$gt": [path::LEASE_EXPIRES_AT, "$$NOW"] },
+            },
+            vec![doc! { "$set": { field::LEASE_EXPIRES_AT: "$$NOW" } }],
+        )
+        .await?;
+    let ids: Vec<String> = dead.iter().map(|instance| list_id(*instance)).collect();
+    store
+        .processes
+        .delete_many(doc! { field::ID: { "$in": ids } })
+        .await?;
+    tracing::warn!(
+        instances = dead.len(),
+        lanes = freed.modified_count,
+        "relaybus ended the lane leases of a process of this host that is gone"
+    );
     Ok(())
 }
 
