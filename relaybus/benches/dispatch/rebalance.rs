@@ -6,7 +6,8 @@
 //!   a lane moves only once its holder's deliveries there settled).
 //! - **Kill**: three buses and a fourth in a child process (this benchmark run again as a bus)
 //!   drain a backlog; once the child holds lanes, it is SIGKILLed. The time until every lane it
-//!   held is held by a live bus (`rebalance_kill_s`): its lease must run out first.
+//!   held is held by a live bus (`rebalance_kill_s`): a process of this host that is gone
+//!   leaves its lanes at the next beat of the member lists, not at the end of its lease.
 
 use std::{
     collections::HashMap,
