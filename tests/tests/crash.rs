@@ -69,25 +69,8 @@ async fn a_process_killed_mid_load_frees_its_keys_within_the_lease_duration() {
             &HEARTBEAT.as_millis().to_string(),
             "4",
         ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut app = relaybus_harness::spawn_tied(command).expect("start the application");
-    let stdout = app.stdout.take().expect("piped stdout");
-    let holding = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .any(|line| line == "holding")
-    });
-    let holding = tokio::time::timeout(Duration::from_secs(60), holding)
-        .await
-        .expect("the application holds a transaction within a minute")
-        .unwrap();
-    assert!(
-        holding,
-        "the application exited before holding its transaction"
-    );
+        .stdin(Stdio::null());
+    let mut app = start_holding(command, "a transaction").await;
 
     // The application named the sessions of its transactions before it started them.
     let recorded = processes(&db).await;
@@ -233,6 +216,26 @@ async fn a_heartbeat_expiry_out_of_range_is_refused() {
 
 /// Starts the application with `heartbeat`, stdin piped; its stdout lines arrive on the
 /// receiver.
+/// Starts the application and waits until it prints `holding` (what it holds named in
+/// `what`), within a minute.
+async fn start_holding(mut command: Command, what: &str) -> std::process::Child {
+    command.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut app = relaybus_harness::spawn_tied(command).expect("start the application");
+    let stdout = app.stdout.take().expect("piped stdout");
+    let holding = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line == "holding")
+    });
+    let held = tokio::time::timeout(Duration::from_secs(60), holding)
+        .await
+        .unwrap_or_else(|_| panic!("the application holds {what} within a minute"))
+        .unwrap();
+    assert!(held, "the application exited before it held {what}");
+    app
+}
+
 fn start_app(
     db: &TestDb,
     heartbeat: Duration,
@@ -546,30 +549,15 @@ async fn the_lanes_of_a_killed_process_run_elsewhere_before_its_lease_ends() {
         }
     }
     let mut command = Command::new(APP);
-    command
-        .args([
-            "lanes",
-            db.uri.as_str(),
-            db.name.as_str(),
-            &LONG_LEASE.as_millis().to_string(),
-            &LONG_HEARTBEAT.as_millis().to_string(),
-            &EVENTS.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut app = relaybus_harness::spawn_tied(command).expect("start the application");
-    let stdout = app.stdout.take().expect("piped stdout");
-    let holding = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .any(|line| line == "holding")
-    });
-    let held = tokio::time::timeout(Duration::from_secs(60), holding)
-        .await
-        .expect("the application holds its lanes within 60 s")
-        .unwrap();
-    assert!(held, "the application ended before it held its lanes");
+    command.args([
+        "lanes",
+        db.uri.as_str(),
+        db.name.as_str(),
+        &LONG_LEASE.as_millis().to_string(),
+        &LONG_HEARTBEAT.as_millis().to_string(),
+        &EVENTS.to_string(),
+    ]);
+    let mut app = start_holding(command, "its lanes").await;
     relaybus_harness::kill_tied(&mut app);
     let killed = Instant::now();
 

@@ -26,6 +26,19 @@ impl ProcessIdentity {
         CURRENT.get_or_init(read_current).as_ref()
     }
 
+    /// Writes this process's host, process id and start time into `set`, where `/proc` tells.
+    pub(crate) fn stamp(set: &mut mongodb::bson::Document) {
+        use super::schema::field;
+        if let Some(process) = Self::current() {
+            set.insert(field::HOST, &process.host);
+            set.insert(field::PID, i64::from(process.pid));
+            set.insert(
+                field::STARTED,
+                i64::try_from(process.started).unwrap_or(i64::MAX),
+            );
+        }
+    }
+
     /// Whether the process `pid`, started at `started`, of this identity's host is gone.
     /// `false` when unsure.
     pub(crate) fn is_gone(pid: u32, started: u64) -> bool {

@@ -138,14 +138,7 @@ impl SessionRegistry {
             field::SESSIONS: sessions,
             field::EXPIRES_AT: { "$add": ["$$NOW", expiry_ms] },
         };
-        if let Some(process) = ProcessIdentity::current() {
-            set.insert(field::HOST, &process.host);
-            set.insert(field::PID, i64::from(process.pid));
-            set.insert(
-                field::STARTED,
-                i64::try_from(process.started).unwrap_or(i64::MAX),
-            );
-        }
+        ProcessIdentity::stamp(&mut set);
         processes
             .update_one(doc! { field::ID: self.id }, vec![doc! { "$set": set }])
             .upsert(true)

@@ -196,14 +196,7 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
         field::MEMBERS: { "$literal": members },
         field::EXPIRES_AT: { "$add": ["$$NOW", expiry_ms] },
     };
-    if let Some(process) = ProcessIdentity::current() {
-        set.insert(field::HOST, &process.host);
-        set.insert(field::PID, i64::from(process.pid));
-        set.insert(
-            field::STARTED,
-            i64::try_from(process.started).unwrap_or(i64::MAX),
-        );
-    }
+    ProcessIdentity::stamp(&mut set);
     store
         .processes
         .update_one(
