@@ -1364,3 +1364,44 @@ async fn twenty_concurrent_requests_publishing_on_one_key_all_commit() {
     sequences.sort_unstable();
     assert_eq!(sequences, (1..=20).collect::<Vec<_>>());
 }
+
+/// A service that sets its store up before the dispatcher starts sets it up once: the start
+/// sends none of setup's commands again.
+#[tokio::test]
+async fn a_store_set_up_before_the_service_starts_is_not_set_up_again() {
+    let db = test_db("axum_setup_once").await;
+    let mut monitored = Monitored::new(&db).await;
+    let store = store_on(&monitored.client, &db).await;
+    let setup = monitored.started();
+    assert!(
+        setup.iter().any(|name| name == "createIndexes"),
+        "setup creates indexes: {setup:?}"
+    );
+    let bus = RelayBus::builder(store)
+        .without_registered_handlers()
+        .subscribe(Subscription::new(
+            "send-confirmation",
+            |_: OrderPlaced, _: HandlerContext| async { Ok::<(), BoxError>(()) },
+        ))
+        .build()
+        .unwrap();
+    let token = CancellationToken::new();
+    let service = DispatcherService::new(bus)
+        .handle_signals(false)
+        .with_shutdown_token(token.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let served = tokio::spawn(service.serve(listener, axum::Router::new()));
+    // The dispatcher reads once it runs: its start is behind it.
+    loop {
+        let (kind, name) = next(&mut monitored.commands, "the dispatcher's commands").await;
+        assert!(
+            name != "createIndexes" && name != "create",
+            "the start set the store up again: {name}"
+        );
+        if kind == "started" && (name == "find" || name == "aggregate") {
+            break;
+        }
+    }
+    token.cancel();
+    served.await.unwrap().unwrap();
+}

@@ -112,6 +112,9 @@ pub(crate) struct StoreInner {
     pub(crate) completed: Collection<Document>,
     /// Set once the server was seen to support transactions.
     pub(crate) topology_checked: OnceCell<()>,
+    /// Set once `setup` succeeded on this instance (or a clone): a service that sets up the
+    /// store before the bus starts it runs it once.
+    pub(crate) set_up: OnceCell<()>,
     /// This instance's identity and what it remembers of the claims it handed out.
     pub(crate) claims: lease::ClaimRegistry,
     /// The owners claiming through this instance and the other instances' (see `claim::members`).
@@ -488,6 +491,7 @@ impl MongoEventStoreBuilder {
             park_threshold: self.park_threshold,
             park_behind_pending: self.park_behind_pending,
             topology_checked: OnceCell::new(),
+            set_up: OnceCell::new(),
             claims: lease::ClaimRegistry::default(),
             members: claim::members::Members::default(),
             gauge_sample: crate::store::GaugeSample::default(),

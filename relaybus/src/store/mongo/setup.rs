@@ -36,7 +36,8 @@ const SETUP_RACE_CODES: [i32; 4] = [
 impl MongoEventStore {
     /// Creates the store's collections, indexes and lane documents. Idempotent: it creates what
     /// is missing and leaves the rest alone, so it is safe to run at every start, and from
-    /// several processes at once.
+    /// several processes at once. A store (with its clones) runs it once: after it succeeded,
+    /// later calls, such as the bus's start after the service's own, return at once.
     ///
     /// With [`listing_indexes(false)`](crate::MongoEventStoreBuilder::listing_indexes) it
     /// creates seven indexes on the deliveries instead of ten, and drops the three listing
@@ -59,6 +60,14 @@ impl MongoEventStore {
     /// standalone server; [`Error::Database`](crate::Error::Database) when the server refuses a
     /// step.
     pub async fn setup(&self) -> Result<()> {
+        self.inner
+            .set_up
+            .get_or_try_init(|| self.set_up())
+            .await
+            .map(|_| ())
+    }
+
+    async fn set_up(&self) -> Result<()> {
         self.ensure_transactions_supported().await?;
         let mut attempt = 0;
         loop {
