@@ -146,12 +146,14 @@
 
 mod consumer;
 mod error;
+mod progress;
 mod relay;
 mod wire;
 
 pub use async_nats;
 pub use consumer::{
-    AppendedBatch, BatchReport, InboundBatch, MAX_BATCH_SIZE, NatsConsumer, NatsConsumerBuilder,
+    AppendedBatch, BatchReport, DEFAULT_ACK_WAIT, InboundBatch, MAX_BATCH_SIZE, NatsConsumer,
+    NatsConsumerBuilder,
 };
 pub use error::NatsError;
 pub use relay::{
