@@ -16,7 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use relaybus::{PostgresEventStore, Store as _};
+use relaybus::PostgresEventStore;
 use sqlx::{PgPool, Postgres, Transaction};
 
 /// How many events cross the broker.
