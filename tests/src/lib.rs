@@ -2,6 +2,7 @@
 
 pub mod batches;
 pub mod conformance;
+pub mod consumer_crash;
 pub mod fault;
 pub mod idempotency;
 pub mod limits;

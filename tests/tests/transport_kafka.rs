@@ -35,6 +35,7 @@ use relaybus::{
         },
     },
 };
+use relaybus_tests::consumer_crash::{self, ConsumerCrash};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -1046,4 +1047,38 @@ async fn consumer_positions_commit_with_the_transaction_on_every_store() {
         .execute(&pool)
         .await
         .unwrap();
+}
+
+/// A consumer process killed with SIGKILL while its appends wait inside their transactions:
+/// each partition's offset is written in the transaction of its batch, so a new process
+/// started at once goes on from the last committed one, within seconds; every event once and
+/// each key's in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_consumer_process_is_caught_up_within_seconds() {
+    let topics = Topics::new("killed-consumer", 4).await;
+    let relay = topics.relay();
+    let (_, shop_bus) = shop(&relay);
+    let crash = ConsumerCrash::new(
+        env!("CARGO_BIN_EXE_relaybus-transport-consumer"),
+        "kafka",
+        vec![
+            "kafka".to_owned(),
+            broker_url(),
+            topics.topic.clone(),
+            "shipping".to_owned(),
+            topics.partitions.to_string(),
+        ],
+    )
+    .await;
+    let took = consumer_crash::drill(&crash, async |from, to| {
+        for i in from..to {
+            let (key, n) = consumer_crash::key_and_number(i);
+            shop_bus.publish(&placed(&key, n)).key(key).await.unwrap();
+        }
+        let relayed = shop_bus.run_until_idle().await.unwrap();
+        assert_eq!(relayed.succeeded().count(), (to - from) as usize);
+    })
+    .await;
+    eprintln!("caught up {took:?} after the new consumer started");
+    crash.drop_schema().await;
 }

@@ -35,6 +35,7 @@ use relaybus::{
         NatsError, NatsRelay,
     },
 };
+use relaybus_tests::consumer_crash::{self, ConsumerCrash};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -495,6 +496,75 @@ async fn per_key_order_holds_end_to_end() {
             "order of {key}"
         );
     }
+}
+
+/// A consumer process killed with SIGKILL while its append waits inside its transaction: a
+/// new process started at once appends what the dead one had fetched within seconds (the
+/// short ack wait), every event once and each key's in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_consumer_process_is_caught_up_within_seconds() {
+    let broker = Broker::new("killed_consumer").await;
+    let relay = broker.relay();
+    let (_, shop_bus) = shop(&relay);
+    let url =
+        std::env::var("RELAYBUS_TEST_NATS_URL").unwrap_or_else(|_| DEFAULT_NATS_URL.to_owned());
+    let crash = ConsumerCrash::new(
+        env!("CARGO_BIN_EXE_relaybus-transport-consumer"),
+        "nats",
+        vec![
+            "nats".to_owned(),
+            url,
+            broker.stream.clone(),
+            "shipping".to_owned(),
+        ],
+    )
+    .await;
+    let took = consumer_crash::drill(&crash, async |from, to| {
+        for i in from..to {
+            let (key, n) = consumer_crash::key_and_number(i);
+            shop_bus.publish(&placed(&key, n)).key(key).await.unwrap();
+        }
+        let relayed = shop_bus.run_until_idle().await.unwrap();
+        assert_eq!(relayed.succeeded().count(), (to - from) as usize);
+    })
+    .await;
+    eprintln!("caught up {took:?} after the new consumer started");
+    crash.drop_schema().await;
+}
+
+/// A batch held longer than the ack wait is reported in progress: no other fetch of the
+/// durable consumer gets its messages meanwhile. Dropped, its messages go to the next fetch
+/// after the ack wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_held_past_the_ack_wait_is_not_redelivered() {
+    let broker = Broker::new("held_batch").await;
+    let relay = broker.relay();
+    let (_, shop_bus) = shop(&relay);
+    for n in 0..5 {
+        shop_bus.publish(&placed("k", n)).key("k").await.unwrap();
+    }
+    shop_bus.run_until_idle().await.unwrap();
+    // The ack wait is 800 ms; the fetch waits 200 ms.
+    let consumer = broker.consumer("shipping", 16).await;
+    let other = broker.consumer("shipping", 16).await;
+    let held = consumer.fetch().await.expect("fetch");
+    assert_eq!(held.len(), 5);
+    let until = Instant::now() + Duration::from_millis(2_400);
+    while Instant::now() < until {
+        let meanwhile = other.fetch().await.expect("fetch");
+        assert!(
+            meanwhile.is_empty(),
+            "{} messages of a held batch were redelivered",
+            meanwhile.len()
+        );
+    }
+    let log = Log::default();
+    let shipping_bus = shipping(MemoryEventStore::new(), &log);
+    drop(held);
+    let report = consume(&other, &shipping_bus, 5).await;
+    assert_eq!((report.appended, report.duplicates), (5, 0), "{report:?}");
+    let info = broker.consumer_info(&consumer).await;
+    assert_eq!(info.num_ack_pending, 0, "{info:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

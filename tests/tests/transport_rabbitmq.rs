@@ -43,6 +43,7 @@ use relaybus::{
         },
     },
 };
+use relaybus_tests::consumer_crash::{self, ConsumerCrash};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -659,6 +660,35 @@ async fn per_key_order_holds_end_to_end() {
             "order of {key}"
         );
     }
+}
+
+/// A consumer process killed with SIGKILL while its append waits inside its transaction: the
+/// broker puts its unacknowledged deliveries back in the queue when its connection drops, so a
+/// new process started at once appends them within seconds, every event once and each key's
+/// in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_consumer_process_is_caught_up_within_seconds() {
+    let broker = Broker::new("killed-consumer").await;
+    let relay = broker.relay(1).await;
+    let (_, shop_bus) = shop(&relay);
+    let queue = relay.routing_keys().remove(0);
+    let crash = ConsumerCrash::new(
+        env!("CARGO_BIN_EXE_relaybus-transport-consumer"),
+        "rabbitmq",
+        vec!["rabbitmq".to_owned(), broker.uri.clone(), queue],
+    )
+    .await;
+    let took = consumer_crash::drill(&crash, async |from, to| {
+        for i in from..to {
+            let (key, n) = consumer_crash::key_and_number(i);
+            shop_bus.publish(&placed(&key, n)).key(key).await.unwrap();
+        }
+        let relayed = shop_bus.run_until_idle().await.unwrap();
+        assert_eq!(relayed.succeeded().count(), (to - from) as usize);
+    })
+    .await;
+    eprintln!("caught up {took:?} after the new consumer started");
+    crash.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

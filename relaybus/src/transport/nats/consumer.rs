@@ -3,7 +3,10 @@
 
 use std::{
     fmt,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -17,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     NatsError,
     error::check_subject,
+    progress::InProgress,
     wire::{
         self, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, DEAD_LETTER_SUBJECT_HEADER,
     },
@@ -29,6 +33,12 @@ use crate::{
 
 /// The most messages one batch takes.
 pub const MAX_BATCH_SIZE: usize = 1_000;
+
+/// How long the broker waits for a message's acknowledgement before it redelivers it, unless
+/// [set otherwise](NatsConsumerBuilder::ack_wait): short, so that what a dead process had
+/// taken is delivered again within seconds. A batch being appended is reported in progress
+/// several times per ack wait, so a slow append is not redelivered.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(2);
 
 /// Takes the events of a JetStream stream through a durable pull consumer and appends them
 /// to the local store with their original ids, so that the local bus's handlers run them
@@ -76,10 +86,17 @@ pub struct NatsConsumer {
 struct ConsumerInner {
     jetstream: jetstream::Context,
     consumer: PullConsumer,
+    /// The durable consumer's settings, limit of unacknowledged messages included.
+    config: jetstream::consumer::pull::Config,
+    /// Whether no message of the durable consumer is out unacknowledged but the batch this
+    /// process holds: false before the first fetch, and after a batch that was dropped, given
+    /// back or not acknowledged. See [`NatsConsumer::take_over`].
+    settled: Arc<AtomicBool>,
     stream: String,
     durable: String,
     batch_size: usize,
     fetch_wait: Duration,
+    ack_wait: Duration,
     nak_delay: Duration,
     dead_letter_subject: Option<String>,
 }
@@ -92,6 +109,7 @@ impl fmt::Debug for NatsConsumer {
             .field("durable", &inner.durable)
             .field("batch_size", &inner.batch_size)
             .field("fetch_wait", &inner.fetch_wait)
+            .field("ack_wait", &inner.ack_wait)
             .field("nak_delay", &inner.nak_delay)
             .field("dead_letter_subject", &inner.dead_letter_subject)
             .finish_non_exhaustive()
@@ -153,7 +171,7 @@ impl NatsConsumer {
             filter_subject: None,
             batch_size: 64,
             fetch_wait: Duration::from_secs(1),
-            ack_wait: Duration::from_secs(30),
+            ack_wait: DEFAULT_ACK_WAIT,
             nak_delay: Duration::from_secs(5),
             dead_letter_subject: None,
         }
@@ -175,7 +193,8 @@ impl NatsConsumer {
     pub async fn fetch(&self) -> Result<InboundBatch, NatsError> {
         let inner = &self.inner;
         let started = Instant::now();
-        let mut messages = self.pull(false, inner.batch_size).await?;
+        let limit = self.take_over().await?;
+        let mut messages = self.pull(false, limit).await?;
         if messages.is_empty() {
             messages = self.pull(true, 1).await?;
             if messages.is_empty() {
@@ -184,24 +203,95 @@ impl NatsConsumer {
                 // than ask again at once.
                 let rest = inner.fetch_wait.saturating_sub(started.elapsed());
                 tokio::time::sleep(rest).await;
-            } else if inner.batch_size > 1 {
-                let more = self.pull(false, inner.batch_size - 1).await?;
+            } else if limit > 1 {
+                let more = self.pull(false, limit - 1).await?;
                 messages.extend(more);
             }
         }
+        let replies = messages.iter().filter_map(|m| m.reply.clone()).collect();
+        let progress = InProgress::start(
+            inner.jetstream.client(),
+            replies,
+            inner.ack_wait,
+            &inner.settled,
+        );
         Ok(InboundBatch {
             consumer: self.clone(),
             messages,
+            progress,
         })
+    }
+
+    /// Makes sure that messages out unacknowledged, which this process does not hold (a dead
+    /// process's batch, or one of its own that was dropped, given back or not acknowledged),
+    /// are taken again before any later message: the broker hands out messages up to the
+    /// durable consumer's limit of unacknowledged messages, so a batch shorter than the limit
+    /// would let the next fetch take later messages ahead of it. Until nothing is out, the
+    /// limit is narrowed to what is out; the broker then redelivers those messages (after
+    /// their ack wait), and only them, and the limit goes back to the batch size.
+    ///
+    /// Asks the broker only while unsettled: before the first fetch, after a batch that was
+    /// not acknowledged in full.
+    ///
+    /// Returns how many messages this fetch may take: the limit. Asking for more than the
+    /// limit would make the broker (2.9) redeliver what it just delivered.
+    async fn take_over(&self) -> Result<usize, NatsError> {
+        let inner = &self.inner;
+        if inner.settled.load(Ordering::Acquire) {
+            return Ok(inner.batch_size);
+        }
+        let failed = |source: async_nats::Error| NatsError::Fetch {
+            durable: inner.durable.clone(),
+            source,
+        };
+        let info = inner
+            .consumer
+            .get_info()
+            .await
+            .map_err(|e| failed(e.into()))?;
+        let out = info.num_ack_pending.min(inner.batch_size);
+        let limit =
+            i64::try_from(if out == 0 { inner.batch_size } else { out }).unwrap_or(i64::MAX);
+        if info.config.max_ack_pending != limit {
+            tracing::debug!(
+                durable = inner.durable,
+                out = info.num_ack_pending,
+                limit,
+                "setting the limit of unacknowledged messages"
+            );
+            let config = jetstream::consumer::pull::Config {
+                max_ack_pending: limit,
+                ..inner.config.clone()
+            };
+            inner
+                .jetstream
+                .create_consumer_on_stream(config, &inner.stream)
+                .await
+                .map_err(|e| failed(e.into()))?;
+        }
+        if info.num_ack_pending == 0 {
+            inner.settled.store(true, Ordering::Release);
+        }
+        Ok(usize::try_from(limit).unwrap_or(inner.batch_size))
+    }
+
+    /// Marks the durable consumer as possibly holding unacknowledged messages that this
+    /// process does not: the next fetch takes them first.
+    fn unsettle(&self) {
+        self.inner.settled.store(false, Ordering::Release);
     }
 
     /// One pull request: `no_wait` returns what is there now, otherwise the server holds the
     /// request up to the fetch wait.
     async fn pull(&self, wait: bool, count: usize) -> Result<Vec<jetstream::Message>, NatsError> {
         let inner = &self.inner;
-        let failed = |source: async_nats::Error| NatsError::Fetch {
-            durable: inner.durable.clone(),
-            source,
+        let failed = |source: async_nats::Error| {
+            // The request may have been answered with messages that never came.
+            self.unsettle();
+            NatsError::Fetch {
+                durable: inner.durable.clone(),
+                source,
+            }
         };
         let mut batch = if wait {
             inner
@@ -238,6 +328,7 @@ impl NatsConsumer {
                 Ok(None) => break,
                 Err(_) => {
                     tracing::debug!(durable = inner.durable, "pull request unanswered");
+                    self.unsettle();
                     break;
                 }
             }
@@ -409,8 +500,12 @@ impl NatsConsumerBuilder {
     }
 
     /// How long the broker waits for a message's acknowledgement before it redelivers it,
-    /// 30 seconds by default (100 ms to 1 hour). Keep it above the time one batch's append
-    /// takes.
+    /// [`DEFAULT_ACK_WAIT`] (2 seconds) by default (100 ms to 1 hour). It bounds how long the
+    /// messages a dead process had taken wait before they are delivered again. A batch is
+    /// reported in progress four times per ack wait from its fetch to its acknowledgement, so
+    /// an append that takes longer is not redelivered; only a process stalled for the whole
+    /// ack wait (stopped, starved of CPU) has its batch redelivered while it still holds it,
+    /// and appending it twice adds nothing.
     pub fn ack_wait(mut self, wait: Duration) -> Self {
         self.ack_wait = wait;
         self
@@ -537,17 +632,20 @@ impl NatsConsumerBuilder {
             ..Default::default()
         };
         let consumer = stream
-            .create_consumer(config)
+            .create_consumer(config.clone())
             .await
             .map_err(|e| setup(e.into()))?;
         Ok(NatsConsumer {
             inner: Arc::new(ConsumerInner {
                 jetstream: self.jetstream,
                 consumer,
+                config,
+                settled: Arc::new(AtomicBool::new(false)),
                 stream: self.stream,
                 durable: self.durable,
                 batch_size: self.batch_size,
                 fetch_wait: self.fetch_wait,
+                ack_wait: self.ack_wait,
                 nak_delay: self.nak_delay,
                 dead_letter_subject: self.dead_letter_subject,
             }),
@@ -555,12 +653,15 @@ impl NatsConsumerBuilder {
     }
 }
 
-/// Messages taken from the broker by [`NatsConsumer::fetch`], not yet appended. Dropping it
-/// leaves them to the broker, which redelivers them after the ack wait.
+/// Messages taken from the broker by [`NatsConsumer::fetch`], not yet appended. While it is
+/// held, its messages are reported in progress to the broker a few times per ack wait, so
+/// they are not redelivered however long the append takes. Dropping it stops the reports and
+/// leaves the messages to the broker, which redelivers them after the ack wait.
 #[must_use = "a fetched batch is redelivered after the ack wait unless appended and acknowledged"]
 pub struct InboundBatch {
     consumer: NatsConsumer,
     messages: Vec<jetstream::Message>,
+    progress: InProgress,
 }
 
 impl fmt::Debug for InboundBatch {
@@ -605,18 +706,20 @@ impl InboundBatch {
             consumer: self.consumer,
             items: self.messages.into_iter().zip(fates).collect(),
             last_error,
+            progress: self.progress,
         }
     }
 }
 
-/// A batch appended to the local store, not yet acknowledged to the broker. Dropping it
-/// leaves the messages to the broker, which redelivers them after the ack wait; appending them
-/// again adds nothing.
+/// A batch appended to the local store, not yet acknowledged to the broker; its messages are
+/// still reported in progress. Dropping it leaves the messages to the broker, which
+/// redelivers them after the ack wait; appending them again adds nothing.
 #[must_use = "an appended batch is redelivered after the ack wait unless acknowledged"]
 pub struct AppendedBatch {
     consumer: NatsConsumer,
     items: Vec<(jetstream::Message, Fate)>,
     last_error: Option<String>,
+    progress: InProgress,
 }
 
 impl fmt::Debug for AppendedBatch {
@@ -650,17 +753,23 @@ impl AppendedBatch {
     /// [`NatsError::Ack`] when acknowledgements could not be sent; the broker then redelivers
     /// those messages after the ack wait, and appending them again adds nothing.
     pub async fn ack(self) -> Result<BatchReport, NatsError> {
-        let inner = &self.consumer.inner;
+        let AppendedBatch {
+            consumer,
+            items,
+            last_error,
+            mut progress,
+        } = self;
+        let inner = &consumer.inner;
         let mut report = BatchReport {
-            fetched: self.items.len(),
-            last_error: self.last_error,
+            fetched: items.len(),
+            last_error,
             ..BatchReport::default()
         };
-        let mut failures = 0;
-        let mut first_failure: Option<async_nats::Error> = None;
-        let last = self.items.len().saturating_sub(1);
-        for (at, (message, fate)) in self.items.iter().enumerate() {
-            let kind = match fate {
+        // Dead-lettering waits for JetStream, message by message: the batch stays reported in
+        // progress until every message's fate is known.
+        let mut kinds = Vec::with_capacity(items.len());
+        for (message, fate) in &items {
+            kinds.push(match fate {
                 Fate::Appended(appended) => {
                     if appended.created {
                         report.appended += 1;
@@ -673,25 +782,35 @@ impl AppendedBatch {
                     report.retried += 1;
                     AckKind::Nak(Some(inner.nak_delay))
                 }
-                Fate::Unreadable(reason) => {
-                    match self.consumer.dead_letter(message, reason).await {
-                        Ok(()) => {
-                            report.dead_lettered += 1;
-                            AckKind::Ack
-                        }
-                        Err(error) => {
-                            tracing::error!(
-                                subject = message.subject.as_str(),
-                                reason,
-                                %error,
-                                "an unreadable message could not be dead-lettered; terminating it"
-                            );
-                            report.terminated += 1;
-                            AckKind::Term
-                        }
+                Fate::Unreadable(reason) => match consumer.dead_letter(message, reason).await {
+                    Ok(()) => {
+                        report.dead_lettered += 1;
+                        AckKind::Ack
                     }
-                }
-            };
+                    Err(error) => {
+                        tracing::error!(
+                            subject = message.subject.as_str(),
+                            reason,
+                            %error,
+                            "an unreadable message could not be dead-lettered; terminating it"
+                        );
+                        report.terminated += 1;
+                        AckKind::Term
+                    }
+                },
+            });
+        }
+        // No progress report may follow a negative acknowledgement: it could restart the
+        // message's timer and cut its nak delay short.
+        progress.finish();
+        if report.retried > 0 {
+            // Negatively acknowledged, they are out until redelivered.
+            consumer.unsettle();
+        }
+        let mut failures = 0;
+        let mut first_failure: Option<async_nats::Error> = None;
+        let last = items.len().saturating_sub(1);
+        for (at, ((message, _), kind)) in items.iter().zip(kinds).enumerate() {
             // The last acknowledgement waits for the server's reply: the server takes a
             // consumer's acknowledgements in order, so all of them are in when it comes.
             let sent = if at == last && matches!(kind, AckKind::Ack) {
@@ -705,8 +824,11 @@ impl AppendedBatch {
             }
         }
         if let Err(error) = inner.jetstream.client().flush().await {
-            failures = self.items.len();
+            failures = items.len();
             first_failure.get_or_insert(error.into());
+        }
+        if first_failure.is_some() {
+            consumer.unsettle();
         }
         match first_failure {
             Some(source) => Err(NatsError::Ack {

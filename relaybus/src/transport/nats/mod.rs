@@ -107,7 +107,9 @@
 //! - The consumer reads the stream (or one partition of it, with
 //!   [`filter_subject`](NatsConsumerBuilder::filter_subject)) in order, and appends each
 //!   batch in one transaction, in stream order; the consumer's limit of unacknowledged
-//!   messages is its batch size, so messages waiting for redelivery are never overtaken.
+//!   messages is its batch size, so messages waiting for redelivery are never overtaken, and a
+//!   consumer that finds messages out unacknowledged which it does not hold (a dead process's
+//!   batch) narrows that limit to them until they came back.
 //!
 //! Each event type has its own relay subscription (a handler id names one subscription), so
 //! two events of one key **with different types** may cross when the first one's delivery is
@@ -125,7 +127,10 @@
 //! - **Once in the consuming store.** The consumer acknowledges a message only after the
 //!   transaction that appended its event committed; a message redelivered (the consumer
 //!   crashed before its ack, or the ack was lost) appends nothing new, since the store holds
-//!   its event id. Events live in the consuming store as deduplication records for its
+//!   its event id. The ack wait is short ([`DEFAULT_ACK_WAIT`], 2 seconds) and a held batch is
+//!   reported in progress several times per ack wait, so what a dead consumer process had
+//!   taken is redelivered within seconds while a slow append is not. Events live in the
+//!   consuming store as deduplication records for its
 //!   retention of completed events ([`Retention`](crate::Retention)): keep it longer than
 //!   the broker's redeliveries can take.
 //! - **Unreadable messages never block.** A message that is not a relaybus event, or whose
@@ -146,12 +151,14 @@
 
 mod consumer;
 mod error;
+mod progress;
 mod relay;
 mod wire;
 
 pub use async_nats;
 pub use consumer::{
-    AppendedBatch, BatchReport, InboundBatch, MAX_BATCH_SIZE, NatsConsumer, NatsConsumerBuilder,
+    AppendedBatch, BatchReport, DEFAULT_ACK_WAIT, InboundBatch, MAX_BATCH_SIZE, NatsConsumer,
+    NatsConsumerBuilder,
 };
 pub use error::NatsError;
 pub use relay::{
