@@ -2800,3 +2800,42 @@ async fn a_delivery_written_parked_behind_one_that_completed_before_its_commit_i
     let ids: Vec<&str> = got.iter().map(|c| c.event.id()).collect();
     assert_eq!(ids, ["k-1"]);
 }
+
+/// Deliveries released and claimed again, in every position among the claims that read their
+/// lanes and those that take them from memory, with more due than a claim's first pages hold
+/// (so claims read lanes deeper): a claim never hands out what the owner runs.
+#[tokio::test]
+async fn deliveries_released_and_claimed_again_are_never_handed_out_while_they_run() {
+    let db = test_db("release_reclaim").await;
+    let store = store(&db).await;
+    publish_unkeyed(&store, "r", 400, at(0)).await;
+    let mut held: Vec<ClaimedDelivery> = Vec::new();
+    for round in 0..60i64 {
+        // Give back a third of what runs, a different third each round.
+        let (back, kept): (Vec<_>, Vec<_>) = held
+            .into_iter()
+            .enumerate()
+            .partition(|(n, _)| (*n as i64 + round) % 3 == 0);
+        held = kept.into_iter().map(|(_, running)| running).collect();
+        for (_, running) in back {
+            assert!(store.release(running.lease(), at(1 + round)).await.unwrap());
+        }
+        let batch = claim(&store, "w", 10, at(1 + round)).await;
+        let running: HashSet<ObjectId> = held.iter().map(ClaimedDelivery::delivery_id).collect();
+        let again: Vec<ObjectId> = ids(&batch)
+            .into_iter()
+            .filter(|id| running.contains(id))
+            .collect();
+        assert!(
+            again.is_empty(),
+            "round {round}: handed out {again:?}, which run"
+        );
+        let distinct: HashSet<ObjectId> = ids(&batch).into_iter().collect();
+        assert_eq!(
+            distinct.len(),
+            batch.len(),
+            "round {round}: one claim, one hand-out each"
+        );
+        held.extend(batch);
+    }
+}

@@ -245,9 +245,10 @@ pub(crate) struct ClaimRegistry {
     /// Bumped when everything is forgotten: the owners' known lanes of before no longer count.
     generation: std::sync::atomic::AtomicU64,
     /// Deliveries whose claim this instance ended with the delivery kept (released,
-    /// rescheduled, buried): their lanes no longer list them, and the owners' known lanes still
-    /// do until their next claim takes them off.
-    given_back: Mutex<HashSet<ObjectId>>,
+    /// rescheduled, buried), with that claim's count: their lanes no longer list them, and the
+    /// owners' known lanes still do until their next claim takes them off, unless a later claim
+    /// of the delivery was handed out meanwhile (then it runs again, and stays listed).
+    given_back: Mutex<HashMap<ObjectId, i64>>,
     /// Deliveries completed in a caller's transaction, which this instance does not see
     /// commit: a claim whose known lanes list one reads its lanes.
     completing: Mutex<HashSet<ObjectId>>,
@@ -491,7 +492,7 @@ impl ClaimRegistry {
             self.generation
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
-        given_back.insert(lease.delivery_id);
+        given_back.insert(lease.delivery_id, lease.claims);
     }
 
     /// Notes that the delivery of `lease` is completed in a transaction that may commit.
@@ -534,8 +535,13 @@ impl ClaimRegistry {
         if given_back.is_empty() {
             return;
         }
+        let issued = lock(&self.issued);
         for lane in lanes {
-            lane.in_flight.retain(|id| !given_back.remove(id));
+            lane.in_flight.retain(|id| match given_back.remove(id) {
+                // A later claim of it was handed out after the one that ended: it runs.
+                Some(ended) => issued.get(id).is_some_and(|later| later.claims > ended),
+                None => true,
+            });
         }
     }
 
