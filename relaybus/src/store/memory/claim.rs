@@ -9,7 +9,7 @@ use super::{
 };
 use crate::{
     error::Result,
-    store::{ClaimRequest, Claimed, DeliveryStatus, StoreLease},
+    store::{ClaimRequest, Claimed, StoreLease},
     time::Timestamp,
 };
 
@@ -101,48 +101,49 @@ pub(super) fn claim(
 ) -> Vec<Claimed<MemoryLease>> {
     let now = request.now;
     let wanted: HashSet<&str> = checked.handlers.iter().copied().collect();
-    let picked: Vec<u64> = {
-        let heads = state.heads();
-        let mut due: Vec<(Timestamp, u64)> = state
-            .deliveries
-            .values()
-            .filter(|d| {
-                d.status == DeliveryStatus::Pending
-                    && wanted.contains(d.handler.as_str())
-                    && d.due_at <= now
-                    && d.lease.as_ref().is_none_or(|held| {
-                        held.is_free(now) && (held.handed_back || held.owner != request.owner)
-                    })
-                    && !d.is_parked(&heads)
-                    && state.events.contains_key(&d.event_id)
-            })
-            .map(|d| (d.due_at, d.id))
-            .collect();
-        due.sort_unstable();
-        due.into_iter()
-            .take(request.limit as usize)
-            .map(|(_, id)| id)
-            .collect()
-    };
+    // Walks the pending deliveries in due order: what it passes over is what runs under a live
+    // lease, waits behind its key, or belongs to other handlers.
+    let picked: Vec<u64> = state
+        .deliveries
+        .due_by(now)
+        .filter(|d| {
+            wanted.contains(d.handler.as_str())
+                && d.lease.as_ref().is_none_or(|held| {
+                    held.is_free(now) && (held.handed_back || held.owner != request.owner)
+                })
+                && d.ordered().is_none_or(|(handler, key, sequence)| {
+                    state.deliveries.head(handler, key) == Some(sequence)
+                })
+                && state.events.contains_key(&d.event_id)
+        })
+        .map(|d| d.id)
+        .take(request.limit as usize)
+        .collect();
 
     let mut claimed = Vec::with_capacity(picked.len());
-    let mut taken_over = 0;
+    let mut taken_over: u64 = 0;
     for id in picked {
         let token = state.next_token();
-        let Some(delivery) = state.deliveries.get_mut(&id) else {
+        let Some(lost) = state.deliveries.update(id, |delivery| {
+            let lost = delivery.lease.is_some();
+            if lost {
+                // The previous claim is lost: its attempt counts.
+                delivery.fail(LOST_ERROR, now);
+            }
+            delivery.lease = Some(Held {
+                owner: request.owner.to_owned(),
+                token,
+                expires_at: checked.expires_at,
+                handed_back: false,
+            });
+            lost
+        }) else {
             continue;
         };
-        if delivery.lease.is_some() {
-            // The previous claim is lost: its attempt counts.
-            delivery.fail(LOST_ERROR, now);
-            taken_over += 1;
-        }
-        delivery.lease = Some(Held {
-            owner: request.owner.to_owned(),
-            token,
-            expires_at: checked.expires_at,
-            handed_back: false,
-        });
+        taken_over += u64::from(lost);
+        let Some(delivery) = state.deliveries.get(&id) else {
+            continue;
+        };
         let Some(event) = state.events.get(&delivery.event_id) else {
             continue;
         };
@@ -179,12 +180,12 @@ pub(super) fn renew(
         if !lease.holds(state) {
             continue;
         }
-        if let Some(held) = state
-            .deliveries
-            .get_mut(&lease.delivery.0)
-            .and_then(|d| d.lease.as_mut())
-        {
-            held.expires_at = held.expires_at.max(expires_at);
+        let renewed = state.deliveries.update(lease.delivery.0, |d| {
+            d.lease.as_mut().map(|held| {
+                held.expires_at = held.expires_at.max(expires_at);
+            })
+        });
+        if renewed.flatten().is_some() {
             covered += 1;
         }
     }
@@ -197,7 +198,7 @@ pub(super) fn renew(
 pub(super) fn relinquish(state: &mut State, owner: &str) -> Result<u64> {
     check_owner(owner)?;
     let mut handed_back = 0;
-    for delivery in state.deliveries.values_mut() {
+    state.deliveries.update_leases(|delivery| {
         if let Some(held) = delivery.lease.as_mut()
             && held.owner == owner
             && !held.handed_back
@@ -205,6 +206,6 @@ pub(super) fn relinquish(state: &mut State, owner: &str) -> Result<u64> {
             held.handed_back = true;
             handed_back += 1;
         }
-    }
+    });
     Ok(handed_back)
 }

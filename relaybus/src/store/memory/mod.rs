@@ -147,6 +147,7 @@ mod append;
 mod boundary;
 mod checks;
 mod claim;
+mod deliveries;
 mod documents;
 mod error;
 mod inspect;

@@ -173,13 +173,15 @@ pub(super) fn requeue(state: &mut State, ids: &[String], now: Timestamp) -> Resu
             outcome.blocked.push(id.to_string());
             continue;
         }
-        if let Some(delivery) = state.deliveries.get_mut(&id.0) {
+        let requeued = state.deliveries.update(id.0, |delivery| {
             delivery.status = DeliveryStatus::Pending;
             delivery.attempts = 0;
             delivery.due_at = now;
             delivery.updated_at = Some(now);
             delivery.requeues = delivery.requeues.saturating_add(1);
             delivery.lease = None;
+        });
+        if requeued.is_some() {
             outcome.requeued.push(id.to_string());
         }
     }
@@ -212,7 +214,7 @@ pub(super) fn discard(state: &mut State, ids: &[String], now: Timestamp) -> Resu
             .deliveries
             .get(&id.0)
             .is_some_and(|d| d.status == DeliveryStatus::Dead);
-        match dead.then(|| state.deliveries.remove(&id.0)).flatten() {
+        match dead.then(|| state.deliveries.remove(id.0)).flatten() {
             Some(delivery) => {
                 events.push(delivery.event_id);
                 outcome.discarded.push(id.to_string());
@@ -259,14 +261,16 @@ pub(super) fn bury_by_id(
     for id in parsed {
         match state
             .deliveries
-            .get_mut(&id.0)
+            .get(&id.0)
             .filter(|d| d.status == DeliveryStatus::Pending)
         {
             None => outcome.not_found.push(id.to_string()),
             Some(delivery) if delivery.lease.is_some() => outcome.running.push(id.to_string()),
-            Some(delivery) => {
-                delivery.status = DeliveryStatus::Dead;
-                delivery.remember_error(&error, None, now);
+            Some(_) => {
+                state.deliveries.update(id.0, |delivery| {
+                    delivery.status = DeliveryStatus::Dead;
+                    delivery.remember_error(&error, None, now);
+                });
                 outcome.buried.push(id.to_string());
             }
         }
@@ -283,7 +287,7 @@ pub(super) fn purge(state: &mut State, options: &PurgeOptions) -> Purged {
     let mut purged = Purged::default();
     if let Some(cutoff) = options.dead_before {
         let before = state.deliveries.len();
-        state.deliveries.retain(|_, d| {
+        state.deliveries.retain(|d| {
             !(d.status == DeliveryStatus::Dead && d.updated_at.unwrap_or(d.created_at) < cutoff)
         });
         purged.dead_deliveries = (before - state.deliveries.len()) as u64;
@@ -373,9 +377,9 @@ mod tests {
         for (id, sequence) in [(1, 1), (2, 2), (3, 3)] {
             state
                 .deliveries
-                .insert(id, delivery(id, "p", Some(("k", sequence))));
+                .insert(delivery(id, "p", Some(("k", sequence))));
         }
-        state.deliveries.insert(4, delivery(4, "p", None));
+        state.deliveries.insert(delivery(4, "p", None));
         let stats = statistics(&state, false);
         assert_eq!((stats.pending, stats.parked), (4, 2));
         let parked = list_deliveries(

@@ -308,7 +308,7 @@ fn apply(state: &mut State, transaction: &Transaction, history: bool) -> Vec<Str
         if !woken.contains(&delivery.handler) {
             woken.push(delivery.handler.clone());
         }
-        state.deliveries.insert(delivery.id, delivery.clone());
+        state.deliveries.insert(delivery.clone());
     }
     for (lease, now) in &transaction.completions {
         state.complete(lease.delivery_id().0, *now, history);

@@ -70,23 +70,24 @@ pub(super) fn end_claim(
     if !lease.holds(state) {
         return false;
     }
-    let Some(delivery) = state.deliveries.get_mut(&lease.delivery_id().0) else {
-        return false;
-    };
-    delivery.lease = None;
-    delivery.updated_at = Some(now);
-    match ending {
-        Ending::Reschedule { due_at, error } => {
-            delivery.fail(error, now);
-            delivery.due_at = due_at;
-        }
-        Ending::Release => {
-            delivery.due_at = delivery.due_at.min(now);
-        }
-        Ending::Bury { error } => {
-            delivery.fail(error, now);
-            delivery.status = DeliveryStatus::Dead;
-        }
-    }
-    true
+    state
+        .deliveries
+        .update(lease.delivery_id().0, |delivery| {
+            delivery.lease = None;
+            delivery.updated_at = Some(now);
+            match ending {
+                Ending::Reschedule { due_at, error } => {
+                    delivery.fail(error, now);
+                    delivery.due_at = due_at;
+                }
+                Ending::Release => {
+                    delivery.due_at = delivery.due_at.min(now);
+                }
+                Ending::Bury { error } => {
+                    delivery.fail(error, now);
+                    delivery.status = DeliveryStatus::Dead;
+                }
+            }
+        })
+        .is_some()
 }

@@ -11,6 +11,7 @@ use serde_json::Value;
 use super::{
     checks::{clip_error, clip_history_error},
     claim::MemoryDeliveryId,
+    deliveries::Deliveries,
 };
 use crate::{
     event::EventEnvelope,
@@ -24,7 +25,7 @@ pub(super) struct State {
     /// Events by id.
     pub(super) events: HashMap<String, StoredEvent>,
     /// Pending and dead deliveries by id: id order is creation order.
-    pub(super) deliveries: BTreeMap<u64, Delivery>,
+    pub(super) deliveries: Deliveries,
     /// Completion records (with completion history) by delivery id.
     pub(super) completed: BTreeMap<u64, DeliveryRecord>,
     /// The last sequence taken by each ordering key.
@@ -76,7 +77,7 @@ impl State {
     /// Completes a delivery: it goes (kept as a completion record with completion history),
     /// and its event records the completion time.
     pub(super) fn complete(&mut self, id: u64, now: Timestamp, history: bool) {
-        let Some(delivery) = self.deliveries.remove(&id) else {
+        let Some(delivery) = self.deliveries.remove(id) else {
             return;
         };
         if let Some(event) = self.events.get_mut(&delivery.event_id) {
