@@ -13,7 +13,7 @@ use mongodb::{
 use super::{MongoEventStore, error_code, sessions::session_key};
 use crate::{
     error::{CommitNotAcknowledgedError, ConfigurationError, Error, InvalidArgumentError, Result},
-    store::transaction::{self, Attempts, Committed},
+    store::transaction::{self, Attempts, Boxed, Steps},
 };
 
 /// `IllegalOperation`, returned by a standalone server to transaction numbers.
@@ -113,9 +113,10 @@ impl MongoEventStore {
     pub(crate) async fn own_transaction<C, R, F>(&self, context: C, work: F) -> Result<R>
     where
         F: for<'b> FnMut(
-            &'b mut ClientSession,
-            &'b mut C,
-        ) -> futures::future::BoxFuture<'b, Result<R>>,
+                &'b mut ClientSession,
+                &'b mut C,
+            ) -> futures::future::BoxFuture<'b, Result<R>>
+            + Send,
     {
         self.own_transaction_with(None, None, context, work).await
     }
@@ -131,58 +132,40 @@ impl MongoEventStore {
     ) -> Result<R>
     where
         F: for<'b> FnMut(
-            &'b mut ClientSession,
-            &'b mut C,
-        ) -> futures::future::BoxFuture<'b, Result<R>>,
+                &'b mut ClientSession,
+                &'b mut C,
+            ) -> futures::future::BoxFuture<'b, Result<R>>
+            + Send,
     {
         self.own_transaction_with(None, Some(ReadConcern::local()), context, work)
             .await
     }
 
-    /// The loop of the store's own transactions: [`transaction::Attempts`] with the body
-    /// written inline, which the compiler can prove `Send` where a borrowing closure passed
-    /// to [`transaction::run`] cannot be.
+    /// The store's own transactions: the one loop of attempts, with the body's boxed future
+    /// keeping the whole call `Send`.
     async fn own_transaction_with<C, R, F>(
         &self,
         budget: Option<Duration>,
         read_concern: Option<ReadConcern>,
-        mut context: C,
-        mut work: F,
+        context: C,
+        work: F,
     ) -> Result<R>
     where
         F: for<'b> FnMut(
-            &'b mut ClientSession,
-            &'b mut C,
-        ) -> futures::future::BoxFuture<'b, Result<R>>,
+                &'b mut ClientSession,
+                &'b mut C,
+            ) -> futures::future::BoxFuture<'b, Result<R>>
+            + Send,
     {
-        transaction::queue_on_keys(async move {
-            let mut session = self.new_session().await?;
-            let mut attempts = Attempts::new(budget);
-            loop {
-                attempts.start();
-                self.start_transaction(&mut session, budget, read_concern.clone())
-                    .await?;
-                let value = match transaction::as_body(work(&mut session, &mut context)).await {
-                    Ok(value) => value,
-                    Err(error) => {
-                        self.abort_once(&mut session).await;
-                        if attempts.retry_after(&error).await {
-                            continue;
-                        }
-                        return Err(map_standalone(error));
-                    }
-                };
-                if let Err(error) = attempts.check_budget() {
-                    self.abort_once(&mut session).await;
-                    return Err(error.into());
-                }
-                match attempts.commit(self, &mut session).await? {
-                    Committed::Yes => return Ok(value),
-                    Committed::RunAgain => continue,
-                }
-            }
-        })
-        .await
+        let steps = OwnSteps {
+            store: self,
+            read_concern,
+        };
+        let attempts = Attempts::new(budget);
+        let body = Boxed::new(context, work);
+        transaction::queue_on_keys(transaction::attempt_until_committed(&steps, attempts, body))
+            .await
+            .map_err(map_standalone)
     }
 
     /// A session, once the server was seen to support transactions.
@@ -313,6 +296,35 @@ impl MongoEventStore {
 }
 
 /// Turns the server's refusal of transaction numbers into the configuration error it stands for.
+/// The steps of the store's own transactions: those of every transaction, begun with the
+/// read concern they ask for.
+struct OwnSteps<'a> {
+    store: &'a MongoEventStore,
+    read_concern: Option<ReadConcern>,
+}
+
+impl Steps for OwnSteps<'_> {
+    type Session = ClientSession;
+
+    async fn session(&self) -> Result<ClientSession> {
+        self.store.new_session().await
+    }
+
+    async fn begin(&self, session: &mut ClientSession, budget: Option<Duration>) -> Result<()> {
+        self.store
+            .start_transaction(session, budget, self.read_concern.clone())
+            .await
+    }
+
+    async fn commit(&self, session: &mut ClientSession) -> Result<()> {
+        self.store.commit_once(session).await
+    }
+
+    async fn abort(&self, session: &mut ClientSession) {
+        self.store.abort_once(session).await;
+    }
+}
+
 fn map_standalone(error: Error) -> Error {
     if let Error::Database(e) = &error
         && error_code(e) == Some(ILLEGAL_OPERATION)
