@@ -273,22 +273,13 @@ impl Attempts {
     /// `maxCommitTimeMS` (the budget's remainder), or a transient commit error left no budget
     /// to run the transaction again. A commit whose result is unknown is sent again until the
     /// retry deadline, past the budget: it may have committed, and only another send tells.
-    pub async fn commit<S: Store>(
+    pub async fn commit<S: Transactions>(
         &mut self,
         store: &S,
         session: &mut S::Session,
     ) -> Result<Committed> {
-        self.commit_with(store, session).await
-    }
-
-    /// [`commit`](Self::commit) through the loop's steps.
-    async fn commit_with<T: Steps>(
-        &mut self,
-        steps: &T,
-        session: &mut T::Session,
-    ) -> Result<Committed> {
         loop {
-            let error = match steps.commit(session).await {
+            let error = match store.commit(session).await {
                 Ok(()) => return Ok(Committed::Yes),
                 Err(error) => error,
             };
@@ -357,51 +348,31 @@ where
     queue_on_keys(attempt_until_committed(store, attempts, Work(work))).await
 }
 
-/// What the loop of attempts does on a store: open a session, and begin, commit and abort a
-/// transaction on it. Every store's [`Transactions`]; a store's own transactions may begin
-/// theirs another way (MongoDB's that read the latest data).
+/// The store the loop of attempts runs on, and how it begins a transaction: as every store's
+/// [`Transactions`] does, or another way for a store's own transactions (MongoDB's that read
+/// the latest data).
 pub(crate) trait Steps {
-    /// The handle of an open transaction.
-    type Session;
+    /// The store that opens the session, commits and aborts.
+    type Store: Transactions;
 
-    /// A new session to run the attempts on.
-    fn session(&self) -> impl Future<Output = Result<Self::Session>> + Send;
+    /// The store.
+    fn store(&self) -> &Self::Store;
 
     /// Starts a transaction, `budget` bounding its commit when given.
     fn begin(
         &self,
-        session: &mut Self::Session,
+        session: &mut <Self::Store as Transactions>::Session,
         budget: Option<Duration>,
-    ) -> impl Future<Output = Result<()>> + Send;
-
-    /// Sends the commit once.
-    fn commit(&self, session: &mut Self::Session) -> impl Future<Output = Result<()>> + Send;
-
-    /// Aborts the transaction.
-    fn abort(&self, session: &mut Self::Session) -> impl Future<Output = ()> + Send;
+    ) -> impl Future<Output = Result<()>> + Send {
+        Transactions::begin(self.store(), session, budget)
+    }
 }
 
 impl<T: Transactions> Steps for T {
-    type Session = T::Session;
+    type Store = T;
 
-    fn session(&self) -> impl Future<Output = Result<T::Session>> + Send {
-        Transactions::session(self)
-    }
-
-    fn begin(
-        &self,
-        session: &mut T::Session,
-        budget: Option<Duration>,
-    ) -> impl Future<Output = Result<()>> + Send {
-        Transactions::begin(self, session, budget)
-    }
-
-    fn commit(&self, session: &mut T::Session) -> impl Future<Output = Result<()>> + Send {
-        Transactions::commit(self, session)
-    }
-
-    fn abort(&self, session: &mut T::Session) -> impl Future<Output = ()> + Send {
-        Transactions::abort(self, session)
+    fn store(&self) -> &T {
+        self
     }
 }
 
@@ -478,9 +449,10 @@ pub(crate) async fn attempt_until_committed<T, B>(
 ) -> Result<B::Output>
 where
     T: Steps,
-    B: Body<T::Session>,
+    B: Body<<T::Store as Transactions>::Session>,
 {
-    let mut session = steps.session().await?;
+    let store = steps.store();
+    let mut session = store.session().await?;
     loop {
         attempts.start();
         steps
@@ -489,7 +461,7 @@ where
         let value = match as_body(body.attempt(&mut session)).await {
             Ok(value) => value,
             Err(error) => {
-                steps.abort(&mut session).await;
+                store.abort(&mut session).await;
                 if attempts.retry_after(&error).await {
                     continue;
                 }
@@ -497,10 +469,10 @@ where
             }
         };
         if let Err(error) = attempts.check_budget() {
-            steps.abort(&mut session).await;
+            store.abort(&mut session).await;
             return Err(error.into());
         }
-        match attempts.commit_with(steps, &mut session).await? {
+        match attempts.commit(store, &mut session).await? {
             Committed::Yes => return Ok(value),
             Committed::RunAgain => continue,
         }

@@ -118,7 +118,8 @@ impl MongoEventStore {
             ) -> futures::future::BoxFuture<'b, Result<R>>
             + Send,
     {
-        self.own_transaction_with(None, None, context, work).await
+        self.own_transaction_with(None, Boxed::new(context, work))
+            .await
     }
 
     /// As [`own_transaction`](Self::own_transaction), reading the latest data the primary has
@@ -137,32 +138,22 @@ impl MongoEventStore {
             ) -> futures::future::BoxFuture<'b, Result<R>>
             + Send,
     {
-        self.own_transaction_with(None, Some(ReadConcern::local()), context, work)
+        self.own_transaction_with(Some(ReadConcern::local()), Boxed::new(context, work))
             .await
     }
 
     /// The store's own transactions: the one loop of attempts, with the body's boxed future
     /// keeping the whole call `Send`.
-    async fn own_transaction_with<C, R, F>(
+    async fn own_transaction_with<C, R>(
         &self,
-        budget: Option<Duration>,
         read_concern: Option<ReadConcern>,
-        context: C,
-        work: F,
-    ) -> Result<R>
-    where
-        F: for<'b> FnMut(
-                &'b mut ClientSession,
-                &'b mut C,
-            ) -> futures::future::BoxFuture<'b, Result<R>>
-            + Send,
-    {
+        body: Boxed<'_, ClientSession, C, R>,
+    ) -> Result<R> {
         let steps = OwnSteps {
             store: self,
             read_concern,
         };
-        let attempts = Attempts::new(budget);
-        let body = Boxed::new(context, work);
+        let attempts = Attempts::new(None);
         transaction::queue_on_keys(transaction::attempt_until_committed(&steps, attempts, body))
             .await
             .map_err(map_standalone)
@@ -304,24 +295,16 @@ struct OwnSteps<'a> {
 }
 
 impl Steps for OwnSteps<'_> {
-    type Session = ClientSession;
+    type Store = MongoEventStore;
 
-    async fn session(&self) -> Result<ClientSession> {
-        self.store.new_session().await
+    fn store(&self) -> &MongoEventStore {
+        self.store
     }
 
     async fn begin(&self, session: &mut ClientSession, budget: Option<Duration>) -> Result<()> {
         self.store
             .start_transaction(session, budget, self.read_concern.clone())
             .await
-    }
-
-    async fn commit(&self, session: &mut ClientSession) -> Result<()> {
-        self.store.commit_once(session).await
-    }
-
-    async fn abort(&self, session: &mut ClientSession) {
-        self.store.abort_once(session).await;
     }
 }
 
