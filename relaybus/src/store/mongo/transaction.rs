@@ -12,7 +12,7 @@ use mongodb::{
 
 use super::{MongoEventStore, error_code, sessions::session_key};
 use crate::{
-    error::{CommitNotAcknowledgedError, ConfigurationError, Error, InvalidArgumentError, Result},
+    error::{CommitNotAcknowledgedError, ConfigurationError, Error, Result},
     store::transaction::{self, Attempts, Boxed, Steps},
 };
 
@@ -91,11 +91,7 @@ impl MongoEventStore {
     where
         F: for<'s> AsyncFnMut(&'s mut ClientSession) -> Result<R>,
     {
-        if let Err(ConfigurationError::InvalidOption { reason, .. }) =
-            transaction::validate_budget(budget)
-        {
-            return Err(InvalidArgumentError::new("budget", reason).into());
-        }
+        crate::store::checks::check_budget(budget)?;
         self.run_transaction(Some(budget), work).await
     }
 
