@@ -3,6 +3,7 @@
 pub mod batches;
 pub mod conformance;
 pub mod fault;
+pub mod hooked;
 pub mod idempotency;
 pub mod limits;
 pub mod support;
