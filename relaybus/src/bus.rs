@@ -20,7 +20,7 @@ use crate::{
     state::StateMap,
     store::{
         AppendRequest, Appended, DefaultStore, Purged, Store,
-        transaction::{self, Attempts, Committed},
+        transaction::{self, Attempts, Boxed},
     },
     telemetry::Operation,
     time::Timestamp,
@@ -524,39 +524,16 @@ impl<S: Store> RelayBus<S> {
                 .into())
             }
             None => {
-                // The transaction loop written inline: a borrowing closure handed to
-                // `transaction::run` could not be proven `Send` here.
-                let budget = Some(self.inner.transaction_timeout);
-                let mut session = store.session().await?;
-                let mut attempts =
-                    Attempts::new(budget).retry_for(self.inner.transaction_retry_limit);
-                loop {
-                    attempts.start();
-                    store
-                        .begin(&mut session, attempts.remaining_budget())
-                        .await?;
-                    let appended = match store
-                        .append_in_transaction(&mut session, &requests, self.now())
-                        .await
-                    {
-                        Ok(appended) => appended,
-                        Err(error) => {
-                            store.abort(&mut session).await;
-                            if attempts.retry_after(&error).await {
-                                continue;
-                            }
-                            return Err(attempts.give_up(error));
-                        }
-                    };
-                    if let Err(error) = attempts.check_budget() {
-                        store.abort(&mut session).await;
-                        return Err(error.into());
-                    }
-                    match attempts.commit(store, &mut session).await? {
-                        Committed::Yes => return Ok(appended),
-                        Committed::RunAgain => continue,
-                    }
-                }
+                let attempts = Attempts::new(Some(self.inner.transaction_timeout))
+                    .retry_for(self.inner.transaction_retry_limit);
+                let body = Boxed::new((self, &requests), |session, (bus, requests)| {
+                    Box::pin(
+                        bus.inner
+                            .store
+                            .append_in_transaction(session, requests, bus.now()),
+                    )
+                });
+                transaction::attempt_until_committed(store, attempts, body).await
             }
         }
     }

@@ -4,6 +4,7 @@ pub mod batches;
 pub mod conformance;
 pub mod consumer_crash;
 pub mod fault;
+pub mod hooked;
 pub mod idempotency;
 pub mod limits;
 pub mod support;

@@ -1,5 +1,5 @@
-//! Input checks the stores share, with the bounds and messages of the MongoDB store. Everything
-//! here runs before a store writes, so refused input writes nothing.
+//! Input checks every store uses, with their bounds and messages in one place. Everything here
+//! runs before a store writes, so refused input writes nothing.
 
 use std::time::Duration;
 
@@ -47,11 +47,12 @@ pub(crate) fn check_owner(owner: &str) -> Result<()> {
 }
 
 /// The distinct handler ids of a claim, checked: each well-formed, 1 to 1000 of them.
-pub(crate) fn check_handlers(handlers: &[String]) -> Result<Vec<&str>> {
+pub(crate) fn check_handlers<H: AsRef<str>>(handlers: &[H]) -> Result<Vec<&str>> {
     let mut wanted: Vec<&str> = Vec::with_capacity(handlers.len());
     for handler in handlers {
+        let handler = handler.as_ref();
         validate_handler_id(handler)?;
-        if !wanted.contains(&handler.as_str()) {
+        if !wanted.contains(&handler) {
             wanted.push(handler);
         }
     }
@@ -122,8 +123,8 @@ pub(crate) fn check_batch(count: usize, verb: &str) -> Result<()> {
 /// The distinct delivery ids among `ids` as `parse` reads them, and the ids that name no
 /// delivery the store can have made (reported as not found); refuses more than 10,000 ids,
 /// naming what `verb` does.
-pub(crate) fn parse_ids<I: PartialEq>(
-    ids: &[String],
+pub(crate) fn parse_ids<S: AsRef<str>, I: PartialEq>(
+    ids: &[S],
     verb: &str,
     parse: impl Fn(&str) -> Option<I>,
 ) -> Result<(Vec<I>, Vec<String>)> {
@@ -137,10 +138,11 @@ pub(crate) fn parse_ids<I: PartialEq>(
     let mut parsed = Vec::new();
     let mut not_found = Vec::new();
     for id in ids {
+        let id = id.as_ref();
         match parse(id) {
             Some(id) if !parsed.contains(&id) => parsed.push(id),
             Some(_) => {}
-            None => not_found.push(id.clone()),
+            None => not_found.push(id.to_owned()),
         }
     }
     Ok((parsed, not_found))
@@ -165,11 +167,34 @@ pub(crate) fn check_list_limit(limit: u32) -> Result<()> {
     if !(1..=MAX_LIST_LIMIT).contains(&limit) {
         return Err(InvalidArgumentError::new(
             "limit",
-            format!("{limit} is out of range; list 1 to 1000 deliveries at a time"),
+            format!("{limit} is out of range; list 1 to 1000 records at a time"),
         )
         .into());
     }
     Ok(())
+}
+
+/// Checks the reason of a burial, which becomes the deliveries' error: not blank.
+pub(crate) fn check_reason(reason: &str) -> Result<()> {
+    if reason.trim().is_empty() {
+        return Err(InvalidArgumentError::new(
+            "reason",
+            "the reason is empty; say why the deliveries are buried, it becomes their error",
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Checks the budget of a store's `transaction_within`: 1 ms to 60 s, as the bus's.
+#[cfg(any(feature = "memory", feature = "mongodb"))]
+pub(crate) fn check_budget(budget: Duration) -> Result<()> {
+    crate::store::transaction::validate_budget(budget).map_err(|error| match error {
+        crate::error::ConfigurationError::InvalidOption { reason, .. } => {
+            InvalidArgumentError::new("budget", reason).into()
+        }
+        error => error.into(),
+    })
 }
 
 /// `message`, cut at a character boundary to at most `limit` bytes.
@@ -208,7 +233,11 @@ mod tests {
             add(Timestamp::from_millis(1), Duration::from_secs(1)).unwrap(),
             Timestamp::from_millis(1001)
         );
-        assert!(check_handlers(&[]).is_err());
+        assert!(check_handlers::<String>(&[]).is_err());
+        assert!(check_reason(" ").is_err());
+        assert!(check_reason("poison").is_ok());
+        assert!(check_budget(Duration::ZERO).is_err());
+        assert!(check_budget(Duration::from_secs(1)).is_ok());
         assert!(check_handlers(&["no good".to_owned()]).is_err());
         assert_eq!(
             check_handlers(&["a".to_owned(), "a".to_owned()]).unwrap(),

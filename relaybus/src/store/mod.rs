@@ -78,7 +78,7 @@
 
 pub mod administration;
 mod append;
-#[cfg(any(feature = "memory", feature = "postgres"))]
+#[cfg(any(feature = "memory", feature = "postgres", feature = "mongodb"))]
 mod checks;
 mod idempotency;
 mod inspect;

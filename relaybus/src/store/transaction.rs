@@ -7,16 +7,19 @@
 //! [`Attempts`].
 
 use std::{
+    marker::PhantomData,
     sync::Mutex,
     time::{Duration, Instant},
 };
+
+use futures::future::BoxFuture;
 
 use rand::Rng;
 // The attempts' clock: Tokio's, which is the system's monotonic clock unless a test paused it,
 // so that the retry limit and the budget can be tested on paused time.
 use tokio::time::Instant as Moment;
 
-use super::Store;
+use super::{Store, Transactions};
 use crate::error::{ConfigurationError, Error, Result, TransactionTimeoutError};
 
 /// How long a transaction is retried after transient errors, as MongoDB's drivers do.
@@ -270,7 +273,7 @@ impl Attempts {
     /// `maxCommitTimeMS` (the budget's remainder), or a transient commit error left no budget
     /// to run the transaction again. A commit whose result is unknown is sent again until the
     /// retry deadline, past the budget: it may have committed, and only another send tells.
-    pub async fn commit<S: Store>(
+    pub async fn commit<S: Transactions>(
         &mut self,
         store: &S,
         session: &mut S::Session,
@@ -341,27 +344,121 @@ where
     S: Store,
     F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
 {
-    queue_on_keys(attempt_until_committed(store, budget, retry_limit, work)).await
+    let attempts = Attempts::new(budget).retry_for(retry_limit);
+    queue_on_keys(attempt_until_committed(store, attempts, Work(work))).await
 }
 
-async fn attempt_until_committed<S, R, F>(
-    store: &S,
-    budget: Option<Duration>,
-    retry_limit: Duration,
-    mut work: F,
-) -> Result<R>
+/// The store the loop of attempts runs on, and how it begins a transaction: as every store's
+/// [`Transactions`] does, or another way for a store's own transactions (MongoDB's that read
+/// the latest data).
+pub(crate) trait Steps {
+    /// The store that opens the session, commits and aborts.
+    type Store: Transactions;
+
+    /// The store.
+    fn store(&self) -> &Self::Store;
+
+    /// Starts a transaction, `budget` bounding its commit when given.
+    fn begin(
+        &self,
+        session: &mut <Self::Store as Transactions>::Session,
+        budget: Option<Duration>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        Transactions::begin(self.store(), session, budget)
+    }
+}
+
+impl<T: Transactions> Steps for T {
+    type Store = T;
+
+    fn store(&self) -> &T {
+        self
+    }
+}
+
+/// What each attempt of a transaction runs on the attempt's session.
+pub(crate) trait Body<S> {
+    /// The value of the attempt that commits.
+    type Output;
+
+    /// Runs the body once.
+    fn attempt<'b>(
+        &'b mut self,
+        session: &'b mut S,
+    ) -> impl Future<Output = Result<Self::Output>> + 'b;
+}
+
+/// The body of [`run`]: the caller's async closure, whose future is `Send` wherever the
+/// caller's is.
+struct Work<F>(F);
+
+impl<S, R, F> Body<S> for Work<F>
 where
-    S: Store,
-    F: for<'s> AsyncFnMut(&'s mut S::Session) -> Result<R>,
+    F: for<'s> AsyncFnMut(&'s mut S) -> Result<R>,
 {
+    type Output = R;
+
+    fn attempt<'b>(&'b mut self, session: &'b mut S) -> impl Future<Output = Result<R>> + 'b {
+        (self.0)(session)
+    }
+}
+
+/// A body that returns a boxed future, with what it borrows in `context`: for the loops of
+/// the bus and of the stores' own transactions, whose futures must be `Send`. The compiler
+/// cannot prove a borrowing closure's future `Send` for every lifetime of the session; a
+/// boxed future says it in its type.
+pub(crate) struct Boxed<'a, S, C, R> {
+    context: C,
+    #[allow(clippy::type_complexity)]
+    work: Box<dyn for<'b> FnMut(&'b mut S, &'b mut C) -> BoxFuture<'b, Result<R>> + Send + 'a>,
+    /// Ties `R` to the lifetimes of `Boxed`, so that a boxed future may return it.
+    output: PhantomData<R>,
+}
+
+impl<'a, S, C, R> Boxed<'a, S, C, R> {
+    /// The body `work`, which gets the session and `context` on each attempt.
+    pub(crate) fn new<F>(context: C, work: F) -> Self
+    where
+        F: for<'b> FnMut(&'b mut S, &'b mut C) -> BoxFuture<'b, Result<R>> + Send + 'a,
+    {
+        Boxed {
+            context,
+            work: Box::new(work),
+            output: PhantomData,
+        }
+    }
+}
+
+impl<S, C, R> Body<S> for Boxed<'_, S, C, R> {
+    type Output = R;
+
+    #[allow(refining_impl_trait)]
+    fn attempt<'b>(&'b mut self, session: &'b mut S) -> BoxFuture<'b, Result<R>> {
+        (self.work)(session, &mut self.context)
+    }
+}
+
+/// The loop of a transaction's attempts, the one that [`run`], the bus's publish and the
+/// stores' own transactions share: each attempt begins a transaction on one session, runs
+/// `body`, and commits; a transient error aborts the attempt and runs the whole body again,
+/// as [`attempts`](Attempts) allow.
+pub(crate) async fn attempt_until_committed<T, B>(
+    steps: &T,
+    mut attempts: Attempts,
+    mut body: B,
+) -> Result<B::Output>
+where
+    T: Steps,
+    B: Body<<T::Store as Transactions>::Session>,
+{
+    let store = steps.store();
     let mut session = store.session().await?;
-    let mut attempts = Attempts::new(budget).retry_for(retry_limit);
     loop {
         attempts.start();
-        store
+        steps
             .begin(&mut session, attempts.remaining_budget())
             .await?;
-        let value = match as_body(work(&mut session)).await {
+        let value = match as_body(body.attempt(&mut session)).await {
             Ok(value) => value,
             Err(error) => {
                 store.abort(&mut session).await;

@@ -1,84 +1,14 @@
 //! Appending events and their deliveries to a transaction.
 
-use std::collections::HashMap;
-
 use super::{
     session::{Transaction, TxEvent},
     state::{Delivery, State, StoredEvent, Target},
 };
 use crate::{
     error::{EventValidationError, Result},
-    event::EventEnvelope,
-    handler::validate_handler_id,
-    store::{AppendRequest, Appended, DeliveryStatus},
+    store::{Appended, DeliveryStatus, append::Merged},
     time::Timestamp,
 };
-
-/// An event as one append sees it: the envelope and the handlers asked for.
-#[derive(Debug)]
-pub(super) struct Item<'a> {
-    event: &'a EventEnvelope,
-    handlers: Vec<&'a str>,
-    /// The handlers among them whose deliveries ignore the key: those that every request of
-    /// the event named unordered.
-    unordered: Vec<&'a str>,
-    due_at: Option<Timestamp>,
-}
-
-/// Validates a batch before anything is written: every handler id well-formed, and an id named
-/// twice only for one event type (its requests merged: the union of the handlers, unordered
-/// only where every request says so).
-pub(super) fn prepare<'a>(requests: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
-    let mut items: Vec<Item<'a>> = Vec::with_capacity(requests.len());
-    let mut index_of: HashMap<&'a str, usize> = HashMap::new();
-    for request in requests {
-        for handler in request.handlers {
-            validate_handler_id(handler)?;
-        }
-        let event = request.event;
-        if let Some(item) = index_of.get(event.id()).and_then(|at| items.get_mut(*at)) {
-            if item.event.event_type() != event.event_type() {
-                return Err(EventValidationError::IdReused {
-                    id: event.id().to_owned(),
-                    existing_type: item.event.event_type().to_owned(),
-                    event_type: event.event_type().to_owned(),
-                }
-                .into());
-            }
-            for handler in request.handlers {
-                let unordered = request.unordered.contains(handler);
-                if !item.handlers.contains(&handler.as_str()) {
-                    item.handlers.push(handler);
-                    if unordered {
-                        item.unordered.push(handler);
-                    }
-                } else if !unordered {
-                    // Held to the key's order by one request: ordered.
-                    item.unordered.retain(|h| h != handler);
-                }
-            }
-            continue;
-        }
-        let mut handlers: Vec<&str> = Vec::with_capacity(request.handlers.len());
-        let mut unordered: Vec<&str> = Vec::new();
-        for handler in request.handlers {
-            if !handlers.contains(&handler.as_str()) {
-                handlers.push(handler);
-                if request.unordered.contains(handler) {
-                    unordered.push(handler);
-                }
-            }
-        }
-        index_of.insert(event.id(), items.len());
-        items.push(Item {
-            event,
-            handlers,
-            unordered,
-            due_at: request.due_at,
-        });
-    }
-    Ok(items)
-}
 
 /// What the transaction sees of an event it appends.
 struct Visible {
@@ -95,7 +25,7 @@ struct Visible {
 pub(super) fn append(
     state: &mut State,
     transaction: &mut Transaction,
-    items: &[Item<'_>],
+    items: &[Merged<'_>],
     now: Timestamp,
 ) -> Result<Vec<Appended>> {
     // 1. What the transaction sees of each event, and the type check.

@@ -40,7 +40,7 @@ impl MemoryEventStore {
         now: Timestamp,
         operation: &'static str,
     ) -> Result<Vec<Appended>> {
-        let items = append::prepare(requests)?;
+        let items = crate::store::append::merge(requests)?;
         let transaction = self.open(session, operation)?;
         if items.is_empty() {
             return Ok(Vec::new());

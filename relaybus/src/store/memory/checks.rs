@@ -3,8 +3,8 @@
 
 use super::claim::MemoryDeliveryId;
 pub(super) use crate::store::checks::{
-    add, check_batch, check_handlers, check_lease_duration, check_limit, check_list_limit,
-    check_owner,
+    add, check_batch, check_budget, check_handlers, check_lease_duration, check_limit,
+    check_list_limit, check_owner, check_reason,
 };
 use crate::{
     error::{InvalidArgumentError, Result, truncate_for_message},

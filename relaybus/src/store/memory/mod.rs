@@ -170,7 +170,7 @@ pub use claim::{MemoryDeliveryId, MemoryLease};
 pub use error::MemoryStoreError;
 pub use session::MemorySession;
 
-use crate::{error::InvalidArgumentError, store::transaction};
+use crate::store::transaction;
 
 /// How many commits with new deliveries a watcher may fall behind before it is told to look
 /// anyway (a lagging watcher gets one wake-up, never an error).
@@ -303,11 +303,7 @@ impl MemoryEventStore {
     where
         F: for<'s> AsyncFnMut(&'s mut MemorySession) -> crate::Result<R>,
     {
-        if let Err(crate::ConfigurationError::InvalidOption { reason, .. }) =
-            transaction::validate_budget(budget)
-        {
-            return Err(InvalidArgumentError::new("budget", reason).into());
-        }
+        checks::check_budget(budget)?;
         transaction::run(self, Some(budget), work).await
     }
 }

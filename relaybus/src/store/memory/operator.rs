@@ -8,7 +8,7 @@ use super::{
     state::{Delivery, State, Target},
 };
 use crate::{
-    error::{InvalidArgumentError, Result},
+    error::Result,
     store::{
         Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus, Discarded, HandlerStatistics,
         PendingState, PurgeOptions, Purged, Requeued, Statistics,
@@ -246,13 +246,7 @@ pub(super) fn bury_by_id(
     now: Timestamp,
 ) -> Result<Buried> {
     let (parsed, not_found) = parse_ids(ids, "bury")?;
-    if reason.trim().is_empty() {
-        return Err(InvalidArgumentError::new(
-            "reason",
-            "the reason is empty; say why the deliveries are buried, it becomes their error",
-        )
-        .into());
-    }
+    super::checks::check_reason(reason)?;
     let error = format!("buried by an operator: {}", clip_error(reason));
     let mut outcome = Buried {
         not_found,

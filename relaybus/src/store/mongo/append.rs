@@ -21,7 +21,6 @@ use crate::store::{AppendRequest, Appended, transaction};
 use crate::{
     error::{DatabaseError, EventValidationError, Result},
     event::{EventEnvelope, lane_of},
-    handler::validate_handler_id,
 };
 
 /// MongoDB's largest document, in bytes.
@@ -653,57 +652,17 @@ fn check_types(
 
 /// Validates a batch and builds the event documents, before anything touches the database.
 fn prepare<'a>(events: &[AppendRequest<'a>]) -> Result<Vec<Item<'a>>> {
-    let mut items: Vec<Item<'a>> = Vec::with_capacity(events.len());
-    let mut index_of: HashMap<&'a str, usize> = HashMap::new();
-    for request in events {
-        for handler in request.handlers {
-            validate_handler_id(handler)?;
-        }
-        if let Some(&at) = index_of.get(request.event.id.as_str()) {
-            // The same id twice in one batch: one event, with the union of the handlers.
-            let item = &mut items[at];
-            if item.event.event_type != request.event.event_type {
-                return Err(EventValidationError::IdReused {
-                    id: request.event.id.clone(),
-                    existing_type: item.event.event_type.clone(),
-                    event_type: request.event.event_type.clone(),
-                }
-                .into());
-            }
-            for handler in request.handlers {
-                let unordered = request.unordered.contains(handler);
-                if !item.handlers.contains(&handler.as_str()) {
-                    item.handlers.push(handler);
-                    if unordered {
-                        item.unordered.push(handler);
-                    }
-                } else if !unordered {
-                    // Held to the key's order by one request: ordered.
-                    item.unordered.retain(|h| h != handler);
-                }
-            }
-            continue;
-        }
-        let mut handlers: Vec<&str> = Vec::with_capacity(request.handlers.len());
-        let mut unordered: Vec<&str> = Vec::new();
-        for handler in request.handlers {
-            if !handlers.contains(&handler.as_str()) {
-                handlers.push(handler);
-                if request.unordered.contains(handler) {
-                    unordered.push(handler);
-                }
-            }
-        }
-        index_of.insert(&request.event.id, items.len());
-        items.push(Item {
-            event: request.event,
-            handlers,
-            unordered,
+    let mut items: Vec<Item<'a>> = crate::store::append::merge(events)?
+        .into_iter()
+        .map(|merged| Item {
+            event: merged.event,
+            handlers: merged.handlers,
+            unordered: merged.unordered,
             document: Document::new(),
             sequence: None,
-            due_at: request.due_at.map(super::bson_date),
-        });
-    }
+            due_at: merged.due_at.map(super::bson_date),
+        })
+        .collect();
     for item in &mut items {
         item.document = event_document(item.event, &item.handlers);
         // Count the sequence a keyed event will get, and the mark of a fresh one, so the size

@@ -20,10 +20,7 @@ use super::{
     lease::{Facts, Lease, generation_filter},
     schema::{QUICK_COMPLETION, field, path, status},
 };
-use crate::error::{InvalidArgumentError, Result};
-
-/// The most leases one `complete_many` settles.
-pub(crate) const MAX_COMPLETE_BATCH: usize = 10_000;
+use crate::{error::Result, store::checks};
 
 /// The epoch of each lane and which of the leased deliveries it lists.
 type Listings = HashMap<i32, (i64, HashSet<ObjectId>)>;
@@ -94,16 +91,7 @@ impl MongoEventStore {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        if leases.len() > MAX_COMPLETE_BATCH {
-            return Err(InvalidArgumentError::new(
-                "leases",
-                format!(
-                    "{} leases given; complete at most 10000 at a time",
-                    leases.len()
-                ),
-            )
-            .into());
-        }
+        checks::check_batch(leases.len(), "complete")?;
         let outcome = if self.inner.completion_history {
             self.own_transaction((self, leases, now), |session, (store, leases, now)| {
                 Box::pin(store.complete_in(session, leases, *now))

@@ -13,16 +13,11 @@ use super::{
     append::check_write_reply,
     schema::{field, path},
 };
-use crate::error::{Error, InvalidArgumentError, Result};
+use crate::{
+    error::Result,
+    store::checks::{self, MAX_ERROR_BYTES, MAX_HISTORY_ERROR_BYTES, clip_to},
+};
 
-/// The largest claim batch.
-pub(crate) const MAX_CLAIM_LIMIT: u32 = 10_000;
-/// The longest lease a claim or renewal gives.
-pub(crate) const MAX_LEASE: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
-/// The longest owner name, in bytes.
-pub(crate) const MAX_OWNER_BYTES: usize = 256;
-/// The longest error message kept on a delivery, in bytes.
-pub(crate) const MAX_ERROR_BYTES: usize = 8 * 1024;
 /// Write statements per `update` command.
 pub(crate) const STATEMENTS_PER_COMMAND: usize = 1_000;
 
@@ -253,60 +248,13 @@ pub(crate) fn string(doc: &Document, key: &str) -> Option<String> {
 
 /// `now + duration`, refused when it leaves the range of a BSON date.
 pub(crate) fn add(now: DateTime, duration: std::time::Duration) -> Result<DateTime> {
-    i64::try_from(duration.as_millis())
-        .ok()
-        .and_then(|ms| now.timestamp_millis().checked_add(ms))
-        .map(DateTime::from_millis)
-        .ok_or_else(|| {
-            InvalidArgumentError::new(
-                "now",
-                "now plus the lease duration is past the year 292 million",
-            )
-            .into()
-        })
-}
-
-/// Checks a lease duration: 1 ms to 7 days.
-pub(crate) fn check_lease_duration(duration: std::time::Duration) -> Result<()> {
-    if duration.as_millis() < 1 || duration > MAX_LEASE {
-        return Err(InvalidArgumentError::new(
-            "lease_duration",
-            format!("{duration:?} is out of range; use 1 ms to 7 days"),
-        )
-        .into());
-    }
-    Ok(())
-}
-
-/// Checks an owner name: 1 to 256 bytes without control characters.
-pub(crate) fn check_owner(owner: &str) -> Result<()> {
-    let reason = if owner.is_empty() {
-        Some("it is empty")
-    } else if owner.len() > MAX_OWNER_BYTES {
-        Some("it is longer than 256 bytes")
-    } else if owner.chars().any(char::is_control) {
-        Some("it contains a control character")
-    } else {
-        None
-    };
-    match reason {
-        Some(reason) => Err(Error::from(InvalidArgumentError::new(
-            "owner",
-            format!(
-                "{reason}; use 1 to 256 bytes without control characters, such as `host-1:4711`"
-            ),
-        ))),
-        None => Ok(()),
-    }
+    checks::add(now.into(), duration).map(DateTime::from)
 }
 
 /// An error message cut to at most 8 KiB, at a character boundary.
 pub(crate) fn clip_error(message: &str) -> &str {
     clip_to(message, MAX_ERROR_BYTES)
 }
-
-/// The most bytes of an error kept in a delivery's error history.
-pub(crate) const MAX_HISTORY_ERROR_BYTES: usize = 1024;
 
 /// The failed attempt appended to a delivery's error history, the last
 /// [`MAX_ERROR_HISTORY`](crate::store::MAX_ERROR_HISTORY) kept: an aggregation expression for a
@@ -324,18 +272,6 @@ pub(crate) fn push_error(error: &str, now: DateTime) -> Bson {
         { "$concatArrays": [{ "$ifNull": [format!("${}", field::ERRORS), []] }, [entry]] },
         -limit,
     ] })
-}
-
-/// `message`, cut at a character boundary to at most `limit` bytes.
-fn clip_to(message: &str, limit: usize) -> &str {
-    if message.len() <= limit {
-        return message;
-    }
-    let mut end = limit;
-    while !message.is_char_boundary(end) {
-        end -= 1;
-    }
-    &message[..end]
 }
 
 /// The number of documents an `update` or `delete` command reply says it matched.
@@ -392,13 +328,6 @@ mod tests {
 
     #[test]
     fn arguments_are_checked() {
-        assert!(check_owner("host-1:4711").is_ok());
-        assert!(check_owner("").is_err());
-        assert!(check_owner("a\nb").is_err());
-        assert!(check_owner(&"a".repeat(257)).is_err());
-        assert!(check_lease_duration(std::time::Duration::ZERO).is_err());
-        assert!(check_lease_duration(std::time::Duration::from_secs(30)).is_ok());
-        assert!(check_lease_duration(MAX_LEASE + std::time::Duration::from_secs(1)).is_err());
         assert!(add(DateTime::MAX, std::time::Duration::from_secs(1)).is_err());
         assert_eq!(
             add(DateTime::from_millis(1), std::time::Duration::from_secs(1)).unwrap(),

@@ -15,21 +15,17 @@ use mongodb::{
 
 use super::{
     MongoEventStore, bson_date,
-    lane::{check_owner, int, int32, object_ids, string},
+    lane::{int, int32, object_ids, string},
     schema,
     schema::{field, index, path, status},
     timestamp,
 };
-use crate::error::{InvalidArgumentError, Result};
+use crate::error::Result;
+use crate::store::checks::{self, check_owner};
 use crate::store::{
     AttemptError, Buried, DeliveryQuery, DeliveryRecord, DeliveryStatus, Discarded,
     HandlerStatistics, PendingState, Requeued, Statistics,
 };
-
-/// The most records one listing returns.
-pub(crate) const MAX_LIST_LIMIT: u32 = 1_000;
-/// The most ids one requeue takes.
-pub(crate) const MAX_REQUEUE: usize = 10_000;
 
 /// The handler and ordering key of a delivery document, if it is held to its key's order: a
 /// delivery marked `unordered` keeps its key for operators only.
@@ -43,24 +39,12 @@ fn ordered_key_of(doc: &Document) -> Option<(String, String)> {
 /// The distinct ObjectIds among `ids`, and the ids that are not ObjectIds (which never reach a
 /// query); refuses more than 10,000 ids, naming what `verb` does.
 fn parse_ids<S: AsRef<str>>(ids: &[S], verb: &str) -> Result<(Vec<ObjectId>, Vec<String>)> {
-    if ids.len() > MAX_REQUEUE {
-        return Err(InvalidArgumentError::new(
-            "ids",
-            format!("{} ids given; {verb} at most 10000 at a time", ids.len()),
-        )
-        .into());
-    }
-    let mut parsed = Vec::new();
-    let mut not_found = Vec::new();
-    for id in ids {
-        let id = id.as_ref();
-        match ObjectId::parse_str(id) {
-            Ok(oid) if !parsed.contains(&oid) => parsed.push(oid),
-            Ok(_) => {}
-            Err(_) => not_found.push(id.to_owned()),
-        }
-    }
-    Ok((parsed, not_found))
+    checks::parse_ids(ids, verb, parse_id)
+}
+
+/// A delivery id, when it is one this store can have made.
+fn parse_id(id: &str) -> Option<ObjectId> {
+    ObjectId::parse_str(id).ok()
 }
 
 /// Whether the server refused a query because its hinted index does not exist.
@@ -470,30 +454,13 @@ impl MongoEventStore {
     ///
     /// Cancel safe: it only reads.
     pub async fn list_deliveries(&self, query: &DeliveryQuery) -> Result<Vec<DeliveryRecord>> {
-        if !(1..=MAX_LIST_LIMIT).contains(&query.limit) {
-            return Err(InvalidArgumentError::new(
-                "limit",
-                format!(
-                    "{} is out of range; list 1 to 1000 records at a time",
-                    query.limit
-                ),
-            )
-            .into());
-        }
+        checks::check_list_limit(query.limit)?;
         let inner = &self.inner;
         let base = query_filter(query);
         let mut base = base;
         let mut after_id = None;
         if let Some(after) = &query.after {
-            let after = ObjectId::parse_str(after).map_err(|_| {
-                InvalidArgumentError::new(
-                    "after",
-                    format!(
-                        "{:?} is not a delivery id; pass the `id` of the last record of the previous page",
-                        crate::error::truncate_for_message(after, 64)
-                    ),
-                )
-            })?;
+            let after = checks::parse_after(after, parse_id)?;
             after_id = Some(after);
             base.insert(field::ID, doc! { "$gt": after });
         }
@@ -861,13 +828,7 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<Buried> {
         let (parsed, mut not_found) = parse_ids(ids, "bury")?;
-        if reason.trim().is_empty() {
-            return Err(InvalidArgumentError::new(
-                "reason",
-                "the reason is empty; say why the deliveries are buried, it becomes their error",
-            )
-            .into());
-        }
+        checks::check_reason(reason)?;
         if parsed.is_empty() {
             return Ok(Buried {
                 not_found,

@@ -14,11 +14,11 @@ use mongodb::{
 
 use super::{
     MongoEventStore,
-    lane::{add, check_lease_duration, clip_error, push_error},
+    lane::{add, clip_error, push_error},
     lease::Lease,
     schema::{field, lane, status},
 };
-use crate::error::Result;
+use crate::{error::Result, store::checks::check_lease_duration};
 
 /// How a claim ends.
 #[derive(Debug, Clone, Copy)]

@@ -12,8 +12,8 @@ use mongodb::{
 
 use super::{MongoEventStore, error_code, sessions::session_key};
 use crate::{
-    error::{CommitNotAcknowledgedError, ConfigurationError, Error, InvalidArgumentError, Result},
-    store::transaction::{self, Attempts, Committed},
+    error::{CommitNotAcknowledgedError, ConfigurationError, Error, Result},
+    store::transaction::{self, Attempts, Boxed, Steps},
 };
 
 /// `IllegalOperation`, returned by a standalone server to transaction numbers.
@@ -91,11 +91,7 @@ impl MongoEventStore {
     where
         F: for<'s> AsyncFnMut(&'s mut ClientSession) -> Result<R>,
     {
-        if let Err(ConfigurationError::InvalidOption { reason, .. }) =
-            transaction::validate_budget(budget)
-        {
-            return Err(InvalidArgumentError::new("budget", reason).into());
-        }
+        crate::store::checks::check_budget(budget)?;
         self.run_transaction(Some(budget), work).await
     }
 
@@ -113,11 +109,13 @@ impl MongoEventStore {
     pub(crate) async fn own_transaction<C, R, F>(&self, context: C, work: F) -> Result<R>
     where
         F: for<'b> FnMut(
-            &'b mut ClientSession,
-            &'b mut C,
-        ) -> futures::future::BoxFuture<'b, Result<R>>,
+                &'b mut ClientSession,
+                &'b mut C,
+            ) -> futures::future::BoxFuture<'b, Result<R>>
+            + Send,
     {
-        self.own_transaction_with(None, None, context, work).await
+        self.own_transaction_with(None, Boxed::new(context, work))
+            .await
     }
 
     /// As [`own_transaction`](Self::own_transaction), reading the latest data the primary has
@@ -131,58 +129,30 @@ impl MongoEventStore {
     ) -> Result<R>
     where
         F: for<'b> FnMut(
-            &'b mut ClientSession,
-            &'b mut C,
-        ) -> futures::future::BoxFuture<'b, Result<R>>,
+                &'b mut ClientSession,
+                &'b mut C,
+            ) -> futures::future::BoxFuture<'b, Result<R>>
+            + Send,
     {
-        self.own_transaction_with(None, Some(ReadConcern::local()), context, work)
+        self.own_transaction_with(Some(ReadConcern::local()), Boxed::new(context, work))
             .await
     }
 
-    /// The loop of the store's own transactions: [`transaction::Attempts`] with the body
-    /// written inline, which the compiler can prove `Send` where a borrowing closure passed
-    /// to [`transaction::run`] cannot be.
-    async fn own_transaction_with<C, R, F>(
+    /// The store's own transactions: the one loop of attempts, with the body's boxed future
+    /// keeping the whole call `Send`.
+    async fn own_transaction_with<C, R>(
         &self,
-        budget: Option<Duration>,
         read_concern: Option<ReadConcern>,
-        mut context: C,
-        mut work: F,
-    ) -> Result<R>
-    where
-        F: for<'b> FnMut(
-            &'b mut ClientSession,
-            &'b mut C,
-        ) -> futures::future::BoxFuture<'b, Result<R>>,
-    {
-        transaction::queue_on_keys(async move {
-            let mut session = self.new_session().await?;
-            let mut attempts = Attempts::new(budget);
-            loop {
-                attempts.start();
-                self.start_transaction(&mut session, budget, read_concern.clone())
-                    .await?;
-                let value = match transaction::as_body(work(&mut session, &mut context)).await {
-                    Ok(value) => value,
-                    Err(error) => {
-                        self.abort_once(&mut session).await;
-                        if attempts.retry_after(&error).await {
-                            continue;
-                        }
-                        return Err(map_standalone(error));
-                    }
-                };
-                if let Err(error) = attempts.check_budget() {
-                    self.abort_once(&mut session).await;
-                    return Err(error.into());
-                }
-                match attempts.commit(self, &mut session).await? {
-                    Committed::Yes => return Ok(value),
-                    Committed::RunAgain => continue,
-                }
-            }
-        })
-        .await
+        body: Boxed<'_, ClientSession, C, R>,
+    ) -> Result<R> {
+        let steps = OwnSteps {
+            store: self,
+            read_concern,
+        };
+        let attempts = Attempts::new(None);
+        transaction::queue_on_keys(transaction::attempt_until_committed(&steps, attempts, body))
+            .await
+            .map_err(map_standalone)
     }
 
     /// A session, once the server was seen to support transactions.
@@ -313,6 +283,27 @@ impl MongoEventStore {
 }
 
 /// Turns the server's refusal of transaction numbers into the configuration error it stands for.
+/// The steps of the store's own transactions: those of every transaction, begun with the
+/// read concern they ask for.
+struct OwnSteps<'a> {
+    store: &'a MongoEventStore,
+    read_concern: Option<ReadConcern>,
+}
+
+impl Steps for OwnSteps<'_> {
+    type Store = MongoEventStore;
+
+    fn store(&self) -> &MongoEventStore {
+        self.store
+    }
+
+    async fn begin(&self, session: &mut ClientSession, budget: Option<Duration>) -> Result<()> {
+        self.store
+            .start_transaction(session, budget, self.read_concern.clone())
+            .await
+    }
+}
+
 fn map_standalone(error: Error) -> Error {
     if let Error::Database(e) = &error
         && error_code(e) == Some(ILLEGAL_OPERATION)

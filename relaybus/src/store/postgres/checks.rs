@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 pub(super) use crate::store::checks::{
-    add, check_batch, check_lease_duration, check_limit, check_list_limit, check_owner,
+    add, check_batch, check_handlers, check_lease_duration, check_limit, check_list_limit,
+    check_owner, check_reason,
 };
 use crate::{
     error::{EventValidationError, InvalidArgumentError, Result, truncate_for_message},
@@ -18,14 +19,6 @@ use crate::{
 
 /// The longest lead role name, in bytes.
 const MAX_ROLE_BYTES: usize = 128;
-
-/// The distinct handler ids of a claim, checked: each well-formed, 1 to 1000 of them.
-pub(super) fn check_handlers(handlers: &[String]) -> Result<Vec<String>> {
-    Ok(checks::check_handlers(handlers)?
-        .into_iter()
-        .map(str::to_owned)
-        .collect())
-}
 
 /// A delivery id as text, when it is one this store can have made.
 pub(super) fn parse_id(id: &str) -> Option<i64> {
@@ -125,10 +118,6 @@ mod tests {
 
     #[test]
     fn arguments_are_checked() {
-        assert_eq!(
-            check_handlers(&["a".to_owned(), "a".to_owned()]).unwrap(),
-            ["a"]
-        );
         assert!(check_role("gauges", Duration::from_secs(1)).is_ok());
         assert!(check_role("", Duration::from_secs(1)).is_err());
         assert!(check_role("gauges", Duration::ZERO).is_err());

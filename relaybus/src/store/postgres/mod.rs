@@ -229,7 +229,7 @@ pub use session::PostgresSession;
 
 use crate::{
     error::{ConfigurationError, DatabaseError, Error, Result},
-    store::transaction::{Attempts, RETRY_LIMIT},
+    store::transaction::{self, Attempts, Boxed, RETRY_LIMIT},
 };
 
 /// The default schema.
@@ -329,34 +329,18 @@ impl PostgresEventStore {
     /// Runs `work` with `context` in a transaction of its own on a pooled connection, running
     /// it again after a transient error (a deadlock, a serialization failure) for up to
     /// [`RETRY_LIMIT`].
-    pub(crate) async fn own_transaction<C, R, F>(&self, context: &C, mut work: F) -> Result<R>
+    pub(crate) async fn own_transaction<C, R, F>(&self, context: &C, work: F) -> Result<R>
     where
         C: Sync + ?Sized,
         F: for<'c> FnMut(&'c mut PgConnection, &'c C) -> BoxFuture<'c, Result<R>> + Send,
         R: Send,
     {
-        let mut attempts = Attempts::new(None).retry_for(RETRY_LIMIT);
-        loop {
-            attempts.start();
-            let mut transaction = self.inner.pool.begin().await.map_err(db_error)?;
-            let outcome = match work(&mut transaction, context).await {
-                Ok(value) => transaction.commit().await.map(|()| value).map_err(db_error),
-                Err(error) => {
-                    // Dropping it rolls it back; saying so frees the connection sooner.
-                    let _ = transaction.rollback().await;
-                    Err(error)
-                }
-            };
-            match outcome {
-                Ok(value) => return Ok(value),
-                Err(error) => {
-                    if attempts.retry_after(&error).await {
-                        continue;
-                    }
-                    return Err(error);
-                }
-            }
-        }
+        let attempts = Attempts::new(None).retry_for(RETRY_LIMIT);
+        let body = Boxed::new(
+            (context, work),
+            |session: &mut PostgresSession, (context, work)| work(session.connection(), context),
+        );
+        transaction::attempt_until_committed(self, attempts, body).await
     }
 }
 

@@ -12,7 +12,7 @@ use super::{
     db_error,
 };
 use crate::{
-    error::{InvalidArgumentError, Result},
+    error::Result,
     event::LANE_COUNT,
     store::{
         AttemptError, BlockedKey, Buried, DeadLetterGroup, DeliveryQuery, DeliveryRecord,
@@ -465,13 +465,7 @@ impl PostgresEventStore {
         now: Timestamp,
     ) -> Result<Buried> {
         let (parsed, mut not_found) = checks::parse_ids(ids, "bury")?;
-        if reason.trim().is_empty() {
-            return Err(InvalidArgumentError::new(
-                "reason",
-                "the reason is empty; say why the deliveries are buried, it becomes their error",
-            )
-            .into());
-        }
+        checks::check_reason(reason)?;
         if parsed.is_empty() {
             return Ok(Buried {
                 not_found,

@@ -55,21 +55,19 @@ use self::{
 };
 use super::{
     MongoEventStore,
-    lane::{Lane, MAX_CLAIM_LIMIT, add, check_lease_duration, check_owner},
+    lane::{Lane, add},
     lease::{Lease, OwnerState},
     schema::{field, status},
     sessions::DEFAULT_HEARTBEAT_EXPIRY,
 };
 use crate::{
-    error::{InvalidArgumentError, Result},
+    error::Result,
     event::EventEnvelope,
-    handler::validate_handler_id,
+    store::checks::{check_handlers, check_lease_duration, check_limit, check_owner},
 };
 
 /// Further passes of a claim that found nothing after it lost lanes to other claimers.
 const RACE_RETRIES: usize = 2;
-/// The most handlers one claim serves.
-const MAX_HANDLERS: usize = 1_000;
 /// How often a member tries to take owned lanes another holder held.
 const TAKE_INTERVAL: Duration = Duration::from_millis(250);
 /// How many claims in a row take the owner's lanes as its last record left them: then one
@@ -246,31 +244,8 @@ impl MongoEventStore {
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>> {
         check_owner(owner)?;
-        let mut wanted: Vec<&str> = Vec::with_capacity(handlers.len());
-        for handler in handlers {
-            let handler = handler.as_ref();
-            validate_handler_id(handler)?;
-            if !wanted.contains(&handler) {
-                wanted.push(handler);
-            }
-        }
-        if wanted.is_empty() || wanted.len() > MAX_HANDLERS {
-            return Err(InvalidArgumentError::new(
-                "handlers",
-                format!(
-                    "{} handlers given; claim for 1 to 1000 handlers",
-                    wanted.len()
-                ),
-            )
-            .into());
-        }
-        if !(1..=MAX_CLAIM_LIMIT).contains(&limit) {
-            return Err(InvalidArgumentError::new(
-                "limit",
-                format!("{limit} is out of range; claim 1 to 10000 deliveries at a time"),
-            )
-            .into());
-        }
+        let wanted = check_handlers(handlers)?;
+        check_limit(limit)?;
         check_lease_duration(lease_duration)?;
         let expires_at = add(now, lease_duration)?;
         let inner = &self.inner;

@@ -14,10 +14,13 @@ use mongodb::bson::{DateTime, Document, RawDocument, RawDocumentBuf, doc, oid::O
 use super::pick::Picking;
 use crate::{
     error::Result,
-    store::mongo::{
-        MongoEventStore,
-        lane::{MAX_CLAIM_LIMIT, int, int32, string, whole_number},
-        schema::{field, index, lane, status},
+    store::{
+        checks::MAX_CLAIM_LIMIT,
+        mongo::{
+            MongoEventStore,
+            lane::{int, int32, string, whole_number},
+            schema::{field, index, lane, status},
+        },
     },
 };
 
