@@ -723,6 +723,26 @@ impl<L: crate::store::StoreLease> Gathering<L> {
         let Some(gathered) = self.batches.get_mut(&handler) else {
             return;
         };
+        // A claim may hand out a delivery that already gathers (under faults, a claim can
+        // return one twice). A batch holds each delivery once: a transactional batch that
+        // held one twice would write its effects twice and complete it once. The later copy
+        // is the current claim.
+        let id = delivery.lease.delivery_id();
+        if let Some(gathering) = gathered
+            .deliveries
+            .iter_mut()
+            .find(|gathering| gathering.lease.delivery_id() == id)
+        {
+            debug!(
+                handler,
+                "a claim handed out a delivery that already gathers"
+            );
+            if let Some(running) = starter.shared.running().get_mut(&id) {
+                running.lease = delivery.lease.clone();
+            }
+            *gathering = delivery;
+            return;
+        }
         let place = match Arc::clone(&gathered.room).try_acquire_owned() {
             Ok(place) => place,
             Err(_) => {
