@@ -1335,6 +1335,19 @@ async fn global_concurrency_holds_across_three_buses() {
     relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
 }
 
+/// Three buses on three stores of one schema, a global concurrency of 2 partitioned by
+/// tenant: at most 2 runs of a tenant at once, the tenants side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_concurrency_holds_per_partition() {
+    let (first, schema) = store("partitioned").await;
+    let stores = [
+        first,
+        same_schema(&schema).await,
+        same_schema(&schema).await,
+    ];
+    relaybus_tests::limits::partitioned_concurrency_holds_per_partition(stores).await;
+}
+
 /// A rate limit of 50 per second over three buses on three stores of one schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_holds_across_three_buses() {

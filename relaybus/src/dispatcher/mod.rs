@@ -155,6 +155,7 @@ impl<S: Store> Shared<S> {
             .map(|s| (s.id.clone(), s.clone()))
             .collect();
         let metrics = BusMetrics::new(subscriptions_list);
+        let gates = limits::Gates::new(subscriptions_list, settings.concurrency);
         Shared {
             store,
             subscriptions,
@@ -163,7 +164,7 @@ impl<S: Store> Shared<S> {
             metrics,
             gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
-            gates: limits::Gates::new(subscriptions_list),
+            gates,
             handler_micros: AtomicU64::new(UNKNOWN),
         }
     }
@@ -600,7 +601,11 @@ impl<S: Store> Starter<S> {
             let permit = match seat {
                 Seat::Slot(permit) => permit,
                 Seat::Gated(slots) => {
-                    let Some(admitted) = task_shared.admit(&handler, &stopping).await else {
+                    let partition = task_shared
+                        .gates
+                        .partition(&handler, delivery.event.payload());
+                    let Some(admitted) = task_shared.admit(&handler, partition, &stopping).await
+                    else {
                         // Stopping: not run; the shutdown gives it back uncharged.
                         task_shared.gates.leave(&handler);
                         return;
