@@ -738,9 +738,9 @@ impl<L: crate::store::StoreLease> Gathering<L> {
             .iter_mut()
             .find(|gathering| gathering.lease.delivery_id() == id)
         {
-            debug!(
+            warn!(
                 handler,
-                "a claim handed out a delivery that already gathers"
+                "a claim handed out a delivery that already gathers; the batch holds it once"
             );
             if let Some(running) = starter.shared.running().get_mut(&id) {
                 running.lease = delivery.lease.clone();
