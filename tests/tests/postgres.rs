@@ -1430,6 +1430,14 @@ async fn transactional_batches_drain_exactly_once() {
     assert_eq!(written, 10_000, "each effect once");
 }
 
+/// Deliveries retried after a failure in their batch come back in later batches, each batch
+/// holding a delivery once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_holds_each_delivery_once() {
+    let (store, _schema) = store("batch_once").await;
+    relaybus_tests::batches::a_batch_holds_each_delivery_once(store).await;
+}
+
 /// Keyed events through a batch handler: each key's order holds across batches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_order_holds_across_batches() {
