@@ -867,6 +867,7 @@ async fn handlers<St: Store>(State(bus): State<RelayBus<St>>) -> Result<Json<Val
             let subscription = bus.subscriptions().iter().find(|s| s.id() == *name);
             let limits = subscription.map(|s| json!({
                 "global_concurrency": s.global_concurrency_limit(),
+                "concurrency_partitioned": s.is_concurrency_partitioned(),
                 "rate_limit": s.rate().map(|(starts, interval)| json!({
                     "starts": starts,
                     "interval_ms": interval.as_millis() as u64,

@@ -506,6 +506,9 @@ pub struct Subscription {
     pub(crate) timeout: Option<Duration>,
     /// At most this many runs at once across every bus of the database.
     pub(crate) global_concurrency: Option<u32>,
+    /// Names the partition of the global concurrency a delivery runs in, from its payload;
+    /// `None` for one partition.
+    pub(crate) concurrency_partition: Option<ConcurrencyPartition>,
     /// At most this many starts per interval across every bus of the database.
     pub(crate) rate_limit: Option<(u32, Duration)>,
     /// A batch handler's settings and handler; `None` for one delivery at a time.
@@ -567,6 +570,7 @@ impl Subscription {
             retry: None,
             timeout: None,
             global_concurrency: None,
+            concurrency_partition: None,
             rate_limit: None,
             batch: None,
             handler: Arc::new(erased),
@@ -721,6 +725,47 @@ impl Subscription {
         self
     }
 
+    /// Partitions the handler's [`global_concurrency`](Self::global_concurrency): at most `n`
+    /// runs at once per partition (a tenant, say) across every bus of the database, where
+    /// `partition` names the partition of a delivery from its event. Each partition has `n`
+    /// slots of its own in the store, and deliveries of one partition never wait for those
+    /// of another.
+    ///
+    /// A payload that no longer deserializes as `E` runs in the partition `""`. The bus
+    /// refuses a partition without a global concurrency when it is built.
+    ///
+    /// ```
+    /// use relaybus::{BoxError, Event, Subscription};
+    /// # #[derive(serde::Serialize, serde::Deserialize)]
+    /// # struct OrderPlaced { tenant: String }
+    /// # impl Event for OrderPlaced { const TYPE: &'static str = "order.placed.v1"; }
+    /// let charge = Subscription::without_context("charge-card", |event: OrderPlaced| async move {
+    ///     println!("charging for {}", event.tenant);
+    ///     Ok::<(), BoxError>(())
+    /// })
+    /// .global_concurrency(2)
+    /// .partition_concurrency_by(|event: &OrderPlaced| event.tenant.clone());
+    /// assert!(charge.is_concurrency_partitioned());
+    /// ```
+    pub fn partition_concurrency_by<E, F>(mut self, partition: F) -> Self
+    where
+        E: Event,
+        F: Fn(&E) -> String + Send + Sync + 'static,
+    {
+        self.concurrency_partition = Some(Arc::new(move |payload| {
+            serde_json::from_value::<E>(serde_json::Value::Object(payload.clone()))
+                .map(|event| partition(&event))
+                .unwrap_or_default()
+        }));
+        self
+    }
+
+    /// Whether the handler's global concurrency is partitioned (see
+    /// [`partition_concurrency_by`](Self::partition_concurrency_by)).
+    pub fn is_concurrency_partitioned(&self) -> bool {
+        self.concurrency_partition.is_some()
+    }
+
     /// Starts at most `rate` deliveries of this handler per `interval` across every bus of
     /// the database: for a handler that calls a rate-limited API. `rate` at least 1,
     /// `interval` at least 1 ms; checked when the bus is built.
@@ -775,6 +820,16 @@ impl Subscription {
                 option: "global_concurrency",
                 reason: format!(
                     "handler {:?} has a global concurrency of {n}; use 1 to {max}, or no limit",
+                    self.id
+                ),
+            });
+        }
+        if self.concurrency_partition.is_some() && self.global_concurrency.is_none() {
+            return Err(ConfigurationError::InvalidOption {
+                option: "partition_concurrency_by",
+                reason: format!(
+                    "handler {:?} partitions a global concurrency it does not have; add \
+                     `global_concurrency(n)`, or drop the partition",
                     self.id
                 ),
             });
@@ -881,6 +936,11 @@ fn failed(message: String) -> BoxFuture<'static, Result<(), BoxError>> {
     Box::pin(async move { Err(BoxError::from(message)) })
 }
 
+/// Names the partition of a handler's global concurrency that a delivery runs in, from its
+/// event's payload (see [`Subscription::partition_concurrency_by`]).
+pub(crate) type ConcurrencyPartition =
+    Arc<dyn Fn(&serde_json::Map<String, serde_json::Value>) -> String + Send + Sync>;
+
 impl fmt::Debug for Subscription {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Subscription")
@@ -892,6 +952,10 @@ impl fmt::Debug for Subscription {
             .field("retry", &self.retry)
             .field("timeout", &self.timeout)
             .field("global_concurrency", &self.global_concurrency)
+            .field(
+                "concurrency_partitioned",
+                &self.concurrency_partition.is_some(),
+            )
             .field("rate_limit", &self.rate_limit)
             .field("batch", &self.batch)
             .finish_non_exhaustive()

@@ -307,3 +307,45 @@ pub async fn poison_goes_dead_alone<S: Store>(store: S) {
         .expect("pending listed");
     assert!(pending.is_empty(), "nothing left: {pending:?}");
 }
+
+/// 3,000 unkeyed events through a batch handler of at most 100 that fails the first attempt
+/// of one event in ten: retried deliveries come back in later batches, and no batch holds a
+/// delivery twice.
+pub async fn a_batch_holds_each_delivery_once<S: Store>(store: S) {
+    const EVENTS: usize = 3_000;
+    let batches = Arc::new(Batches::default());
+    let recorder = Arc::clone(&batches);
+    let handler = Subscription::batch(BATCHER, move |batch: Batch<OrderPlaced>| {
+        let recorder = Arc::clone(&recorder);
+        async move {
+            recorder.record(&batch);
+            let mut outcome = BatchOutcome::succeeded();
+            for item in &batch {
+                if item.event_id().ends_with('0') && item.attempt() == 1 {
+                    outcome.fail(item, "the first attempt of one event in ten fails");
+                }
+            }
+            Ok::<_, BoxError>(outcome)
+        }
+    })
+    .max_batch(100)
+    .batch_wait(Duration::from_millis(20));
+    let bus = bus(store, handler);
+    publish(&bus, "once", EVENTS, None).await;
+    bus.start().await.expect("started");
+    batches
+        .until(Duration::from_secs(120), "every event succeeded", |b| {
+            b.deliveries() >= EVENTS + EVENTS / 10
+        })
+        .await;
+    bus.shutdown().await.expect("stopped");
+    for batch in batches.batches.lock().unwrap().iter() {
+        let ids: HashSet<&String> = batch.iter().map(|(id, _, _)| id).collect();
+        assert_eq!(
+            ids.len(),
+            batch.len(),
+            "a delivery twice in one batch: {batch:?}"
+        );
+    }
+    assert_eq!(batches.distinct(), EVENTS, "every event in a batch");
+}

@@ -15,6 +15,12 @@
 //! An event can ask to fail its first `fail` attempts (retries), or to always fail (`poison`,
 //! which must end as a dead letter carrying its error).
 //!
+//! The batch scenarios run [`batch_subscriptions`] instead: `projector` alone, as a
+//! transactional batch handler of at most [`BATCH_MAX`] deliveries. In the batch's transaction
+//! it inserts one effect per delivery that succeeds, with the size of its batch; the deliveries
+//! that fail are marked failed in its [`BatchOutcome`] and write nothing, so each event must
+//! still have exactly one effect (none when dead).
+//!
 //! [`postgres`] has the same handlers and tables for the PostgreSQL store, and a private
 //! PostgreSQL cluster the scenarios can restart.
 
@@ -26,7 +32,9 @@ use mongodb::{
     Collection, Database,
     bson::{Document, doc},
 };
-use relaybus::{BoxError, Event, HandlerContext, RetryPolicy, Subscription};
+use relaybus::{
+    Batch, BatchItem, BatchOutcome, BoxError, Event, HandlerContext, RetryPolicy, Subscription,
+};
 use serde::{Deserialize, Serialize};
 
 /// Business documents, one per published event, written in the event's transaction.
@@ -48,6 +56,9 @@ pub const AUDITOR: &str = "auditor";
 /// for the attempts that crashes charge (each crash charges what the worker was running).
 pub const MAX_ATTEMPTS: u32 = 6;
 
+/// The most deliveries a batch of the batch scenarios' `projector` holds.
+pub const BATCH_MAX: usize = 100;
+
 /// The event the load generator publishes with each order.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FaultOrder {
@@ -66,9 +77,7 @@ impl Event for FaultOrder {
 /// The subscriptions of every process of the suite: the workers run them, the load
 /// generator registers them so that its events get their deliveries.
 pub fn subscriptions(db: &Database, owner: &str) -> Vec<Subscription> {
-    let retry = RetryPolicy::new(MAX_ATTEMPTS)
-        .initial_backoff(Duration::from_millis(20))
-        .max_backoff(Duration::from_millis(100));
+    let retry = retry();
 
     let effects: Collection<Document> = db.collection(EFFECTS);
     let log: Collection<Document> = db.collection(ORDER_LOG);
@@ -131,6 +140,79 @@ pub fn subscriptions(db: &Database, owner: &str) -> Vec<Subscription> {
     .retry(retry);
 
     vec![projector, auditor]
+}
+
+/// The subscriptions of every process of the batch scenarios: `projector` as a transactional
+/// batch handler that inserts the effects of a batch's succeeding deliveries into [`EFFECTS`]
+/// (each with the batch's size and the process's `owner`) with one `insert_many`, in the
+/// transaction that completes them.
+pub fn batch_subscriptions(db: &Database, owner: &str) -> Vec<Subscription> {
+    let effects: Collection<Document> = db.collection(EFFECTS);
+    let owner = owner.to_owned();
+    let projector = Subscription::batch(
+        PROJECTOR,
+        move |batch: Batch<FaultOrder>, ctx: HandlerContext| {
+            let effects = effects.clone();
+            let owner = owner.clone();
+            async move {
+                let size = batch.len() as i64;
+                let (outcome, succeeded) = split_batch(&batch);
+                let rows: Vec<Document> = succeeded
+                    .iter()
+                    .map(|item| {
+                        doc! {
+                            "event": item.event_id(),
+                            "attempt": i64::from(item.attempt()),
+                            "batch": size,
+                            "owner": &owner,
+                        }
+                    })
+                    .collect();
+                if !rows.is_empty() {
+                    let mut session = ctx.session().await?;
+                    effects.insert_many(rows).session(&mut *session).await?;
+                }
+                batch_pause().await;
+                Ok::<_, BoxError>(outcome)
+            }
+        },
+    )
+    .transactional()
+    .max_batch(BATCH_MAX)
+    .retry(retry());
+    vec![projector]
+}
+
+/// The retries of the suite's handlers.
+pub(crate) fn retry() -> RetryPolicy {
+    RetryPolicy::new(MAX_ATTEMPTS)
+        .initial_backoff(Duration::from_millis(20))
+        .max_backoff(Duration::from_millis(100))
+}
+
+/// What becomes of each delivery of `batch`, as [`outcome`] decides for one: the batch's
+/// outcome, with every failing delivery marked, and the deliveries that succeed.
+pub(crate) fn split_batch(
+    batch: &Batch<FaultOrder>,
+) -> (BatchOutcome, Vec<&BatchItem<FaultOrder>>) {
+    let mut outcome = BatchOutcome::succeeded();
+    let mut succeeded = Vec::new();
+    for item in batch {
+        match self::outcome(item.event(), item.attempt()) {
+            Ok(()) => succeeded.push(item),
+            Err(error) => {
+                outcome.fail(item, error);
+            }
+        }
+    }
+    (outcome, succeeded)
+}
+
+/// A short pause inside a batch's transaction, which widens the window in which a worker can
+/// be killed between a batch's writes and its commit.
+pub(crate) async fn batch_pause() {
+    let pause = rand::random_range(0..30);
+    tokio::time::sleep(Duration::from_millis(pause)).await;
 }
 
 pub(crate) fn outcome(event: &FaultOrder, attempt: u32) -> Result<(), BoxError> {

@@ -261,3 +261,88 @@ pub async fn slots_of_a_killed_bus_free_within_the_lease<S: Store>(
         "never more than 4 at once"
     );
 }
+
+/// The partition of an event published by [`partitioned_concurrency_holds_per_partition`]:
+/// its order id up to the first `-` (`t0`, `t1` or `t2`).
+pub fn tenant(event: &OrderPlaced) -> String {
+    event
+        .order_id
+        .split('-')
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Three buses (on `stores`), a handler with `global_concurrency(2)` partitioned by tenant,
+/// three tenants: never more than 2 runs of a tenant at once, the tenants ran side by side
+/// (more than 2 runs at once in all), and the work drains.
+pub async fn partitioned_concurrency_holds_per_partition<S: Store>(stores: [S; 3]) {
+    const EVENTS: usize = 120;
+    const TENANTS: usize = 3;
+    let all = Arc::new(Runs::default());
+    let tenants: Arc<[Runs; TENANTS]> = Arc::new(Default::default());
+    let buses: Vec<RelayBus<S>> = stores
+        .into_iter()
+        .map(|store| {
+            let (all, tenants) = (Arc::clone(&all), Arc::clone(&tenants));
+            let handler = Subscription::new(LIMITED, move |event: OrderPlaced| {
+                let (all, tenants) = (Arc::clone(&all), Arc::clone(&tenants));
+                async move {
+                    let n: usize = tenant(&event)[1..].parse()?;
+                    let runs = [&*all, &tenants[n]];
+                    for runs in runs {
+                        let now = runs.running.fetch_add(1, Ordering::SeqCst) + 1;
+                        runs.max.fetch_max(now, Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                    for runs in runs {
+                        runs.running.fetch_sub(1, Ordering::SeqCst);
+                        runs.done.fetch_add(1, Ordering::SeqCst);
+                    }
+                    all.changed.notify_waiters();
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .global_concurrency(2)
+            .partition_concurrency_by(tenant);
+            bus(store, handler, Duration::from_secs(30))
+        })
+        .collect();
+    let ids: Vec<String> = (0..EVENTS)
+        .map(|n| format!("t{}-{n}", n % TENANTS))
+        .collect();
+    let envelopes = ids.iter().map(|id| {
+        EventEnvelope::new(&placed(id))
+            .expect("valid event")
+            .with_id(id)
+            .expect("valid id")
+    });
+    buses[0].publish_all(envelopes).await.expect("published");
+    for bus in &buses {
+        bus.start().await.expect("started");
+    }
+    all.until(Duration::from_secs(120), "the work drains", |runs| {
+        runs.done.load(Ordering::SeqCst) >= EVENTS
+    })
+    .await;
+    for bus in &buses {
+        bus.shutdown().await.expect("stopped");
+    }
+    for (n, runs) in tenants.iter().enumerate() {
+        let max = runs.max.load(Ordering::SeqCst);
+        assert!(
+            max <= 2,
+            "{max} runs of tenant t{n} at once across three buses, over its global concurrency of 2"
+        );
+        assert_eq!(
+            runs.done.load(Ordering::SeqCst),
+            EVENTS / TENANTS,
+            "each event of t{n} ran once"
+        );
+    }
+    let max = all.max.load(Ordering::SeqCst);
+    assert!(
+        max > 2,
+        "the tenants ran side by side: at most {max} runs at once in all, no more than one partition's 2"
+    );
+}

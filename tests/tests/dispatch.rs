@@ -1364,6 +1364,19 @@ async fn global_concurrency_holds_across_three_buses() {
     relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
 }
 
+/// Three buses on three store instances, a global concurrency of 2 partitioned by tenant: at
+/// most 2 runs of a tenant at once, the tenants side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_concurrency_holds_per_partition() {
+    let db = test_db("partitioned_concurrency").await;
+    let stores = [
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+        store_on(&db.client, &db).await,
+    ];
+    relaybus_tests::limits::partitioned_concurrency_holds_per_partition(stores).await;
+}
+
 /// A rate limit of 50 per second over three buses on three store instances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_holds_across_three_buses() {
@@ -1414,6 +1427,14 @@ async fn transactional_batches_drain_exactly_once() {
         .await
         .unwrap();
     assert_eq!(written, 10_000, "each effect once");
+}
+
+/// Deliveries retried after a failure in their batch come back in later batches, each batch
+/// holding a delivery once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_holds_each_delivery_once() {
+    let db = test_db("batch_once").await;
+    relaybus_tests::batches::a_batch_holds_each_delivery_once(store(&db).await).await;
 }
 
 /// Keyed events through a batch handler: each key's order holds across batches.

@@ -37,14 +37,20 @@
 //!   transactions aborted and a checkpoint; immediate: it exits at once and the next start
 //!   runs crash recovery) and started again on its data.
 //!
+//! The `batch` and `batch_postgres` scenarios run a transactional batch handler instead
+//! (`projector` alone, at most 100 deliveries a batch; workers started with `--batch`): 10,000
+//! unkeyed orders are committed with their events before the workers start, and the worker
+//! faults above (the kills and the pause) are injected while the workers drain them. Each
+//! event must have exactly one effect (none when dead), and no batch more than 100 deliveries.
+//!
 //! When the load stops, the workers drain the deliveries and stop gracefully, and the checker
 //! compares what the database holds with what must hold. The last line printed is one JSON
-//! object with the figures; `lost`, `phantom`, `duplicated`, `order_violations` and `stuck`
-//! must all be 0, otherwise the suite fails.
+//! object with the figures; `lost`, `phantom`, `duplicated`, `order_violations`, `stuck` and
+//! `batch_violations` must all be 0, otherwise the suite fails.
 //!
 //! `RELAYBUS_FAULT_PROFILE=long` runs the long profile (minutes of load per scenario);
 //! `RELAYBUS_FAULT_SEED` replays a run's random choices (the seed is printed first);
-//! `RELAYBUS_FAULT_SCENARIO=single|failover|postgres` runs one scenario.
+//! `RELAYBUS_FAULT_SCENARIO=single|failover|postgres|batch|batch_postgres` runs one scenario.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -64,7 +70,9 @@ use mongodb::{
     options::{DatabaseOptions, ReadConcern, WriteConcern},
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
-use relaybus::{BoxError, MongoEventStore, PostgresEventStore, PostgresSession, RelayBus};
+use relaybus::{
+    BoxError, EventEnvelope, MongoEventStore, PostgresEventStore, PostgresSession, RelayBus,
+};
 use relaybus_harness::ReplicaSet;
 use relaybus_tests::fault::{
     self, AUDITOR, FaultOrder, PROJECTOR,
@@ -76,6 +84,8 @@ const WORKER: &str = env!("CARGO_BIN_EXE_relaybus-fault-worker");
 const LEASE: Duration = Duration::from_millis(2_000);
 const POLL: Duration = Duration::from_millis(200);
 const KEYS: u32 = 16;
+/// The orders the batch scenarios commit before their workers start.
+const BATCH_EVENTS: usize = 10_000;
 /// The servers' `transactionLifetimeLimitSeconds`. A worker killed inside a transaction
 /// leaves it open on the server, holding its writes, until this limit aborts it (60 s by
 /// default); other transactions writing the same documents wait until then.
@@ -131,10 +141,32 @@ impl Backend {
     }
 }
 
+/// The handlers a scenario's processes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handlers {
+    /// The transactional `projector` and the at-least-once `auditor`, one delivery a run, under
+    /// a load that commits orders at the scenario's rate.
+    Single,
+    /// `projector` as a transactional batch handler, draining [`BATCH_EVENTS`] orders committed
+    /// before the workers start; the scenario's `load` bounds how long faults are injected.
+    Batch,
+}
+
+impl Handlers {
+    /// The handlers every event has a delivery for.
+    fn ids(self) -> &'static [&'static str] {
+        match self {
+            Handlers::Single => &[PROJECTOR, AUDITOR],
+            Handlers::Batch => &[PROJECTOR],
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Scenario {
     name: &'static str,
     backend: Backend,
+    handlers: Handlers,
     nodes: usize,
     workers: usize,
     faults: Vec<Fault>,
@@ -163,10 +195,25 @@ fn scenarios() -> Vec<Scenario> {
             Duration::from_secs(180),
         )
     };
+    // The batch scenarios inject faults until their orders drained, for this long at most.
+    let batch_faults = if long {
+        Duration::from_secs(300)
+    } else {
+        Duration::from_secs(30)
+    };
+    // What breaks a batch between its claim and its commit: the worker.
+    let worker_faults = vec![
+        Fault::KillWorker,
+        Fault::KillWorkerNewOwner,
+        Fault::KillAfterClaim,
+        Fault::KillInCompletion,
+        Fault::PauseWorker,
+    ];
     vec![
         Scenario {
             name: "single",
             backend: Backend::MongoDb,
+            handlers: Handlers::Single,
             nodes: 1,
             workers: 3,
             faults: vec![
@@ -184,6 +231,7 @@ fn scenarios() -> Vec<Scenario> {
         Scenario {
             name: "failover",
             backend: Backend::MongoDb,
+            handlers: Handlers::Single,
             nodes: 3,
             workers: 2,
             faults: vec![
@@ -200,6 +248,7 @@ fn scenarios() -> Vec<Scenario> {
         Scenario {
             name: "postgres",
             backend: Backend::Postgres,
+            handlers: Handlers::Single,
             nodes: 1,
             workers: 3,
             faults: vec![
@@ -212,6 +261,28 @@ fn scenarios() -> Vec<Scenario> {
                 Fault::RestartServerImmediate,
             ],
             load: postgres_load,
+            rate,
+            drain,
+        },
+        Scenario {
+            name: "batch",
+            backend: Backend::MongoDb,
+            handlers: Handlers::Batch,
+            nodes: 1,
+            workers: 3,
+            faults: worker_faults.clone(),
+            load: batch_faults,
+            rate,
+            drain,
+        },
+        Scenario {
+            name: "batch_postgres",
+            backend: Backend::Postgres,
+            handlers: Handlers::Batch,
+            nodes: 1,
+            workers: 3,
+            faults: worker_faults,
+            load: batch_faults,
             rate,
             drain,
         },
@@ -234,6 +305,10 @@ struct Figures {
     dead_poison: u64,
     dead_other: u64,
     reruns: u64,
+    /// The most deliveries a batch held (batch scenarios).
+    largest_batch: u64,
+    /// Batches over [`fault::BATCH_MAX`], and a batch scenario whose batches all held one.
+    batch_violations: u64,
     drain_seconds: f64,
     backlog: Option<u64>,
     problems: Vec<String>,
@@ -256,12 +331,20 @@ impl Figures {
         self.dead_poison += other.dead_poison;
         self.dead_other += other.dead_other;
         self.reruns += other.reruns;
+        self.largest_batch = self.largest_batch.max(other.largest_batch);
+        self.batch_violations += other.batch_violations;
         self.drain_seconds = self.drain_seconds.max(other.drain_seconds);
         self.problems.extend(other.problems.iter().cloned());
     }
 
     fn failed(&self) -> bool {
-        self.lost + self.phantom + self.duplicated + self.order_violations + self.stuck > 0
+        self.lost
+            + self.phantom
+            + self.duplicated
+            + self.order_violations
+            + self.stuck
+            + self.batch_violations
+            > 0
     }
 
     fn problem(&mut self, message: String) {
@@ -306,7 +389,8 @@ async fn main() -> ExitCode {
         println!(
             "scenario {}: {verdict} in {:.0} s: {} events ({} acknowledged, {} commits failed), \
              {} deliveries, faults {:?}, lost {}, phantom {}, duplicated {}, order violations {}, \
-             stuck {}, dead {} poison + {} charged out by crashes, {} extra runs, drained in {:.1} s",
+             stuck {}, dead {} poison + {} charged out by crashes, {} extra runs, largest batch {} \
+             ({} batch violations), drained in {:.1} s",
             scenario.name,
             at.elapsed().as_secs_f64(),
             figures.events,
@@ -322,6 +406,8 @@ async fn main() -> ExitCode {
             figures.dead_poison,
             figures.dead_other,
             figures.reruns,
+            figures.largest_batch,
+            figures.batch_violations,
             figures.drain_seconds,
         );
         for problem in &figures.problems {
@@ -355,6 +441,7 @@ async fn main() -> ExitCode {
         "dead_poison": total.dead_poison,
         "dead_charged": total.dead_other,
         "extra_runs": total.reruns,
+        "largest_batch": total.largest_batch,
         "longest_drain_seconds": (total.drain_seconds * 10.0).round() / 10.0,
         "seconds": started.elapsed().as_secs(),
         "lost": total.lost,
@@ -362,6 +449,7 @@ async fn main() -> ExitCode {
         "duplicated": total.duplicated,
         "order_violations": total.order_violations,
         "stuck": total.stuck,
+        "batch_violations": total.batch_violations,
     });
     println!("{line}");
     if total.failed() {
@@ -380,6 +468,7 @@ struct Worker {
 
 struct Workers {
     backend: Backend,
+    handlers: Handlers,
     uri: String,
     database: String,
     logs: std::path::PathBuf,
@@ -398,10 +487,12 @@ impl Workers {
             Backend::Postgres => self.uri.clone(),
         };
         let mut command = Command::new(WORKER);
+        command.args(["--store", self.backend.arg()]);
+        if self.handlers == Handlers::Batch {
+            command.arg("--batch");
+        }
         command
             .args([
-                "--store",
-                self.backend.arg(),
                 uri.as_str(),
                 self.database.as_str(),
                 owner,
@@ -531,26 +622,38 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
     std::fs::create_dir_all(&logs)?;
     let mut workers = Workers {
         backend: Backend::MongoDb,
+        handlers: scenario.handlers,
         uri: rs.uri().to_owned(),
         database: database.clone(),
         logs,
         slots: Vec::new(),
         spawned: 0,
     };
-    workers.start(scenario.workers)?;
+    let pending: Collection<Document> = db.collection(&store.collection_name("deliveries"));
 
-    // The load generator's bus registers the same handlers, so its events get both
+    // The load generator's bus registers the same handlers, so its events get their
     // deliveries; it never dispatches.
+    let subscriptions = match scenario.handlers {
+        Handlers::Single => fault::subscriptions(&db, "generator"),
+        Handlers::Batch => fault::batch_subscriptions(&db, "generator"),
+    };
     let mut builder = RelayBus::builder(store).without_registered_handlers();
-    for subscription in fault::subscriptions(&db, "generator") {
+    for subscription in subscriptions {
         builder = builder.subscribe(subscription);
     }
     let bus = Arc::new(builder.build()?);
     let orders: Collection<Document> = db.collection(fault::ORDERS);
-    let load = Load::start(scenario, rng, move |order, key| {
-        let (bus, orders) = (Arc::clone(&bus), orders.clone());
-        async move { publish(&bus, &orders, &order, key.as_deref()).await }
-    });
+    let load = match scenario.handlers {
+        Handlers::Single => Load::start(scenario, rng, move |order, key| {
+            let (bus, orders) = (Arc::clone(&bus), orders.clone());
+            async move { publish(&bus, &orders, &order, key.as_deref()).await }
+        }),
+        Handlers::Batch => {
+            let committed = preload(&bus, &orders, Load::orders(scenario, rng)).await?;
+            Load::preloaded(scenario, committed)
+        }
+    };
+    workers.start(scenario.workers)?;
     let deadline = load.deadline;
 
     let mut figures = Figures::default();
@@ -558,6 +661,11 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
     tokio::time::sleep(Duration::from_millis(rng.random_range(500..1_500))).await;
     let mut upcoming: Vec<Fault> = Vec::new();
     while Instant::now() + Duration::from_secs(3) < deadline {
+        if scenario.handlers == Handlers::Batch
+            && count(&pending, doc! { "status": "pending" }).await? == 0
+        {
+            break;
+        }
         // Every kind in turn, in a fresh random order each round, so that a short run
         // injects each of them.
         if upcoming.is_empty() {
@@ -631,7 +739,7 @@ async fn run(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, BoxError>
     figures.drain_seconds = drain_started.elapsed().as_secs_f64();
     workers.stop(&mut figures).await;
 
-    check_database(&db, &store, &acknowledged, &mut figures).await?;
+    check_database(&db, &store, scenario.handlers, &acknowledged, &mut figures).await?;
     drop(rs);
     Ok(figures)
 }
@@ -676,15 +784,7 @@ impl Load {
                     let key = rng
                         .random_bool(0.7)
                         .then(|| format!("k{}", rng.random_range(0..KEYS)));
-                    let order = FaultOrder {
-                        order: id.clone(),
-                        fail: if rng.random_bool(0.05) {
-                            rng.random_range(1..=2)
-                        } else {
-                            0
-                        },
-                        poison: rng.random_bool(0.005),
-                    };
+                    let order = order(id.clone(), &mut rng);
                     match publish(order, key).await {
                         Ok(()) => {
                             acknowledged
@@ -707,6 +807,25 @@ impl Load {
         }
     }
 
+    /// The orders of a batch scenario: [`BATCH_EVENTS`] of them, unkeyed, failing and poison as
+    /// often as the load generator's.
+    fn orders(scenario: &Scenario, rng: &mut StdRng) -> Vec<FaultOrder> {
+        (0..BATCH_EVENTS)
+            .map(|i| order(format!("{}-{i}", scenario.name), rng))
+            .collect()
+    }
+
+    /// A load already committed (`committed`, the orders' ids): nothing more is published, and
+    /// faults may go on for the scenario's load time.
+    fn preloaded(scenario: &Scenario, committed: HashSet<String>) -> Load {
+        Load {
+            deadline: Instant::now() + scenario.load,
+            tasks: Vec::new(),
+            acknowledged: Arc::new(Mutex::new(committed)),
+            unacknowledged: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
     /// Waits for the load to end; returns the acknowledged orders.
     async fn finish(self, figures: &mut Figures) -> Result<Arc<Mutex<HashSet<String>>>, BoxError> {
         for task in self.tasks {
@@ -720,6 +839,55 @@ impl Load {
         figures.unacknowledged = self.unacknowledged.load(Ordering::SeqCst);
         Ok(self.acknowledged)
     }
+}
+
+/// An order with id `id`: one in 20 fails its first one or two attempts, one in 200 is poison.
+fn order(id: String, rng: &mut StdRng) -> FaultOrder {
+    FaultOrder {
+        order: id,
+        fail: if rng.random_bool(0.05) {
+            rng.random_range(1..=2)
+        } else {
+            0
+        },
+        poison: rng.random_bool(0.005),
+    }
+}
+
+/// The events of `batch` (unkeyed), each with its id.
+fn envelopes(batch: &[FaultOrder]) -> Result<Vec<EventEnvelope>, BoxError> {
+    batch
+        .iter()
+        .map(|order| Ok(EventEnvelope::new(order)?.with_id(&order.order)?))
+        .collect()
+}
+
+/// Commits `batch` with their events (unkeyed), 500 orders a transaction; returns their ids.
+async fn preload(
+    bus: &Arc<RelayBus>,
+    orders: &Collection<Document>,
+    batch: Vec<FaultOrder>,
+) -> Result<HashSet<String>, BoxError> {
+    for chunk in batch.chunks(500) {
+        let events = envelopes(chunk)?;
+        let business: Vec<Document> = chunk
+            .iter()
+            .map(|order| doc! { "_id": &order.order, "poison": order.poison })
+            .collect();
+        let body = {
+            let (bus, orders) = (Arc::clone(bus), orders.clone());
+            async move |session: &mut mongodb::ClientSession| {
+                orders
+                    .insert_many(business.clone())
+                    .session(&mut *session)
+                    .await?;
+                bus.publish_all(events.clone()).session(session).await?;
+                Ok(())
+            }
+        };
+        bus.transaction(body).await?;
+    }
+    Ok(batch.into_iter().map(|order| order.order).collect())
 }
 
 async fn publish(
@@ -941,6 +1109,8 @@ struct Snapshot {
     deliveries: Vec<(String, String, Option<String>, String)>,
     /// The event of each committed effect of the transactional handler.
     effects: Vec<String>,
+    /// The size of the batch of each committed effect of the batch handler.
+    batch_sizes: Vec<u64>,
     /// The event of each run of the at-least-once handler.
     runs: Vec<String>,
     /// Per `<handler>|<key>`, the sequences of the runs in the order they happened.
@@ -951,6 +1121,7 @@ struct Snapshot {
 async fn check_database(
     db: &Database,
     store: &MongoEventStore,
+    handlers: Handlers,
     acknowledged: &Mutex<HashSet<String>>,
     figures: &mut Figures,
 ) -> Result<(), BoxError> {
@@ -998,15 +1169,17 @@ async fn check_database(
         )
     })
     .collect();
-    let event_of = |d: Document| d.get_str("event").unwrap_or_default().to_owned();
-    let effects = all(db, fault::EFFECTS, doc! { "event": 1 })
-        .await?
-        .into_iter()
-        .map(event_of)
+    let event_of = |d: &Document| d.get_str("event").unwrap_or_default().to_owned();
+    let effect_documents = all(db, fault::EFFECTS, doc! { "event": 1, "batch": 1 }).await?;
+    let effects = effect_documents.iter().map(event_of).collect();
+    let batch_sizes = effect_documents
+        .iter()
+        .filter_map(|d| d.get_i64("batch").ok())
+        .map(|size| u64::try_from(size).unwrap_or(0))
         .collect();
     let runs = all(db, fault::RUNS, doc! { "event": 1 })
         .await?
-        .into_iter()
+        .iter()
         .map(event_of)
         .collect();
     let logs = all(db, fault::ORDER_LOG, doc! {})
@@ -1025,20 +1198,27 @@ async fn check_database(
         events,
         deliveries,
         effects,
+        batch_sizes,
         runs,
         logs,
     };
-    check(&snapshot, acknowledged, figures);
+    check(&snapshot, handlers, acknowledged, figures);
     Ok(())
 }
 
 /// Compares what the database holds with what must hold.
-fn check(snapshot: &Snapshot, acknowledged: &Mutex<HashSet<String>>, figures: &mut Figures) {
+fn check(
+    snapshot: &Snapshot,
+    handlers: Handlers,
+    acknowledged: &Mutex<HashSet<String>>,
+    figures: &mut Figures,
+) {
     let Snapshot {
         orders,
         events,
         deliveries,
         effects,
+        batch_sizes,
         runs,
         logs,
     } = snapshot;
@@ -1097,7 +1277,8 @@ fn check(snapshot: &Snapshot, acknowledged: &Mutex<HashSet<String>>, figures: &m
     }
 
     // Handler effects: exactly one committed effect of the transactional handler per event
-    // (none when dead), at least one run of the other.
+    // (none when dead), at least one run of the other (when the scenario runs it).
+    let audited = handlers.ids().contains(&AUDITOR);
     let mut effect_count: HashMap<&str, u64> = HashMap::new();
     for event in effects {
         *effect_count.entry(event.as_str()).or_default() += 1;
@@ -1106,10 +1287,10 @@ fn check(snapshot: &Snapshot, acknowledged: &Mutex<HashSet<String>>, figures: &m
     for event in runs {
         *run_count.entry(event.as_str()).or_default() += 1;
     }
-    for (id, handlers) in events {
-        for handler in [PROJECTOR, AUDITOR] {
+    for (id, delivered_to) in events {
+        for handler in handlers.ids() {
             figures.deliveries += 1;
-            if !handlers.iter().any(|h| h == handler) {
+            if !delivered_to.iter().any(|h| h == handler) {
                 figures.lost += 1;
                 figures.problem(format!("event {id} has no delivery for {handler}"));
             }
@@ -1129,19 +1310,49 @@ fn check(snapshot: &Snapshot, acknowledged: &Mutex<HashSet<String>>, figures: &m
                 "event {id}: no effect of {PROJECTOR} and no dead delivery"
             ));
         }
+        if poison && !projector_dead {
+            figures.lost += 1;
+            figures.problem(format!(
+                "poison event {id} did not end dead for {PROJECTOR}"
+            ));
+        }
+        if !audited {
+            continue;
+        }
         let auditor_dead = dead.contains(&(id.clone(), AUDITOR.to_owned()));
         let runs = run_count.get(id.as_str()).copied().unwrap_or(0);
         if runs == 0 && !auditor_dead {
             figures.lost += 1;
             figures.problem(format!("event {id}: {AUDITOR} never ran and is not dead"));
         }
-        if poison && !(projector_dead && auditor_dead) {
+        if poison && !auditor_dead {
             figures.lost += 1;
-            figures.problem(format!(
-                "poison event {id} did not end dead for both handlers"
-            ));
+            figures.problem(format!("poison event {id} did not end dead for {AUDITOR}"));
         }
         figures.reruns += runs.saturating_sub(1);
+    }
+
+    // Batches: none over the most, and the deliveries did run in batches.
+    if handlers == Handlers::Batch {
+        figures.largest_batch = batch_sizes.iter().copied().max().unwrap_or(0);
+        let over = batch_sizes
+            .iter()
+            .filter(|size| **size > fault::BATCH_MAX as u64)
+            .count() as u64;
+        if over > 0 {
+            figures.batch_violations += over;
+            figures.problem(format!(
+                "{over} effects written by batches over {}",
+                fault::BATCH_MAX
+            ));
+        }
+        if figures.largest_batch < 2 {
+            figures.batch_violations += 1;
+            figures.problem(format!(
+                "no batch held more than {} delivery",
+                figures.largest_batch
+            ));
+        }
     }
 
     // Per key and handler, the first runs came in sequence order.
@@ -1186,29 +1397,47 @@ async fn run_postgres(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, 
 
     let mut workers = Workers {
         backend: Backend::Postgres,
+        handlers: scenario.handlers,
         uri: cluster.url(),
         database: schema.clone(),
         logs,
         slots: Vec::new(),
         spawned: 0,
     };
-    workers.start(scenario.workers)?;
+    let pending_sql = format!(
+        "SELECT count(*) FROM {} WHERE status = 'pending'",
+        pg::table(&schema, "deliveries")
+    );
 
-    // The load generator's bus registers the same handlers, so its events get both
+    // The load generator's bus registers the same handlers, so its events get their
     // deliveries; it never dispatches.
+    let subscriptions = match scenario.handlers {
+        Handlers::Single => pg::subscriptions(&pool, &schema, "generator"),
+        Handlers::Batch => pg::batch_subscriptions(&schema),
+    };
     let mut builder = RelayBus::builder(store).without_registered_handlers();
-    for subscription in pg::subscriptions(&pool, &schema, "generator") {
+    for subscription in subscriptions {
         builder = builder.subscribe(subscription);
     }
     let bus = Arc::new(builder.build()?);
-    let insert = Arc::new(format!(
-        "INSERT INTO {} (id, key, poison) VALUES ($1, $2, $3)",
-        pg::table(&schema, fault::ORDERS)
-    ));
-    let load = Load::start(scenario, rng, move |order, key| {
-        let (bus, insert) = (Arc::clone(&bus), Arc::clone(&insert));
-        async move { publish_postgres(&bus, &insert, &order, key.as_deref()).await }
-    });
+    let load = match scenario.handlers {
+        Handlers::Single => {
+            let insert = Arc::new(format!(
+                "INSERT INTO {} (id, key, poison) VALUES ($1, $2, $3)",
+                pg::table(&schema, fault::ORDERS)
+            ));
+            Load::start(scenario, rng, move |order, key| {
+                let (bus, insert) = (Arc::clone(&bus), Arc::clone(&insert));
+                async move { publish_postgres(&bus, &insert, &order, key.as_deref()).await }
+            })
+        }
+        Handlers::Batch => {
+            let orders = Load::orders(scenario, rng);
+            let committed = preload_postgres(&bus, &schema, orders).await?;
+            Load::preloaded(scenario, committed)
+        }
+    };
+    workers.start(scenario.workers)?;
     let deadline = load.deadline;
 
     let mut figures = Figures::default();
@@ -1216,6 +1445,12 @@ async fn run_postgres(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, 
     tokio::time::sleep(Duration::from_millis(rng.random_range(500..1_500))).await;
     let mut upcoming: Vec<Fault> = Vec::new();
     while Instant::now() + Duration::from_secs(3) < deadline {
+        if scenario.handlers == Handlers::Batch {
+            let pending: i64 = sqlx::query_scalar(&pending_sql).fetch_one(&pool).await?;
+            if pending == 0 {
+                break;
+            }
+        }
         if upcoming.is_empty() {
             upcoming = scenario.faults.clone();
             upcoming.shuffle(rng);
@@ -1233,8 +1468,6 @@ async fn run_postgres(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, 
 
     // Drain: every worker up, until no delivery is pending.
     workers.revive(&mut figures)?;
-    let deliveries = pg::table(&schema, "deliveries");
-    let pending_sql = format!("SELECT count(*) FROM {deliveries} WHERE status = 'pending'");
     let drain_started = Instant::now();
     let drained_by = drain_started + scenario.drain;
     let mut shown = Instant::now();
@@ -1278,7 +1511,14 @@ async fn run_postgres(scenario: &Scenario, rng: &mut StdRng) -> Result<Figures, 
     figures.drain_seconds = drain_started.elapsed().as_secs_f64();
     workers.stop(&mut figures).await;
 
-    check_postgres(&pool, &schema, &acknowledged, &mut figures).await?;
+    check_postgres(
+        &pool,
+        &schema,
+        scenario.handlers,
+        &acknowledged,
+        &mut figures,
+    )
+    .await?;
     pool.close().await;
     cluster.stop(Shutdown::Fast).await;
     Ok(figures)
@@ -1311,6 +1551,37 @@ async fn publish_postgres(
         }
     };
     bus.transaction(body).await
+}
+
+/// Commits `batch` with their events (unkeyed), 500 orders a transaction; returns their ids.
+async fn preload_postgres(
+    bus: &Arc<RelayBus<PostgresEventStore>>,
+    schema: &str,
+    batch: Vec<FaultOrder>,
+) -> Result<HashSet<String>, BoxError> {
+    let insert = Arc::new(format!(
+        "INSERT INTO {} (id, poison) SELECT * FROM unnest($1::text[], $2::boolean[])",
+        pg::table(schema, fault::ORDERS)
+    ));
+    for chunk in batch.chunks(500) {
+        let events = envelopes(chunk)?;
+        let ids: Vec<String> = chunk.iter().map(|order| order.order.clone()).collect();
+        let poison: Vec<bool> = chunk.iter().map(|order| order.poison).collect();
+        let body = {
+            let (bus, insert) = (Arc::clone(bus), Arc::clone(&insert));
+            async move |session: &mut PostgresSession| {
+                sqlx::query(insert.as_str())
+                    .bind(&ids)
+                    .bind(&poison)
+                    .execute(&mut **session)
+                    .await?;
+                bus.publish_all(events.clone()).session(session).await?;
+                Ok(())
+            }
+        };
+        bus.transaction(body).await?;
+    }
+    Ok(batch.into_iter().map(|order| order.order).collect())
 }
 
 /// Injects `fault` on the PostgreSQL scenario and returns the name of what was injected: a
@@ -1467,6 +1738,7 @@ async fn diagnose_postgres(pool: &PgPool, schema: &str) -> Result<(), BoxError> 
 async fn check_postgres(
     pool: &PgPool,
     schema: &str,
+    handlers: Handlers,
     acknowledged: &Mutex<HashSet<String>>,
     figures: &mut Figures,
 ) -> Result<(), BoxError> {
@@ -1495,12 +1767,18 @@ async fn check_postgres(
     .into_iter()
     .map(|(event, handler, status, error)| (event, handler, Some(status), error))
     .collect();
-    let effects = sqlx::query_scalar::<_, String>(&format!(
-        "SELECT event FROM {}",
+    let effect_rows = sqlx::query_as::<_, (String, Option<i32>)>(&format!(
+        "SELECT event, batch FROM {}",
         pg::table(schema, fault::EFFECTS)
     ))
     .fetch_all(pool)
     .await?;
+    let batch_sizes = effect_rows
+        .iter()
+        .filter_map(|(_, size)| *size)
+        .map(|size| u64::try_from(size).unwrap_or(0))
+        .collect();
+    let effects = effect_rows.into_iter().map(|(event, _)| event).collect();
     let runs = sqlx::query_scalar::<_, String>(&format!(
         "SELECT event FROM {}",
         pg::table(schema, fault::RUNS)
@@ -1528,9 +1806,10 @@ async fn check_postgres(
         events,
         deliveries,
         effects,
+        batch_sizes,
         runs,
         logs,
     };
-    check(&snapshot, acknowledged, figures);
+    check(&snapshot, handlers, acknowledged, figures);
     Ok(())
 }

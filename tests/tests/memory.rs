@@ -832,6 +832,38 @@ async fn global_concurrency_holds_across_three_buses() {
     .await;
 }
 
+/// Three buses on clones of one store, a global concurrency of 2 partitioned by tenant: at
+/// most 2 runs of a tenant at once, the tenants side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_concurrency_holds_per_partition() {
+    let store = MemoryEventStore::new();
+    relaybus_tests::limits::partitioned_concurrency_holds_per_partition([
+        store.clone(),
+        store.clone(),
+        store,
+    ])
+    .await;
+}
+
+/// A partition of a global concurrency the handler does not have: the bus is refused, saying
+/// what to add.
+#[test]
+fn a_partition_without_a_global_concurrency_is_refused() {
+    let handler = Subscription::new("limited", |_: OrderPlaced| async { Ok::<(), BoxError>(()) })
+        .partition_concurrency_by(relaybus_tests::limits::tenant);
+    let built = RelayBus::builder(MemoryEventStore::new())
+        .without_registered_handlers()
+        .subscribe(handler)
+        .build();
+    match built {
+        Err(ConfigurationError::InvalidOption { option, reason }) => {
+            assert_eq!(option, "partition_concurrency_by");
+            assert!(reason.contains("global_concurrency(n)"), "{reason}");
+        }
+        other => panic!("expected the partition refused, got {other:?}"),
+    }
+}
+
 /// A rate limit of 50 per second over three buses on clones of one store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_holds_across_three_buses() {
@@ -872,6 +904,13 @@ async fn transactional_batches_drain_exactly_once() {
     let bus = batches::bus(store.clone(), handler);
     batches::drain_in_batches(&bus, &recorded, 10_000, 100).await;
     assert_eq!(store.count("effects"), 10_000, "each effect once");
+}
+
+/// Deliveries retried after a failure in their batch come back in later batches, each batch
+/// holding a delivery once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_holds_each_delivery_once() {
+    relaybus_tests::batches::a_batch_holds_each_delivery_once(MemoryEventStore::new()).await;
 }
 
 /// Keyed events through a batch handler: each key's order holds across batches.

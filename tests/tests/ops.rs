@@ -423,7 +423,8 @@ async fn the_schedules_route_lists_last_and_next_ticks() {
     assert!(script.contains("api(\"/schedules\")"));
 }
 
-/// The handler overview shows each handler's limits: global concurrency, rate limit, batches.
+/// The handler overview shows each handler's limits: global concurrency (and whether it is
+/// partitioned), rate limit, batches.
 #[tokio::test]
 async fn the_handler_overview_shows_limits() {
     use relaybus::{Batch, BoxError, MemoryEventStore, RelayBus, Subscription};
@@ -431,6 +432,7 @@ async fn the_handler_overview_shows_limits() {
     use std::time::Duration;
     let charge = Subscription::new("charge", |_: OrderPlaced| async { Ok::<(), BoxError>(()) })
         .global_concurrency(4)
+        .partition_concurrency_by(|event: &OrderPlaced| event.order_id.clone())
         .rate_limit(50, Duration::from_secs(1));
     let project = Subscription::batch("project", |_: Batch<OrderPlaced>| async {
         Ok::<(), BoxError>(())
@@ -466,18 +468,25 @@ async fn the_handler_overview_shows_limits() {
                 "charge".to_owned(),
                 json!({
                     "global_concurrency": 4,
+                    "concurrency_partitioned": true,
                     "rate_limit": { "starts": 50, "interval_ms": 1000 },
                     "batch": null,
                 })
             ),
             (
                 "plain".to_owned(),
-                json!({ "global_concurrency": null, "rate_limit": null, "batch": null })
+                json!({
+                    "global_concurrency": null,
+                    "concurrency_partitioned": false,
+                    "rate_limit": null,
+                    "batch": null,
+                })
             ),
             (
                 "project".to_owned(),
                 json!({
                     "global_concurrency": null,
+                    "concurrency_partitioned": false,
                     "rate_limit": null,
                     "batch": { "max": 200, "wait_ms": 20 },
                 })

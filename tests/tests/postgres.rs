@@ -1335,6 +1335,19 @@ async fn global_concurrency_holds_across_three_buses() {
     relaybus_tests::limits::global_concurrency_holds_across_buses(stores).await;
 }
 
+/// Three buses on three stores of one schema, a global concurrency of 2 partitioned by
+/// tenant: at most 2 runs of a tenant at once, the tenants side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_concurrency_holds_per_partition() {
+    let (first, schema) = store("partitioned").await;
+    let stores = [
+        first,
+        same_schema(&schema).await,
+        same_schema(&schema).await,
+    ];
+    relaybus_tests::limits::partitioned_concurrency_holds_per_partition(stores).await;
+}
+
 /// A rate limit of 50 per second over three buses on three stores of one schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_holds_across_three_buses() {
@@ -1415,6 +1428,14 @@ async fn transactional_batches_drain_exactly_once() {
         .await
         .unwrap();
     assert_eq!(written, 10_000, "each effect once");
+}
+
+/// Deliveries retried after a failure in their batch come back in later batches, each batch
+/// holding a delivery once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_holds_each_delivery_once() {
+    let (store, _schema) = store("batch_once").await;
+    relaybus_tests::batches::a_batch_holds_each_delivery_once(store).await;
 }
 
 /// Keyed events through a batch handler: each key's order holds across batches.

@@ -189,7 +189,8 @@ impl<S: Store> Shared<S> {
                 let handler = delivery.handler.clone();
                 // The bus never stops here: each delivery passes its handler's limits,
                 // waiting for other buses as long as it takes.
-                let admission = self.admit(&handler, never).await;
+                let partition = self.gates.partition(&handler, delivery.event.payload());
+                let admission = self.admit(&handler, partition, never).await;
                 let outcome = run_delivery(self, delivery).await;
                 if let Some(admission) = admission {
                     self.give_back(&handler, admission).await;

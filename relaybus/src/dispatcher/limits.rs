@@ -7,11 +7,16 @@
 //! the bus, so other handlers run meanwhile. The waiters of one handler take turns asking the
 //! store, so a bus asks once at a time per handler, with a backoff from 5 ms up to the poll
 //! interval (200 ms at most); a slot given back on this bus wakes the next waiter at once.
+//!
+//! A partitioned global concurrency has `n` slots per partition (stored under
+//! `<handler>/<partition>`, which no handler id can name), and the waiters take turns per
+//! partition, so a full partition holds up no other. Such a handler's bus holds at most its
+//! concurrency of deliveries past their claim.
 
 use std::{
     collections::{HashMap, HashSet},
     sync::{
-        Mutex as StdMutex, MutexGuard,
+        Arc, Mutex as StdMutex, MutexGuard,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
@@ -23,7 +28,7 @@ use tracing::{debug, warn};
 
 use super::Shared;
 use crate::{
-    handler::Subscription,
+    handler::{ConcurrencyPartition, Subscription},
     store::{Slot, SlotRequest, Store},
     time::Timestamp,
 };
@@ -41,9 +46,10 @@ pub(crate) struct Gates {
 }
 
 /// The gate of one limited handler.
-#[derive(Debug)]
 struct Gate {
     concurrency: Option<u32>,
+    /// Names a delivery's partition of the global concurrency, if partitioned.
+    partition: Option<ConcurrencyPartition>,
     rate: Option<(u32, Duration)>,
     /// The most deliveries the bus holds past their claim.
     cap: usize,
@@ -54,6 +60,45 @@ struct Gate {
     /// Starts this bus took in the store and has not used yet: until when (the window's end),
     /// and how many.
     starts: StdMutex<Option<(Timestamp, u32)>>,
+    /// The turns of the partitions that have deliveries waiting or running (`""` alone when
+    /// not partitioned).
+    turns: StdMutex<HashMap<String, Arc<Turn>>>,
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("concurrency", &self.concurrency)
+            .field("partitioned", &self.partition.is_some())
+            .field("rate", &self.rate)
+            .field("cap", &self.cap)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gate {
+    /// The turn of `partition`, made when none waits or runs there.
+    fn turn(&self, partition: &str) -> Arc<Turn> {
+        let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(turns.entry(partition.to_owned()).or_default())
+    }
+
+    /// Lets go of `turn`, forgetting its partition once nothing waits or runs there.
+    fn let_go(&self, partition: &str, turn: Arc<Turn>) {
+        let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        drop(turn);
+        if turns
+            .get(partition)
+            .is_some_and(|turn| Arc::strong_count(turn) == 1)
+        {
+            turns.remove(partition);
+        }
+    }
+}
+
+/// The waiters of one partition of a handler (all of it, when not partitioned).
+#[derive(Debug, Default)]
+struct Turn {
     /// The waiters' turn to ask the store.
     turn: Mutex<()>,
     /// A slot was given back on this bus.
@@ -61,34 +106,44 @@ struct Gate {
 }
 
 /// A delivery's pass through its gate: the slot it holds, if its handler has a global
-/// concurrency.
+/// concurrency, and its partition's turn.
 #[derive(Debug, Default)]
 pub(crate) struct Admission {
     slot: Option<Slot>,
+    partition: String,
+    turn: Option<Arc<Turn>>,
 }
 
 impl Gates {
-    pub(crate) fn new(subscriptions: &[Subscription]) -> Self {
+    /// The gates of `subscriptions`' limited handlers, on a bus that runs `concurrency`
+    /// handlers at once.
+    pub(crate) fn new(subscriptions: &[Subscription], concurrency: usize) -> Self {
         let gates = subscriptions
             .iter()
             .filter(|s| s.is_limited())
             .map(|s| {
-                let cap = s
+                let limit = s
                     .global_concurrency
                     .into_iter()
                     .chain(s.rate_limit.map(|(rate, _)| rate))
                     .min()
                     .unwrap_or(1)
                     .max(1) as usize;
+                // A partitioned handler may run `n` per partition: as many as the bus runs.
+                let cap = if s.concurrency_partition.is_some() {
+                    concurrency.max(limit)
+                } else {
+                    limit
+                };
                 let gate = Gate {
                     concurrency: s.global_concurrency,
+                    partition: s.concurrency_partition.clone(),
                     rate: s.rate_limit,
                     cap,
                     entered: AtomicUsize::new(0),
                     waiting: AtomicUsize::new(0),
                     starts: StdMutex::new(None),
-                    turn: Mutex::new(()),
-                    freed: Notify::new(),
+                    turns: StdMutex::new(HashMap::new()),
                 };
                 (s.id.clone(), gate)
             })
@@ -102,6 +157,20 @@ impl Gates {
     /// Whether `handler` has limits.
     pub(crate) fn limits(&self, handler: &str) -> bool {
         self.gates.contains_key(handler)
+    }
+
+    /// The partition of `handler`'s global concurrency that a delivery of `payload` runs in:
+    /// `""` when not partitioned.
+    pub(crate) fn partition(
+        &self,
+        handler: &str,
+        payload: &serde_json::Map<String, serde_json::Value>,
+    ) -> String {
+        self.gates
+            .get(handler)
+            .and_then(|gate| gate.partition.as_ref())
+            .map(|partition| partition(payload))
+            .unwrap_or_default()
     }
 
     /// Lets one more delivery of `handler` wait at its gate, unless the bus holds as many as
@@ -138,20 +207,29 @@ impl Gates {
 }
 
 impl<S: Store> Shared<S> {
-    /// Waits until the limits of `delivery`'s handler let it start: a slot of its global
-    /// concurrency, then a start within its rate limit. `None` when the bus stops first (the
-    /// delivery did not start; give it back uncharged). A handler without limits passes at
-    /// once.
+    /// Waits until the limits of a delivery of `handler` in `partition` (see
+    /// [`Gates::partition`]) let it start: a slot of its global concurrency, then a start
+    /// within its rate limit. `None` when the bus stops first (the delivery did not start;
+    /// give it back uncharged). A handler without limits passes at once.
     pub(crate) async fn admit(
         &self,
         handler: &str,
+        partition: String,
         stopping: &CancellationToken,
     ) -> Option<Admission> {
         let Some(gate) = self.gates.gates.get(handler) else {
             return Some(Admission::default());
         };
         gate.waiting.fetch_add(1, Ordering::AcqRel);
-        let admitted = self.admit_at(handler, gate, stopping).await;
+        let turn = gate.turn(&partition);
+        let admission = Admission {
+            slot: None,
+            partition,
+            turn: Some(Arc::clone(&turn)),
+        };
+        let admitted = self
+            .admit_at(handler, gate, &turn, admission, stopping)
+            .await;
         gate.waiting.fetch_sub(1, Ordering::AcqRel);
         admitted
     }
@@ -160,15 +238,19 @@ impl<S: Store> Shared<S> {
         &self,
         handler: &str,
         gate: &Gate,
+        turn: &Turn,
+        mut admission: Admission,
         stopping: &CancellationToken,
     ) -> Option<Admission> {
         let _turn = tokio::select! {
-            turn = gate.turn.lock() => turn,
-            _ = stopping.cancelled() => return None,
+            guard = turn.turn.lock() => guard,
+            _ = stopping.cancelled() => {
+                self.give_back(handler, admission).await;
+                return None;
+            }
         };
         let max_backoff = self.settings.poll_interval.clamp(MIN_BACKOFF, MAX_BACKOFF);
         let mut backoff = MIN_BACKOFF;
-        let mut admission = Admission::default();
         let mut waited: HashSet<&'static str> = HashSet::new();
         let metrics = self.metrics.handler(handler);
         loop {
@@ -190,7 +272,7 @@ impl<S: Store> Shared<S> {
             backoff = (backoff * 2).min(max_backoff);
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = gate.freed.notified(), if admission.slot.is_none() => {}
+                _ = turn.freed.notified(), if admission.slot.is_none() => {}
                 _ = stopping.cancelled() => {
                     self.give_back(handler, admission).await;
                     return None;
@@ -210,8 +292,14 @@ impl<S: Store> Shared<S> {
         if let Some(limit) = gate.concurrency
             && admission.slot.is_none()
         {
+            let partitioned;
             let request = SlotRequest {
-                handler,
+                handler: if gate.partition.is_some() {
+                    partitioned = format!("{handler}/{}", admission.partition);
+                    &partitioned
+                } else {
+                    handler
+                },
                 limit,
                 owner: &self.settings.owner,
                 lease_duration: self.settings.lease_duration,
@@ -256,13 +344,22 @@ impl<S: Store> Shared<S> {
         Ok(None)
     }
 
-    /// Gives back what a delivery took at its gate, and wakes the handler's next waiter.
+    /// Gives back what a delivery took at its gate, and wakes the next waiter of its
+    /// partition.
     pub(crate) async fn give_back(&self, handler: &str, admission: Admission) {
-        let Some(slot) = admission.slot else { return };
-        self.gates.held_set().remove(&slot);
-        if let Some(gate) = self.gates.gates.get(handler) {
-            gate.freed.notify_one();
+        let Admission {
+            slot,
+            partition,
+            turn,
+        } = admission;
+        if let (Some(gate), Some(turn)) = (self.gates.gates.get(handler), turn) {
+            if slot.is_some() {
+                turn.freed.notify_one();
+            }
+            gate.let_go(&partition, turn);
         }
+        let Some(slot) = slot else { return };
+        self.gates.held_set().remove(&slot);
         match self.store.give_back_slot(&slot).await {
             Ok(true) => {}
             Ok(false) => debug!(

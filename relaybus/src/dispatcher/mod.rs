@@ -155,6 +155,7 @@ impl<S: Store> Shared<S> {
             .map(|s| (s.id.clone(), s.clone()))
             .collect();
         let metrics = BusMetrics::new(subscriptions_list);
+        let gates = limits::Gates::new(subscriptions_list, settings.concurrency);
         Shared {
             store,
             subscriptions,
@@ -163,7 +164,7 @@ impl<S: Store> Shared<S> {
             metrics,
             gauges: StdMutex::new(HashSet::new()),
             running: StdMutex::new(HashMap::new()),
-            gates: limits::Gates::new(subscriptions_list),
+            gates,
             handler_micros: AtomicU64::new(UNKNOWN),
         }
     }
@@ -600,7 +601,11 @@ impl<S: Store> Starter<S> {
             let permit = match seat {
                 Seat::Slot(permit) => permit,
                 Seat::Gated(slots) => {
-                    let Some(admitted) = task_shared.admit(&handler, &stopping).await else {
+                    let partition = task_shared
+                        .gates
+                        .partition(&handler, delivery.event.payload());
+                    let Some(admitted) = task_shared.admit(&handler, partition, &stopping).await
+                    else {
                         // Stopping: not run; the shutdown gives it back uncharged.
                         task_shared.gates.leave(&handler);
                         return;
@@ -723,6 +728,26 @@ impl<L: crate::store::StoreLease> Gathering<L> {
         let Some(gathered) = self.batches.get_mut(&handler) else {
             return;
         };
+        // A claim may hand out a delivery that already gathers (under faults, a claim can
+        // return one twice). A batch holds each delivery once: a transactional batch that
+        // held one twice would write its effects twice and complete it once. The later copy
+        // is the current claim.
+        let id = delivery.lease.delivery_id();
+        if let Some(gathering) = gathered
+            .deliveries
+            .iter_mut()
+            .find(|gathering| gathering.lease.delivery_id() == id)
+        {
+            warn!(
+                handler,
+                "a claim handed out a delivery that already gathers; the batch holds it once"
+            );
+            if let Some(running) = starter.shared.running().get_mut(&id) {
+                running.lease = delivery.lease.clone();
+            }
+            *gathering = delivery;
+            return;
+        }
         let place = match Arc::clone(&gathered.room).try_acquire_owned() {
             Ok(place) => place,
             Err(_) => {

@@ -2,7 +2,7 @@
 //! own so that the suite can kill it, pause it and restart it.
 //!
 //! ```text
-//! relaybus-fault-worker [--store mongodb|postgres] [--schedule] URL DATABASE OWNER LEASE_MS POLL_MS
+//! relaybus-fault-worker [--store mongodb|postgres] [--schedule | --batch] URL DATABASE OWNER LEASE_MS POLL_MS
 //! ```
 //!
 //! On MongoDB (the default) `URL` is a MongoDB URI and `DATABASE` the database; on PostgreSQL
@@ -12,6 +12,9 @@
 //! With `--schedule` the bus runs no handler and one schedule instead,
 //! [`SCHEDULE`](relaybus_tests::fault::SCHEDULE) every second, publishing
 //! `schedule.beat.v1` with no deliveries: the processes of the schedule test.
+//!
+//! With `--batch` the bus runs the batch scenarios' handler instead of the two handlers
+//! ([`fault::batch_subscriptions`](relaybus_tests::fault::batch_subscriptions)).
 //!
 //! It prints `ready` once its bus runs, and shuts the bus down gracefully on SIGTERM or SIGINT
 //! (its lanes are handed back), exiting 0.
@@ -26,8 +29,8 @@ use relaybus_tests::fault;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
 
-const USAGE: &str = "usage: relaybus-fault-worker [--store mongodb|postgres] [--schedule] URL \
-                     DATABASE OWNER LEASE_MS POLL_MS";
+const USAGE: &str = "usage: relaybus-fault-worker [--store mongodb|postgres] [--schedule | --batch] \
+                     URL DATABASE OWNER LEASE_MS POLL_MS";
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -46,8 +49,12 @@ async fn main() -> ExitCode {
         store = args.remove(1);
         args.remove(0);
     }
-    let schedule = args.first().is_some_and(|a| a == "--schedule");
-    if schedule {
+    let mode = match args.first().map(String::as_str) {
+        Some("--schedule") => Mode::Schedule,
+        Some("--batch") => Mode::Batch,
+        _ => Mode::Handlers,
+    };
+    if mode != Mode::Handlers {
         args.remove(0);
     }
     let [url, database, owner, lease_ms, poll_ms] = args.as_slice() else {
@@ -62,7 +69,7 @@ async fn main() -> ExitCode {
         owner,
         lease: Duration::from_millis(lease_ms),
         poll: Duration::from_millis(poll_ms),
-        schedule,
+        mode,
     };
     let outcome = match store.as_str() {
         "mongodb" => run_mongodb(url, database, &timing).await,
@@ -85,8 +92,18 @@ struct Timing<'a> {
     owner: &'a str,
     lease: Duration,
     poll: Duration,
-    /// Run the schedule instead of the handlers.
-    schedule: bool,
+    mode: Mode,
+}
+
+/// What the worker's bus runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The suite's two handlers.
+    Handlers,
+    /// The schedule, and no handler.
+    Schedule,
+    /// The batch scenarios' batch handler.
+    Batch,
 }
 
 async fn run_mongodb(
@@ -98,10 +115,11 @@ async fn run_mongodb(
     let store = MongoEventStore::builder(client.clone())
         .database(database)
         .build()?;
-    let subscriptions = if timing.schedule {
-        Vec::new()
-    } else {
-        fault::subscriptions(&client.database(database), timing.owner)
+    let db = client.database(database);
+    let subscriptions = match timing.mode {
+        Mode::Handlers => fault::subscriptions(&db, timing.owner),
+        Mode::Schedule => Vec::new(),
+        Mode::Batch => fault::batch_subscriptions(&db, timing.owner),
     };
     run(store, subscriptions, timing).await
 }
@@ -120,10 +138,10 @@ async fn run_postgres(
     let store = PostgresEventStore::builder(pool.clone())
         .schema(schema)
         .build()?;
-    let subscriptions = if timing.schedule {
-        Vec::new()
-    } else {
-        fault::postgres::subscriptions(&pool, schema, timing.owner)
+    let subscriptions = match timing.mode {
+        Mode::Handlers => fault::postgres::subscriptions(&pool, schema, timing.owner),
+        Mode::Schedule => Vec::new(),
+        Mode::Batch => fault::postgres::batch_subscriptions(schema),
     };
     run(store, subscriptions, timing).await
 }
@@ -148,7 +166,7 @@ async fn run<S: Store>(
     for subscription in subscriptions {
         bus = bus.subscribe(subscription);
     }
-    if timing.schedule {
+    if timing.mode == Mode::Schedule {
         bus = bus.schedule(Schedule::every(
             fault::SCHEDULE,
             Duration::from_secs(1),

@@ -4,8 +4,9 @@
 //! The tables live in the store's schema, next to the store's own:
 //!
 //! - `orders`: business rows, one per published event, written in the event's transaction;
-//! - `effects`: the transactional handler's effects, one row per committed run. No unique key:
-//!   a second committed run of an event leaves a second row, which the checker counts;
+//! - `effects`: the transactional handler's effects, one row per committed run (with the size
+//!   of its batch, for the batch handler). No unique key: a second committed run of an event
+//!   leaves a second row, which the checker counts;
 //! - `runs`: the at-least-once handler's runs, one row per run;
 //! - `order_log`: per handler and key, the sequences of the runs, in the order of their
 //!   `bigserial` id (for the transactional handler, in its transaction).
@@ -19,10 +20,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use relaybus::{HandlerContext, PostgresEventStore, RetryPolicy, Subscription};
+use relaybus::{Batch, BoxError, HandlerContext, PostgresEventStore, Subscription};
 use sqlx::{Connection, PgConnection, PgPool};
 
-use super::{AUDITOR, EFFECTS, FaultOrder, MAX_ATTEMPTS, ORDER_LOG, ORDERS, PROJECTOR, RUNS};
+use super::{AUDITOR, BATCH_MAX, EFFECTS, FaultOrder, ORDER_LOG, ORDERS, PROJECTOR, RUNS};
 
 /// The handler's context on the PostgreSQL store.
 type Context = HandlerContext<PostgresEventStore>;
@@ -45,7 +46,7 @@ pub async fn create_tables(pool: &PgPool, schema: &str) -> Result<(), sqlx::Erro
         ),
         format!(
             "CREATE TABLE IF NOT EXISTS {} (id bigserial PRIMARY KEY, event text NOT NULL, \
-             attempt integer NOT NULL)",
+             attempt integer NOT NULL, batch integer)",
             table(schema, EFFECTS)
         ),
         format!(
@@ -70,9 +71,7 @@ pub async fn create_tables(pool: &PgPool, schema: &str) -> Result<(), sqlx::Erro
 /// writes its effect (and its key's log entry) through the handler's `PostgresSession`, in the
 /// transaction that completes the delivery; the at-least-once `auditor` writes through `pool`.
 pub fn subscriptions(pool: &PgPool, schema: &str, owner: &str) -> Vec<Subscription> {
-    let retry = RetryPolicy::new(MAX_ATTEMPTS)
-        .initial_backoff(Duration::from_millis(20))
-        .max_backoff(Duration::from_millis(100));
+    let retry = super::retry();
 
     let effect = format!(
         "INSERT INTO {} (event, attempt) VALUES ($1, $2)",
@@ -141,6 +140,49 @@ pub fn subscriptions(pool: &PgPool, schema: &str, owner: &str) -> Vec<Subscripti
     .retry(retry);
 
     vec![projector, auditor]
+}
+
+/// The subscriptions of every process of the PostgreSQL batch scenario, as
+/// [`fault::batch_subscriptions`](super::batch_subscriptions) for MongoDB: the transactional
+/// batch handler `projector` inserts the effect rows of a batch's succeeding deliveries with
+/// one statement, through the handler's `PostgresSession`.
+pub fn batch_subscriptions(schema: &str) -> Vec<Subscription> {
+    let effect = format!(
+        "INSERT INTO {} (event, attempt, batch) \
+         SELECT event, attempt, $3 FROM unnest($1::text[], $2::integer[]) AS e (event, attempt)",
+        table(schema, EFFECTS)
+    );
+    let projector =
+        Subscription::batch(PROJECTOR, move |batch: Batch<FaultOrder>, ctx: Context| {
+            let effect = effect.clone();
+            async move {
+                let size = i32::try_from(batch.len()).unwrap_or(i32::MAX);
+                let (outcome, succeeded) = super::split_batch(&batch);
+                let events: Vec<String> = succeeded
+                    .iter()
+                    .map(|item| item.event_id().to_owned())
+                    .collect();
+                let attempts: Vec<i32> = succeeded
+                    .iter()
+                    .map(|item| i32::try_from(item.attempt()).unwrap_or(i32::MAX))
+                    .collect();
+                if !events.is_empty() {
+                    let mut session = ctx.session().await?;
+                    sqlx::query(&effect)
+                        .bind(&events)
+                        .bind(&attempts)
+                        .bind(size)
+                        .execute(&mut **session)
+                        .await?;
+                }
+                super::batch_pause().await;
+                Ok::<_, BoxError>(outcome)
+            }
+        })
+        .transactional()
+        .max_batch(BATCH_MAX)
+        .retry(super::retry());
+    vec![projector]
 }
 
 /// How a [`Cluster`] is stopped.

@@ -178,7 +178,9 @@
       const c = counts.get(name) || { waiting: 0, running: 0, parked: 0, dead: 0 };
       const l = c.limits || {};
       const limits = [
-        l.global_concurrency ? `${l.global_concurrency} at once` : null,
+        l.global_concurrency
+          ? `${l.global_concurrency} at once${l.concurrency_partitioned ? " per partition" : ""}`
+          : null,
         l.rate_limit ? `${l.rate_limit.starts} per ${l.rate_limit.interval_ms} ms` : null,
         l.batch ? `batches of ${l.batch.max}` : null,
       ].filter(Boolean).join(", ");
