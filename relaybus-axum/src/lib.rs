@@ -26,7 +26,7 @@
 //! use axum::{Router, http::StatusCode, routing::post};
 //! use mongodb::bson::{Document, doc};
 //! use relaybus::{MongoEventStore, RelayBus};
-//! use relaybus_axum::{DispatcherService, Publisher};
+//! use relaybus_axum::{DispatcherService, Publisher, ops::NestOps};
 //! use serde::{Deserialize, Serialize};
 //!
 //! #[derive(Serialize, Deserialize)]
@@ -62,7 +62,7 @@
 //!     .route("/orders", post(place_order))
 //!     .layer(layer)
 //!     .with_state(state)
-//!     .nest("/ops", relaybus_axum::ops::router(bus.clone())); // behind your auth
+//!     .nest_ops("/ops", relaybus_axum::ops::router(bus.clone())); // behind your auth
 //!
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
 //! DispatcherService::new(bus).serve(listener, app).await?;

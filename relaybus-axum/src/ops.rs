@@ -91,13 +91,17 @@
 //! ```no_run
 //! # fn example(bus: relaybus::RelayBus) {
 //! use axum::Router;
+//! use relaybus_axum::ops::NestOps;
 //!
 //! # let require_operator = tower::layer::util::Identity::new();
 //! let app: Router = Router::new()
 //!     // .route(..) for the application
-//!     .nest("/ops", relaybus_axum::ops::router(bus).layer(require_operator));
+//!     .nest_ops("/ops", relaybus_axum::ops::router(bus).layer(require_operator));
 //! # }
 //! ```
+//!
+//! [`NestOps::nest_ops`] nests as [`Router::nest`] does and also answers `/ops/`, which axum's
+//! own `nest` leaves to the application's 404.
 
 use axum::{
     Json, Router,
@@ -113,7 +117,10 @@ use relaybus::{
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+mod mount;
 mod page;
+
+pub use mount::NestOps;
 
 /// The most records per page.
 const MAX_LIMIT: u32 = 1_000;

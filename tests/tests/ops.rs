@@ -10,6 +10,7 @@ use axum::{
     body::Body,
     http::{Request, Response, StatusCode, header},
 };
+use relaybus_axum::ops::NestOps;
 use relaybus_harness::test_db;
 use relaybus_tests::support::{MAILER_ERRORS, operated_bus};
 use serde_json::{Value, json};
@@ -219,7 +220,7 @@ async fn the_pages_routes_show_events_lanes_groups_and_activity() {
 async fn the_page_is_served_with_its_assets_and_a_policy_of_its_own() {
     let db = test_db("ops_page_served").await;
     let bus = operated_bus(&db).await;
-    let ops = Ops(Router::new().nest(
+    let ops = Ops(Router::new().nest_ops(
         "/ops",
         relaybus_axum::ops::config(bus).read_only(true).router(),
     ));
@@ -245,6 +246,17 @@ async fn the_page_is_served_with_its_assets_and_a_policy_of_its_own() {
     let html = body(page).await;
     assert!(html.contains(r#"src="/ops/assets/ops.js""#), "{html}");
     assert!(html.contains(r#"data-read-only="true""#), "{html}");
+
+    // With a trailing slash: sent to the page, its query kept.
+    let slash = ops
+        .raw(
+            Request::get("/ops/?view=lanes")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(slash.status(), StatusCode::PERMANENT_REDIRECT);
+    assert_eq!(slash.headers()[header::LOCATION], "../ops?view=lanes");
 
     for (asset, kind) in [
         ("/ops/assets/ops.js", "text/javascript"),

@@ -17,6 +17,7 @@ use std::{
 use axum::Router;
 use fantoccini::{Client, ClientBuilder, Locator, elements::Element};
 use relaybus::{RelayBus, Store};
+use relaybus_axum::ops::NestOps;
 use relaybus_harness::test_db;
 use relaybus_tests::support::{MAILER_ERRORS, operated_bus};
 use serde_json::json;
@@ -113,7 +114,7 @@ async fn browser(driver: &Driver) -> Client {
 
 /// Serves the operator routes of `bus` at `/ops` on a free port.
 async fn serve(bus: RelayBus) -> SocketAddr {
-    let app: Router = Router::new().nest("/ops", relaybus_axum::ops::router(bus));
+    let app: Router = Router::new().nest_ops("/ops", relaybus_axum::ops::router(bus));
     let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .await
         .unwrap();
@@ -381,6 +382,21 @@ async fn an_operator_finds_requeues_and_discards_dead_letters_in_the_page() {
         |t| t == ["3"],
     )
     .await;
+
+    // At `/ops/`, the same page.
+    client
+        .goto(&format!("http://{address}/ops/"))
+        .await
+        .unwrap();
+    until(&client, "#total-dead", "the counts, at /ops/", |t| {
+        t == ["3"]
+    })
+    .await;
+    assert_eq!(
+        client.current_url().await.unwrap().path(),
+        "/ops",
+        "sent to the page's own address"
+    );
 
     client.close().await.unwrap();
 }

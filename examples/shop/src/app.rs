@@ -13,7 +13,9 @@ use axum::{
 use metrics_exporter_prometheus::PrometheusHandle;
 use mongodb::bson::oid::ObjectId;
 use relaybus::{BoxError, RelayBus};
-use relaybus_axum::{IdempotencyLayer, Publisher, RelayState, rejection::PublisherRejection};
+use relaybus_axum::{
+    IdempotencyLayer, Publisher, RelayState, ops::NestOps, rejection::PublisherRejection,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -105,7 +107,7 @@ pub(crate) fn router<O: Orders>(
         .layer(layer)
         .with_state(AppState { relay, orders })
         // The operator page and its JSON routes, behind your own authentication.
-        .nest("/ops", relaybus_axum::ops::router(bus).layer(operator));
+        .nest_ops("/ops", relaybus_axum::ops::router(bus).layer(operator));
     Ok(match metrics {
         // relaybus's metrics (messaging.*, relaybus.*), for Prometheus to scrape.
         Some(metrics) => router.route("/metrics", get(async move || metrics.render())),

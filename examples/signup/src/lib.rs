@@ -7,7 +7,7 @@ use relaybus::{
     BoxError, PostgresEventStore,
     postgres::{Bus, Context},
 };
-use relaybus_axum::{PublishError, postgres::Publisher};
+use relaybus_axum::{PublishError, ops::NestOps, postgres::Publisher};
 use serde::{Deserialize, Serialize};
 
 /// A user registered.
@@ -80,7 +80,7 @@ pub fn app(store: PostgresEventStore) -> Result<(Bus, Router), relaybus::Configu
         .route("/signup", post(sign_up))
         .layer(layer)
         .with_state(state)
-        .nest("/ops", relaybus_axum::ops::router(bus.clone()));
+        .nest_ops("/ops", relaybus_axum::ops::router(bus.clone()));
     Ok((bus, router))
 }
 
