@@ -14,7 +14,7 @@
 //! `schedule.beat.v1` with no deliveries: the processes of the schedule test.
 //!
 //! With `--batch` the bus runs the batch scenarios' handler instead of the two handlers
-//! ([`fault::batch_subscriptions`](relaybus_tests::fault::batch_subscriptions)).
+//! ([`relaybus_tests::fault::batch_subscriptions`]).
 //!
 //! It prints `ready` once its bus runs, and shuts the bus down gracefully on SIGTERM or SIGINT
 //! (its lanes are handed back), exiting 0.
