@@ -315,10 +315,9 @@ impl relaybus::store::Limits for HookedStore {
     async fn renew_slots(
         &self,
         slots: &[relaybus::store::Slot],
-        lease_duration: Duration,
-        now: Timestamp,
+        until: Timestamp,
     ) -> Result<usize, Error> {
-        self.inner.renew_slots(slots, lease_duration, now).await
+        self.inner.renew_slots(slots, until).await
     }
 
     async fn give_back_slot(&self, slot: &relaybus::store::Slot) -> Result<bool, Error> {
@@ -327,14 +326,8 @@ impl relaybus::store::Limits for HookedStore {
 
     async fn take_starts(
         &self,
-        handler: &str,
-        wanted: u32,
-        rate: u32,
-        interval: Duration,
-        now: Timestamp,
+        request: relaybus::store::StartsRequest<'_>,
     ) -> Result<(u32, Timestamp), Error> {
-        self.inner
-            .take_starts(handler, wanted, rate, interval, now)
-            .await
+        self.inner.take_starts(request).await
     }
 }

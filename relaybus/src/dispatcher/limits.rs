@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 use super::Shared;
 use crate::{
     handler::{ConcurrencyPartition, Subscription},
-    store::{Slot, SlotRequest, Store},
+    store::{Slot, SlotRequest, StartsRequest, Store},
     time::Timestamp,
 };
 
@@ -331,7 +331,13 @@ impl<S: Store> Shared<S> {
                 u32::try_from(gate.waiting.load(Ordering::Acquire).max(1)).unwrap_or(u32::MAX);
             let (granted, end) = self
                 .store
-                .take_starts(handler, wanted, rate, interval, now)
+                .take_starts(StartsRequest {
+                    handler,
+                    wanted,
+                    rate,
+                    interval,
+                    now,
+                })
                 .await?;
             if granted == 0 {
                 // Into the next window, with a little spread so the buses do not all ask at
@@ -391,7 +397,10 @@ impl<S: Store> Shared<S> {
         }
         match self
             .store
-            .renew_slots(&held, self.settings.lease_duration, self.now())
+            .renew_slots(
+                &held,
+                self.now().saturating_add(self.settings.lease_duration),
+            )
             .await
         {
             Ok(renewed) if renewed < held.len() => warn!(

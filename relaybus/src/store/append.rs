@@ -24,13 +24,16 @@ pub trait Append: Transactions {
     ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
 
     /// As [`append`](Self::append), in a transaction the caller started with
-    /// [`begin`](Transactions::begin), so the session is not checked.
+    /// [`begin`](Transactions::begin), so the session need not be checked: a store whose
+    /// check costs a round trip skips it here. By default, [`append`](Self::append).
     fn append_in_transaction(
         &self,
         session: &mut Self::Session,
         requests: &[AppendRequest<'_>],
         now: Timestamp,
-    ) -> impl Future<Output = Result<Vec<Appended>>> + Send;
+    ) -> impl Future<Output = Result<Vec<Appended>>> + Send {
+        self.append(session, requests, now)
+    }
 }
 
 /// An event of an append batch with the handlers its requests ask for.

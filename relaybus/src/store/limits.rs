@@ -43,29 +43,40 @@ pub trait Limits {
         request: SlotRequest<'_>,
     ) -> impl Future<Output = Result<Option<Slot>>> + Send;
 
-    /// Extends the slots to `now + lease_duration`; how many of them were still held by their
-    /// holder (the others expired and may have been taken by another bus).
+    /// Extends the slots' leases to `until`; how many of them were still held by their holder
+    /// (the others expired and may have been taken by another bus).
     fn renew_slots(
         &self,
         slots: &[Slot],
-        lease_duration: Duration,
-        now: Timestamp,
+        until: Timestamp,
     ) -> impl Future<Output = Result<usize>> + Send;
 
     /// Gives a slot back; `false` when its holder no longer held it.
     fn give_back_slot(&self, slot: &Slot) -> impl Future<Output = Result<bool>> + Send;
 
-    /// Takes up to `wanted` starts of `handler` in the window of `interval` that holds `now`,
-    /// of the `rate` the window allows: how many it got (0 when the window is full), and the
-    /// end of the window, when the next one opens. Starts taken and not used are lost.
+    /// Takes up to `request.wanted` starts of `request.handler` in the window of
+    /// `request.interval` that holds `request.now`, of the `request.rate` the window allows: how
+    /// many it got (0 when the window is full), and the end of the window, when the next one
+    /// opens. Starts taken and not used are lost.
     fn take_starts(
         &self,
-        handler: &str,
-        wanted: u32,
-        rate: u32,
-        interval: Duration,
-        now: Timestamp,
+        request: StartsRequest<'_>,
     ) -> impl Future<Output = Result<(u32, Timestamp)>> + Send;
+}
+
+/// What one [`Limits::take_starts`] asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct StartsRequest<'a> {
+    /// The handler whose starts they are.
+    pub handler: &'a str,
+    /// How many starts the bus would use now.
+    pub wanted: u32,
+    /// How many starts a window allows in all.
+    pub rate: u32,
+    /// The length of a window.
+    pub interval: Duration,
+    /// The current time.
+    pub now: Timestamp,
 }
 
 /// What one [`Limits::take_slot`] asks for.

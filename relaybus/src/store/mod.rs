@@ -122,7 +122,7 @@ pub use idempotency::{
 pub use inspect::Inspect;
 pub use leadership::Leadership;
 pub(crate) use limits::rate_window;
-pub use limits::{Limits, MAX_GLOBAL_CONCURRENCY, Slot, SlotRequest};
+pub use limits::{Limits, MAX_GLOBAL_CONCURRENCY, Slot, SlotRequest, StartsRequest};
 #[cfg(not(feature = "mongodb"))]
 pub use no_store::NoStore;
 pub use operate::Operate;

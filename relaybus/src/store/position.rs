@@ -106,24 +106,27 @@ impl<'a> PositionKey<'a> {
         Ok(())
     }
 
+    /// What an advance of the position to `next` refuses: the key as [`check`](Self::check)
+    /// does, and a negative offset.
+    #[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
+    pub(crate) fn check_advance(&self, next: i64) -> Result<()> {
+        self.check()?;
+        if next < 0 {
+            return Err(InvalidArgumentError::new(
+                "next",
+                format!(
+                    "{next} is not an offset: a position is the offset of the next record, 0 or \
+                     more"
+                ),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     /// The key as one string, unambiguous for any names: a JSON array.
     #[allow(dead_code)]
     pub(crate) fn joined(&self) -> String {
         serde_json::json!([self.consumer, self.source, self.partition]).to_string()
     }
-}
-
-/// Refuses a negative offset.
-#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
-pub(crate) fn check_offset(next: i64) -> Result<()> {
-    if next < 0 {
-        return Err(InvalidArgumentError::new(
-            "next",
-            format!(
-                "{next} is not an offset: a position is the offset of the next record, 0 or more"
-            ),
-        )
-        .into());
-    }
-    Ok(())
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use relaybus::store::{SlotRequest, Store};
+use relaybus::store::{SlotRequest, StartsRequest, Store, Timestamp};
 
 use super::{LEASE, PROJECTOR, at};
 
@@ -55,7 +55,7 @@ pub async fn slots_are_held_one_taker_at_a_time<S: Store>(store: &S) {
 
     // The second slot is renewed past its first expiry; the third is not.
     let renewed = store
-        .renew_slots(std::slice::from_ref(&second), LEASE, at(20))
+        .renew_slots(std::slice::from_ref(&second), at(20).saturating_add(LEASE))
         .await
         .unwrap();
     assert_eq!(renewed, 1);
@@ -76,7 +76,10 @@ pub async fn slots_are_held_one_taker_at_a_time<S: Store>(store: &S) {
     );
     assert_eq!(
         store
-            .renew_slots(std::slice::from_ref(&third), LEASE, at(after_expiry))
+            .renew_slots(
+                std::slice::from_ref(&third),
+                at(after_expiry).saturating_add(LEASE),
+            )
             .await
             .unwrap(),
         0,
@@ -92,23 +95,34 @@ pub async fn slots_are_held_one_taker_at_a_time<S: Store>(store: &S) {
     );
 }
 
+/// Asks for `wanted` starts of `handler`, of 5 a window.
+fn starts(handler: &str, wanted: u32, interval: Duration, now: Timestamp) -> StartsRequest<'_> {
+    StartsRequest {
+        handler,
+        wanted,
+        rate: 5,
+        interval,
+        now,
+    }
+}
+
 /// `take_starts`: a window grants at most `rate` starts in all, however they are asked for,
 /// and says when it ends; the next window grants afresh.
 pub async fn a_window_grants_at_most_its_rate<S: Store>(store: &S) {
     let interval = Duration::from_secs(10);
     let (granted, end) = store
-        .take_starts(PROJECTOR, 3, 5, interval, at(1))
+        .take_starts(starts(PROJECTOR, 3, interval, at(1)))
         .await
         .unwrap();
     assert_eq!(granted, 3);
     assert_eq!(end, at(10), "windows start at multiples of the interval");
     let (granted, _) = store
-        .take_starts(PROJECTOR, 4, 5, interval, at(2))
+        .take_starts(starts(PROJECTOR, 4, interval, at(2)))
         .await
         .unwrap();
     assert_eq!(granted, 2, "what the window has left");
     let (granted, end) = store
-        .take_starts(PROJECTOR, 1, 5, interval, at(9))
+        .take_starts(starts(PROJECTOR, 1, interval, at(9)))
         .await
         .unwrap();
     assert_eq!(
@@ -117,12 +131,12 @@ pub async fn a_window_grants_at_most_its_rate<S: Store>(store: &S) {
         "the window is full until its end"
     );
     let (granted, end) = store
-        .take_starts(PROJECTOR, 4, 5, interval, at(10))
+        .take_starts(starts(PROJECTOR, 4, interval, at(10)))
         .await
         .unwrap();
     assert_eq!((granted, end), (4, at(20)), "the next window grants afresh");
     let (granted, _) = store
-        .take_starts("mailer", 5, 5, interval, at(10))
+        .take_starts(starts("mailer", 5, interval, at(10)))
         .await
         .unwrap();
     assert_eq!(granted, 5, "each handler has its own counter");

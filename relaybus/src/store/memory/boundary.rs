@@ -17,8 +17,7 @@ use crate::{
         DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
         IdempotentRequests, Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue,
         RequestKey, RequestKeyState, Requeued, Statistics, Store, StoredResponse, Transactions,
-        WakeUp,
-        position::{PositionKey, check_offset},
+        WakeUp, position::PositionKey,
     },
     time::Timestamp,
 };
@@ -103,15 +102,6 @@ impl Append for MemoryEventStore {
     ) -> Result<Vec<Appended>> {
         self.append_checked(session, requests, now, "MemoryEventStore.append")
     }
-
-    async fn append_in_transaction(
-        &self,
-        session: &mut MemorySession,
-        requests: &[AppendRequest<'_>],
-        now: Timestamp,
-    ) -> Result<Vec<Appended>> {
-        self.append_checked(session, requests, now, "MemoryEventStore.append")
-    }
 }
 
 impl ConsumerPositions for MemoryEventStore {
@@ -132,8 +122,7 @@ impl ConsumerPositions for MemoryEventStore {
         next: i64,
         now: Timestamp,
     ) -> Result<()> {
-        key.check()?;
-        check_offset(next)?;
+        key.check_advance(next)?;
         let id = key.joined();
         let stored = session
             .get(CONSUMER_POSITIONS, &id)?

@@ -4,13 +4,12 @@
 use std::{
     collections::HashMap,
     sync::{Mutex, MutexGuard, PoisonError},
-    time::Duration,
 };
 
 use super::MemoryEventStore;
 use crate::{
     error::Result,
-    store::{Limits, Slot, SlotRequest, rate_window},
+    store::{Limits, Slot, SlotRequest, StartsRequest, rate_window},
     time::Timestamp,
 };
 
@@ -59,12 +58,7 @@ impl Limits for MemoryEventStore {
         }))
     }
 
-    async fn renew_slots(
-        &self,
-        slots: &[Slot],
-        lease_duration: Duration,
-        now: Timestamp,
-    ) -> Result<usize> {
+    async fn renew_slots(&self, slots: &[Slot], until: Timestamp) -> Result<usize> {
         let mut state = self.limits();
         let mut renewed = 0;
         for slot in slots {
@@ -72,7 +66,7 @@ impl Limits for MemoryEventStore {
                 state.slots.get_mut(&(slot.handler.clone(), slot.index))
                 && *holder == slot.holder
             {
-                *expires_at = now.saturating_add(lease_duration);
+                *expires_at = until;
                 renewed += 1;
             }
         }
@@ -93,21 +87,18 @@ impl Limits for MemoryEventStore {
         Ok(false)
     }
 
-    async fn take_starts(
-        &self,
-        handler: &str,
-        wanted: u32,
-        rate: u32,
-        interval: Duration,
-        now: Timestamp,
-    ) -> Result<(u32, Timestamp)> {
-        let (start, end) = rate_window(interval, now);
+    async fn take_starts(&self, request: StartsRequest<'_>) -> Result<(u32, Timestamp)> {
+        let (start, end) = rate_window(request.interval, request.now);
         let mut state = self.limits();
-        let counter = state.starts.entry(handler.to_owned()).or_insert((start, 0));
+        let counter = state
+            .starts
+            .entry(request.handler.to_owned())
+            .or_insert((start, 0));
         if counter.0 < start {
             *counter = (start, 0);
         }
-        let granted = u64::from(wanted).min(u64::from(rate).saturating_sub(counter.1));
+        let granted =
+            u64::from(request.wanted).min(u64::from(request.rate).saturating_sub(counter.1));
         counter.1 += granted;
         Ok((granted as u32, end))
     }

@@ -9,18 +9,13 @@ use mongodb::{
 use super::{
     MongoEventStore,
     schema::{Index, field, index, lane, status},
-    upgrade::LEASE_FIELDS,
+    upgrade::{LEASE_FIELDS, PROCESSING, is_0_1_index},
 };
 use crate::{
     error::Result,
     event::LANE_COUNT,
     store::administration::{Administration, SetupStep, SetupStepKind},
 };
-
-/// The status a 0.1.0 version gave a claimed delivery.
-const PROCESSING: &str = "processing";
-/// The index of claimed deliveries a 0.1.0 version made.
-const RUNNING_INDEX: &str = "running";
 
 impl Administration for MongoEventStore {
     async fn setup_plan(&self) -> Result<Vec<SetupStep>> {
@@ -29,17 +24,7 @@ impl Administration for MongoEventStore {
         let mut steps = Vec::new();
         let existing: Vec<String> = inner.db.list_collection_names().await?;
         let exists = |name: &str| existing.iter().any(|e| e == name);
-        let mut collections = vec![
-            &inner.events,
-            &inner.deliveries,
-            &inner.key_sequences,
-            &inner.lanes,
-            &inner.idempotency_keys,
-        ];
-        if inner.completion_history {
-            collections.push(&inner.completed);
-        }
-        for collection in collections {
+        for collection in inner.collections() {
             if !exists(collection.name()) {
                 steps.push(SetupStep::new(
                     SetupStepKind::Create,
@@ -199,18 +184,9 @@ impl MongoEventStore {
             ] })
             .await?;
         upgrade(events, "give {n} events their handlers and creation time");
-        let claim = index::of_deliveries()
-            .into_iter()
-            .find(|i| i.name == index::CLAIM)
-            .expect("the claim index is one of the store's");
         for model in indexes_of(deliveries).await? {
-            let options = model.options.as_ref();
-            let name = options.and_then(|o| o.name.as_deref()).unwrap_or_default();
-            let partial = options.and_then(|o| o.partial_filter_expression.as_ref());
-            let stale = name == RUNNING_INDEX
-                || (name == index::CLAIM
-                    && (model.keys != claim.keys || partial != claim.partial.as_ref()));
-            if stale {
+            if is_0_1_index(&model) {
+                let name = index_name(&model).unwrap_or_default();
                 upgrade(
                     1,
                     &format!("drop the 0.1.0 index `{name}` of {}", deliveries.name()),

@@ -101,8 +101,7 @@ impl MongoEventStore {
         events: &[AppendRequest<'_>],
         now: DateTime,
     ) -> Result<Vec<Appended>> {
-        let items = prepare(events)?;
-        self.append_prepared(session, items, now).await
+        self.append_prepared(session, prepare(events)?, now).await
     }
 
     async fn append_prepared(

@@ -13,8 +13,7 @@ use crate::{
         Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
         DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
         Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
-        Statistics, Store, StoreLease, Transactions, WakeUp,
-        position::{PositionKey, check_offset},
+        Statistics, Store, StoreLease, Transactions, WakeUp, position::PositionKey,
     },
     time::Timestamp,
 };
@@ -114,8 +113,7 @@ impl ConsumerPositions for MongoEventStore {
         next: i64,
         now: Timestamp,
     ) -> Result<()> {
-        key.check()?;
-        check_offset(next)?;
+        key.check_advance(next)?;
         self.ensure_in_transaction(session, "MongoEventStore.advance_consumer_position")
             .await?;
         self.inner

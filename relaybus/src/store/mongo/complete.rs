@@ -244,14 +244,7 @@ impl MongoEventStore {
         }
         let ids = unique_ids(leases);
         let (found, lanes) = self.read_fence(leases, &ids).await?;
-        let current: Vec<&Lease> = leases
-            .iter()
-            .filter(|lease| generation_holds(lease, &found))
-            .collect();
-        if current.is_empty() {
-            return Ok(vec![false; leases.len()]);
-        }
-        let fenced = fence(&current, &lanes);
+        let fenced = still_held(leases, &found, &lanes);
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
@@ -342,15 +335,7 @@ impl MongoEventStore {
             })
             .collect();
         let found = found(docs);
-        let current: Vec<&Lease> = leases
-            .iter()
-            .filter(|lease| generation_holds(lease, &found))
-            .collect();
-        if current.is_empty() {
-            return Ok(vec![false; leases.len()]);
-        }
-        let lanes = listings_of(&lane_docs);
-        let fenced = fence(&current, &lanes);
+        let fenced = still_held(leases, &found, &listings_of(&lane_docs));
         if fenced.is_empty() {
             return Ok(vec![false; leases.len()]);
         }
@@ -539,6 +524,19 @@ fn found(docs: Vec<Document>) -> HashMap<ObjectId, Found> {
             ))
         })
         .collect()
+}
+
+/// The leases that still hold their delivery: its claim generation and lane unchanged
+/// ([`generation_holds`]) and its lane's epoch and listing too ([`fence`]).
+fn still_held(leases: &[Lease], found: &HashMap<ObjectId, Found>, lanes: &Listings) -> Vec<Lease> {
+    let current: Vec<&Lease> = leases
+        .iter()
+        .filter(|lease| generation_holds(lease, found))
+        .collect();
+    if current.is_empty() {
+        return Vec::new();
+    }
+    fence(&current, lanes)
 }
 
 /// Whether the delivery still exists, in the lease's lane, with the lease's claim generation.

@@ -8,7 +8,7 @@ use mongodb::bson::{Bson, Document, RawDocumentBuf, doc};
 use super::{
     MongoEventStore,
     claim::hand_out::envelope,
-    lane::{Lane, int, string},
+    lane::{Lane, int, string, strings},
     operator::{aggregate_hinted, in_flight, record_from_document},
     purge::unstamped_by,
     schema::{self, field, index, status},
@@ -94,15 +94,7 @@ impl MongoEventStore {
             event,
             sequence: int(&doc, field::SEQUENCE),
             completed_at: completed_at(&doc, &deliveries),
-            handlers: doc
-                .get_array(field::HANDLERS)
-                .map(|handlers| {
-                    handlers
-                        .iter()
-                        .filter_map(|h| h.as_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default(),
+            handlers: strings(&doc, field::HANDLERS),
             deliveries,
         }))
     }

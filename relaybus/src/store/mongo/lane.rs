@@ -241,9 +241,28 @@ pub(crate) fn object_ids(doc: &Document, key: &str) -> Vec<ObjectId> {
     }
 }
 
+/// The ids (`_id`) of `docs`.
+pub(crate) fn ids_of(docs: &[Document]) -> Vec<ObjectId> {
+    docs.iter()
+        .filter_map(|doc| doc.get_object_id(field::ID).ok())
+        .collect()
+}
+
 /// A string field.
 pub(crate) fn string(doc: &Document, key: &str) -> Option<String> {
     doc.get_str(key).ok().map(str::to_owned)
+}
+
+/// The strings of the array `key` of `doc`; none when it is missing.
+pub(crate) fn strings(doc: &Document, key: &str) -> Vec<String> {
+    doc.get_array(key)
+        .map(|values| {
+            values
+                .iter()
+                .filter_map(|value| value.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// `now + duration`, refused when it leaves the range of a BSON date.

@@ -3,7 +3,7 @@
 //! holder and expiry) and one per rate-limited handler (`rate:<handler>`, with its window and
 //! count). Each write is a conditional single-document write, so no transaction is needed.
 
-use std::{collections::HashSet, time::Duration};
+use std::collections::HashSet;
 
 use futures::TryStreamExt;
 use mongodb::{
@@ -15,7 +15,7 @@ use rand::seq::SliceRandom;
 use super::{MongoEventStore, bson_date, error_code, schema::field};
 use crate::{
     error::Result,
-    store::{Limits, Slot, SlotRequest, rate_window},
+    store::{Limits, Slot, SlotRequest, StartsRequest, rate_window},
     time::Timestamp,
 };
 
@@ -76,12 +76,7 @@ impl Limits for MongoEventStore {
         Ok(None)
     }
 
-    async fn renew_slots(
-        &self,
-        slots: &[Slot],
-        lease_duration: Duration,
-        now: Timestamp,
-    ) -> Result<usize> {
+    async fn renew_slots(&self, slots: &[Slot], until: Timestamp) -> Result<usize> {
         if slots.is_empty() {
             return Ok(0);
         }
@@ -99,7 +94,7 @@ impl Limits for MongoEventStore {
             .processes
             .update_many(
                 doc! { "$or": held },
-                doc! { "$set": { field::EXPIRES_AT: bson_date(now.saturating_add(lease_duration)) } },
+                doc! { "$set": { field::EXPIRES_AT: bson_date(until) } },
             )
             .await?;
         Ok(renewed.matched_count as usize)
@@ -120,14 +115,14 @@ impl Limits for MongoEventStore {
     /// One pipeline upsert of `rate:<handler>`: a newer window starts the count afresh, the
     /// current one (or an older one, from a bus whose clock is behind) adds what it grants;
     /// `granted` keeps what this write granted.
-    async fn take_starts(
-        &self,
-        handler: &str,
-        wanted: u32,
-        rate: u32,
-        interval: Duration,
-        now: Timestamp,
-    ) -> Result<(u32, Timestamp)> {
+    async fn take_starts(&self, request: StartsRequest<'_>) -> Result<(u32, Timestamp)> {
+        let StartsRequest {
+            handler,
+            wanted,
+            rate,
+            interval,
+            now,
+        } = request;
         let (start, end) = rate_window(interval, now);
         let window = format!("${WINDOW}");
         let before = format!("${BEFORE}");

@@ -130,6 +130,23 @@ pub(crate) struct StoreInner {
     pub(crate) gauge_sample: crate::store::GaugeSample,
 }
 
+impl StoreInner {
+    /// The collections `setup()` creates: the completion history only when it is kept.
+    pub(crate) fn collections(&self) -> Vec<&Collection<Document>> {
+        let mut collections = vec![
+            &self.events,
+            &self.deliveries,
+            &self.key_sequences,
+            &self.lanes,
+            &self.idempotency_keys,
+        ];
+        if self.completion_history {
+            collections.push(&self.completed);
+        }
+        collections
+    }
+}
+
 impl std::fmt::Debug for MongoEventStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MongoEventStore")

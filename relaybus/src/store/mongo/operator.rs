@@ -15,10 +15,11 @@ use mongodb::{
 
 use super::{
     MongoEventStore, bson_date,
-    lane::{int, int32, object_ids, string},
+    lane::{ids_of, int, int32, object_ids, string},
     schema,
     schema::{field, index, path, status},
     timestamp,
+    transaction::documents_in,
 };
 use crate::error::Result;
 use crate::store::checks::{self, check_owner};
@@ -73,21 +74,31 @@ pub(crate) async fn aggregate_hinted(
 /// `BadValue`, which a hint naming no index gets.
 const BAD_VALUE: i32 = 2;
 
-/// Every document of `collection` that `filter` matches, read in the session's transaction.
-async fn documents_in(
-    session: &mut ClientSession,
-    collection: &mongodb::Collection<Document>,
-    filter: Document,
-    projection: Document,
-) -> Result<Vec<Document>> {
-    Ok(collection
-        .find(filter)
-        .projection(projection)
-        .session(&mut *session)
-        .await?
-        .stream(&mut *session)
-        .try_collect()
-        .await?)
+/// The pipeline over the lanes that groups the deliveries they list as running (those still
+/// pending in `deliveries`, seen as `$delivery` with the fields of `projection`) by `group`:
+/// how many (`n`), and how many of them run from the parked lane (`parked`).
+fn running_grouped(deliveries: &str, projection: Document, group: Bson) -> Vec<Document> {
+    vec![
+        doc! { "$match": { "inFlight.0": { "$exists": true } } },
+        doc! { "$project": { field::IN_FLIGHT: 1 } },
+        doc! { "$unwind": path::IN_FLIGHT },
+        doc! { "$lookup": {
+            "from": deliveries,
+            "localField": field::IN_FLIGHT,
+            "foreignField": field::ID,
+            "pipeline": [
+                { "$match": { field::STATUS: status::PENDING } },
+                { "$project": projection },
+            ],
+            "as": "delivery",
+        } },
+        doc! { "$unwind": "$delivery" },
+        doc! { "$group": {
+            field::ID: group,
+            "n": { "$sum": 1 },
+            "parked": running_parked(),
+        } },
+    ]
 }
 
 /// Of the running deliveries a grouping sees as `$delivery`, the count of those in the parked
@@ -293,27 +304,11 @@ impl MongoEventStore {
             .await?;
         let running: Vec<Document> = inner
             .lanes
-            .aggregate([
-                doc! { "$match": { "inFlight.0": { "$exists": true } } },
-                doc! { "$project": { field::IN_FLIGHT: 1 } },
-                doc! { "$unwind": "$inFlight" },
-                doc! { "$lookup": {
-                    "from": inner.deliveries.name(),
-                    "localField": field::IN_FLIGHT,
-                    "foreignField": field::ID,
-                    "pipeline": [
-                        { "$match": { field::STATUS: status::PENDING } },
-                        { "$project": { field::LANE: 1 } },
-                    ],
-                    "as": "delivery",
-                } },
-                doc! { "$unwind": "$delivery" },
-                doc! { "$group": {
-                    field::ID: null,
-                    "running": { "$sum": 1 },
-                    "parked": running_parked(),
-                } },
-            ])
+            .aggregate(running_grouped(
+                inner.deliveries.name(),
+                doc! { field::LANE: 1 },
+                Bson::Null,
+            ))
             .await?
             .try_collect()
             .await?;
@@ -325,7 +320,7 @@ impl MongoEventStore {
         };
         Ok(Statistics {
             pending,
-            running: count_of("running"),
+            running: count_of("n"),
             // A key's delivery that runs straight from its parked backlog runs, it does not wait.
             parked: parked.saturating_sub(count_of("parked")),
             dead,
@@ -372,27 +367,11 @@ impl MongoEventStore {
         let running = async {
             inner
                 .lanes
-                .aggregate([
-                    doc! { "$match": { "inFlight.0": { "$exists": true } } },
-                    doc! { "$project": { field::IN_FLIGHT: 1 } },
-                    doc! { "$unwind": path::IN_FLIGHT },
-                    doc! { "$lookup": {
-                        "from": inner.deliveries.name(),
-                        "localField": field::IN_FLIGHT,
-                        "foreignField": field::ID,
-                        "pipeline": [
-                            { "$match": { field::STATUS: status::PENDING } },
-                            { "$project": { field::HANDLER: 1, field::LANE: 1 } },
-                        ],
-                        "as": "delivery",
-                    } },
-                    doc! { "$unwind": "$delivery" },
-                    doc! { "$group": {
-                        field::ID: format!("$delivery.{}", field::HANDLER),
-                        "n": { "$sum": 1 },
-                        "parked": running_parked(),
-                    } },
-                ])
+                .aggregate(running_grouped(
+                    inner.deliveries.name(),
+                    doc! { field::HANDLER: 1, field::LANE: 1 },
+                    Bson::String(format!("$delivery.{}", field::HANDLER)),
+                ))
                 .await?
                 .try_collect::<Vec<Document>>()
                 .await
@@ -766,10 +745,7 @@ impl MongoEventStore {
         if dead.is_empty() {
             return Ok(Vec::new());
         }
-        let found: Vec<ObjectId> = dead
-            .iter()
-            .filter_map(|doc| doc.get_object_id(field::ID).ok())
-            .collect();
+        let found = ids_of(&dead);
         inner
             .deliveries
             .delete_many(doc! { field::ID: { "$in": &found }, field::STATUS: status::DEAD })
@@ -875,10 +851,7 @@ impl MongoEventStore {
         if pending.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        let found: Vec<ObjectId> = pending
-            .iter()
-            .filter_map(|doc| doc.get_object_id(field::ID).ok())
-            .collect();
+        let found = ids_of(&pending);
         // Read in the transaction: a claim that lists one of them later conflicts with it.
         let listed = documents_in(
             session,

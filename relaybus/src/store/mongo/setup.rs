@@ -134,17 +134,7 @@ impl MongoEventStore {
 
     async fn setup_once(&self) -> Result<()> {
         let inner = &self.inner;
-        let mut collections = vec![
-            &inner.events,
-            &inner.deliveries,
-            &inner.key_sequences,
-            &inner.lanes,
-            &inner.idempotency_keys,
-        ];
-        if inner.completion_history {
-            collections.push(&inner.completed);
-        }
-        for collection in collections {
+        for collection in inner.collections() {
             match inner.db.create_collection(collection.name()).await {
                 Ok(()) => {}
                 Err(e) if error_code(&e) == Some(NAMESPACE_EXISTS) => {}

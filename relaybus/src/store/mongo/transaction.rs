@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use futures::TryStreamExt;
 use mongodb::{
     ClientSession,
-    bson::doc,
+    bson::{Document, doc},
     error::{ErrorKind, WriteFailure},
     options::ReadConcern,
 };
@@ -118,29 +119,12 @@ impl MongoEventStore {
             .await
     }
 
-    /// As [`own_transaction`](Self::own_transaction), reading the latest data the primary has
-    /// applied rather than the majority-committed snapshot: for work that must see this
-    /// process's own last write even when that write's reply reported a failure before it was
-    /// majority-committed. The commit still waits for a majority.
-    pub(crate) async fn own_transaction_reading_latest<C, R, F>(
-        &self,
-        context: C,
-        work: F,
-    ) -> Result<R>
-    where
-        F: for<'b> FnMut(
-                &'b mut ClientSession,
-                &'b mut C,
-            ) -> futures::future::BoxFuture<'b, Result<R>>
-            + Send,
-    {
-        self.own_transaction_with(Some(ReadConcern::local()), Boxed::new(context, work))
-            .await
-    }
-
     /// The store's own transactions: the one loop of attempts, with the body's boxed future
-    /// keeping the whole call `Send`.
-    async fn own_transaction_with<C, R>(
+    /// keeping the whole call `Send`. With `ReadConcern::local()` the body reads the latest data
+    /// the primary has applied rather than the majority-committed snapshot: for work that must
+    /// see this process's own last write even when that write's reply reported a failure before
+    /// it was majority-committed. The commit still waits for a majority.
+    pub(crate) async fn own_transaction_with<C, R>(
         &self,
         read_concern: Option<ReadConcern>,
         body: Boxed<'_, ClientSession, C, R>,
@@ -315,4 +299,22 @@ fn map_standalone(error: Error) -> Error {
         .into();
     }
     error
+}
+
+/// Every document of `collection` that `filter` matches, with the fields of `projection` (all
+/// when empty), read in the session's transaction.
+pub(crate) async fn documents_in(
+    session: &mut ClientSession,
+    collection: &mongodb::Collection<Document>,
+    filter: Document,
+    projection: Document,
+) -> Result<Vec<Document>> {
+    Ok(collection
+        .find(filter)
+        .projection(projection)
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?)
 }

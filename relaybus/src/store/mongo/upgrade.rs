@@ -19,7 +19,7 @@ use mongodb::{
 
 use super::{
     MongoEventStore, error_code,
-    lane::{reply_count, string},
+    lane::{ids_of, reply_count, string},
     schema::{field, index, lane, status},
 };
 use crate::{error::Result, event::lane_of};
@@ -27,7 +27,7 @@ use crate::{error::Result, event::lane_of};
 /// Documents per batch.
 pub(crate) const BATCH: i64 = 1_000;
 /// The status 0.1.0 gave a claimed delivery.
-const PROCESSING: &str = "processing";
+pub(super) const PROCESSING: &str = "processing";
 /// The 0.1.0 index of claimed deliveries, dropped.
 const RUNNING_INDEX: &str = "running";
 /// The per-delivery lease fields of 0.1.0, removed (lanes lease deliveries now).
@@ -40,6 +40,23 @@ pub(crate) const LEASE_FIELDS: [&str; 5] = [
 ];
 /// `IndexNotFound`.
 const INDEX_NOT_FOUND: i32 = 27;
+
+/// Whether `model` is an index of deliveries that 0.1.0 made and today's setup replaces: the
+/// `running` index, or a `claim` index with other keys or another filter than today's.
+pub(super) fn is_0_1_index(model: &IndexModel) -> bool {
+    let options = model.options.as_ref();
+    match options.and_then(|o| o.name.as_deref()) {
+        Some(RUNNING_INDEX) => true,
+        Some(index::CLAIM) => {
+            let partial = options.and_then(|o| o.partial_filter_expression.as_ref());
+            index::of_deliveries()
+                .into_iter()
+                .find(|i| i.name == index::CLAIM)
+                .is_some_and(|claim| model.keys != claim.keys || partial != claim.partial.as_ref())
+        }
+        _ => false,
+    }
+}
 
 /// What an upgrade changed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -136,15 +153,14 @@ impl MongoEventStore {
         let deliveries = &self.inner.deliveries;
         let mut changed = 0;
         loop {
-            let ids = ids_of(
-                deliveries
-                    .find(filter.clone())
-                    .projection(doc! { field::ID: 1 })
-                    .limit(BATCH)
-                    .await?
-                    .try_collect()
-                    .await?,
-            );
+            let found: Vec<Document> = deliveries
+                .find(filter.clone())
+                .projection(doc! { field::ID: 1 })
+                .limit(BATCH)
+                .await?
+                .try_collect()
+                .await?;
+            let ids = ids_of(&found);
             if ids.is_empty() {
                 return Ok(changed);
             }
@@ -282,22 +298,14 @@ impl MongoEventStore {
     /// today's; `setup()` then creates today's.
     async fn drop_0_1_indexes(&self) -> Result<u64> {
         let deliveries = &self.inner.deliveries;
-        let claim = index::of_deliveries()
-            .into_iter()
-            .find(|i| i.name == index::CLAIM)
-            .expect("the claim index is one of the store's");
         let existing: Vec<IndexModel> = deliveries.list_indexes().await?.try_collect().await?;
         let mut dropped = 0;
-        for model in &existing {
-            let options = model.options.as_ref();
-            let name = options.and_then(|o| o.name.as_deref()).unwrap_or_default();
-            let partial = options.and_then(|o| o.partial_filter_expression.as_ref());
-            let stale = name == RUNNING_INDEX
-                || (name == index::CLAIM
-                    && (model.keys != claim.keys || partial != claim.partial.as_ref()));
-            if !stale {
-                continue;
-            }
+        for model in existing.iter().filter(|model| is_0_1_index(model)) {
+            let name = model
+                .options
+                .as_ref()
+                .and_then(|o| o.name.as_deref())
+                .unwrap_or_default();
             match deliveries.drop_index(name).await {
                 Ok(()) => dropped += 1,
                 Err(e) if error_code(&e) == Some(INDEX_NOT_FOUND) => {}
@@ -313,11 +321,5 @@ fn lease_unset() -> Document {
     LEASE_FIELDS
         .iter()
         .map(|name| ((*name).to_owned(), Bson::from("")))
-        .collect()
-}
-
-fn ids_of(docs: Vec<Document>) -> Vec<ObjectId> {
-    docs.iter()
-        .filter_map(|doc| doc.get_object_id(field::ID).ok())
         .collect()
 }

@@ -15,8 +15,7 @@ use crate::{
         Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
         DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
         Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
-        Statistics, Store, Transactions, WakeUp,
-        position::{PositionKey, check_offset},
+        Statistics, Store, Transactions, WakeUp, position::PositionKey,
     },
     time::Timestamp,
 };
@@ -113,8 +112,7 @@ impl ConsumerPositions for PostgresEventStore {
         next: i64,
         now: Timestamp,
     ) -> Result<()> {
-        key.check()?;
-        check_offset(next)?;
+        key.check_advance(next)?;
         session.ensure_in_transaction("PostgresEventStore.advance_consumer_position")?;
         sqlx::query(&self.sql(
             "INSERT INTO {s}.consumer_positions \

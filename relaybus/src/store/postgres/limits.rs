@@ -1,14 +1,12 @@
 //! The limits of the PostgreSQL store: the `slots` and `rate_windows` tables, each write one
 //! statement.
 
-use std::time::Duration;
-
 use sqlx::Row;
 
 use super::{PostgresEventStore, db_error};
 use crate::{
     error::Result,
-    store::{Limits, Slot, SlotRequest, rate_window},
+    store::{Limits, Slot, SlotRequest, StartsRequest, rate_window},
     time::Timestamp,
 };
 
@@ -78,12 +76,7 @@ impl Limits for PostgresEventStore {
         Ok(None)
     }
 
-    async fn renew_slots(
-        &self,
-        slots: &[Slot],
-        lease_duration: Duration,
-        now: Timestamp,
-    ) -> Result<usize> {
+    async fn renew_slots(&self, slots: &[Slot], until: Timestamp) -> Result<usize> {
         if slots.is_empty() {
             return Ok(0);
         }
@@ -98,7 +91,7 @@ impl Limits for PostgresEventStore {
         .bind(&handlers)
         .bind(&indexes)
         .bind(&holders)
-        .bind(now.saturating_add(lease_duration).timestamp_millis())
+        .bind(until.timestamp_millis())
         .execute(&self.inner.pool)
         .await
         .map_err(db_error)?;
@@ -118,20 +111,13 @@ impl Limits for PostgresEventStore {
         Ok(deleted.rows_affected() == 1)
     }
 
-    async fn take_starts(
-        &self,
-        handler: &str,
-        wanted: u32,
-        rate: u32,
-        interval: Duration,
-        now: Timestamp,
-    ) -> Result<(u32, Timestamp)> {
-        let (start, end) = rate_window(interval, now);
+    async fn take_starts(&self, request: StartsRequest<'_>) -> Result<(u32, Timestamp)> {
+        let (start, end) = rate_window(request.interval, request.now);
         let granted: i64 = sqlx::query_scalar(&self.sql(TAKE_STARTS))
-            .bind(handler)
+            .bind(request.handler)
             .bind(start)
-            .bind(i64::from(wanted))
-            .bind(i64::from(rate))
+            .bind(i64::from(request.wanted))
+            .bind(i64::from(request.rate))
             .fetch_one(&self.inner.pool)
             .await
             .map_err(db_error)?;

@@ -33,6 +33,7 @@ use crate::{
     event::LANE_COUNT,
     store::mongo::{
         StoreInner,
+        lane::strings,
         process::ProcessIdentity,
         schema::{field, path},
         sessions::gone,
@@ -236,15 +237,7 @@ async fn beat(store: &StoreInner, expiry: Duration) -> Result<()> {
             let Ok(owner) = member.get_str(field::OWNER) else {
                 continue;
             };
-            let mut handlers: Vec<String> = member
-                .get_array(field::HANDLERS)
-                .map(|handlers| {
-                    handlers
-                        .iter()
-                        .filter_map(|h| h.as_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default();
+            let mut handlers = strings(member, field::HANDLERS);
             handlers.sort_unstable();
             remote.push(Member {
                 owner: owner.to_owned(),

@@ -2,10 +2,10 @@
 
 use std::collections::HashMap;
 
-use futures::TryStreamExt;
 use mongodb::{
     ClientSession,
-    bson::{DateTime, Document, doc, oid::ObjectId},
+    bson::{DateTime, doc, oid::ObjectId},
+    options::ReadConcern,
 };
 
 use crate::{
@@ -15,7 +15,9 @@ use crate::{
         lane::{Lane, int},
         lease::Issued,
         schema::field,
+        transaction::documents_in,
     },
+    store::transaction::Boxed,
 };
 
 impl MongoEventStore {
@@ -29,9 +31,12 @@ impl MongoEventStore {
         let dropped = self
             // The failed claim's record may have been applied without being majority-committed
             // yet (a write concern error): read the latest data, or the record could be missed.
-            .own_transaction_reading_latest((self, owner, now), |session, (store, owner, now)| {
-                Box::pin(store.reconcile_in(session, owner, *now))
-            })
+            .own_transaction_with(
+                Some(ReadConcern::local()),
+                Boxed::new((self, owner, now), |session, (store, owner, now)| {
+                    Box::pin(store.reconcile_in(session, owner, *now))
+                }),
+            )
             .await?;
         self.inner.claims.forget(dropped);
         Ok(())
@@ -45,17 +50,16 @@ impl MongoEventStore {
     ) -> Result<Vec<ObjectId>> {
         let inner = &self.inner;
         let instance = inner.claims.instance;
-        let lanes: Vec<Lane> = inner
-            .lanes
-            .find(doc! { field::OWNER: owner, field::INSTANCE: instance })
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect::<Vec<Document>>()
-            .await?
-            .iter()
-            .filter_map(Lane::from_document)
-            .collect();
+        let lanes: Vec<Lane> = documents_in(
+            session,
+            &inner.lanes,
+            doc! { field::OWNER: owner, field::INSTANCE: instance },
+            doc! {},
+        )
+        .await?
+        .iter()
+        .filter_map(Lane::from_document)
+        .collect();
         let listed: Vec<ObjectId> = lanes
             .iter()
             .flat_map(|lane| lane.in_flight.iter().copied())
@@ -63,23 +67,21 @@ impl MongoEventStore {
         if listed.is_empty() {
             return Ok(Vec::new());
         }
-        let generations: HashMap<ObjectId, i64> = inner
-            .deliveries
-            .find(doc! { field::ID: { "$in": &listed } })
-            .projection(doc! { field::CLAIMS: 1 })
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect::<Vec<Document>>()
-            .await?
-            .iter()
-            .filter_map(|doc| {
-                Some((
-                    doc.get_object_id(field::ID).ok()?,
-                    int(doc, field::CLAIMS).unwrap_or(0),
-                ))
-            })
-            .collect();
+        let generations: HashMap<ObjectId, i64> = documents_in(
+            session,
+            &inner.deliveries,
+            doc! { field::ID: { "$in": &listed } },
+            doc! { field::CLAIMS: 1 },
+        )
+        .await?
+        .iter()
+        .filter_map(|doc| {
+            Some((
+                doc.get_object_id(field::ID).ok()?,
+                int(doc, field::CLAIMS).unwrap_or(0),
+            ))
+        })
+        .collect();
         let mut dropped = Vec::new();
         for lane in &lanes {
             let (keep, drop): (Vec<ObjectId>, Vec<ObjectId>) =
