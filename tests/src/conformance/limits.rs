@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use relaybus::store::{SlotRequest, StartsRequest, Store, Timestamp};
+use relaybus::{
+    Timestamp,
+    store::{SlotRequest, StartsRequest, Store},
+};
 
 use super::{LEASE, PROJECTOR, at};
 
