@@ -108,6 +108,7 @@ pub struct Slot {
 
 impl Slot {
     /// A slot taken now by `owner`, with a fresh holder token.
+    #[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
     pub(crate) fn taken(handler: &str, index: u32, owner: &str) -> Self {
         Slot {
             handler: handler.to_owned(),
@@ -125,6 +126,7 @@ impl Slot {
 }
 
 /// The start of the window of `interval` holding `now`, and its end.
+#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
 pub(crate) fn rate_window(interval: Duration, now: Timestamp) -> (i64, Timestamp) {
     let length = i64::try_from(interval.as_millis())
         .unwrap_or(i64::MAX)
@@ -134,7 +136,7 @@ pub(crate) fn rate_window(interval: Duration, now: Timestamp) -> (i64, Timestamp
     (start, Timestamp::from_millis(start.saturating_add(length)))
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "mongodb", feature = "postgres", feature = "memory")))]
 mod tests {
     use super::*;
 

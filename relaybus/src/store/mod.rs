@@ -121,6 +121,7 @@ pub use idempotency::{
 };
 pub use inspect::Inspect;
 pub use leadership::Leadership;
+#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
 pub(crate) use limits::rate_window;
 pub use limits::{Limits, MAX_GLOBAL_CONCURRENCY, Slot, SlotRequest, StartsRequest};
 #[cfg(not(feature = "mongodb"))]

@@ -10,7 +10,7 @@ use super::{
     DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
     IdempotentRequests, Inspect, LaneReport, Leadership, Limits, Operate, PositionKey,
     PurgeOptions, Purged, Queue, RequestKey, RequestKeyState, Requeued, Slot, SlotRequest,
-    Statistics, Store, StoreLease, StoredResponse, Transactions, WakeUp,
+    StartsRequest, Statistics, Store, StoreLease, StoredResponse, Transactions, WakeUp,
 };
 use crate::{
     error::{ConfigurationError, Result},
@@ -160,9 +160,9 @@ unavailable! {
 
     impl Limits {
         async fn take_slot(&self, SlotRequest<'_>) -> Result<Option<Slot>>;
-        async fn renew_slots(&self, &[Slot], Duration, Timestamp) -> Result<usize>;
+        async fn renew_slots(&self, &[Slot], Timestamp) -> Result<usize>;
         async fn give_back_slot(&self, &Slot) -> Result<bool>;
-        async fn take_starts(&self, &str, u32, u32, Duration, Timestamp) -> Result<(u32, Timestamp)>;
+        async fn take_starts(&self, StartsRequest<'_>) -> Result<(u32, Timestamp)>;
     }
 }
 
