@@ -9,7 +9,7 @@
 //! 2. The first extraction starts a session and a transaction on the bus's store, with the
 //!    transaction options the store was built with, and later extractions of the same request
 //!    reuse it. An extractor holds the session until it is dropped; a second extraction while
-//!    one is held fails with [`OverlappingExtractors`].
+//!    one is held fails with [`OverlappingExtractors`](crate::rejection::OverlappingExtractors).
 //! 3. When the inner service has answered, the transaction is committed if the
 //!    [`CommitPolicy`](crate::CommitPolicy) commits the status (1xx–3xx by default) and
 //!    aborted otherwise. The response is sent after that, so a client that sees a success
@@ -33,7 +33,7 @@
 //! times (25; 1 turns retries off). **The route may run more than once**: keep side effects
 //! that do not go through the request's session out of it, or publish an event for them.
 //!
-//! A commit that still fails replaces the response with a [`CommitError`]:
+//! A commit that still fails replaces the response with a [`CommitError`](error::CommitError):
 //! a 503 with `Retry-After` for a transient error (nothing was committed) or for a timeout, a
 //! 500 otherwise.
 //!
@@ -44,7 +44,10 @@
 //! database driver aborts it (MongoDB's in the background). Nothing is ever committed from
 //! `Drop`.
 
+mod commit;
+mod keyed;
 mod layer;
+mod slot;
 
 pub mod error;
 pub mod future;
@@ -60,29 +63,22 @@ use std::{
 
 use axum::{
     body::{Body, Bytes, HttpBody},
-    http::{Extensions, Request, StatusCode},
+    http::Request,
     response::{IntoResponse, Response},
 };
-use futures::future::BoxFuture;
 use relaybus::{
-    BoxError, Store, Timestamp,
-    store::{DefaultStore, RequestKey, RequestKeyState, StoredResponse, transaction::Attempts},
+    BoxError, Store,
+    store::{DefaultStore, transaction::Attempts},
 };
-use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower::{Service, ServiceExt};
 
 pub use self::layer::RequestTxLayer;
-use self::{error::CommitError, future::ResponseFuture, replay::Buffered};
-use crate::{
-    config::Shared,
-    rejection::{
-        MissingRequestTx, OverlappingExtractors, StartTransaction, TransactionEnded, TxRejection,
-    },
+use self::{future::ResponseFuture, replay::Buffered};
+pub(crate) use self::{
+    keyed::{KeyError, KeyedSlot, KeyedTransaction},
+    slot::{Lease, Slot},
 };
-
-/// How long past the budget the layer waits for a commit reply before giving up on it: the
-/// server stops at the budget, this covers the round trip.
-const COMMIT_REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+use crate::config::Shared;
 
 /// The middleware of [`RequestTxLayer`]: a lazily started store transaction per request,
 /// committed or aborted from the response status. See the [module docs](self).
@@ -212,7 +208,7 @@ where
 }
 
 /// Counts a request transaction's outcome: `relaybus.request.transactions`.
-fn count(outcome: &'static str) {
+pub(crate) fn count(outcome: &'static str) {
     use relaybus::telemetry::{OUTCOME_ATTRIBUTE, REQUEST_TRANSACTIONS, SYSTEM, SYSTEM_ATTRIBUTE};
     metrics::counter!(
         REQUEST_TRANSACTIONS,
@@ -251,170 +247,13 @@ where
 
 /// How an attempt's transaction ended, for the retry loop.
 #[derive(Debug, Default)]
-struct Outcome {
+pub(crate) struct Outcome {
     /// When its transaction opened, if it did.
-    opened: Option<Instant>,
+    pub(crate) opened: Option<Instant>,
     /// Whether it failed with a transient error, so that running the request again may
     /// succeed: at commit, or in the route, as the route's response says
-    /// ([`RetryRequest`](crate::RetryRequest)).
-    retry: bool,
-}
-
-/// The request's transaction, shared by the request extensions (for the extractors) and the
-/// layer's future (to resolve it).
-pub(crate) struct Slot<St: Store> {
-    pub(crate) shared: Arc<Shared<St>>,
-    state: Arc<Mutex<State<St>>>,
-    /// This attempt's budget: the whole budget for the first, what is left for the others.
-    budget: Duration,
-}
-
-impl<St: Store> Clone for Slot<St> {
-    fn clone(&self) -> Self {
-        Slot {
-            shared: Arc::clone(&self.shared),
-            state: Arc::clone(&self.state),
-            budget: self.budget,
-        }
-    }
-}
-
-enum State<St: Store> {
-    /// Nothing started yet.
-    Idle,
-    /// A session with a started transaction.
-    Open {
-        session: Box<St::Session>,
-        started: Instant,
-    },
-    /// Committed, aborted, or never started, and the response is on its way.
-    Ended,
-}
-
-impl<St: Store> Slot<St> {
-    fn new(shared: Arc<Shared<St>>, budget: Duration) -> Self {
-        Slot {
-            shared,
-            state: Arc::new(Mutex::new(State::Idle)),
-            budget,
-        }
-    }
-
-    /// The slot of a request, or the rejection for a router without the layer.
-    pub(crate) fn of(extensions: &Extensions) -> Result<Slot<St>, MissingRequestTx> {
-        extensions
-            .get::<Slot<St>>()
-            .cloned()
-            .ok_or(MissingRequestTx)
-    }
-
-    /// Takes the session, starting it and its transaction on first use.
-    ///
-    /// Cancel safe: dropped before the transaction started, the slot stays idle.
-    pub(crate) async fn lease(&self) -> Result<Lease<St>, TxRejection> {
-        let mut guard = Arc::clone(&self.state)
-            .try_lock_owned()
-            .map_err(|_| OverlappingExtractors)?;
-        match &*guard {
-            State::Open { .. } => {}
-            State::Ended => return Err(TransactionEnded.into()),
-            State::Idle => {
-                // The store's own transaction options, with the budget bounding the commit.
-                let store = self.shared.bus.store();
-                let start = async {
-                    let mut session = store.session().await?;
-                    store.begin(&mut session, Some(self.budget)).await?;
-                    Ok::<_, relaybus::Error>(session)
-                };
-                let session = start.await.map_err(StartTransaction)?;
-                *guard = State::Open {
-                    session: Box::new(session),
-                    started: Instant::now(),
-                };
-            }
-        }
-        Ok(Lease { guard })
-    }
-
-    /// Aborts the transaction if one is open, and makes the slot idle again: the next
-    /// extraction starts a new transaction. Does nothing while an extractor holds it.
-    async fn restart(&self) {
-        let Ok(mut guard) = Arc::clone(&self.state).try_lock_owned() else {
-            return;
-        };
-        if let State::Open { mut session, .. } = std::mem::replace(&mut *guard, State::Idle) {
-            self.shared.bus.store().abort(&mut session).await;
-            count("aborted");
-        }
-    }
-
-    /// Commits or aborts from the response status, and ends the slot.
-    async fn resolve(&self, response: Response) -> (Response, Outcome) {
-        let Ok(mut guard) = Arc::clone(&self.state).try_lock_owned() else {
-            // An extractor outlived its handler (moved into a spawned task, say). The
-            // transaction cannot be committed under it; it is aborted when that extractor
-            // drops, and the client must not believe its request succeeded.
-            tracing::error!(
-                "the request transaction is still held by an extractor after the response; \
-                 do not move `Tx` or `Publisher` out of the handler"
-            );
-            return (CommitError::StillHeld.into_response(), Outcome::default());
-        };
-        let State::Open {
-            mut session,
-            started,
-        } = std::mem::replace(&mut *guard, State::Ended)
-        else {
-            return (response, Outcome::default());
-        };
-        drop(guard);
-        let mut outcome = Outcome {
-            opened: Some(started),
-            retry: false,
-        };
-        let shared = &self.shared;
-        let store = shared.bus.store();
-        if !shared.policy.commits(response.status()) {
-            store.abort(&mut session).await;
-            count("aborted");
-            outcome.retry = response.extensions().get::<RetryRequest>().is_some();
-            return (response, outcome);
-        }
-        let elapsed = started.elapsed();
-        if elapsed > self.budget {
-            store.abort(&mut session).await;
-            count("aborted");
-            let timed_out = CommitError::TimedOut {
-                budget: self.budget,
-                elapsed,
-                retry_after: shared.retry_after,
-                outcome_known: true,
-            };
-            return (timed_out.into_response(), outcome);
-        }
-        match commit(&mut *session, shared, started, self.budget).await {
-            Ok(()) => {
-                count("committed");
-                (response, outcome)
-            }
-            Err(error) => {
-                count(if matches!(error, CommitError::NotAcknowledged(_)) {
-                    "unacknowledged"
-                } else {
-                    "aborted"
-                });
-                if matches!(error, CommitError::NotAcknowledged(_)) {
-                    tracing::error!(%error, "the request transaction committed unacknowledged");
-                } else if matches!(error, CommitError::Database(_)) {
-                    tracing::error!(%error, "the request transaction did not commit");
-                } else {
-                    tracing::debug!(%error, "the request transaction did not commit");
-                }
-                outcome.retry = matches!(error, CommitError::Transient { .. });
-                (error.into_response(), outcome)
-            }
-        }
-    }
+    /// ([`RetryRequest`]).
+    pub(crate) retry: bool,
 }
 
 /// Marks a response whose request failed with a transient error in its transaction (a write
@@ -442,161 +281,6 @@ impl<St: Store> Slot<St> {
 /// attempts and budget are left. Otherwise the response goes out as it is.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RetryRequest;
-
-/// Commits, sending the commit again while its result is unknown, within the budget. The
-/// body cannot run again here (the request is gone), so a transient error ends it.
-async fn commit<St: Store>(
-    session: &mut St::Session,
-    shared: &Shared<St>,
-    started: Instant,
-    budget: Duration,
-) -> Result<(), CommitError> {
-    let store = shared.bus.store();
-    let deadline = tokio::time::Instant::from_std(started + budget + COMMIT_REPLY_GRACE);
-    let timed_out = || CommitError::TimedOut {
-        budget,
-        elapsed: started.elapsed(),
-        retry_after: shared.retry_after,
-        outcome_known: false,
-    };
-    let mut retries = 0;
-    loop {
-        let error = match tokio::time::timeout_at(deadline, store.commit(session)).await {
-            Err(_) => return Err(timed_out()),
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(error)) => error,
-        };
-        if error.is_timeout() {
-            return Err(timed_out());
-        }
-        if error.is_unknown_commit_result() && retries < shared.commit_retries {
-            retries += 1;
-            continue;
-        }
-        if matches!(error, relaybus::Error::CommitNotAcknowledged(_)) {
-            return Err(CommitError::NotAcknowledged(error));
-        }
-        if error.is_unknown_commit_result() {
-            return Err(CommitError::Unknown {
-                error,
-                retry_after: shared.retry_after,
-            });
-        }
-        if error.is_transient_transaction_error() {
-            return Err(CommitError::Transient {
-                error,
-                retry_after: shared.retry_after,
-            });
-        }
-        return Err(CommitError::Database(error));
-    }
-}
-
-/// The request's transaction seen without its store type, as
-/// [`IdempotencyLayer`](crate::IdempotencyLayer) uses it: the layer names no store.
-#[derive(Clone)]
-pub(crate) struct KeyedSlot(pub(crate) Arc<dyn KeyedTransaction>);
-
-/// Why a key could not be taken or an answer stored.
-#[derive(Debug)]
-pub(crate) enum KeyError {
-    /// The transaction could not be had.
-    Rejection(TxRejection),
-    /// The store failed.
-    Store(relaybus::Error),
-}
-
-/// What [`IdempotencyLayer`](crate::IdempotencyLayer) asks of the request's transaction.
-pub(crate) trait KeyedTransaction: Send + Sync {
-    /// Takes `key` in the transaction, starting it if need be.
-    fn take_key<'a>(
-        &'a self,
-        key: RequestKey<'a>,
-    ) -> BoxFuture<'a, Result<RequestKeyState, KeyError>>;
-
-    /// Stores the answer of `key` in the transaction.
-    fn store_response<'a>(
-        &'a self,
-        key: RequestKey<'a>,
-        response: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<(), KeyError>>;
-
-    /// Aborts the transaction, leaving the slot idle.
-    fn restart(&self) -> BoxFuture<'_, ()>;
-
-    /// Whether the commit policy commits `status`.
-    fn commits(&self, status: StatusCode) -> bool;
-
-    /// The time by the bus's clock.
-    fn now(&self) -> Timestamp;
-}
-
-impl<St: Store> KeyedTransaction for Slot<St> {
-    fn take_key<'a>(
-        &'a self,
-        key: RequestKey<'a>,
-    ) -> BoxFuture<'a, Result<RequestKeyState, KeyError>> {
-        Box::pin(async move {
-            let mut lease = self.lease().await.map_err(KeyError::Rejection)?;
-            let now = self.shared.bus.now();
-            self.shared
-                .bus
-                .store()
-                .take_request_key(lease.session_mut(), &key, now)
-                .await
-                .map_err(KeyError::Store)
-        })
-    }
-
-    fn store_response<'a>(
-        &'a self,
-        key: RequestKey<'a>,
-        response: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<(), KeyError>> {
-        Box::pin(async move {
-            let mut lease = self.lease().await.map_err(KeyError::Rejection)?;
-            self.shared
-                .bus
-                .store()
-                .store_response(lease.session_mut(), &key, response)
-                .await
-                .map_err(KeyError::Store)
-        })
-    }
-
-    fn restart(&self) -> BoxFuture<'_, ()> {
-        Box::pin(Slot::restart(self))
-    }
-
-    fn commits(&self, status: StatusCode) -> bool {
-        self.shared.policy.commits(status)
-    }
-
-    fn now(&self) -> Timestamp {
-        self.shared.bus.now()
-    }
-}
-
-/// Exclusive use of the request's session, with its transaction started; held by an extractor.
-pub(crate) struct Lease<St: Store> {
-    guard: OwnedMutexGuard<State<St>>,
-}
-
-impl<St: Store> Lease<St> {
-    pub(crate) fn session(&self) -> &St::Session {
-        match &*self.guard {
-            State::Open { session, .. } => session,
-            _ => panic!("BUG: a lease of a request transaction that is not open"),
-        }
-    }
-
-    pub(crate) fn session_mut(&mut self) -> &mut St::Session {
-        match &mut *self.guard {
-            State::Open { session, .. } => session,
-            _ => panic!("BUG: a lease of a request transaction that is not open"),
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
