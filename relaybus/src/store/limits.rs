@@ -136,7 +136,10 @@ pub(crate) fn rate_window(interval: Duration, now: Timestamp) -> (i64, Timestamp
     (start, Timestamp::from_millis(start.saturating_add(length)))
 }
 
-#[cfg(all(test, any(feature = "mongodb", feature = "postgres", feature = "memory")))]
+#[cfg(all(
+    test,
+    any(feature = "mongodb", feature = "postgres", feature = "memory")
+))]
 mod tests {
     use super::*;
 

@@ -15,6 +15,21 @@
 //!
 //! Prints one JSON object. Exits 1 when more than 2 % of the answered requests are 503, or an
 //! order answered 201 is missing, has no event or more than one, or an event has no order.
+//!
+//! ```text
+//! relaybus-shop-drill SHOP_BINARY MONGODB_URI SECONDS KILLS STOPPED \
+//!     SHIPPING_BINARY NATS_URL POSTGRES_URL [SHIPPING_KILLS]
+//! ```
+//!
+//! With a shipping binary (`cargo build --release -p example-shipping`), the drill runs the two
+//! services of the examples: the shop relays `order.placed.v1` to the JetStream stream
+//! `SHOP_ORDERS` of `NATS_URL` (deleted first and at the end: give the drill a NATS server of
+//! its own, `scripts/nats start`), and shipping consumes it into PostgreSQL, in schemas of its
+//! own (`shipping_drill_<pid>` and `shipping_drill_<pid>_events`, dropped at the end). Shipping
+//! is killed with SIGKILL SHIPPING_KILLS times (4), evenly spread, and started again at once.
+//! After the load the shop keeps running until shipping has shipped every order answered 201,
+//! for at most 60 s: `caught_up_s` is the time from the load's end. Exits 1 as well when an
+//! order is not shipped, or shipping took more than 10 s to catch up.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -28,6 +43,7 @@ use mongodb::{
     Client,
     bson::{Document, doc},
 };
+use relaybus::transport::nats::async_nats;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -36,6 +52,10 @@ use tokio::{
 const CLIENTS: usize = 8;
 const CUSTOMERS: usize = 12;
 const STOP_FOR: Duration = Duration::from_secs(3);
+/// How long shipping may take to ship every order after the load ends.
+const CATCH_UP_WITHIN: Duration = Duration::from_secs(10);
+/// The stream the shop's relay publishes to and shipping consumes.
+const STREAM: &str = "SHOP_ORDERS";
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -66,7 +86,29 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match drill(shop, uri, Duration::from_secs(seconds), kills, stopped).await {
+    let shipping = match args.get(5..8) {
+        Some([binary, nats, postgres]) => match number(8, 4) {
+            Ok(kills) => Some(Shipping {
+                binary: binary.clone(),
+                nats: nats.clone(),
+                postgres: postgres.clone(),
+                kills,
+            }),
+            Err(e) => {
+                eprintln!("relaybus-shop-drill: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        _ if args.len() > 5 => {
+            eprintln!(
+                "relaybus-shop-drill: the shipping part takes SHIPPING_BINARY NATS_URL POSTGRES_URL"
+            );
+            return ExitCode::from(2);
+        }
+        _ => None,
+    };
+    let length = Duration::from_secs(seconds);
+    match drill(shop, uri, length, kills, stopped, shipping).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(error) => {
@@ -76,12 +118,22 @@ async fn main() -> ExitCode {
     }
 }
 
+/// The shipping service of the two-service drill.
+#[derive(Debug, Clone)]
+struct Shipping {
+    binary: String,
+    nats: String,
+    postgres: String,
+    kills: u64,
+}
+
 async fn drill(
     shop: &str,
     uri: &str,
     length: Duration,
     kills: u64,
     stopped: u64,
+    shipping: Option<Shipping>,
 ) -> Result<bool, BoxError> {
     let database = format!("shop_drill_{}", std::process::id());
     let client = Client::with_uri_str(uri).await?;
@@ -101,11 +153,19 @@ async fn drill(
                 .env("MONGODB_URI", uri)
                 .env("SHOP_DATABASE", &database)
                 .env("SHOP_ADDR", &address)
+                .env_remove("SHOP_RELAY")
                 .stdin(Stdio::null())
                 .stdout(log.try_clone()?)
                 .stderr(log.try_clone()?);
+            if let Some(shipping) = &shipping {
+                command.env("SHOP_RELAY", &shipping.nats);
+            }
             command
         })?)
+    };
+    let downstream = match &shipping {
+        Some(shipping) => Some(Downstream::start(shipping.clone(), &log).await?),
+        None => None,
     };
     let mut process = start()?;
     wait_listening(&address).await?;
@@ -140,6 +200,9 @@ async fn drill(
         })
         .collect();
 
+    let shipping_faults = downstream
+        .as_ref()
+        .map(|downstream| downstream.kill_spread(started, length));
     // The faults, evenly spread; the stopped ones among them spread too.
     for kill in 0..kills {
         let at = length.mul_f64((kill + 1) as f64 / (kills + 1) as f64);
@@ -160,9 +223,18 @@ async fn drill(
     for client in clients {
         client.await?;
     }
+    let tally = std::mem::take(&mut *tally.lock().unwrap());
+    let shipped = match (downstream, shipping_faults) {
+        (Some(downstream), Some(faults)) => {
+            faults.await??;
+            let shipped = downstream.catch_up(&tally.created).await;
+            downstream.finish().await?;
+            Some(shipped?)
+        }
+        _ => None,
+    };
     relaybus_harness::kill_tied(&mut process);
 
-    let tally = std::mem::take(&mut *tally.lock().unwrap());
     let db = client.database(&database);
     let orders: HashSet<String> = db
         .collection::<Document>("orders")
@@ -195,11 +267,23 @@ async fn drill(
     let phantom = events.keys().filter(|id| !orders.contains(*id)).count();
     let answered = tally.created.len() as u64 + tally.unavailable + tally.other;
     let share = 100.0 * tally.unavailable as f64 / answered.max(1) as f64;
+    let shipping_json = shipped.as_ref().map_or(String::new(), |shipped| {
+        format!(
+            ", \"shipping_kills\": {}, \"shipped\": {}, \"not_shipped\": {}, \"caught_up_s\": {}",
+            shipped.kills,
+            shipped.shipped,
+            tally.created.len() as u64 - shipped.shipped.min(tally.created.len() as u64),
+            shipped
+                .caught_up
+                .map_or("null".to_owned(), |at| format!("{:.2}", at.as_secs_f64())),
+        )
+    });
     println!(
         "{{\"seconds\": {}, \"kills\": {kills}, \"stopped\": {stopped}, \"answered\": {answered}, \
          \"created\": {}, \"unavailable\": {}, \"unavailable_percent\": {share:.2}, \"other\": {}, \
          \"unanswered\": {}, \"orders_stored\": {}, \"missing\": {missing}, \
-         \"without_event\": {without_event}, \"doubled\": {doubled}, \"phantom\": {phantom}}}",
+         \"without_event\": {without_event}, \"doubled\": {doubled}, \"phantom\": {phantom}\
+         {shipping_json}}}",
         length.as_secs(),
         tally.created.len(),
         tally.unavailable,
@@ -208,7 +292,161 @@ async fn drill(
         orders.len(),
     );
     db.drop().await?;
-    Ok(share <= 2.0 && missing == 0 && without_event == 0 && doubled == 0 && phantom == 0)
+    let shipped_in_time = shipped.is_none_or(|shipped| {
+        shipped.shipped == tally.created.len() as u64
+            && shipped.caught_up.is_some_and(|at| at <= CATCH_UP_WITHIN)
+    });
+    Ok(share <= 2.0
+        && missing == 0
+        && without_event == 0
+        && doubled == 0
+        && phantom == 0
+        && shipped_in_time)
+}
+
+/// What shipping did: how often it was killed, how many of the orders answered 201 it shipped,
+/// and how long after the load's end it had shipped them all (`None`: not within 60 s).
+#[derive(Debug)]
+struct Shipped {
+    kills: u64,
+    shipped: u64,
+    caught_up: Option<Duration>,
+}
+
+/// The shipping service of a running drill, killed and started again on its own schedule.
+struct Downstream {
+    shipping: Shipping,
+    schema: String,
+    pool: sqlx::PgPool,
+    jetstream: async_nats::jetstream::Context,
+    process: Arc<Mutex<Child>>,
+    start: Arc<dyn Fn() -> Result<Child, BoxError> + Send + Sync>,
+    load_ended: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Downstream {
+    /// Deletes the shop's stream, then starts shipping on schemas of its own and waits until it
+    /// serves (its stream and consumer made).
+    async fn start(shipping: Shipping, log: &std::fs::File) -> Result<Downstream, BoxError> {
+        let client = async_nats::connect(&shipping.nats).await?;
+        let jetstream = async_nats::jetstream::new(client);
+        // A stream of an earlier run would hand this one its orders.
+        let _ = jetstream.delete_stream(STREAM).await;
+        let schema = format!("shipping_drill_{}", std::process::id());
+        let pool = sqlx::PgPool::connect(&shipping.postgres).await?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let address = format!("127.0.0.1:{port}");
+        let start: Arc<dyn Fn() -> Result<Child, BoxError> + Send + Sync> = Arc::new({
+            let (shipping, schema, address) = (shipping.clone(), schema.clone(), address.clone());
+            let log = log.try_clone()?;
+            move || {
+                let mut command = Command::new(&shipping.binary);
+                command
+                    .env("DATABASE_URL", &shipping.postgres)
+                    .env("NATS_URL", &shipping.nats)
+                    .env("SHIPPING_SCHEMA", &schema)
+                    .env("SHIPPING_EVENTS_SCHEMA", format!("{schema}_events"))
+                    .env("SHIPPING_ADDR", &address)
+                    .stdin(Stdio::null())
+                    .stdout(log.try_clone()?)
+                    .stderr(log.try_clone()?);
+                Ok(relaybus_harness::spawn_tied(command)?)
+            }
+        });
+        let process = start()?;
+        wait_listening(&address).await?;
+        Ok(Downstream {
+            shipping,
+            schema,
+            pool,
+            jetstream,
+            process: Arc::new(Mutex::new(process)),
+            start,
+            load_ended: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// Kills shipping `kills` times, evenly spread over the load, starting it again at once.
+    fn kill_spread(
+        &self,
+        started: Instant,
+        length: Duration,
+    ) -> tokio::task::JoinHandle<Result<(), BoxError>> {
+        let (kills, process, start) = (
+            self.shipping.kills,
+            Arc::clone(&self.process),
+            Arc::clone(&self.start),
+        );
+        let load_ended = Arc::clone(&self.load_ended);
+        tokio::spawn(async move {
+            for kill in 0..kills {
+                // Off the shop's schedule: half a step later.
+                let at = length.mul_f64((kill as f64 + 0.5) / kills as f64);
+                tokio::time::sleep(at.saturating_sub(started.elapsed())).await;
+                let mut process = process.lock().unwrap();
+                relaybus_harness::kill_tied(&mut process);
+                eprintln!(
+                    "relaybus-shop-drill: killed shipping at {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
+                *process = start()?;
+            }
+            tokio::time::sleep(length.saturating_sub(started.elapsed())).await;
+            *load_ended.lock().unwrap() = Some(started + length);
+            Ok(())
+        })
+    }
+
+    /// Waits until shipping has shipped every order of `created`, for at most 60 s after the
+    /// load's end.
+    async fn catch_up(&self, created: &[String]) -> Result<Shipped, BoxError> {
+        let ended = self.load_ended.lock().unwrap().unwrap_or_else(Instant::now);
+        let query = format!(
+            "SELECT count(*) FROM {}.shipments WHERE order_id = ANY($1)",
+            self.schema
+        );
+        let mut said = Instant::now();
+        loop {
+            let shipped: i64 = sqlx::query_scalar(&query)
+                .bind(created)
+                .fetch_one(&self.pool)
+                .await?;
+            let shipped = shipped as u64;
+            if said.elapsed() >= Duration::from_secs(1) {
+                said = Instant::now();
+                let mut stream = self.jetstream.get_stream(STREAM).await?;
+                eprintln!(
+                    "relaybus-shop-drill: {:.1} s after the load, {} of {} orders relayed, \
+                     {shipped} shipped",
+                    ended.elapsed().as_secs_f64(),
+                    stream.info().await?.state.messages,
+                    created.len(),
+                );
+            }
+            if shipped == created.len() as u64 || ended.elapsed() > Duration::from_secs(60) {
+                return Ok(Shipped {
+                    kills: self.shipping.kills,
+                    shipped,
+                    caught_up: (shipped == created.len() as u64).then(|| ended.elapsed()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops shipping and drops what the drill made: its schemas and the stream.
+    async fn finish(self) -> Result<(), BoxError> {
+        relaybus_harness::kill_tied(&mut self.process.lock().unwrap());
+        for schema in [self.schema.clone(), format!("{}_events", self.schema)] {
+            sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                .execute(&self.pool)
+                .await?;
+        }
+        let _ = self.jetstream.delete_stream(STREAM).await;
+        Ok(())
+    }
 }
 
 /// Waits until the shop accepts connections, for at most a minute.
