@@ -191,7 +191,7 @@ impl BatchOutcome {
         let permanent = error.downcast_ref::<Permanent>().is_some();
         self.failures.retain(|(at, _, _)| *at != position);
         self.failures
-            .push((position, error_chain(error.as_ref()), permanent));
+            .push((position, crate::error::chain(error.as_ref()), permanent));
         self
     }
 
@@ -215,20 +215,6 @@ impl From<()> for BatchOutcome {
     fn from((): ()) -> Self {
         BatchOutcome::succeeded()
     }
-}
-
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !message.contains(&text) {
-            message.push_str(": ");
-            message.push_str(&text);
-        }
-        source = cause.source();
-    }
-    message
 }
 
 /// An async function that handles a batch of events of type `E`, taking the arguments `Args`

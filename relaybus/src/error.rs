@@ -622,3 +622,18 @@ fn session_of(operation: &str) -> (&'static str, &'static str) {
         ("ClientSession", "`session.start_transaction()`")
     }
 }
+
+/// The message of an error with its sources, each cause once.
+pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
+}

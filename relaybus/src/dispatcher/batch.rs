@@ -18,13 +18,11 @@ use tracing::{Instrument, debug, info_span, warn};
 
 use super::{
     Shared,
-    run::{
-        Failure, Outcome, error_chain, fail, is_transient, panic_message, release, retry_deadline,
-    },
+    run::{Failure, Outcome, fail, panic_message, release, retry_deadline},
 };
 use crate::{
     batch::{BatchOutcome, ItemMeta},
-    handler::{HandlerContext, Permanent, Subscription},
+    handler::{HandlerContext, Subscription},
     store::{
         Claimed, Store,
         transaction::{Attempts, Committed},
@@ -134,19 +132,7 @@ async fn call_batch<S: Store>(
                 Err(failure) => Err(failure),
                 Ok(Err(panic)) => Err(Failure::panic(panic_message(panic.as_ref()))),
                 Ok(Ok(Ok(outcome))) => Ok(outcome),
-                Ok(Ok(Err(error))) => {
-                    let permanent = error.downcast_ref::<Permanent>().is_some();
-                    Err(Failure {
-                        message: error_chain(error.as_ref()),
-                        transient: is_transient::<S>(error.as_ref()),
-                        permanent,
-                        kind: if permanent {
-                            FailureKind::Permanent
-                        } else {
-                            FailureKind::Error
-                        },
-                    })
-                }
+                Ok(Ok(Err(error))) => Err(Failure::of_error::<S>(error.as_ref())),
             }
         }
     };

@@ -137,6 +137,22 @@ impl Failure {
             ..Failure::new(message)
         }
     }
+
+    /// The failure of a handler that returned `error`: permanent when it is [`Permanent`],
+    /// transient when the store says its transaction may run again.
+    pub(super) fn of_error<S: Store>(error: &(dyn std::error::Error + 'static)) -> Self {
+        let permanent = error.downcast_ref::<Permanent>().is_some();
+        Failure {
+            message: crate::error::chain(error),
+            transient: is_transient::<S>(error),
+            permanent,
+            kind: if permanent {
+                FailureKind::Permanent
+            } else {
+                FailureKind::Error
+            },
+        }
+    }
 }
 
 /// Calls the handler, turning an error or a panic into a failure.
@@ -196,19 +212,7 @@ async fn call_timed<S: Store>(
     };
     match ended {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(error)) => {
-            let permanent = error.downcast_ref::<Permanent>().is_some();
-            Err(Failure {
-                message: error_chain(error.as_ref()),
-                transient: is_transient::<S>(error.as_ref()),
-                permanent,
-                kind: if permanent {
-                    FailureKind::Permanent
-                } else {
-                    FailureKind::Error
-                },
-            })
-        }
+        Ok(Err(error)) => Err(Failure::of_error::<S>(error.as_ref())),
         Err(panic) => Err(Failure::panic(panic_message(panic.as_ref()))),
     }
 }
@@ -387,21 +391,6 @@ async fn complete_and_commit<S: Store>(
     }
 }
 
-/// The message of an error with its sources.
-pub(super) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !message.contains(&text) {
-            message.push_str(": ");
-            message.push_str(&text);
-        }
-        source = cause.source();
-    }
-    message
-}
-
 /// Whether an error, or one in its chain, lets the whole transaction run again: a relaybus
 /// error or database error saying so, or a driver error the store recognizes.
 pub(super) fn is_transient<S: Store>(error: &(dyn std::error::Error + 'static)) -> bool {
@@ -529,7 +518,7 @@ mod tests {
         #[error("outer")]
         struct Outer(#[source] std::io::Error);
         let error = Outer(std::io::Error::other("inner"));
-        assert_eq!(error_chain(&error), "outer: inner");
+        assert_eq!(crate::error::chain(&error), "outer: inner");
         let panic: Box<dyn std::any::Any + Send> = Box::new("boom");
         assert_eq!(panic_message(panic.as_ref()), "handler panicked: boom");
     }
