@@ -26,7 +26,6 @@
 //! relay of another wrote, once bridged.
 
 mod forward;
-#[cfg(any(feature = "nats", feature = "rabbitmq"))]
 mod inbound;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
@@ -37,4 +36,8 @@ pub mod nats;
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
+mod relay;
 mod wire;
+
+pub use inbound::{AppendedBatch, BatchReport, InboundBatch};
+pub use relay::{MAX_PARTITIONS, RelayStatistics};

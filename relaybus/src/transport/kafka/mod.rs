@@ -66,16 +66,17 @@
 //!   [`run`](KafkaConsumer::run) stops fetching when its token is cancelled, finishes the
 //!   batch it holds (dead letters, append and offset in one commit), and returns.
 
+mod builder;
 mod consumer;
 mod error;
+mod partition;
 mod relay;
 mod wire;
 
-pub use consumer::{BatchReport, KafkaConsumer, KafkaConsumerBuilder, MAX_BATCH_RECORDS};
+pub use builder::KafkaConsumerBuilder;
+pub use consumer::{KafkaConsumer, MAX_BATCH_RECORDS};
 pub use error::KafkaError;
-pub use relay::{
-    DEFAULT_RELAY_HANDLER_ID, KafkaRelay, KafkaRelayBuilder, MAX_PARTITIONS, RelayStatistics,
-};
+pub use relay::{DEFAULT_RELAY_HANDLER_ID, KafkaRelay, KafkaRelayBuilder};
 pub use rskafka;
 pub use wire::{
     DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, EVENT_ID_HEADER, EVENT_TYPE_HEADER,

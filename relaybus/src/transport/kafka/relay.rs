@@ -3,10 +3,7 @@
 use std::{
     collections::HashMap,
     fmt,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -20,16 +17,16 @@ use super::{KafkaError, error::check_topic, wire};
 use crate::{
     error::BoxError,
     event::{Event, EventEnvelope},
-    handler::{HandlerContext, Subscription, validate_handler_id},
+    handler::Subscription,
     store::Store,
-    transport::forward::Forwarded,
+    transport::{
+        RelayStatistics,
+        relay::{self, Counters, Outbound, RelaySettings},
+    },
 };
 
 /// The handler id prefix a relay uses unless told otherwise.
 pub const DEFAULT_RELAY_HANDLER_ID: &str = "kafka-relay";
-
-/// The most partitions a relay spreads keys over.
-pub const MAX_PARTITIONS: u32 = 1_024;
 
 /// Forwards events to a Kafka topic: each [`subscription`](Self::subscription) is a
 /// subscription of the bus, so every event of its type gets a delivery of its own, with the
@@ -78,32 +75,20 @@ pub struct KafkaRelay {
 struct RelayInner {
     client: Arc<Client>,
     topic: String,
-    partitions: u32,
-    handler_id: String,
+    settings: RelaySettings,
     produce_timeout: Duration,
     connections: Mutex<HashMap<u32, Arc<PartitionClient>>>,
-    produced: AtomicU64,
+    counters: Counters,
 }
 
 impl fmt::Debug for KafkaRelay {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaRelay")
             .field("topic", &self.inner.topic)
-            .field("partitions", &self.inner.partitions)
-            .field("handler_id", &self.inner.handler_id)
+            .field("settings", &self.inner.settings)
             .field("produce_timeout", &self.inner.produce_timeout)
             .finish_non_exhaustive()
     }
-}
-
-/// What a relay sent so far, in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RelayStatistics {
-    /// Records the partition leaders acknowledged. Kafka keeps every one: an event produced
-    /// again (its relay crashed between the acknowledgement and the completion, or an
-    /// acknowledgement timed out) counts, and is held twice in the topic.
-    pub produced: u64,
 }
 
 impl KafkaRelay {
@@ -112,8 +97,7 @@ impl KafkaRelay {
         KafkaRelayBuilder {
             client,
             topic: topic.into(),
-            partitions: 1,
-            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
+            settings: RelaySettings::new(DEFAULT_RELAY_HANDLER_ID),
             produce_timeout: Duration::from_secs(10),
         }
     }
@@ -129,28 +113,7 @@ impl KafkaRelay {
     /// make an invalid handler id (over 128 bytes): choose a shorter
     /// [`handler_id`](KafkaRelayBuilder::handler_id).
     pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, KafkaError> {
-        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
-        validate_handler_id(&id).map_err(|error| {
-            KafkaError::invalid(
-                "handler_id",
-                format!("{error}; choose a shorter handler id for the relay"),
-            )
-        })?;
-        let relay = self.clone();
-        Ok(Subscription::new(
-            id,
-            move |event: Forwarded<E>, context: HandlerContext<S>| {
-                let relay = relay.clone();
-                async move {
-                    let envelope = event.envelope(&context);
-                    relay
-                        .send(&envelope, context.sequence())
-                        .await
-                        .map(|_| ())
-                        .map_err(BoxError::from)
-                }
-            },
-        ))
+        Ok(relay::subscription::<E, S, _>(self)?)
     }
 
     /// Produces one event to its partition and waits for the partition leader's
@@ -207,7 +170,7 @@ impl KafkaRelay {
                 });
             }
         };
-        inner.produced.fetch_add(1, Ordering::Relaxed);
+        inner.counters.published(false);
         offsets
             .first()
             .copied()
@@ -231,6 +194,7 @@ impl KafkaRelay {
                 .await
                 .map_err(BoxError::from)?,
         );
+        self.inner.counters.connected();
         self.inner
             .connections
             .lock()
@@ -252,7 +216,7 @@ impl KafkaRelay {
     /// The partition an event goes to: the 32-bit FNV-1a hash of the event's key (of its id
     /// when it has none) modulo the number of [`partitions`](KafkaRelayBuilder::partitions).
     pub fn partition_of(&self, envelope: &EventEnvelope) -> u32 {
-        wire::partition(self.inner.partitions, envelope)
+        wire::partition(self.inner.settings.partitions, envelope)
     }
 
     /// Creates the relay's topic with its number of partitions and `replication_factor`; a
@@ -266,7 +230,7 @@ impl KafkaRelay {
         create_topic(
             &self.inner.client,
             &self.inner.topic,
-            self.inner.partitions,
+            self.inner.settings.partitions,
             replication_factor,
         )
         .await
@@ -274,9 +238,7 @@ impl KafkaRelay {
 
     /// What this relay sent so far.
     pub fn statistics(&self) -> RelayStatistics {
-        RelayStatistics {
-            produced: self.inner.produced.load(Ordering::Relaxed),
-        }
+        self.inner.counters.statistics(None)
     }
 
     /// The topic.
@@ -286,12 +248,27 @@ impl KafkaRelay {
 
     /// The number of partitions keys are spread over.
     pub fn partitions(&self) -> u32 {
-        self.inner.partitions
+        self.inner.settings.partitions
     }
 
     /// The prefix of the relay's handler ids.
     pub fn handler_id(&self) -> &str {
-        &self.inner.handler_id
+        &self.inner.settings.handler_id
+    }
+}
+
+impl Outbound for KafkaRelay {
+    fn settings(&self) -> &RelaySettings {
+        &self.inner.settings
+    }
+
+    async fn forward(
+        &self,
+        envelope: EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<(), BoxError> {
+        self.send(&envelope, sequence).await?;
+        Ok(())
     }
 }
 
@@ -342,8 +319,7 @@ pub(crate) async fn create_topic(
 pub struct KafkaRelayBuilder {
     client: Arc<Client>,
     topic: String,
-    partitions: u32,
-    handler_id: String,
+    settings: RelaySettings,
     produce_timeout: Duration,
 }
 
@@ -351,8 +327,7 @@ impl fmt::Debug for KafkaRelayBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaRelayBuilder")
             .field("topic", &self.topic)
-            .field("partitions", &self.partitions)
-            .field("handler_id", &self.handler_id)
+            .field("settings", &self.settings)
             .field("produce_timeout", &self.produce_timeout)
             .finish_non_exhaustive()
     }
@@ -363,7 +338,7 @@ impl KafkaRelayBuilder {
     /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
     /// deliveries, so keep it stable, and give each relay of one bus its own.
     pub fn handler_id(mut self, id: impl Into<String>) -> Self {
-        self.handler_id = id.into();
+        self.settings.handler_id = id.into();
         self
     }
 
@@ -372,7 +347,7 @@ impl KafkaRelayBuilder {
     /// it moves keys to other partitions, so events of a key produced before and after the
     /// change may be read out of order.
     pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
+        self.settings.partitions = partitions;
         self
     }
 
@@ -392,37 +367,16 @@ impl KafkaRelayBuilder {
     /// or a produce timeout out of range, or an invalid handler id.
     pub fn build(self) -> Result<KafkaRelay, KafkaError> {
         check_topic("topic", &self.topic)?;
-        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
-            return Err(KafkaError::invalid(
-                "partitions",
-                format!(
-                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
-                    self.partitions
-                ),
-            ));
-        }
-        if self.produce_timeout < Duration::from_millis(1)
-            || self.produce_timeout > Duration::from_secs(600)
-        {
-            return Err(KafkaError::invalid(
-                "produce_timeout",
-                format!(
-                    "{:?} is out of range; use 1 ms to 10 minutes",
-                    self.produce_timeout
-                ),
-            ));
-        }
-        validate_handler_id(&self.handler_id)
-            .map_err(|error| KafkaError::invalid("handler_id", error.to_string()))?;
+        self.settings
+            .check(&[("produce_timeout", self.produce_timeout)])?;
         Ok(KafkaRelay {
             inner: Arc::new(RelayInner {
                 client: self.client,
                 topic: self.topic,
-                partitions: self.partitions,
-                handler_id: self.handler_id,
+                settings: self.settings,
                 produce_timeout: self.produce_timeout,
                 connections: Mutex::new(HashMap::new()),
-                produced: AtomicU64::new(0),
+                counters: Counters::default(),
             }),
         })
     }

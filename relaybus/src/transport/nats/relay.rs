@@ -2,28 +2,26 @@
 
 use std::{
     fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
     time::Duration,
 };
+
+use async_nats::jetstream::{self, message::PublishMessage, publish::PublishAck};
 
 use super::{NatsError, error::check_subject, wire};
 use crate::{
     error::BoxError,
     event::{Event, EventEnvelope},
-    handler::{HandlerContext, Subscription, validate_handler_id},
+    handler::Subscription,
     store::Store,
-    transport::forward::Forwarded,
+    transport::{
+        RelayStatistics,
+        relay::{self, Counters, Outbound, RelaySettings},
+    },
 };
-use async_nats::jetstream::{self, message::PublishMessage, publish::PublishAck};
 
 /// The handler id prefix a relay uses unless told otherwise.
 pub const DEFAULT_RELAY_HANDLER_ID: &str = "nats-relay";
-
-/// The most partitions (subjects) a relay spreads keys over.
-pub const MAX_PARTITIONS: u32 = 1_024;
 
 /// Forwards events to a JetStream stream: each [`subscription`](Self::subscription) is a
 /// subscription of the bus, so every event of its type gets a delivery of its own, with the
@@ -70,37 +68,21 @@ pub struct NatsRelay {
 struct RelayInner {
     jetstream: jetstream::Context,
     prefix: String,
-    partitions: u32,
-    handler_id: String,
+    settings: RelaySettings,
     ack_timeout: Duration,
     expected_stream: Option<String>,
-    published: AtomicU64,
-    duplicates: AtomicU64,
+    counters: Counters,
 }
 
 impl fmt::Debug for NatsRelay {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsRelay")
             .field("prefix", &self.inner.prefix)
-            .field("partitions", &self.inner.partitions)
-            .field("handler_id", &self.inner.handler_id)
+            .field("settings", &self.inner.settings)
             .field("ack_timeout", &self.inner.ack_timeout)
             .field("expected_stream", &self.inner.expected_stream)
             .finish_non_exhaustive()
     }
-}
-
-/// What a relay sent so far, in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RelayStatistics {
-    /// Publishes JetStream confirmed, duplicates included.
-    pub published: u64,
-    /// Confirmed publishes that JetStream reported as duplicates: the stream held a message
-    /// with the same `Nats-Msg-Id` within its duplicate window, and kept one copy. A delivery
-    /// whose relay crashed between the confirm and the completion sends its event again and
-    /// counts here.
-    pub duplicates: u64,
 }
 
 impl NatsRelay {
@@ -110,8 +92,7 @@ impl NatsRelay {
         NatsRelayBuilder {
             jetstream,
             prefix: prefix.into(),
-            partitions: 1,
-            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
+            settings: RelaySettings::new(DEFAULT_RELAY_HANDLER_ID),
             ack_timeout: Duration::from_secs(10),
             expected_stream: None,
         }
@@ -130,28 +111,7 @@ impl NatsRelay {
     /// make an invalid handler id (over 128 bytes): choose a shorter
     /// [`handler_id`](NatsRelayBuilder::handler_id).
     pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, NatsError> {
-        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
-        validate_handler_id(&id).map_err(|error| {
-            NatsError::invalid(
-                "handler_id",
-                format!("{error}; choose a shorter handler id for the relay"),
-            )
-        })?;
-        let relay = self.clone();
-        Ok(Subscription::new(
-            id,
-            move |event: Forwarded<E>, context: HandlerContext<S>| {
-                let relay = relay.clone();
-                async move {
-                    let envelope = event.envelope(&context);
-                    relay
-                        .send(&envelope, context.sequence())
-                        .await
-                        .map(|_| ())
-                        .map_err(BoxError::from)
-                }
-            },
-        ))
+        Ok(relay::subscription::<E, S, _>(self)?)
     }
 
     /// Publishes one event and waits for JetStream's confirmation: what the relay's
@@ -206,9 +166,8 @@ impl NatsRelay {
                 subject: subject.clone(),
                 after: inner.ack_timeout,
             })??;
-        inner.published.fetch_add(1, Ordering::Relaxed);
+        inner.counters.published(ack.duplicate);
         if ack.duplicate {
-            inner.duplicates.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(
                 event_id = envelope.id(),
                 subject,
@@ -223,7 +182,7 @@ impl NatsRelay {
     /// FNV-1a hash of the event's key (of its id when it has none) modulo the number of
     /// [`partitions`](NatsRelayBuilder::partitions).
     pub fn subject_of(&self, envelope: &EventEnvelope) -> String {
-        wire::subject(&self.inner.prefix, self.inner.partitions, envelope)
+        wire::subject(&self.inner.prefix, self.inner.settings.partitions, envelope)
     }
 
     /// The subjects a stream must capture for this relay: `<prefix>.>`.
@@ -246,10 +205,9 @@ impl NatsRelay {
 
     /// What this relay sent so far.
     pub fn statistics(&self) -> RelayStatistics {
-        RelayStatistics {
-            published: self.inner.published.load(Ordering::Relaxed),
-            duplicates: self.inner.duplicates.load(Ordering::Relaxed),
-        }
+        let client = self.inner.jetstream.client();
+        let connects = client.statistics().connects.load(Ordering::Relaxed);
+        self.inner.counters.statistics(Some(connects))
     }
 
     /// The subject prefix.
@@ -259,12 +217,27 @@ impl NatsRelay {
 
     /// The number of partitions keys are spread over.
     pub fn partitions(&self) -> u32 {
-        self.inner.partitions
+        self.inner.settings.partitions
     }
 
     /// The prefix of the relay's handler ids.
     pub fn handler_id(&self) -> &str {
-        &self.inner.handler_id
+        &self.inner.settings.handler_id
+    }
+}
+
+impl Outbound for NatsRelay {
+    fn settings(&self) -> &RelaySettings {
+        &self.inner.settings
+    }
+
+    async fn forward(
+        &self,
+        envelope: EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<(), BoxError> {
+        self.send(&envelope, sequence).await?;
+        Ok(())
     }
 }
 
@@ -273,8 +246,7 @@ impl NatsRelay {
 pub struct NatsRelayBuilder {
     jetstream: jetstream::Context,
     prefix: String,
-    partitions: u32,
-    handler_id: String,
+    settings: RelaySettings,
     ack_timeout: Duration,
     expected_stream: Option<String>,
 }
@@ -283,8 +255,7 @@ impl fmt::Debug for NatsRelayBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsRelayBuilder")
             .field("prefix", &self.prefix)
-            .field("partitions", &self.partitions)
-            .field("handler_id", &self.handler_id)
+            .field("settings", &self.settings)
             .field("ack_timeout", &self.ack_timeout)
             .field("expected_stream", &self.expected_stream)
             .finish_non_exhaustive()
@@ -296,7 +267,7 @@ impl NatsRelayBuilder {
     /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
     /// deliveries, so keep it stable, and give each relay of one bus its own.
     pub fn handler_id(mut self, id: impl Into<String>) -> Self {
-        self.handler_id = id.into();
+        self.settings.handler_id = id.into();
         self
     }
 
@@ -306,7 +277,7 @@ impl NatsRelayBuilder {
     /// other partitions: events of a key published before and after the change may then be
     /// read out of order by consumers that read one partition each.
     pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
+        self.settings.partitions = partitions;
         self
     }
 
@@ -334,28 +305,7 @@ impl NatsRelayBuilder {
     /// empty expected stream name.
     pub fn build(self) -> Result<NatsRelay, NatsError> {
         check_subject("prefix", &self.prefix)?;
-        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
-            return Err(NatsError::invalid(
-                "partitions",
-                format!(
-                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
-                    self.partitions
-                ),
-            ));
-        }
-        if self.ack_timeout < Duration::from_millis(1)
-            || self.ack_timeout > Duration::from_secs(600)
-        {
-            return Err(NatsError::invalid(
-                "ack_timeout",
-                format!(
-                    "{:?} is out of range; use 1 ms to 10 minutes",
-                    self.ack_timeout
-                ),
-            ));
-        }
-        validate_handler_id(&self.handler_id)
-            .map_err(|error| NatsError::invalid("handler_id", error.to_string()))?;
+        self.settings.check(&[("ack_timeout", self.ack_timeout)])?;
         if let Some(stream) = &self.expected_stream
             && (stream.is_empty() || stream.contains(['.', '*', '>', ' ']))
         {
@@ -371,12 +321,10 @@ impl NatsRelayBuilder {
             inner: Arc::new(RelayInner {
                 jetstream: self.jetstream,
                 prefix: self.prefix,
-                partitions: self.partitions,
-                handler_id: self.handler_id,
+                settings: self.settings,
                 ack_timeout: self.ack_timeout,
                 expected_stream: self.expected_stream,
-                published: AtomicU64::new(0),
-                duplicates: AtomicU64::new(0),
+                counters: Counters::default(),
             }),
         })
     }

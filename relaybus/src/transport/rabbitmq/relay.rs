@@ -1,14 +1,7 @@
 //! The outbound relay: a subscription that publishes events to an exchange, with publisher
 //! confirms.
 
-use std::{
-    fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{fmt, sync::Arc, time::Duration};
 
 use lapin::{
     Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
@@ -28,16 +21,16 @@ use super::{
 use crate::{
     error::BoxError,
     event::{Event, EventEnvelope},
-    handler::{HandlerContext, Subscription, validate_handler_id},
+    handler::Subscription,
     store::Store,
-    transport::forward::Forwarded,
+    transport::{
+        RelayStatistics,
+        relay::{self, Counters, Outbound, RelaySettings},
+    },
 };
 
 /// The handler id prefix a relay uses unless told otherwise.
 pub const DEFAULT_RELAY_HANDLER_ID: &str = "rabbitmq-relay";
-
-/// The most partitions (routing keys and queues) a relay spreads keys over.
-pub const MAX_PARTITIONS: u32 = 1_024;
 
 /// Publishes events to a RabbitMQ exchange: each [`subscription`](Self::subscription) is a
 /// subscription of the bus, so every event of its type gets a delivery of its own, with the
@@ -86,14 +79,12 @@ struct RelayInner {
     endpoint: Endpoint,
     exchange: String,
     prefix: String,
-    partitions: u32,
-    handler_id: String,
+    settings: RelaySettings,
     confirm_timeout: Duration,
     /// The connection and its confirm-mode channel, opened at the first publish and again
     /// after a loss.
     link: tokio::sync::Mutex<Option<Link>>,
-    published: AtomicU64,
-    connections: AtomicU64,
+    counters: Counters,
 }
 
 struct Link {
@@ -113,23 +104,10 @@ impl fmt::Debug for RabbitRelay {
             .field("endpoint", &self.inner.endpoint)
             .field("exchange", &self.inner.exchange)
             .field("prefix", &self.inner.prefix)
-            .field("partitions", &self.inner.partitions)
-            .field("handler_id", &self.inner.handler_id)
+            .field("settings", &self.inner.settings)
             .field("confirm_timeout", &self.inner.confirm_timeout)
             .finish_non_exhaustive()
     }
-}
-
-/// What a relay did so far, in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RelayStatistics {
-    /// Publishes the broker confirmed. A delivery whose relay crashed between the confirm and
-    /// the completion sends its event again and counts twice: the queue then holds two copies,
-    /// and the consumer's store keeps one.
-    pub published: u64,
-    /// Connections opened: the first one, and one after each loss.
-    pub connections: u64,
 }
 
 impl RabbitRelay {
@@ -141,8 +119,7 @@ impl RabbitRelay {
             uri: uri.into(),
             exchange: exchange.into(),
             routing_prefix: None,
-            partitions: 1,
-            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
+            settings: RelaySettings::new(DEFAULT_RELAY_HANDLER_ID),
             confirm_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             connection_properties: None,
@@ -162,27 +139,7 @@ impl RabbitRelay {
     /// make an invalid handler id (over 128 bytes): choose a shorter
     /// [`handler_id`](RabbitRelayBuilder::handler_id).
     pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, RabbitError> {
-        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
-        validate_handler_id(&id).map_err(|error| {
-            RabbitError::invalid(
-                "handler_id",
-                format!("{error}; choose a shorter handler id for the relay"),
-            )
-        })?;
-        let relay = self.clone();
-        Ok(Subscription::new(
-            id,
-            move |event: Forwarded<E>, context: HandlerContext<S>| {
-                let relay = relay.clone();
-                async move {
-                    let envelope = event.envelope(&context);
-                    relay
-                        .send(&envelope, context.sequence())
-                        .await
-                        .map_err(BoxError::from)
-                }
-            },
-        ))
+        Ok(relay::subscription::<E, S, _>(self)?)
     }
 
     /// Publishes one event as a persistent, mandatory message and waits for the broker's
@@ -256,7 +213,7 @@ impl RabbitRelay {
         };
         match confirmation {
             Confirmation::Ack(None) => {
-                inner.published.fetch_add(1, Ordering::Relaxed);
+                inner.counters.published(false);
                 Ok(())
             }
             Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)) => {
@@ -300,7 +257,7 @@ impl RabbitRelay {
             close_quietly(&connection, "relaybus relay could not select confirms").await;
             return Err(inner.endpoint.failed(error));
         }
-        inner.connections.fetch_add(1, Ordering::Relaxed);
+        inner.counters.connected();
         tracing::debug!(endpoint = inner.endpoint.display(), "relay connected");
         *link = Some(Link {
             connection,
@@ -393,24 +350,21 @@ impl RabbitRelay {
     /// 32-bit FNV-1a hash of the event's key (of its id when it has none) modulo the number of
     /// [`partitions`](RabbitRelayBuilder::partitions).
     pub fn routing_key_of(&self, envelope: &EventEnvelope) -> String {
-        wire::routing_key(&self.inner.prefix, self.inner.partitions, envelope)
+        wire::routing_key(&self.inner.prefix, self.inner.settings.partitions, envelope)
     }
 
     /// Every routing key the relay publishes with, partition 0 first:
     /// `<prefix>.0` to `<prefix>.<partitions - 1>`. [`declare_topology`](Self::declare_topology)
     /// names a queue after each.
     pub fn routing_keys(&self) -> Vec<String> {
-        (0..self.inner.partitions)
+        (0..self.inner.settings.partitions)
             .map(|partition| format!("{}.{partition}", self.inner.prefix))
             .collect()
     }
 
     /// What this relay did so far.
     pub fn statistics(&self) -> RelayStatistics {
-        RelayStatistics {
-            published: self.inner.published.load(Ordering::Relaxed),
-            connections: self.inner.connections.load(Ordering::Relaxed),
-        }
+        self.inner.counters.statistics(None)
     }
 
     /// The exchange.
@@ -425,12 +379,26 @@ impl RabbitRelay {
 
     /// The number of partitions keys are spread over.
     pub fn partitions(&self) -> u32 {
-        self.inner.partitions
+        self.inner.settings.partitions
     }
 
     /// The prefix of the relay's handler ids.
     pub fn handler_id(&self) -> &str {
-        &self.inner.handler_id
+        &self.inner.settings.handler_id
+    }
+}
+
+impl Outbound for RabbitRelay {
+    fn settings(&self) -> &RelaySettings {
+        &self.inner.settings
+    }
+
+    async fn forward(
+        &self,
+        envelope: EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<(), BoxError> {
+        Ok(self.send(&envelope, sequence).await?)
     }
 }
 
@@ -440,8 +408,7 @@ pub struct RabbitRelayBuilder {
     uri: String,
     exchange: String,
     routing_prefix: Option<String>,
-    partitions: u32,
-    handler_id: String,
+    settings: RelaySettings,
     confirm_timeout: Duration,
     connect_timeout: Duration,
     connection_properties: Option<ConnectionProperties>,
@@ -452,8 +419,7 @@ impl fmt::Debug for RabbitRelayBuilder {
         f.debug_struct("RabbitRelayBuilder")
             .field("exchange", &self.exchange)
             .field("routing_prefix", &self.routing_prefix)
-            .field("partitions", &self.partitions)
-            .field("handler_id", &self.handler_id)
+            .field("settings", &self.settings)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .finish_non_exhaustive()
@@ -465,7 +431,7 @@ impl RabbitRelayBuilder {
     /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
     /// deliveries, so keep it stable, and give each relay of one bus its own.
     pub fn handler_id(mut self, id: impl Into<String>) -> Self {
-        self.handler_id = id.into();
+        self.settings.handler_id = id.into();
         self
     }
 
@@ -481,7 +447,7 @@ impl RabbitRelayBuilder {
     /// keys to other partitions: events of a key published before and after the change may
     /// then be appended out of order.
     pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
+        self.settings.partitions = partitions;
         self
     }
 
@@ -518,34 +484,16 @@ impl RabbitRelayBuilder {
         check_name("exchange", &self.exchange, false)?;
         let prefix = self.routing_prefix.unwrap_or_else(|| self.exchange.clone());
         check_name("routing_prefix", &prefix, false)?;
-        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
-            return Err(RabbitError::invalid(
-                "partitions",
-                format!(
-                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
-                    self.partitions
-                ),
-            ));
-        }
+        self.settings.check(&[
+            ("confirm_timeout", self.confirm_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ])?;
         // The longest routing key must fit in 255 bytes.
         check_name(
             "routing_prefix",
-            &format!("{prefix}.{}", self.partitions - 1),
+            &format!("{prefix}.{}", self.settings.partitions - 1),
             false,
         )?;
-        for (option, timeout) in [
-            ("confirm_timeout", self.confirm_timeout),
-            ("connect_timeout", self.connect_timeout),
-        ] {
-            if timeout < Duration::from_millis(1) || timeout > Duration::from_secs(600) {
-                return Err(RabbitError::invalid(
-                    option,
-                    format!("{timeout:?} is out of range; use 1 ms to 10 minutes"),
-                ));
-            }
-        }
-        validate_handler_id(&self.handler_id)
-            .map_err(|error| RabbitError::invalid("handler_id", error.to_string()))?;
         let endpoint = Endpoint::parse(
             &self.uri,
             self.connection_properties,
@@ -557,12 +505,10 @@ impl RabbitRelayBuilder {
                 endpoint,
                 exchange: self.exchange,
                 prefix,
-                partitions: self.partitions,
-                handler_id: self.handler_id,
+                settings: self.settings,
                 confirm_timeout: self.confirm_timeout,
                 link: tokio::sync::Mutex::new(None),
-                published: AtomicU64::new(0),
-                connections: AtomicU64::new(0),
+                counters: Counters::default(),
             }),
         })
     }
