@@ -37,7 +37,9 @@ pub mod nats;
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
 mod relay;
+mod settings;
 mod wire;
 
-pub use inbound::{AppendedBatch, BatchReport, InboundBatch};
-pub use relay::{MAX_PARTITIONS, RelayStatistics};
+pub use inbound::{AppendedBatch, BatchReport, Consumer, ConsumerBuilder, InboundBatch};
+pub use relay::{Relay, RelayBuilder, RelayStatistics};
+pub use settings::{MAX_BATCH_SIZE, MAX_PARTITIONS};

@@ -2,7 +2,7 @@
 //! settle a batch, and, for a broker that keeps no position for its consumers, where the local
 //! store keeps it.
 
-use std::{future::Future, time::Duration};
+use std::{fmt, future::Future, time::Duration};
 
 use crate::{error::BoxError, store::PositionKey};
 
@@ -35,7 +35,7 @@ impl Position {
 
 /// A broker's side of a consumer, which the inbound driver runs: the NATS and RabbitMQ
 /// consumers, and one partition of the Kafka consumer. Sealed: only this crate implements it.
-pub trait Broker: Clone + Send + Sync + 'static {
+pub trait Broker: Clone + fmt::Debug + Send + Sync + 'static {
     /// One message as the client hands it over.
     type Message: Send + Sync + 'static;
     /// What a batch holds from its fetch to its settlement: NATS's progress reports, RabbitMQ's

@@ -8,6 +8,8 @@
 mod append;
 mod batch;
 mod broker;
+mod builder;
+mod consumer;
 mod report;
 mod run;
 
@@ -17,5 +19,8 @@ pub use batch::{AppendedBatch, InboundBatch};
 #[cfg(feature = "kafka")]
 pub(crate) use broker::Position;
 pub(crate) use broker::{Broker, Settlement};
+pub use builder::ConsumerBuilder;
+pub use consumer::Consumer;
 pub use report::BatchReport;
+#[cfg(feature = "kafka")]
 pub(crate) use run::{run, run_once};

@@ -9,7 +9,12 @@ use super::{
     consumer::{ConsumerInner, KafkaConsumer, MAX_BATCH_RECORDS},
     error::check_topic,
 };
-use crate::{store::MAX_POSITION_NAME_BYTES, transport::MAX_PARTITIONS};
+use crate::{
+    store::MAX_POSITION_NAME_BYTES,
+    transport::settings::{
+        check_batch_size, check_delay, check_partitions, check_range, check_timeout,
+    },
+};
 
 impl KafkaConsumer {
     /// Starts building a consumer of `topic` named `name`: the name keys its stored offsets,
@@ -144,52 +149,22 @@ impl KafkaConsumerBuilder {
                 ),
             ));
         }
-        let range = |option: &'static str, ok: bool, what: String| {
-            if ok {
-                Ok(())
-            } else {
-                Err(KafkaError::invalid(option, what))
-            }
-        };
-        range(
-            "partitions",
-            (1..=MAX_PARTITIONS).contains(&self.partitions),
-            format!("{} is out of range; use 1 to 1,024", self.partitions),
-        )?;
-        range(
-            "batch_records",
-            (1..=MAX_BATCH_RECORDS).contains(&self.batch_records),
-            format!(
-                "{} is out of range; use 1 to {MAX_BATCH_RECORDS}",
-                self.batch_records
-            ),
-        )?;
-        range(
+        check_partitions(self.partitions)?;
+        check_batch_size("batch_records", self.batch_records, MAX_BATCH_RECORDS)?;
+        check_range(
             "batch_bytes",
-            (1 << 10..=64 << 20).contains(&self.batch_bytes),
-            format!("{} is out of range; use 1 KiB to 64 MiB", self.batch_bytes),
+            self.batch_bytes,
+            1 << 10..=64 << 20,
+            "1 KiB to 64 MiB",
         )?;
-        range(
+        check_range(
             "fetch_wait",
-            (Duration::from_millis(1)..=Duration::from_secs(60)).contains(&self.fetch_wait),
-            format!(
-                "{:?} is out of range; use 1 ms to 1 minute",
-                self.fetch_wait
-            ),
+            self.fetch_wait,
+            Duration::from_millis(1)..=Duration::from_secs(60),
+            "1 ms to 1 minute",
         )?;
-        range(
-            "fetch_timeout",
-            (Duration::from_millis(1)..=Duration::from_secs(600)).contains(&self.fetch_timeout),
-            format!(
-                "{:?} is out of range; use 1 ms to 10 minutes",
-                self.fetch_timeout
-            ),
-        )?;
-        range(
-            "retry_delay",
-            self.retry_delay <= Duration::from_secs(3600),
-            format!("{:?} is out of range; use at most 1 hour", self.retry_delay),
-        )?;
+        check_timeout("fetch_timeout", self.fetch_timeout)?;
+        check_delay("retry_delay", self.retry_delay)?;
         Ok(KafkaConsumer {
             inner: Arc::new(ConsumerInner {
                 client: self.client,

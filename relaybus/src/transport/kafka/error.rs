@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::{error::BoxError, transport::relay::InvalidSetting};
+use crate::{error::BoxError, transport::settings::InvalidSetting};
 
 /// An error of the Kafka transport: a relay's produce, a consumer's fetch or append, a topic
 /// that cannot be used, or a setting that cannot work.

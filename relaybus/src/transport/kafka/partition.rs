@@ -73,6 +73,14 @@ impl<S: Store> PartitionReader<S> {
     }
 }
 
+impl<S: Store> fmt::Debug for PartitionReader<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PartitionReader")
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<S: Store> Clone for PartitionReader<S> {
     fn clone(&self) -> Self {
         PartitionReader {

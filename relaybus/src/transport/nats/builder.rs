@@ -8,9 +8,14 @@ use std::{
 
 use async_nats::jetstream;
 
+use crate::transport::{
+    Consumer, ConsumerBuilder,
+    settings::{check_delay, check_range},
+};
+
 use super::{
     NatsError,
-    consumer::{ConsumerInner, DEFAULT_ACK_WAIT, MAX_BATCH_SIZE, NatsConsumer},
+    consumer::{ConsumerInner, DEFAULT_ACK_WAIT, NatsConsumer, NatsSource},
     error::check_subject,
 };
 
@@ -23,42 +28,38 @@ impl NatsConsumer {
         stream: impl Into<String>,
         durable: impl Into<String>,
     ) -> NatsConsumerBuilder {
-        NatsConsumerBuilder {
+        ConsumerBuilder::new(NatsOptions {
             jetstream,
             stream: stream.into(),
             durable: durable.into(),
             filter_subject: None,
-            batch_size: 64,
-            fetch_wait: Duration::from_secs(1),
             ack_wait: DEFAULT_ACK_WAIT,
             nak_delay: Duration::from_secs(5),
             dead_letter_subject: None,
-        }
+        })
     }
 }
 
 /// Builds a [`NatsConsumer`]; made by [`NatsConsumer::builder`].
-#[must_use]
-pub struct NatsConsumerBuilder {
+pub type NatsConsumerBuilder = ConsumerBuilder<NatsOptions>;
+
+/// The settings of a [`NatsConsumer`] that only NATS has.
+pub struct NatsOptions {
     jetstream: jetstream::Context,
     stream: String,
     durable: String,
     filter_subject: Option<String>,
-    batch_size: usize,
-    fetch_wait: Duration,
     ack_wait: Duration,
     nak_delay: Duration,
     dead_letter_subject: Option<String>,
 }
 
-impl fmt::Debug for NatsConsumerBuilder {
+impl fmt::Debug for NatsOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsConsumerBuilder")
+        f.debug_struct("NatsOptions")
             .field("stream", &self.stream)
             .field("durable", &self.durable)
             .field("filter_subject", &self.filter_subject)
-            .field("batch_size", &self.batch_size)
-            .field("fetch_wait", &self.fetch_wait)
             .field("ack_wait", &self.ack_wait)
             .field("nak_delay", &self.nak_delay)
             .field("dead_letter_subject", &self.dead_letter_subject)
@@ -70,22 +71,7 @@ impl NatsConsumerBuilder {
     /// Takes only the messages of subjects matching `subject` (wildcards allowed), for
     /// example one partition of a relay, `orders.events.3`. All of the stream's by default.
     pub fn filter_subject(mut self, subject: impl Into<String>) -> Self {
-        self.filter_subject = Some(subject.into());
-        self
-    }
-
-    /// How many messages one batch takes at most, 64 by default (1 to 1,000). It is also the
-    /// durable consumer's limit of unacknowledged messages, so that messages waiting for
-    /// redelivery are never overtaken by later ones.
-    pub fn batch_size(mut self, size: usize) -> Self {
-        self.batch_size = size;
-        self
-    }
-
-    /// How long a fetch waits for a first message when none is there, 1 second by default
-    /// (10 ms to 1 minute). [`run`](NatsConsumer::run) notices its shutdown token within it.
-    pub fn fetch_wait(mut self, wait: Duration) -> Self {
-        self.fetch_wait = wait;
+        self.options.filter_subject = Some(subject.into());
         self
     }
 
@@ -97,14 +83,14 @@ impl NatsConsumerBuilder {
     /// ack wait (stopped, starved of CPU) has its batch redelivered while it still holds it,
     /// and appending it twice adds nothing.
     pub fn ack_wait(mut self, wait: Duration) -> Self {
-        self.ack_wait = wait;
+        self.options.ack_wait = wait;
         self
     }
 
     /// How long the broker waits before it redelivers messages whose append failed, 5
     /// seconds by default (at most 1 hour).
     pub fn nak_delay(mut self, delay: Duration) -> Self {
-        self.nak_delay = delay;
+        self.options.nak_delay = delay;
         self
     }
 
@@ -115,7 +101,7 @@ impl NatsConsumerBuilder {
     /// confirmation. Without one, or when that publish fails, such a message is terminated
     /// (`+TERM`): the broker never redelivers it, and the reason is logged at error level.
     pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
-        self.dead_letter_subject = Some(subject.into());
+        self.options.dead_letter_subject = Some(subject.into());
         self
     }
 
@@ -129,116 +115,84 @@ impl NatsConsumerBuilder {
     /// subject; [`NatsError::Setup`] when the stream does not exist or the server refuses the
     /// consumer.
     pub async fn build(self) -> Result<NatsConsumer, NatsError> {
+        let ConsumerBuilder { batch, options } = self;
         let name_ok = |name: &str| {
             !name.is_empty()
                 && !name
                     .chars()
                     .any(|c| matches!(c, '.' | '*' | '>') || c.is_whitespace() || c.is_control())
         };
-        if !name_ok(&self.stream) {
+        if !name_ok(&options.stream) {
             return Err(NatsError::invalid(
                 "stream",
                 format!(
                     "{:?} is not a stream name; use a name without `.`, `*`, `>` or whitespace",
-                    self.stream
+                    options.stream
                 ),
             ));
         }
-        if !name_ok(&self.durable) {
+        if !name_ok(&options.durable) {
             return Err(NatsError::invalid(
                 "durable",
                 format!(
                     "{:?} is not a durable consumer name; use a name without `.`, `*`, `>` or \
                      whitespace",
-                    self.durable
+                    options.durable
                 ),
             ));
         }
-        if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
-            return Err(NatsError::invalid(
-                "batch_size",
-                format!(
-                    "{} is out of range; use 1 to {MAX_BATCH_SIZE}",
-                    self.batch_size
-                ),
-            ));
-        }
-        let in_range =
-            |value: Duration, low: Duration, high: Duration| low <= value && value <= high;
-        if !in_range(
-            self.fetch_wait,
-            Duration::from_millis(10),
-            Duration::from_secs(60),
-        ) {
-            return Err(NatsError::invalid(
-                "fetch_wait",
-                format!(
-                    "{:?} is out of range; use 10 ms to 1 minute",
-                    self.fetch_wait
-                ),
-            ));
-        }
-        if !in_range(
-            self.ack_wait,
-            Duration::from_millis(100),
-            Duration::from_secs(3_600),
-        ) {
-            return Err(NatsError::invalid(
-                "ack_wait",
-                format!("{:?} is out of range; use 100 ms to 1 hour", self.ack_wait),
-            ));
-        }
-        if self.nak_delay > Duration::from_secs(3_600) {
-            return Err(NatsError::invalid(
-                "nak_delay",
-                format!("{:?} is over an hour; use at most 1 hour", self.nak_delay),
-            ));
-        }
-        if let Some(subject) = &self.dead_letter_subject {
+        batch.check()?;
+        check_range(
+            "ack_wait",
+            options.ack_wait,
+            Duration::from_millis(100)..=Duration::from_secs(3_600),
+            "100 ms to 1 hour",
+        )?;
+        check_delay("nak_delay", options.nak_delay)?;
+        if let Some(subject) = &options.dead_letter_subject {
             check_subject("dead_letter_subject", subject)?;
         }
-        if self.filter_subject.as_deref() == Some("") {
+        if options.filter_subject.as_deref() == Some("") {
             return Err(NatsError::invalid(
                 "filter_subject",
                 "it is empty; leave it unset to take the whole stream",
             ));
         }
         let setup = |source: async_nats::Error| NatsError::Setup {
-            stream: self.stream.clone(),
-            durable: self.durable.clone(),
+            stream: options.stream.clone(),
+            durable: options.durable.clone(),
             source,
         };
-        let stream = self
+        let stream = options
             .jetstream
-            .get_stream(&self.stream)
+            .get_stream(&options.stream)
             .await
             .map_err(|e| setup(e.into()))?;
         let config = jetstream::consumer::pull::Config {
-            durable_name: Some(self.durable.clone()),
-            filter_subject: self.filter_subject.clone().unwrap_or_default(),
+            durable_name: Some(options.durable.clone()),
+            filter_subject: options.filter_subject.clone().unwrap_or_default(),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: self.ack_wait,
-            max_ack_pending: i64::try_from(self.batch_size).unwrap_or(i64::MAX),
+            ack_wait: options.ack_wait,
+            max_ack_pending: i64::try_from(batch.batch_size).unwrap_or(i64::MAX),
             ..Default::default()
         };
         let consumer = stream
             .create_consumer(config.clone())
             .await
             .map_err(|e| setup(e.into()))?;
-        Ok(NatsConsumer {
+        Ok(Consumer::new(NatsSource {
             inner: Arc::new(ConsumerInner {
-                jetstream: self.jetstream,
+                jetstream: options.jetstream,
                 consumer,
                 config,
                 settled: Arc::new(AtomicBool::new(false)),
-                stream: self.stream,
-                durable: self.durable,
-                batch_size: self.batch_size,
-                fetch_wait: self.fetch_wait,
-                ack_wait: self.ack_wait,
-                nak_delay: self.nak_delay,
-                dead_letter_subject: self.dead_letter_subject,
+                stream: options.stream,
+                durable: options.durable,
+                batch,
+                ack_wait: options.ack_wait,
+                nak_delay: options.nak_delay,
+                dead_letter_subject: options.dead_letter_subject,
             }),
-        })
+        }))
     }
 }

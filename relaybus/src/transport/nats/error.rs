@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::{error::BoxError, transport::relay::InvalidSetting};
+use crate::{error::BoxError, transport::settings::InvalidSetting};
 
 /// An error of the NATS JetStream transport: a relay's publish, a consumer's setup, fetch or
 /// acknowledgement, or a setting that cannot work.

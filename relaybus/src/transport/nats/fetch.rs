@@ -9,9 +9,9 @@ use std::{
 use async_nats::jetstream;
 use futures::StreamExt;
 
-use super::{NatsConsumer, NatsError, progress::InProgress};
+use super::{NatsError, consumer::NatsSource, progress::InProgress};
 
-impl NatsConsumer {
+impl NatsSource {
     /// Takes up to the batch size of messages, in stream order: what is there now, or, when
     /// nothing is, waits up to the fetch wait for the first message and takes it with whatever
     /// came along. The messages are reported in progress until the batch is settled.
@@ -26,7 +26,7 @@ impl NatsConsumer {
                 // The broker answered early (its limit of unacknowledged messages is reached
                 // while earlier messages wait for redelivery): wait out the fetch wait rather
                 // than ask again at once.
-                let rest = inner.fetch_wait.saturating_sub(started.elapsed());
+                let rest = inner.batch.fetch_wait.saturating_sub(started.elapsed());
                 tokio::time::sleep(rest).await;
             } else if limit > 1 {
                 let more = self.pull(false, limit - 1).await?;
@@ -59,7 +59,7 @@ impl NatsConsumer {
     async fn take_over(&self) -> Result<usize, NatsError> {
         let inner = &self.inner;
         if inner.settled.load(Ordering::Acquire) {
-            return Ok(inner.batch_size);
+            return Ok(inner.batch.batch_size);
         }
         let failed = |source: async_nats::Error| NatsError::Fetch {
             durable: inner.durable.clone(),
@@ -70,9 +70,13 @@ impl NatsConsumer {
             .get_info()
             .await
             .map_err(|e| failed(e.into()))?;
-        let out = info.num_ack_pending.min(inner.batch_size);
-        let limit =
-            i64::try_from(if out == 0 { inner.batch_size } else { out }).unwrap_or(i64::MAX);
+        let out = info.num_ack_pending.min(inner.batch.batch_size);
+        let limit = i64::try_from(if out == 0 {
+            inner.batch.batch_size
+        } else {
+            out
+        })
+        .unwrap_or(i64::MAX);
         if info.config.max_ack_pending != limit {
             tracing::debug!(
                 durable = inner.durable,
@@ -93,7 +97,7 @@ impl NatsConsumer {
         if info.num_ack_pending == 0 {
             inner.settled.store(true, Ordering::Release);
         }
-        Ok(usize::try_from(limit).unwrap_or(inner.batch_size))
+        Ok(usize::try_from(limit).unwrap_or(inner.batch.batch_size))
     }
 
     /// Marks the durable consumer as possibly holding unacknowledged messages that this
@@ -119,7 +123,7 @@ impl NatsConsumer {
                 .consumer
                 .batch()
                 .max_messages(count)
-                .expires(inner.fetch_wait)
+                .expires(inner.batch.fetch_wait)
                 .messages()
                 .await
                 .map_err(|e| failed(e.into()))?
@@ -135,7 +139,10 @@ impl NatsConsumer {
         // A pull request whose answer was lost (the connection dropped after it left) gets
         // no answer at all: give up on it past the fetch wait plus the server's grace, and
         // keep what came.
-        let guard = inner.fetch_wait.saturating_add(Duration::from_secs(5));
+        let guard = inner
+            .batch
+            .fetch_wait
+            .saturating_add(Duration::from_secs(5));
         let mut messages = Vec::new();
         loop {
             match tokio::time::timeout(guard, batch.next()).await {

@@ -10,7 +10,8 @@ use async_nats::{
 };
 
 use super::{
-    NatsConsumer, NatsError,
+    NatsError,
+    consumer::NatsSource,
     progress::InProgress,
     wire::{
         self, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, DEAD_LETTER_SUBJECT_HEADER,
@@ -21,7 +22,7 @@ use crate::{
     transport::inbound::{Broker, Settlement},
 };
 
-impl Broker for NatsConsumer {
+impl Broker for NatsSource {
     type Message = jetstream::Message;
     type Hold = InProgress;
     type Error = NatsError;
@@ -136,7 +137,7 @@ impl Broker for NatsConsumer {
     }
 
     fn pause_after_failure(&self) -> Duration {
-        self.inner.fetch_wait
+        self.inner.batch.fetch_wait
     }
 
     fn pause_after_retry(&self) -> Duration {

@@ -160,7 +160,8 @@ mod wire;
 
 pub use async_nats;
 pub use builder::NatsConsumerBuilder;
-pub use consumer::{DEFAULT_ACK_WAIT, MAX_BATCH_SIZE, NatsConsumer};
+use consumer::NatsSource;
+pub use consumer::{DEFAULT_ACK_WAIT, NatsConsumer};
 pub use error::NatsError;
 pub use relay::{DEFAULT_RELAY_HANDLER_ID, NatsRelay, NatsRelayBuilder};
 pub use wire::{
@@ -172,9 +173,9 @@ pub use wire::{
 /// reported in progress to the broker a few times per ack wait, so they are not redelivered
 /// however long the append takes. Dropping it stops the reports and leaves the messages to the
 /// broker, which redelivers them after the ack wait.
-pub type InboundBatch = crate::transport::InboundBatch<NatsConsumer>;
+pub type InboundBatch = crate::transport::InboundBatch<NatsSource>;
 
 /// A batch appended to the local store, not yet acknowledged to the broker; its messages are
 /// still reported in progress. Dropping it leaves the messages to the broker, which
 /// redelivers them after the ack wait; appending them again adds nothing.
-pub type AppendedBatch = crate::transport::AppendedBatch<NatsConsumer>;
+pub type AppendedBatch = crate::transport::AppendedBatch<NatsSource>;

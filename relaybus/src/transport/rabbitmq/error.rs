@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::{error::BoxError, transport::relay::InvalidSetting};
+use crate::{error::BoxError, transport::settings::InvalidSetting};
 
 /// An error of the RabbitMQ transport: a relay's publish, a consumer's connection, consume or
 /// acknowledgement, or a setting that cannot work.

@@ -11,11 +11,14 @@ use lapin::{
 };
 
 use super::{
-    RabbitConsumer, RabbitError, connection::close_quietly, consumer::Session, inbound::Held,
+    RabbitError,
+    connection::close_quietly,
+    consumer::{RabbitSource, Session},
+    inbound::Held,
 };
 use crate::error::BoxError;
 
-impl RabbitConsumer {
+impl RabbitSource {
     /// Takes up to the batch size of messages, in queue order: waits up to the fetch wait for
     /// a first message, then takes it with whatever else the broker has sent ahead. Opens a
     /// connection first when there is none, the last one was lost, or the last batch was
@@ -39,7 +42,7 @@ impl RabbitConsumer {
             source,
         };
         let mut deliveries = Vec::new();
-        match tokio::time::timeout(inner.fetch_wait, session.consumer.next()).await {
+        match tokio::time::timeout(inner.batch.fetch_wait, session.consumer.next()).await {
             Ok(Some(Ok(delivery))) => deliveries.push(delivery),
             Ok(Some(Err(error))) => {
                 *guard = None;
@@ -57,7 +60,7 @@ impl RabbitConsumer {
             }
             Err(_) => {}
         }
-        while !deliveries.is_empty() && deliveries.len() < inner.batch_size {
+        while !deliveries.is_empty() && deliveries.len() < inner.batch.batch_size {
             match session.consumer.next().now_or_never() {
                 Some(Some(Ok(delivery))) => deliveries.push(delivery),
                 // The channel is lost: settling this batch fails, and the next fetch reopens.
@@ -87,7 +90,7 @@ impl RabbitConsumer {
                 .await
                 .map_err(|error| inner.endpoint.failed(error))?;
             // The batch size is at most MAX_BATCH_SIZE, within u16.
-            let prefetch = u16::try_from(inner.batch_size).unwrap_or(u16::MAX);
+            let prefetch = u16::try_from(inner.batch.batch_size).unwrap_or(u16::MAX);
             channel
                 .basic_qos(prefetch, BasicQosOptions::default())
                 .await

@@ -12,8 +12,8 @@ use lapin::{
 use tokio::sync::OwnedMutexGuard;
 
 use super::{
-    RabbitConsumer, RabbitError,
-    consumer::Session,
+    RabbitError,
+    consumer::{RabbitSource, Session},
     wire::{
         self, DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_ROUTING_KEY_HEADER,
         PERSISTENT,
@@ -65,7 +65,7 @@ impl Drop for Held {
     }
 }
 
-impl Broker for RabbitConsumer {
+impl Broker for RabbitSource {
     type Message = Delivery;
     type Hold = Held;
     type Error = RabbitError;
@@ -206,7 +206,7 @@ impl Broker for RabbitConsumer {
     }
 
     fn pause_after_failure(&self) -> Duration {
-        self.inner.fetch_wait
+        self.inner.batch.fetch_wait
     }
 
     fn pause_after_retry(&self) -> Duration {

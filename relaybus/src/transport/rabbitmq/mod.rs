@@ -175,7 +175,8 @@ mod relay;
 mod wire;
 
 pub use builder::RabbitConsumerBuilder;
-pub use consumer::{MAX_BATCH_SIZE, RabbitConsumer};
+pub use consumer::RabbitConsumer;
+use consumer::RabbitSource;
 pub use error::RabbitError;
 pub use lapin;
 pub use relay::{DEFAULT_RELAY_HANDLER_ID, RabbitRelay, RabbitRelayBuilder};
@@ -188,9 +189,9 @@ pub use wire::{
 /// the next fetch waits until it is settled or dropped. Dropping it gives the messages back:
 /// the consumer closes its channel before its next fetch, and the broker puts them back in the
 /// queue.
-pub type InboundBatch = crate::transport::InboundBatch<RabbitConsumer>;
+pub type InboundBatch = crate::transport::InboundBatch<RabbitSource>;
 
 /// A batch appended to the local store, not yet acknowledged to the broker. Dropping it gives
 /// the messages back: the consumer closes its channel before its next fetch, the broker puts
 /// them back in the queue, and appending them again adds nothing.
-pub type AppendedBatch = crate::transport::AppendedBatch<RabbitConsumer>;
+pub type AppendedBatch = crate::transport::AppendedBatch<RabbitSource>;
