@@ -280,3 +280,177 @@ where
 {
     work
 }
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use std::{
+        sync::{Arc, Mutex},
+        time::Duration,
+    };
+
+    use super::*;
+    use crate::{
+        error::BoxError,
+        store::{ConsumerPositions, memory::MemoryEventStore},
+        transport::wire,
+    };
+
+    /// A broker whose messages are `(offset, body)`, recording what it dead-letters.
+    #[derive(Debug, Clone, Default)]
+    struct Recorded {
+        position: Option<Position>,
+        dead_letters: Arc<Mutex<Vec<i64>>>,
+    }
+
+    type Message = (i64, Option<Vec<u8>>);
+
+    impl Broker for Recorded {
+        type Message = Message;
+        type Hold = ();
+        type Error = std::io::Error;
+
+        const FETCH_STOPS_ON_SHUTDOWN: bool = true;
+
+        async fn fetch(&self) -> Result<(Vec<Message>, ()), std::io::Error> {
+            Ok((Vec::new(), ()))
+        }
+
+        fn body(message: &Message) -> Result<&[u8], &'static str> {
+            message.1.as_deref().ok_or("no body")
+        }
+
+        fn redelivered(_message: &Message) -> bool {
+            false
+        }
+
+        fn position(&self) -> Option<&Position> {
+            self.position.as_ref()
+        }
+
+        fn offset(message: &Message) -> i64 {
+            message.0
+        }
+
+        async fn dead_letter(
+            &self,
+            _hold: &mut (),
+            message: &Message,
+            _reason: &str,
+        ) -> Result<(), BoxError> {
+            self.dead_letters.lock().unwrap().push(message.0);
+            Ok(())
+        }
+
+        async fn settle(
+            &self,
+            _hold: (),
+            _messages: Vec<(Message, Settlement)>,
+        ) -> Result<(), std::io::Error> {
+            Ok(())
+        }
+
+        fn pause_after_failure(&self) -> Duration {
+            Duration::ZERO
+        }
+
+        fn pause_after_retry(&self) -> Duration {
+            Duration::ZERO
+        }
+
+        fn source(&self) -> &str {
+            "recorded"
+        }
+    }
+
+    fn positioned() -> Recorded {
+        Recorded {
+            position: Some(Position {
+                consumer: "shipping".to_owned(),
+                source: "orders".to_owned(),
+                partition: 0,
+            }),
+            ..Recorded::default()
+        }
+    }
+
+    fn bus() -> RelayBus<MemoryEventStore> {
+        RelayBus::builder(MemoryEventStore::new())
+            .without_registered_handlers()
+            .build()
+            .unwrap()
+    }
+
+    fn event(offset: i64, key: &str) -> (Message, EventEnvelope) {
+        let envelope = EventEnvelope::from_json("order.placed.v1", serde_json::json!({}))
+            .unwrap()
+            .with_key(key)
+            .unwrap();
+        ((offset, Some(wire::encode(&envelope, None))), envelope)
+    }
+
+    async fn stored(bus: &RelayBus<MemoryEventStore>, broker: &Recorded) -> Option<i64> {
+        let key = broker.position.as_ref().unwrap().key();
+        let store = bus.store();
+        bus.transaction(async |session| store.consumer_position(session, &key).await)
+            .await
+            .unwrap()
+    }
+
+    fn created(fates: &[Fate]) -> Vec<Option<bool>> {
+        fates
+            .iter()
+            .map(|fate| match fate {
+                Fate::Appended(appended) => Some(appended.created),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_position_moves_past_the_batch_once_its_dead_letters_are_out() {
+        let bus = bus();
+        let broker = positioned();
+        let (first, _) = event(0, "k");
+        let (second, _) = event(2, "k");
+        let messages = vec![first, (1, Some(b"not json".to_vec())), second, (3, None)];
+        let (fates, error) = append(&broker, &mut (), &bus, &messages).await;
+        assert_eq!(error, None);
+        assert_eq!(created(&fates), [Some(true), None, Some(true), None]);
+        assert!(matches!(fates[1], Fate::DeadLettered));
+        assert!(matches!(fates[3], Fate::DeadLettered));
+        assert_eq!(*broker.dead_letters.lock().unwrap(), [1, 3]);
+        assert_eq!(stored(&bus, &broker).await, Some(4));
+    }
+
+    #[tokio::test]
+    async fn events_behind_the_stored_position_are_left_out() {
+        let bus = bus();
+        let broker = positioned();
+        let (first, _) = event(0, "k");
+        append(&broker, &mut (), &bus, &[first.clone()]).await;
+        let (second, _) = event(1, "k");
+        let (fates, _) = append(&broker, &mut (), &bus, &[first, second]).await;
+        assert!(matches!(fates[0], Fate::Behind), "{fates:?}");
+        assert_eq!(created(&fates)[1], Some(true));
+        assert_eq!(stored(&bus, &broker).await, Some(2));
+    }
+
+    #[tokio::test]
+    async fn an_event_sent_twice_in_a_batch_is_appended_once() {
+        let bus = bus();
+        let broker = Recorded::default();
+        let (message, _) = event(0, "k");
+        let (fates, _) = append(&broker, &mut (), &bus, &[message.clone(), message]).await;
+        assert_eq!(created(&fates), [Some(true), Some(false)]);
+        assert!(broker.dead_letters.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_batch_without_events_still_moves_the_position() {
+        let bus = bus();
+        let broker = positioned();
+        let (fates, _) = append(&broker, &mut (), &bus, &[(5, None)]).await;
+        assert!(matches!(fates[0], Fate::DeadLettered));
+        assert_eq!(stored(&bus, &broker).await, Some(6));
+    }
+}
