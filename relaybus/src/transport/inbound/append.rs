@@ -427,7 +427,7 @@ mod tests {
         let bus = bus();
         let broker = positioned();
         let (first, _) = event(0, "k");
-        append(&broker, &mut (), &bus, &[first.clone()]).await;
+        append(&broker, &mut (), &bus, std::slice::from_ref(&first)).await;
         let (second, _) = event(1, "k");
         let (fates, _) = append(&broker, &mut (), &bus, &[first, second]).await;
         assert!(matches!(fates[0], Fate::Behind), "{fates:?}");

@@ -33,6 +33,10 @@ impl Position {
     }
 }
 
+/// What a fetch took: the messages, in the broker's order, and what holds them until the
+/// batch is settled.
+pub(crate) type Taken<B> = (Vec<<B as Broker>::Message>, <B as Broker>::Hold);
+
 /// A broker's side of a consumer, which the inbound driver runs: the NATS and RabbitMQ
 /// consumers, and one partition of the Kafka consumer. Sealed: only this crate implements it.
 pub trait Broker: Clone + fmt::Debug + Send + Sync + 'static {
@@ -51,9 +55,7 @@ pub trait Broker: Clone + fmt::Debug + Send + Sync + 'static {
 
     /// Takes the next batch, in the broker's order; an empty one when nothing came within the
     /// consumer's fetch wait.
-    fn fetch(
-        &self,
-    ) -> impl Future<Output = Result<(Vec<Self::Message>, Self::Hold), Self::Error>> + Send;
+    fn fetch(&self) -> impl Future<Output = Result<Taken<Self>, Self::Error>> + Send;
 
     /// The message's body, or why it has none to read.
     fn body(message: &Self::Message) -> Result<&[u8], &'static str>;

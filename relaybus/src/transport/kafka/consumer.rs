@@ -199,8 +199,6 @@ impl KafkaConsumer {
         Ok(records)
     }
 
-    /// Dead-letters the unreadable records, then appends the events with the next offset in
-
     /// Consumes every partition until `shutdown` is cancelled, one task per partition: each
     /// starts from its stored position and takes batch after batch, each appended in one
     /// transaction of `bus`'s store together with the partition's next offset. Returns every
