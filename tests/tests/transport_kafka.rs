@@ -22,9 +22,10 @@ use relaybus::{
     RelayBus, Store, Subscription, Timestamp,
     clock::TestClock,
     store::PositionKey,
+    transport::BatchReport,
     transport::kafka::{
-        BatchReport, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, KafkaConsumer,
-        KafkaError, KafkaRelay,
+        DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, KafkaConsumer, KafkaError,
+        KafkaRelay,
         rskafka::{
             self,
             client::{
@@ -239,7 +240,7 @@ async fn consume<S: Store>(
             total.appended += report.appended;
             total.duplicates += report.duplicates;
             total.dead_lettered += report.dead_lettered;
-            total.skipped += report.skipped;
+            total.discarded += report.discarded;
         }
     }
     total
@@ -298,7 +299,7 @@ async fn an_event_crosses_from_one_store_to_another() {
         .expect("publish in the shop's transaction");
     let relayed = shop_bus.run_until_idle().await.expect("relay");
     assert_eq!(relayed.succeeded().count(), 1, "{relayed:?}");
-    assert_eq!(relay.statistics().produced, 1);
+    assert_eq!(relay.statistics().published, 1);
 
     // The record: key = the ordering key, value = the envelope, headers for tools.
     let records = topics.records(&topics.topic, 0, 1).await;
@@ -583,7 +584,7 @@ async fn a_relay_crash_after_the_ack_produces_twice_and_the_consumer_appends_onc
         .advance_clock(Duration::from_secs(3600))
         .await;
     assert!(run.is_ok(), "{run:?}");
-    assert_eq!(relay.statistics().produced, 2);
+    assert_eq!(relay.statistics().published, 2);
     let records = topics.records(&topics.topic, 0, 2).await;
     assert!(
         records
@@ -690,7 +691,7 @@ async fn malformed_records_are_dead_lettered_and_do_not_block() {
     let consumer = topics.consumer("shipping");
     let report = consume(&consumer, &shipping_bus, 5).await;
     assert_eq!(
-        (report.appended, report.dead_lettered, report.skipped),
+        (report.appended, report.dead_lettered, report.discarded),
         (2, 3, 0)
     );
     assert_eq!(consumer.position(&shipping_bus, 0).await.unwrap(), Some(5));
@@ -723,7 +724,7 @@ async fn malformed_records_are_dead_lettered_and_do_not_block() {
     let other = shipping(MemoryEventStore::new(), &Log::default());
     let report = consume(&plain, &other, 5).await;
     assert_eq!(
-        (report.appended, report.dead_lettered, report.skipped),
+        (report.appended, report.dead_lettered, report.discarded),
         (2, 0, 3)
     );
 }

@@ -20,9 +20,9 @@ use relaybus::{
     Store, Subscription,
     clock::TestClock,
     store::{ClaimRequest, Claimed, Inspect, Queue, memory::MemoryLease},
+    transport::BatchReport,
     transport::nats::{
-        BatchReport, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SUBJECT_HEADER, NatsConsumer,
-        NatsError, NatsRelay,
+        DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SUBJECT_HEADER, NatsConsumer, NatsError, NatsRelay,
     },
 };
 use relaybus_tests::consumer_crash::{self, ConsumerCrash};
@@ -243,7 +243,7 @@ async fn consume<S: Store>(
         total.appended += report.appended;
         total.duplicates += report.duplicates;
         total.dead_lettered += report.dead_lettered;
-        total.terminated += report.terminated;
+        total.discarded += report.discarded;
         total.retried += report.retried;
     }
     total
@@ -599,7 +599,7 @@ async fn malformed_messages_are_dead_lettered_and_do_not_block() {
     let consumer = broker.consumer("shipping", 16).await;
     let report = consume(&consumer, &shipping_bus, 5).await;
     assert_eq!(
-        (report.dead_lettered, report.terminated, report.appended),
+        (report.dead_lettered, report.discarded, report.appended),
         (3, 0, 2),
         "{report:?}"
     );

@@ -20,9 +20,10 @@ use relaybus::{
     Store, Subscription,
     clock::TestClock,
     store::{ClaimRequest, Claimed, Inspect, Queue, memory::MemoryLease},
+    transport::BatchReport,
     transport::rabbitmq::{
-        BatchReport, DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, RabbitConsumer,
-        RabbitError, RabbitRelay,
+        DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, RabbitConsumer, RabbitError,
+        RabbitRelay,
         lapin::{
             BasicProperties, Connection, ConnectionProperties, ExchangeKind,
             options::{
@@ -365,7 +366,7 @@ async fn consume<S: Store>(
         total.appended += report.appended;
         total.duplicates += report.duplicates;
         total.dead_lettered += report.dead_lettered;
-        total.rejected += report.rejected;
+        total.discarded += report.discarded;
         total.retried += report.retried;
     }
     total
@@ -739,7 +740,7 @@ async fn malformed_messages_are_dead_lettered_and_do_not_block() {
     let consumer = broker.consumer("orders.0", 16).await;
     let report = consume(&consumer, &shipping_bus, 6).await;
     assert_eq!(
-        (report.dead_lettered, report.rejected, report.appended),
+        (report.dead_lettered, report.discarded, report.appended),
         (3, 0, 3),
         "{report:?}"
     );
@@ -824,7 +825,7 @@ async fn without_a_dead_letter_exchange_unreadable_messages_are_rejected() {
         .await
         .unwrap();
     let report = consume(&consumer, &shipping_bus, 2).await;
-    assert_eq!((report.rejected, report.appended), (1, 1), "{report:?}");
+    assert_eq!((report.discarded, report.appended), (1, 1), "{report:?}");
     consumer.close().await;
     broker.wait_ready("orders.0", 0).await;
 }

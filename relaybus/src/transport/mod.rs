@@ -24,9 +24,27 @@
 //! key, sequence, correlation and causation ids, headers, creation time and payload (see
 //! *The message* in each transport's documentation), so a consumer of one broker reads what a
 //! relay of another wrote, once bridged.
+//!
+//! # One shape for every broker
+//!
+//! What relays and consumers have in common is written once, here, and each transport adds
+//! only its broker's side:
+//!
+//! - [`Relay`] is every relay (`NatsRelay`, `RabbitRelay` and `KafkaRelay` name it for their
+//!   broker): its [`subscription`](Relay::subscription)s, its [`RelayStatistics`], its handler
+//!   id prefix and partitions, set on its [`RelayBuilder`].
+//! - [`Consumer`] is the NATS and RabbitMQ consumers (`NatsConsumer`, `RabbitConsumer`):
+//!   [`fetch`](Consumer::fetch) an [`InboundBatch`], [`append`](InboundBatch::append) it to
+//!   get an [`AppendedBatch`], [`ack`](AppendedBatch::ack) it; or
+//!   [`run_once`](Consumer::run_once) and [`run`](Consumer::run), which chain the three.
+//!   Its batch size and fetch wait are set on its [`ConsumerBuilder`].
+//! - Every consumer, Kafka's included, runs its batches through the same steps: messages that
+//!   are not relaybus events are dead-lettered first; the events are appended in one
+//!   transaction of the local store (Kafka's consumer writes the partition's next offset in
+//!   that transaction); then the batch is settled with the broker. Each reports what it did
+//!   in a [`BatchReport`], in the same terms for every broker.
 
 mod forward;
-#[cfg(any(feature = "nats", feature = "rabbitmq"))]
 mod inbound;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
@@ -37,4 +55,10 @@ pub mod nats;
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
+mod relay;
+mod settings;
 mod wire;
+
+pub use inbound::{AppendedBatch, BatchReport, Consumer, ConsumerBuilder, InboundBatch};
+pub use relay::{Relay, RelayBuilder, RelayStatistics};
+pub use settings::{MAX_BATCH_SIZE, MAX_PARTITIONS};

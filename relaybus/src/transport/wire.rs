@@ -133,6 +133,24 @@ pub(crate) fn decode(body: &[u8]) -> Result<Decoded, String> {
     })
 }
 
+/// Free text (an error message) made fit for a message header: control characters become
+/// spaces, and it is cut at 1024 bytes.
+#[cfg_attr(not(any(feature = "nats", feature = "rabbitmq")), allow(dead_code))]
+pub(crate) fn header_text(text: &str) -> String {
+    let mut clean: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if clean.len() > 1024 {
+        let mut cut = 1024;
+        while !clean.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        clean.truncate(cut);
+    }
+    clean
+}
+
 /// The partition of an event: the 32-bit FNV-1a hash of its key (of its id for an unkeyed
 /// event) modulo `partitions`. One key always takes one partition.
 pub(crate) fn partition(partitions: u32, envelope: &EventEnvelope) -> u32 {
@@ -140,32 +158,35 @@ pub(crate) fn partition(partitions: u32, envelope: &EventEnvelope) -> u32 {
     crate::event::fnv1a32(routed.as_bytes()) % partitions.max(1)
 }
 
+/// An event with every part of the envelope set, some of them hard to carry (a header name
+/// with spaces, a value with a line break), for the transports' tests.
+#[cfg(test)]
+pub(crate) fn sample_envelope() -> EventEnvelope {
+    EventEnvelope::from_json(
+        "order.placed.v1",
+        serde_json::json!({"order_id": "o-1", "n": [1, 2]}),
+    )
+    .unwrap()
+    .with_key("o-1")
+    .unwrap()
+    .with_correlation_id("req-1")
+    .unwrap()
+    .with_causation_id("cmd-1")
+    .unwrap()
+    .with_header("tenant", "acme")
+    .unwrap()
+    .with_header("odd name: with spaces", "line\nbreak")
+    .unwrap()
+    .made_at(Timestamp::from_millis(1_764_000_000_123))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn envelope() -> EventEnvelope {
-        EventEnvelope::from_json(
-            "order.placed.v1",
-            serde_json::json!({"order_id": "o-1", "n": [1, 2]}),
-        )
-        .unwrap()
-        .with_key("o-1")
-        .unwrap()
-        .with_correlation_id("req-1")
-        .unwrap()
-        .with_causation_id("cmd-1")
-        .unwrap()
-        .with_header("tenant", "acme")
-        .unwrap()
-        .with_header("odd name: with spaces", "line\nbreak")
-        .unwrap()
-        .made_at(Timestamp::from_millis(1_764_000_000_123))
-    }
-
     #[test]
     fn round_trip() {
-        let sent = envelope();
+        let sent = sample_envelope();
         let decoded = decode(&encode(&sent, Some(7))).unwrap();
         assert_eq!(decoded.envelope, sent);
         assert_eq!(decoded.source_sequence, Some(7));
@@ -196,7 +217,7 @@ mod tests {
 
     #[test]
     fn one_key_one_partition() {
-        let e = envelope();
+        let e = sample_envelope();
         let first = partition(16, &e);
         assert!(first < 16);
         for _ in 0..3 {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::error::BoxError;
+use crate::{error::BoxError, transport::settings::InvalidSetting};
 
 /// An error of the Kafka transport: a relay's produce, a consumer's fetch or append, a topic
 /// that cannot be used, or a setting that cannot work.
@@ -89,14 +89,15 @@ pub enum KafkaError {
         source: BoxError,
     },
 
-    /// A consumer's transaction (the append of a batch with its new position) failed: the
-    /// local store is unreachable, say. Nothing of the batch was written; the consumer takes
-    /// it again from the stored position.
+    /// A consumer could not read its stored position (the local store is unreachable, say)
+    /// before a fetch. Nothing was taken; the consumer tries again. A batch whose append fails
+    /// is no error: its records are counted in [`BatchReport::retried`](crate::transport::BatchReport::retried)
+    /// and taken again from the stored position.
     #[error(
-        "appending records of {topic:?} partition {partition} to the local store failed: \
-         {source}; nothing of the batch was written, and it is taken again"
+        "reading the stored position of {topic:?} partition {partition} failed: {source}; \
+         nothing was taken, and the consumer tries again"
     )]
-    Append {
+    Position {
         /// The topic.
         topic: String,
         /// The partition.
@@ -113,6 +114,12 @@ impl KafkaError {
             option,
             reason: reason.into(),
         }
+    }
+}
+
+impl From<InvalidSetting> for KafkaError {
+    fn from(invalid: InvalidSetting) -> Self {
+        KafkaError::invalid(invalid.option, invalid.reason)
     }
 }
 

@@ -55,9 +55,13 @@
 //!   when that produce fails, it is skipped and the reason logged at error level), and the
 //!   offset moves past it with the events behind it. A consumer that stops between the dead
 //!   letter's produce and the commit produces the dead letter again.
-//! - **A failed fetch or append is taken again.** When the broker or the store is
-//!   unreachable, nothing of the batch is written, and the partition's task tries again from
-//!   the stored offset after the [retry delay](KafkaConsumerBuilder::retry_delay). rskafka has
+//! - **A failed fetch or append is taken again.** When the batch's transaction fails, its
+//!   events are appended one at a time, each with the offset after it, up to the first that
+//!   fails for a reason other than the event itself (the store is unreachable); an event the
+//!   store refuses for good is dead-lettered. What was not written is counted in
+//!   [`BatchReport::retried`](crate::transport::BatchReport::retried), and the partition's
+//!   task takes it again from the stored offset after the
+//!   [retry delay](KafkaConsumerBuilder::retry_delay), as it does after a failed fetch. rskafka has
 //!   no request timeout of its own: the relay's
 //!   [`produce_timeout`](KafkaRelayBuilder::produce_timeout) and the consumer's
 //!   [`fetch_timeout`](KafkaConsumerBuilder::fetch_timeout) bound each call, and rskafka
@@ -66,16 +70,17 @@
 //!   [`run`](KafkaConsumer::run) stops fetching when its token is cancelled, finishes the
 //!   batch it holds (dead letters, append and offset in one commit), and returns.
 
+mod builder;
 mod consumer;
 mod error;
+mod partition;
 mod relay;
 mod wire;
 
-pub use consumer::{BatchReport, KafkaConsumer, KafkaConsumerBuilder, MAX_BATCH_RECORDS};
+pub use builder::KafkaConsumerBuilder;
+pub use consumer::{KafkaConsumer, MAX_BATCH_RECORDS};
 pub use error::KafkaError;
-pub use relay::{
-    DEFAULT_RELAY_HANDLER_ID, KafkaRelay, KafkaRelayBuilder, MAX_PARTITIONS, RelayStatistics,
-};
+pub use relay::{DEFAULT_RELAY_HANDLER_ID, KafkaRelay, KafkaRelayBuilder};
 pub use rskafka;
 pub use wire::{
     DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, EVENT_ID_HEADER, EVENT_TYPE_HEADER,

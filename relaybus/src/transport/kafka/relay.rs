@@ -3,10 +3,7 @@
 use std::{
     collections::HashMap,
     fmt,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -19,23 +16,16 @@ use rskafka::client::{
 use super::{KafkaError, error::check_topic, wire};
 use crate::{
     error::BoxError,
-    event::{Event, EventEnvelope},
-    handler::{HandlerContext, Subscription, validate_handler_id},
-    store::Store,
-    transport::forward::Forwarded,
+    event::EventEnvelope,
+    transport::relay::{Relay, RelayBuilder, Target},
 };
 
 /// The handler id prefix a relay uses unless told otherwise.
 pub const DEFAULT_RELAY_HANDLER_ID: &str = "kafka-relay";
 
-/// The most partitions a relay spreads keys over.
-pub const MAX_PARTITIONS: u32 = 1_024;
-
-/// Forwards events to a Kafka topic: each [`subscription`](Self::subscription) is a
-/// subscription of the bus, so every event of its type gets a delivery of its own, with the
-/// bus's retries, backoff, dead letters and requeue, and the delivery completes only once the
-/// partition leader acknowledged the produce (rskafka produces with `acks = -1`: all in-sync
-/// replicas).
+/// A [`Relay`] to a Kafka topic: each delivery of its [`subscription`](Self::subscription)s
+/// produces the event to its partition and completes only once the partition leader
+/// acknowledged the produce (rskafka produces with `acks = -1`: all in-sync replicas).
 ///
 /// Cheap to clone; clones share the client, the partition connections and the
 /// [statistics](Self::statistics).
@@ -70,87 +60,53 @@ pub const MAX_PARTITIONS: u32 = 1_024;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
-pub struct KafkaRelay {
-    inner: Arc<RelayInner>,
-}
+pub type KafkaRelay = Relay<KafkaTarget>;
 
-struct RelayInner {
+/// Builds a [`KafkaRelay`]; made by [`KafkaRelay::builder`].
+pub type KafkaRelayBuilder = RelayBuilder<KafkaTarget>;
+
+/// Where a [`KafkaRelay`] produces: a topic, through one connection per partition leader.
+pub struct KafkaTarget {
     client: Arc<Client>,
     topic: String,
-    partitions: u32,
-    handler_id: String,
     produce_timeout: Duration,
     connections: Mutex<HashMap<u32, Arc<PartitionClient>>>,
-    produced: AtomicU64,
 }
 
-impl fmt::Debug for KafkaRelay {
+impl fmt::Debug for KafkaTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaRelay")
-            .field("topic", &self.inner.topic)
-            .field("partitions", &self.inner.partitions)
-            .field("handler_id", &self.inner.handler_id)
-            .field("produce_timeout", &self.inner.produce_timeout)
+        f.debug_struct("KafkaTarget")
+            .field("topic", &self.topic)
+            .field("produce_timeout", &self.produce_timeout)
             .finish_non_exhaustive()
     }
 }
 
-/// What a relay sent so far, in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RelayStatistics {
-    /// Records the partition leaders acknowledged. Kafka keeps every one: an event produced
-    /// again (its relay crashed between the acknowledgement and the completion, or an
-    /// acknowledgement timed out) counts, and is held twice in the topic.
-    pub produced: u64,
+impl Target for KafkaTarget {
+    type Error = KafkaError;
+
+    async fn forward(
+        relay: &KafkaRelay,
+        envelope: EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<(), KafkaError> {
+        relay.send(&envelope, sequence).await?;
+        Ok(())
+    }
 }
 
 impl KafkaRelay {
     /// Starts building a relay that produces through `client` to `topic`.
     pub fn builder(client: Arc<Client>, topic: impl Into<String>) -> KafkaRelayBuilder {
-        KafkaRelayBuilder {
-            client,
-            topic: topic.into(),
-            partitions: 1,
-            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
-            produce_timeout: Duration::from_secs(10),
-        }
-    }
-
-    /// The subscription that forwards every event of type `E` on a bus of store `S`, under the
-    /// handler id `<handler_id>:<E::TYPE>` (one subscription per type, since a handler id
-    /// names one subscription). Configure it further as any subscription (`.retry(..)`,
-    /// `.timeout(..)`); leave it ordered to keep each key's order.
-    ///
-    /// # Errors
-    ///
-    /// [`KafkaError::InvalidConfiguration`] when the handler id and the type name together
-    /// make an invalid handler id (over 128 bytes): choose a shorter
-    /// [`handler_id`](KafkaRelayBuilder::handler_id).
-    pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, KafkaError> {
-        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
-        validate_handler_id(&id).map_err(|error| {
-            KafkaError::invalid(
-                "handler_id",
-                format!("{error}; choose a shorter handler id for the relay"),
-            )
-        })?;
-        let relay = self.clone();
-        Ok(Subscription::new(
-            id,
-            move |event: Forwarded<E>, context: HandlerContext<S>| {
-                let relay = relay.clone();
-                async move {
-                    let envelope = event.envelope(&context);
-                    relay
-                        .send(&envelope, context.sequence())
-                        .await
-                        .map(|_| ())
-                        .map_err(BoxError::from)
-                }
+        RelayBuilder::new(
+            DEFAULT_RELAY_HANDLER_ID,
+            KafkaTarget {
+                client,
+                topic: topic.into(),
+                produce_timeout: Duration::from_secs(10),
+                connections: Mutex::new(HashMap::new()),
             },
-        ))
+        )
     }
 
     /// Produces one event to its partition and waits for the partition leader's
@@ -176,11 +132,11 @@ impl KafkaRelay {
         envelope: &EventEnvelope,
         sequence: Option<i64>,
     ) -> Result<i64, KafkaError> {
-        let inner = &self.inner;
+        let target = self.target();
         let partition = self.partition_of(envelope);
         let failed = |source: BoxError| KafkaError::Produce {
             event_id: envelope.id().to_owned(),
-            topic: inner.topic.clone(),
+            topic: target.topic.clone(),
             partition,
             source,
         };
@@ -195,19 +151,19 @@ impl KafkaRelay {
             }
             result.map_err(|error| failed(error.into()))
         };
-        let offsets = match tokio::time::timeout(inner.produce_timeout, produce).await {
+        let offsets = match tokio::time::timeout(target.produce_timeout, produce).await {
             Ok(result) => result?,
             Err(_) => {
                 self.forget(partition);
                 return Err(KafkaError::ProduceTimeout {
                     event_id: envelope.id().to_owned(),
-                    topic: inner.topic.clone(),
+                    topic: target.topic.clone(),
                     partition,
-                    after: inner.produce_timeout,
+                    after: target.produce_timeout,
                 });
             }
         };
-        inner.produced.fetch_add(1, Ordering::Relaxed);
+        self.counters().published(false);
         offsets
             .first()
             .copied()
@@ -217,7 +173,7 @@ impl KafkaRelay {
     /// The connection to a partition's leader, made on first use and kept.
     async fn connection(&self, partition: u32) -> Result<Arc<PartitionClient>, BoxError> {
         let cached = self
-            .inner
+            .target()
             .connections
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -227,11 +183,12 @@ impl KafkaRelay {
             return Ok(connection);
         }
         let connection = Arc::new(
-            partition_client(&self.inner.client, &self.inner.topic, partition)
+            partition_client(&self.target().client, &self.target().topic, partition)
                 .await
                 .map_err(BoxError::from)?,
         );
-        self.inner
+        self.counters().connected();
+        self.target()
             .connections
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -242,7 +199,7 @@ impl KafkaRelay {
     /// Drops a partition's connection after a failure, so the next produce looks the leader
     /// up again.
     fn forget(&self, partition: u32) {
-        self.inner
+        self.target()
             .connections
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -252,7 +209,7 @@ impl KafkaRelay {
     /// The partition an event goes to: the 32-bit FNV-1a hash of the event's key (of its id
     /// when it has none) modulo the number of [`partitions`](KafkaRelayBuilder::partitions).
     pub fn partition_of(&self, envelope: &EventEnvelope) -> u32 {
-        wire::partition(self.inner.partitions, envelope)
+        wire::partition(self.partitions(), envelope)
     }
 
     /// Creates the relay's topic with its number of partitions and `replication_factor`; a
@@ -264,34 +221,17 @@ impl KafkaRelay {
     /// [`KafkaError::Topic`] when the broker refused or could not be reached.
     pub async fn create_topic(&self, replication_factor: i16) -> Result<(), KafkaError> {
         create_topic(
-            &self.inner.client,
-            &self.inner.topic,
-            self.inner.partitions,
+            &self.target().client,
+            &self.target().topic,
+            self.partitions(),
             replication_factor,
         )
         .await
     }
 
-    /// What this relay sent so far.
-    pub fn statistics(&self) -> RelayStatistics {
-        RelayStatistics {
-            produced: self.inner.produced.load(Ordering::Relaxed),
-        }
-    }
-
     /// The topic.
     pub fn topic(&self) -> &str {
-        &self.inner.topic
-    }
-
-    /// The number of partitions keys are spread over.
-    pub fn partitions(&self) -> u32 {
-        self.inner.partitions
-    }
-
-    /// The prefix of the relay's handler ids.
-    pub fn handler_id(&self) -> &str {
-        &self.inner.handler_id
+        &self.target().topic
     }
 }
 
@@ -337,50 +277,12 @@ pub(crate) async fn create_topic(
     }
 }
 
-/// Builds a [`KafkaRelay`]; made by [`KafkaRelay::builder`].
-#[must_use]
-pub struct KafkaRelayBuilder {
-    client: Arc<Client>,
-    topic: String,
-    partitions: u32,
-    handler_id: String,
-    produce_timeout: Duration,
-}
-
-impl fmt::Debug for KafkaRelayBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaRelayBuilder")
-            .field("topic", &self.topic)
-            .field("partitions", &self.partitions)
-            .field("handler_id", &self.handler_id)
-            .field("produce_timeout", &self.produce_timeout)
-            .finish_non_exhaustive()
-    }
-}
-
 impl KafkaRelayBuilder {
-    /// The prefix of the relay's handler ids, [`DEFAULT_RELAY_HANDLER_ID`] by default: the
-    /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
-    /// deliveries, so keep it stable, and give each relay of one bus its own.
-    pub fn handler_id(mut self, id: impl Into<String>) -> Self {
-        self.handler_id = id.into();
-        self
-    }
-
-    /// How many partitions of the topic keys are spread over, 1 by default (1 to 1,024): give
-    /// the topic's number of partitions. One key always goes to the same partition. Changing
-    /// it moves keys to other partitions, so events of a key produced before and after the
-    /// change may be read out of order.
-    pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
-        self
-    }
-
     /// How long a produce may wait for the partition leader's acknowledgement before its
     /// attempt fails, 10 seconds by default (1 ms to 10 minutes). rskafka retries a failed
     /// request by itself; this bounds the whole. Keep the bus's lease duration above it.
     pub fn produce_timeout(mut self, timeout: Duration) -> Self {
-        self.produce_timeout = timeout;
+        self.options.produce_timeout = timeout;
         self
     }
 
@@ -391,39 +293,9 @@ impl KafkaRelayBuilder {
     /// [`KafkaError::InvalidConfiguration`] for an invalid topic name, a number of partitions
     /// or a produce timeout out of range, or an invalid handler id.
     pub fn build(self) -> Result<KafkaRelay, KafkaError> {
-        check_topic("topic", &self.topic)?;
-        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
-            return Err(KafkaError::invalid(
-                "partitions",
-                format!(
-                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
-                    self.partitions
-                ),
-            ));
-        }
-        if self.produce_timeout < Duration::from_millis(1)
-            || self.produce_timeout > Duration::from_secs(600)
-        {
-            return Err(KafkaError::invalid(
-                "produce_timeout",
-                format!(
-                    "{:?} is out of range; use 1 ms to 10 minutes",
-                    self.produce_timeout
-                ),
-            ));
-        }
-        validate_handler_id(&self.handler_id)
-            .map_err(|error| KafkaError::invalid("handler_id", error.to_string()))?;
-        Ok(KafkaRelay {
-            inner: Arc::new(RelayInner {
-                client: self.client,
-                topic: self.topic,
-                partitions: self.partitions,
-                handler_id: self.handler_id,
-                produce_timeout: self.produce_timeout,
-                connections: Mutex::new(HashMap::new()),
-                produced: AtomicU64::new(0),
-            }),
-        })
+        check_topic("topic", &self.options.topic)?;
+        self.settings
+            .check(&[("produce_timeout", self.options.produce_timeout)])?;
+        Ok(Relay::new(self.settings, self.options))
     }
 }

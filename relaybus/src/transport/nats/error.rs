@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::error::BoxError;
+use crate::{error::BoxError, transport::settings::InvalidSetting};
 
 /// An error of the NATS JetStream transport: a relay's publish, a consumer's setup, fetch or
 /// acknowledgement, or a setting that cannot work.
@@ -103,6 +103,12 @@ impl NatsError {
             option,
             reason: reason.into(),
         }
+    }
+}
+
+impl From<InvalidSetting> for NatsError {
+    fn from(invalid: InvalidSetting) -> Self {
+        NatsError::invalid(invalid.option, invalid.reason)
     }
 }
 

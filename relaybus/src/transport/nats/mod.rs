@@ -149,22 +149,33 @@
 //!   stops fetching when its token is cancelled, finishes its batch (append, commit,
 //!   acknowledge), and returns.
 
+mod builder;
 mod consumer;
 mod error;
+mod fetch;
+mod inbound;
 mod progress;
 mod relay;
 mod wire;
 
 pub use async_nats;
-pub use consumer::{
-    AppendedBatch, BatchReport, DEFAULT_ACK_WAIT, InboundBatch, MAX_BATCH_SIZE, NatsConsumer,
-    NatsConsumerBuilder,
-};
+pub use builder::NatsConsumerBuilder;
+use consumer::NatsSource;
+pub use consumer::{DEFAULT_ACK_WAIT, NatsConsumer};
 pub use error::NatsError;
-pub use relay::{
-    DEFAULT_RELAY_HANDLER_ID, MAX_PARTITIONS, NatsRelay, NatsRelayBuilder, RelayStatistics,
-};
+pub use relay::{DEFAULT_RELAY_HANDLER_ID, NatsRelay, NatsRelayBuilder};
 pub use wire::{
     DEAD_LETTER_REASON_HEADER, DEAD_LETTER_SOURCE_HEADER, DEAD_LETTER_SUBJECT_HEADER,
     EVENT_ID_HEADER, EVENT_TYPE_HEADER, FORMAT_VERSION,
 };
+
+/// A batch [`NatsConsumer::fetch`] took, not yet appended. While it is held, its messages are
+/// reported in progress to the broker a few times per ack wait, so they are not redelivered
+/// however long the append takes. Dropping it stops the reports and leaves the messages to the
+/// broker, which redelivers them after the ack wait.
+pub type InboundBatch = crate::transport::InboundBatch<NatsSource>;
+
+/// A batch appended to the local store, not yet acknowledged to the broker; its messages are
+/// still reported in progress. Dropping it leaves the messages to the broker, which
+/// redelivers them after the ack wait; appending them again adds nothing.
+pub type AppendedBatch = crate::transport::AppendedBatch<NatsSource>;

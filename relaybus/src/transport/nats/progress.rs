@@ -24,7 +24,8 @@ const REPORTS_PER_ACK_WAIT: u32 = 4;
 /// Reports a batch's messages in progress until it is finished or dropped. Dropped
 /// unfinished, the batch is abandoned: it clears the consumer's `settled` flag, since its
 /// messages are out unacknowledged and must be taken again before any later one.
-pub(crate) struct InProgress {
+#[derive(Debug)]
+pub struct InProgress {
     task: Option<JoinHandle<()>>,
     settled: Option<Arc<AtomicBool>>,
 }

@@ -1,34 +1,22 @@
 //! The outbound relay: a subscription that forwards events to a JetStream subject.
 
-use std::{
-    fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{fmt, sync::atomic::Ordering, time::Duration};
+
+use async_nats::jetstream::{self, message::PublishMessage, publish::PublishAck};
 
 use super::{NatsError, error::check_subject, wire};
 use crate::{
     error::BoxError,
-    event::{Event, EventEnvelope},
-    handler::{HandlerContext, Subscription, validate_handler_id},
-    store::Store,
-    transport::forward::Forwarded,
+    event::EventEnvelope,
+    transport::relay::{Relay, RelayBuilder, Target},
 };
-use async_nats::jetstream::{self, message::PublishMessage, publish::PublishAck};
 
 /// The handler id prefix a relay uses unless told otherwise.
 pub const DEFAULT_RELAY_HANDLER_ID: &str = "nats-relay";
 
-/// The most partitions (subjects) a relay spreads keys over.
-pub const MAX_PARTITIONS: u32 = 1_024;
-
-/// Forwards events to a JetStream stream: each [`subscription`](Self::subscription) is a
-/// subscription of the bus, so every event of its type gets a delivery of its own, with the
-/// bus's retries, backoff, dead letters and requeue, and the delivery completes only once
-/// JetStream confirmed the publish.
+/// A [`Relay`] to a JetStream stream: each delivery of its
+/// [`subscription`](Self::subscription)s publishes the event to a subject of the stream and
+/// completes only once JetStream confirmed the publish.
 ///
 /// Cheap to clone; clones share the connection and the [statistics](Self::statistics).
 ///
@@ -62,96 +50,60 @@ pub const MAX_PARTITIONS: u32 = 1_024;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
-pub struct NatsRelay {
-    inner: Arc<RelayInner>,
-}
+pub type NatsRelay = Relay<NatsTarget>;
 
-struct RelayInner {
+/// Builds a [`NatsRelay`]; made by [`NatsRelay::builder`].
+pub type NatsRelayBuilder = RelayBuilder<NatsTarget>;
+
+/// Where a [`NatsRelay`] publishes: subjects of a JetStream stream, and how.
+pub struct NatsTarget {
     jetstream: jetstream::Context,
     prefix: String,
-    partitions: u32,
-    handler_id: String,
     ack_timeout: Duration,
     expected_stream: Option<String>,
-    published: AtomicU64,
-    duplicates: AtomicU64,
 }
 
-impl fmt::Debug for NatsRelay {
+impl fmt::Debug for NatsTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsRelay")
-            .field("prefix", &self.inner.prefix)
-            .field("partitions", &self.inner.partitions)
-            .field("handler_id", &self.inner.handler_id)
-            .field("ack_timeout", &self.inner.ack_timeout)
-            .field("expected_stream", &self.inner.expected_stream)
+        f.debug_struct("NatsTarget")
+            .field("prefix", &self.prefix)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("expected_stream", &self.expected_stream)
             .finish_non_exhaustive()
     }
 }
 
-/// What a relay sent so far, in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RelayStatistics {
-    /// Publishes JetStream confirmed, duplicates included.
-    pub published: u64,
-    /// Confirmed publishes that JetStream reported as duplicates: the stream held a message
-    /// with the same `Nats-Msg-Id` within its duplicate window, and kept one copy. A delivery
-    /// whose relay crashed between the confirm and the completion sends its event again and
-    /// counts here.
-    pub duplicates: u64,
+impl Target for NatsTarget {
+    type Error = NatsError;
+
+    async fn forward(
+        relay: &NatsRelay,
+        envelope: EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<(), NatsError> {
+        relay.send(&envelope, sequence).await?;
+        Ok(())
+    }
+
+    fn connections(&self) -> Option<u64> {
+        let statistics = self.jetstream.client().statistics();
+        Some(statistics.connects.load(Ordering::Relaxed))
+    }
 }
 
 impl NatsRelay {
     /// Starts building a relay that publishes through `jetstream` to subjects under `prefix`
     /// (`<prefix>.<partition>`).
     pub fn builder(jetstream: jetstream::Context, prefix: impl Into<String>) -> NatsRelayBuilder {
-        NatsRelayBuilder {
-            jetstream,
-            prefix: prefix.into(),
-            partitions: 1,
-            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
-            ack_timeout: Duration::from_secs(10),
-            expected_stream: None,
-        }
-    }
-
-    /// The subscription that forwards every event of type `E` on a bus of store `S`, under the
-    /// handler id `<handler_id>:<E::TYPE>` (one subscription per type, since a handler id
-    /// names one subscription). Configure it further as any subscription (`.retry(..)`,
-    /// `.timeout(..)`); leave it ordered to keep each key's order.
-    ///
-    /// The payload is forwarded as stored, fields that `E` does not know included.
-    ///
-    /// # Errors
-    ///
-    /// [`NatsError::InvalidConfiguration`] when the handler id and the type name together
-    /// make an invalid handler id (over 128 bytes): choose a shorter
-    /// [`handler_id`](NatsRelayBuilder::handler_id).
-    pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, NatsError> {
-        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
-        validate_handler_id(&id).map_err(|error| {
-            NatsError::invalid(
-                "handler_id",
-                format!("{error}; choose a shorter handler id for the relay"),
-            )
-        })?;
-        let relay = self.clone();
-        Ok(Subscription::new(
-            id,
-            move |event: Forwarded<E>, context: HandlerContext<S>| {
-                let relay = relay.clone();
-                async move {
-                    let envelope = event.envelope(&context);
-                    relay
-                        .send(&envelope, context.sequence())
-                        .await
-                        .map(|_| ())
-                        .map_err(BoxError::from)
-                }
+        RelayBuilder::new(
+            DEFAULT_RELAY_HANDLER_ID,
+            NatsTarget {
+                jetstream,
+                prefix: prefix.into(),
+                ack_timeout: Duration::from_secs(10),
+                expected_stream: None,
             },
-        ))
+        )
     }
 
     /// Publishes one event and waits for JetStream's confirmation: what the relay's
@@ -177,7 +129,7 @@ impl NatsRelay {
         envelope: &EventEnvelope,
         sequence: Option<i64>,
     ) -> Result<PublishAck, NatsError> {
-        let inner = &self.inner;
+        let target = self.target();
         let subject = self.subject_of(envelope);
         let failed = |source: BoxError| NatsError::Publish {
             event_id: envelope.id().to_owned(),
@@ -188,27 +140,26 @@ impl NatsRelay {
         let mut message = PublishMessage::build()
             .payload(wire::encode(envelope, sequence).into())
             .headers(headers);
-        if let Some(stream) = &inner.expected_stream {
+        if let Some(stream) = &target.expected_stream {
             message = message.expected_stream(stream);
         }
         let publish = async {
-            let pending = inner
+            let pending = target
                 .jetstream
                 .send_publish(subject.clone(), message)
                 .await
                 .map_err(|error| failed(error.into()))?;
             pending.await.map_err(|error| failed(error.into()))
         };
-        let ack = tokio::time::timeout(inner.ack_timeout, publish)
+        let ack = tokio::time::timeout(target.ack_timeout, publish)
             .await
             .map_err(|_| NatsError::AckTimeout {
                 event_id: envelope.id().to_owned(),
                 subject: subject.clone(),
-                after: inner.ack_timeout,
+                after: target.ack_timeout,
             })??;
-        inner.published.fetch_add(1, Ordering::Relaxed);
+        self.counters().published(ack.duplicate);
         if ack.duplicate {
-            inner.duplicates.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(
                 event_id = envelope.id(),
                 subject,
@@ -223,12 +174,12 @@ impl NatsRelay {
     /// FNV-1a hash of the event's key (of its id when it has none) modulo the number of
     /// [`partitions`](NatsRelayBuilder::partitions).
     pub fn subject_of(&self, envelope: &EventEnvelope) -> String {
-        wire::subject(&self.inner.prefix, self.inner.partitions, envelope)
+        wire::subject(&self.target().prefix, self.partitions(), envelope)
     }
 
     /// The subjects a stream must capture for this relay: `<prefix>.>`.
     pub fn subjects(&self) -> String {
-        format!("{}.>", self.inner.prefix)
+        format!("{}.>", self.target().prefix)
     }
 
     /// A stream configuration for this relay: named `name`, capturing [`subjects`](Self::subjects),
@@ -244,76 +195,17 @@ impl NatsRelay {
         }
     }
 
-    /// What this relay sent so far.
-    pub fn statistics(&self) -> RelayStatistics {
-        RelayStatistics {
-            published: self.inner.published.load(Ordering::Relaxed),
-            duplicates: self.inner.duplicates.load(Ordering::Relaxed),
-        }
-    }
-
     /// The subject prefix.
     pub fn prefix(&self) -> &str {
-        &self.inner.prefix
-    }
-
-    /// The number of partitions keys are spread over.
-    pub fn partitions(&self) -> u32 {
-        self.inner.partitions
-    }
-
-    /// The prefix of the relay's handler ids.
-    pub fn handler_id(&self) -> &str {
-        &self.inner.handler_id
-    }
-}
-
-/// Builds a [`NatsRelay`]; made by [`NatsRelay::builder`].
-#[must_use]
-pub struct NatsRelayBuilder {
-    jetstream: jetstream::Context,
-    prefix: String,
-    partitions: u32,
-    handler_id: String,
-    ack_timeout: Duration,
-    expected_stream: Option<String>,
-}
-
-impl fmt::Debug for NatsRelayBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsRelayBuilder")
-            .field("prefix", &self.prefix)
-            .field("partitions", &self.partitions)
-            .field("handler_id", &self.handler_id)
-            .field("ack_timeout", &self.ack_timeout)
-            .field("expected_stream", &self.expected_stream)
-            .finish_non_exhaustive()
+        &self.target().prefix
     }
 }
 
 impl NatsRelayBuilder {
-    /// The prefix of the relay's handler ids, [`DEFAULT_RELAY_HANDLER_ID`] by default: the
-    /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
-    /// deliveries, so keep it stable, and give each relay of one bus its own.
-    pub fn handler_id(mut self, id: impl Into<String>) -> Self {
-        self.handler_id = id.into();
-        self
-    }
-
-    /// How many subjects keys are spread over, 1 by default (1 to 1,024): events go to
-    /// `<prefix>.<partition>`, one key always to the same partition, so consumers can split a
-    /// stream by partition and each still sees its keys in order. Changing it moves keys to
-    /// other partitions: events of a key published before and after the change may then be
-    /// read out of order by consumers that read one partition each.
-    pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
-        self
-    }
-
     /// How long a publish may wait for JetStream's confirmation before its attempt fails,
     /// 10 seconds by default (1 ms to 10 minutes). Keep the bus's lease duration above it.
     pub fn ack_timeout(mut self, timeout: Duration) -> Self {
-        self.ack_timeout = timeout;
+        self.options.ack_timeout = timeout;
         self
     }
 
@@ -321,7 +213,7 @@ impl NatsRelayBuilder {
     /// `stream` (`Nats-Expected-Stream`), so that events never land in another stream by a
     /// subject overlap.
     pub fn expected_stream(mut self, stream: impl Into<String>) -> Self {
-        self.expected_stream = Some(stream.into());
+        self.options.expected_stream = Some(stream.into());
         self
     }
 
@@ -333,30 +225,11 @@ impl NatsRelayBuilder {
     /// number of partitions or an ack timeout out of range, an invalid handler id or an
     /// empty expected stream name.
     pub fn build(self) -> Result<NatsRelay, NatsError> {
-        check_subject("prefix", &self.prefix)?;
-        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
-            return Err(NatsError::invalid(
-                "partitions",
-                format!(
-                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
-                    self.partitions
-                ),
-            ));
-        }
-        if self.ack_timeout < Duration::from_millis(1)
-            || self.ack_timeout > Duration::from_secs(600)
-        {
-            return Err(NatsError::invalid(
-                "ack_timeout",
-                format!(
-                    "{:?} is out of range; use 1 ms to 10 minutes",
-                    self.ack_timeout
-                ),
-            ));
-        }
-        validate_handler_id(&self.handler_id)
-            .map_err(|error| NatsError::invalid("handler_id", error.to_string()))?;
-        if let Some(stream) = &self.expected_stream
+        let target = &self.options;
+        check_subject("prefix", &target.prefix)?;
+        self.settings
+            .check(&[("ack_timeout", target.ack_timeout)])?;
+        if let Some(stream) = &target.expected_stream
             && (stream.is_empty() || stream.contains(['.', '*', '>', ' ']))
         {
             return Err(NatsError::invalid(
@@ -367,17 +240,6 @@ impl NatsRelayBuilder {
                 ),
             ));
         }
-        Ok(NatsRelay {
-            inner: Arc::new(RelayInner {
-                jetstream: self.jetstream,
-                prefix: self.prefix,
-                partitions: self.partitions,
-                handler_id: self.handler_id,
-                ack_timeout: self.ack_timeout,
-                expected_stream: self.expected_stream,
-                published: AtomicU64::new(0),
-                duplicates: AtomicU64::new(0),
-            }),
-        })
+        Ok(Relay::new(self.settings, self.options))
     }
 }

@@ -6,7 +6,10 @@ use async_nats::{HeaderMap, HeaderValue, header::NATS_MESSAGE_ID};
 
 pub use crate::transport::wire::FORMAT_VERSION;
 pub(crate) use crate::transport::wire::encode;
-use crate::{event::EventEnvelope, transport::wire::partition};
+use crate::{
+    event::EventEnvelope,
+    transport::wire::{self, partition},
+};
 
 /// The NATS header with the event type name (for tools and filters; the consumer reads the
 /// body).
@@ -46,48 +49,18 @@ pub(crate) fn subject(prefix: &str, partitions: u32, envelope: &EventEnvelope) -
 /// A header value made of free text (an error message): control characters become spaces, and
 /// it is cut at 1024 bytes.
 pub(crate) fn header_text(text: &str) -> HeaderValue {
-    let mut clean: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    if clean.len() > 1024 {
-        let mut cut = 1024;
-        while !clean.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        clean.truncate(cut);
-    }
     // Without `\r` and `\n` the value is valid.
-    clean.parse().unwrap_or_default()
+    wire::header_text(text).parse().unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::time::Timestamp;
-
-    fn envelope() -> EventEnvelope {
-        EventEnvelope::from_json(
-            "order.placed.v1",
-            serde_json::json!({"order_id": "o-1", "n": [1, 2]}),
-        )
-        .unwrap()
-        .with_key("o-1")
-        .unwrap()
-        .with_correlation_id("req-1")
-        .unwrap()
-        .with_causation_id("cmd-1")
-        .unwrap()
-        .with_header("tenant", "acme")
-        .unwrap()
-        .with_header("odd name: with spaces", "line\nbreak")
-        .unwrap()
-        .made_at(Timestamp::from_millis(1_764_000_000_123))
-    }
+    use crate::transport::wire::sample_envelope;
 
     #[test]
     fn one_key_one_subject() {
-        let e = envelope();
+        let e = sample_envelope();
         let first = subject("orders", 16, &e);
         assert!(first.starts_with("orders."));
         for _ in 0..3 {

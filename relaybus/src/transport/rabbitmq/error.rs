@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::error::BoxError;
+use crate::{error::BoxError, transport::settings::InvalidSetting};
 
 /// An error of the RabbitMQ transport: a relay's publish, a consumer's connection, consume or
 /// acknowledgement, or a setting that cannot work.
@@ -160,6 +160,12 @@ impl RabbitError {
             option,
             reason: reason.into(),
         }
+    }
+}
+
+impl From<InvalidSetting> for RabbitError {
+    fn from(invalid: InvalidSetting) -> Self {
+        RabbitError::invalid(invalid.option, invalid.reason)
     }
 }
 

@@ -165,21 +165,33 @@
 //!   [`run`](RabbitConsumer::run) stops taking batches when its token is cancelled, finishes
 //!   its batch (append, commit, acknowledge), closes its connection and returns.
 
+mod builder;
 mod connection;
 mod consumer;
 mod error;
+mod fetch;
+mod inbound;
 mod relay;
 mod wire;
 
-pub use consumer::{
-    AppendedBatch, BatchReport, InboundBatch, MAX_BATCH_SIZE, RabbitConsumer, RabbitConsumerBuilder,
-};
+pub use builder::RabbitConsumerBuilder;
+pub use consumer::RabbitConsumer;
+use consumer::RabbitSource;
 pub use error::RabbitError;
 pub use lapin;
-pub use relay::{
-    DEFAULT_RELAY_HANDLER_ID, MAX_PARTITIONS, RabbitRelay, RabbitRelayBuilder, RelayStatistics,
-};
+pub use relay::{DEFAULT_RELAY_HANDLER_ID, RabbitRelay, RabbitRelayBuilder};
 pub use wire::{
     DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, DEAD_LETTER_ROUTING_KEY_HEADER,
     EVENT_ID_HEADER, EVENT_TYPE_HEADER, FORMAT_VERSION,
 };
+
+/// A batch [`RabbitConsumer::fetch`] took, not yet appended. It holds the consumer's channel:
+/// the next fetch waits until it is settled or dropped. Dropping it gives the messages back:
+/// the consumer closes its channel before its next fetch, and the broker puts them back in the
+/// queue.
+pub type InboundBatch = crate::transport::InboundBatch<RabbitSource>;
+
+/// A batch appended to the local store, not yet acknowledged to the broker. Dropping it gives
+/// the messages back: the consumer closes its channel before its next fetch, the broker puts
+/// them back in the queue, and appending them again adds nothing.
+pub type AppendedBatch = crate::transport::AppendedBatch<RabbitSource>;

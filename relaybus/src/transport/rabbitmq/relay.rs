@@ -1,14 +1,7 @@
 //! The outbound relay: a subscription that publishes events to an exchange, with publisher
 //! confirms.
 
-use std::{
-    fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{fmt, time::Duration};
 
 use lapin::{
     Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
@@ -27,22 +20,16 @@ use super::{
 };
 use crate::{
     error::BoxError,
-    event::{Event, EventEnvelope},
-    handler::{HandlerContext, Subscription, validate_handler_id},
-    store::Store,
-    transport::forward::Forwarded,
+    event::EventEnvelope,
+    transport::relay::{Relay, RelayBuilder, Target},
 };
 
 /// The handler id prefix a relay uses unless told otherwise.
 pub const DEFAULT_RELAY_HANDLER_ID: &str = "rabbitmq-relay";
 
-/// The most partitions (routing keys and queues) a relay spreads keys over.
-pub const MAX_PARTITIONS: u32 = 1_024;
-
-/// Publishes events to a RabbitMQ exchange: each [`subscription`](Self::subscription) is a
-/// subscription of the bus, so every event of its type gets a delivery of its own, with the
-/// bus's retries, backoff, dead letters and requeue, and the delivery completes only once the
-/// broker confirmed the persistent message (publisher confirms).
+/// A [`Relay`] to a RabbitMQ exchange: each delivery of its
+/// [`subscription`](Self::subscription)s publishes the event as a persistent message and
+/// completes only once the broker confirmed it (publisher confirms).
 ///
 /// The relay owns its connection and one channel in confirm mode, opened at the first
 /// publish. When the connection is lost, the publishes in flight fail (their deliveries are
@@ -77,23 +64,20 @@ pub const MAX_PARTITIONS: u32 = 1_024;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
-pub struct RabbitRelay {
-    inner: Arc<RelayInner>,
-}
+pub type RabbitRelay = Relay<RabbitTarget>;
 
-struct RelayInner {
+/// Builds a [`RabbitRelay`]; made by [`RabbitRelay::builder`].
+pub type RabbitRelayBuilder = RelayBuilder<RabbitOptions>;
+
+/// Where a [`RabbitRelay`] publishes: an exchange, on a connection of its own.
+pub struct RabbitTarget {
     endpoint: Endpoint,
     exchange: String,
     prefix: String,
-    partitions: u32,
-    handler_id: String,
     confirm_timeout: Duration,
     /// The connection and its confirm-mode channel, opened at the first publish and again
     /// after a loss.
     link: tokio::sync::Mutex<Option<Link>>,
-    published: AtomicU64,
-    connections: AtomicU64,
 }
 
 struct Link {
@@ -107,29 +91,48 @@ impl Link {
     }
 }
 
-impl fmt::Debug for RabbitRelay {
+impl fmt::Debug for RabbitTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitRelay")
-            .field("endpoint", &self.inner.endpoint)
-            .field("exchange", &self.inner.exchange)
-            .field("prefix", &self.inner.prefix)
-            .field("partitions", &self.inner.partitions)
-            .field("handler_id", &self.inner.handler_id)
-            .field("confirm_timeout", &self.inner.confirm_timeout)
+        f.debug_struct("RabbitTarget")
+            .field("endpoint", &self.endpoint)
+            .field("exchange", &self.exchange)
+            .field("prefix", &self.prefix)
+            .field("confirm_timeout", &self.confirm_timeout)
             .finish_non_exhaustive()
     }
 }
 
-/// What a relay did so far, in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RelayStatistics {
-    /// Publishes the broker confirmed. A delivery whose relay crashed between the confirm and
-    /// the completion sends its event again and counts twice: the queue then holds two copies,
-    /// and the consumer's store keeps one.
-    pub published: u64,
-    /// Connections opened: the first one, and one after each loss.
-    pub connections: u64,
+impl Target for RabbitTarget {
+    type Error = RabbitError;
+
+    async fn forward(
+        relay: &RabbitRelay,
+        envelope: EventEnvelope,
+        sequence: Option<i64>,
+    ) -> Result<(), RabbitError> {
+        relay.send(&envelope, sequence).await
+    }
+}
+
+/// The settings of a [`RabbitRelay`] that only RabbitMQ has.
+pub struct RabbitOptions {
+    uri: String,
+    exchange: String,
+    routing_prefix: Option<String>,
+    confirm_timeout: Duration,
+    connect_timeout: Duration,
+    connection_properties: Option<ConnectionProperties>,
+}
+
+impl fmt::Debug for RabbitOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitOptions")
+            .field("exchange", &self.exchange)
+            .field("routing_prefix", &self.routing_prefix)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RabbitRelay {
@@ -137,52 +140,17 @@ impl RabbitRelay {
     /// the virtual host percent-encoded, `%2f` for `/`) and publishes to the exchange
     /// `exchange`, with the routing keys `<exchange>.<partition>` unless told otherwise.
     pub fn builder(uri: impl Into<String>, exchange: impl Into<String>) -> RabbitRelayBuilder {
-        RabbitRelayBuilder {
-            uri: uri.into(),
-            exchange: exchange.into(),
-            routing_prefix: None,
-            partitions: 1,
-            handler_id: DEFAULT_RELAY_HANDLER_ID.to_owned(),
-            confirm_timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(10),
-            connection_properties: None,
-        }
-    }
-
-    /// The subscription that forwards every event of type `E` on a bus of store `S`, under the
-    /// handler id `<handler_id>:<E::TYPE>` (one subscription per type, since a handler id
-    /// names one subscription). Configure it further as any subscription (`.retry(..)`,
-    /// `.timeout(..)`); leave it ordered to keep each key's order.
-    ///
-    /// The payload is forwarded as stored, fields that `E` does not know included.
-    ///
-    /// # Errors
-    ///
-    /// [`RabbitError::InvalidConfiguration`] when the handler id and the type name together
-    /// make an invalid handler id (over 128 bytes): choose a shorter
-    /// [`handler_id`](RabbitRelayBuilder::handler_id).
-    pub fn subscription<E: Event, S: Store>(&self) -> Result<Subscription, RabbitError> {
-        let id = format!("{}:{}", self.inner.handler_id, E::TYPE);
-        validate_handler_id(&id).map_err(|error| {
-            RabbitError::invalid(
-                "handler_id",
-                format!("{error}; choose a shorter handler id for the relay"),
-            )
-        })?;
-        let relay = self.clone();
-        Ok(Subscription::new(
-            id,
-            move |event: Forwarded<E>, context: HandlerContext<S>| {
-                let relay = relay.clone();
-                async move {
-                    let envelope = event.envelope(&context);
-                    relay
-                        .send(&envelope, context.sequence())
-                        .await
-                        .map_err(BoxError::from)
-                }
+        RelayBuilder::new(
+            DEFAULT_RELAY_HANDLER_ID,
+            RabbitOptions {
+                uri: uri.into(),
+                exchange: exchange.into(),
+                routing_prefix: None,
+                confirm_timeout: Duration::from_secs(10),
+                connect_timeout: Duration::from_secs(10),
+                connection_properties: None,
             },
-        ))
+        )
     }
 
     /// Publishes one event as a persistent, mandatory message and waits for the broker's
@@ -211,11 +179,11 @@ impl RabbitRelay {
         envelope: &EventEnvelope,
         sequence: Option<i64>,
     ) -> Result<(), RabbitError> {
-        let inner = &self.inner;
+        let target = self.target();
         let routing_key = self.routing_key_of(envelope);
         let failed = |source: BoxError| RabbitError::Publish {
             event_id: envelope.id().to_owned(),
-            exchange: inner.exchange.clone(),
+            exchange: target.exchange.clone(),
             routing_key: routing_key.clone(),
             source,
         };
@@ -224,7 +192,7 @@ impl RabbitRelay {
         let publish = async {
             let confirm = channel
                 .basic_publish(
-                    inner.exchange.as_str().into(),
+                    target.exchange.as_str().into(),
                     routing_key.as_str().into(),
                     BasicPublishOptions {
                         mandatory: true,
@@ -237,12 +205,12 @@ impl RabbitRelay {
                 .map_err(|error| failed(error.into()))?;
             confirm.await.map_err(|error| failed(error.into()))
         };
-        let confirmation = tokio::time::timeout(inner.confirm_timeout, publish)
+        let confirmation = tokio::time::timeout(target.confirm_timeout, publish)
             .await
             .map_err(|_| RabbitError::ConfirmTimeout {
                 event_id: envelope.id().to_owned(),
                 routing_key: routing_key.clone(),
-                after: inner.confirm_timeout,
+                after: target.confirm_timeout,
             })
             .and_then(|confirmed| confirmed);
         let confirmation = match confirmation {
@@ -256,19 +224,19 @@ impl RabbitRelay {
         };
         match confirmation {
             Confirmation::Ack(None) => {
-                inner.published.fetch_add(1, Ordering::Relaxed);
+                self.counters().published(false);
                 Ok(())
             }
             Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)) => {
                 Err(RabbitError::Unroutable {
                     event_id: envelope.id().to_owned(),
-                    exchange: inner.exchange.clone(),
+                    exchange: target.exchange.clone(),
                     routing_key,
                 })
             }
             Confirmation::Nack(None) => Err(RabbitError::Nacked {
                 event_id: envelope.id().to_owned(),
-                exchange: inner.exchange.clone(),
+                exchange: target.exchange.clone(),
                 routing_key,
             }),
             Confirmation::NotRequested => Err(failed("the channel is not in confirm mode".into())),
@@ -277,20 +245,20 @@ impl RabbitRelay {
 
     /// The relay's channel, opening a connection when there is none or the last one was lost.
     async fn channel(&self) -> Result<Channel, RabbitError> {
-        let inner = &self.inner;
-        let mut link = inner.link.lock().await;
+        let target = self.target();
+        let mut link = target.link.lock().await;
         if let Some(open) = link.as_ref().filter(|open| open.is_open()) {
             return Ok(open.channel.clone());
         }
         if let Some(lost) = link.take() {
             close_quietly(&lost.connection, "relaybus relay reconnecting").await;
         }
-        let connection = inner.endpoint.connect().await?;
+        let connection = target.endpoint.connect().await?;
         let channel = match connection.create_channel().await {
             Ok(channel) => channel,
             Err(error) => {
                 close_quietly(&connection, "relaybus relay could not open a channel").await;
-                return Err(inner.endpoint.failed(error));
+                return Err(target.endpoint.failed(error));
             }
         };
         if let Err(error) = channel
@@ -298,10 +266,10 @@ impl RabbitRelay {
             .await
         {
             close_quietly(&connection, "relaybus relay could not select confirms").await;
-            return Err(inner.endpoint.failed(error));
+            return Err(target.endpoint.failed(error));
         }
-        inner.connections.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(endpoint = inner.endpoint.display(), "relay connected");
+        self.counters().connected();
+        tracing::debug!(endpoint = target.endpoint.display(), "relay connected");
         *link = Some(Link {
             connection,
             channel: channel.clone(),
@@ -311,7 +279,7 @@ impl RabbitRelay {
 
     /// Drops the link when it is lost, so that the next publish connects again.
     async fn forget_lost(&self) {
-        let mut link = self.inner.link.lock().await;
+        let mut link = self.target().link.lock().await;
         if link.as_ref().is_some_and(|open| !open.is_open())
             && let Some(lost) = link.take()
         {
@@ -331,17 +299,17 @@ impl RabbitRelay {
     /// [`RabbitError::Connect`] when the broker cannot be reached; [`RabbitError::Setup`] when
     /// an exchange or queue of the same name exists with other settings.
     pub async fn declare_topology(&self) -> Result<(), RabbitError> {
-        let inner = &self.inner;
-        let connection = inner.endpoint.connect().await?;
+        let target = self.target();
+        let connection = target.endpoint.connect().await?;
         let result = async {
             let channel = connection
                 .create_channel()
                 .await
-                .map_err(|error| inner.endpoint.failed(error))?;
+                .map_err(|error| target.endpoint.failed(error))?;
             let setup = |what: String| move |source| RabbitError::Setup { what, source };
             channel
                 .exchange_declare(
-                    inner.exchange.as_str().into(),
+                    target.exchange.as_str().into(),
                     ExchangeKind::Direct,
                     ExchangeDeclareOptions {
                         durable: true,
@@ -350,7 +318,7 @@ impl RabbitRelay {
                     FieldTable::default(),
                 )
                 .await
-                .map_err(setup(format!("the exchange {:?}", inner.exchange)))?;
+                .map_err(setup(format!("the exchange {:?}", target.exchange)))?;
             for key in self.routing_keys() {
                 channel
                     .queue_declare(
@@ -366,7 +334,7 @@ impl RabbitRelay {
                 channel
                     .queue_bind(
                         key.as_str().into(),
-                        inner.exchange.as_str().into(),
+                        target.exchange.as_str().into(),
                         key.as_str().into(),
                         QueueBindOptions::default(),
                         FieldTable::default(),
@@ -384,7 +352,7 @@ impl RabbitRelay {
     /// Closes the relay's connection, if open. Publishes in flight fail; a later publish
     /// opens a new connection.
     pub async fn close(&self) {
-        if let Some(link) = self.inner.link.lock().await.take() {
+        if let Some(link) = self.target().link.lock().await.take() {
             close_quietly(&link.connection, "relaybus relay closed").await;
         }
     }
@@ -393,108 +361,46 @@ impl RabbitRelay {
     /// 32-bit FNV-1a hash of the event's key (of its id when it has none) modulo the number of
     /// [`partitions`](RabbitRelayBuilder::partitions).
     pub fn routing_key_of(&self, envelope: &EventEnvelope) -> String {
-        wire::routing_key(&self.inner.prefix, self.inner.partitions, envelope)
+        wire::routing_key(&self.target().prefix, self.partitions(), envelope)
     }
 
     /// Every routing key the relay publishes with, partition 0 first:
     /// `<prefix>.0` to `<prefix>.<partitions - 1>`. [`declare_topology`](Self::declare_topology)
     /// names a queue after each.
     pub fn routing_keys(&self) -> Vec<String> {
-        (0..self.inner.partitions)
-            .map(|partition| format!("{}.{partition}", self.inner.prefix))
+        (0..self.partitions())
+            .map(|partition| format!("{}.{partition}", self.target().prefix))
             .collect()
-    }
-
-    /// What this relay did so far.
-    pub fn statistics(&self) -> RelayStatistics {
-        RelayStatistics {
-            published: self.inner.published.load(Ordering::Relaxed),
-            connections: self.inner.connections.load(Ordering::Relaxed),
-        }
     }
 
     /// The exchange.
     pub fn exchange(&self) -> &str {
-        &self.inner.exchange
+        &self.target().exchange
     }
 
     /// The routing key prefix.
     pub fn routing_prefix(&self) -> &str {
-        &self.inner.prefix
-    }
-
-    /// The number of partitions keys are spread over.
-    pub fn partitions(&self) -> u32 {
-        self.inner.partitions
-    }
-
-    /// The prefix of the relay's handler ids.
-    pub fn handler_id(&self) -> &str {
-        &self.inner.handler_id
-    }
-}
-
-/// Builds a [`RabbitRelay`]; made by [`RabbitRelay::builder`].
-#[must_use]
-pub struct RabbitRelayBuilder {
-    uri: String,
-    exchange: String,
-    routing_prefix: Option<String>,
-    partitions: u32,
-    handler_id: String,
-    confirm_timeout: Duration,
-    connect_timeout: Duration,
-    connection_properties: Option<ConnectionProperties>,
-}
-
-impl fmt::Debug for RabbitRelayBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitRelayBuilder")
-            .field("exchange", &self.exchange)
-            .field("routing_prefix", &self.routing_prefix)
-            .field("partitions", &self.partitions)
-            .field("handler_id", &self.handler_id)
-            .field("confirm_timeout", &self.confirm_timeout)
-            .field("connect_timeout", &self.connect_timeout)
-            .finish_non_exhaustive()
+        &self.target().prefix
     }
 }
 
 impl RabbitRelayBuilder {
-    /// The prefix of the relay's handler ids, [`DEFAULT_RELAY_HANDLER_ID`] by default: the
-    /// subscription of type `T` has the id `<handler_id>:<T>`. Handler ids key stored
-    /// deliveries, so keep it stable, and give each relay of one bus its own.
-    pub fn handler_id(mut self, id: impl Into<String>) -> Self {
-        self.handler_id = id.into();
-        self
-    }
-
     /// The prefix of the routing keys, `<prefix>.<partition>`; the exchange's name by default.
     pub fn routing_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.routing_prefix = Some(prefix.into());
-        self
-    }
-
-    /// How many routing keys (and queues) keys are spread over, 1 by default (1 to 1,024):
-    /// events go to `<prefix>.<partition>`, one key always to the same partition, and each
-    /// partition's queue has one consumer, which sees its keys in order. Changing it moves
-    /// keys to other partitions: events of a key published before and after the change may
-    /// then be appended out of order.
-    pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
+        self.options.routing_prefix = Some(prefix.into());
         self
     }
 
     /// How long a publish may wait for the broker's confirmation before its attempt fails,
     /// 10 seconds by default (1 ms to 10 minutes). Keep the bus's lease duration above it.
     pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
-        self.confirm_timeout = timeout;
+        self.options.confirm_timeout = timeout;
         self
     }
 
     /// How long opening a connection may take, 10 seconds by default (1 ms to 10 minutes).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.options.connect_timeout = timeout;
         self
     }
 
@@ -502,7 +408,7 @@ impl RabbitRelayBuilder {
     /// authentication provider). Leave lapin's own recovery off: the relay opens a new
     /// connection itself when one is lost.
     pub fn connection_properties(mut self, properties: ConnectionProperties) -> Self {
-        self.connection_properties = Some(properties);
+        self.options.connection_properties = Some(properties);
         self
     }
 
@@ -515,55 +421,35 @@ impl RabbitRelayBuilder {
     /// name, a routing key prefix or exchange name too long, a number of partitions or a
     /// timeout out of range, or an invalid handler id.
     pub fn build(self) -> Result<RabbitRelay, RabbitError> {
-        check_name("exchange", &self.exchange, false)?;
-        let prefix = self.routing_prefix.unwrap_or_else(|| self.exchange.clone());
+        let options = self.options;
+        check_name("exchange", &options.exchange, false)?;
+        let prefix = options
+            .routing_prefix
+            .unwrap_or_else(|| options.exchange.clone());
         check_name("routing_prefix", &prefix, false)?;
-        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
-            return Err(RabbitError::invalid(
-                "partitions",
-                format!(
-                    "{} is out of range; use 1 to {MAX_PARTITIONS}",
-                    self.partitions
-                ),
-            ));
-        }
+        self.settings.check(&[
+            ("confirm_timeout", options.confirm_timeout),
+            ("connect_timeout", options.connect_timeout),
+        ])?;
         // The longest routing key must fit in 255 bytes.
         check_name(
             "routing_prefix",
-            &format!("{prefix}.{}", self.partitions - 1),
+            &format!("{prefix}.{}", self.settings.partitions - 1),
             false,
         )?;
-        for (option, timeout) in [
-            ("confirm_timeout", self.confirm_timeout),
-            ("connect_timeout", self.connect_timeout),
-        ] {
-            if timeout < Duration::from_millis(1) || timeout > Duration::from_secs(600) {
-                return Err(RabbitError::invalid(
-                    option,
-                    format!("{timeout:?} is out of range; use 1 ms to 10 minutes"),
-                ));
-            }
-        }
-        validate_handler_id(&self.handler_id)
-            .map_err(|error| RabbitError::invalid("handler_id", error.to_string()))?;
         let endpoint = Endpoint::parse(
-            &self.uri,
-            self.connection_properties,
-            format!("relaybus relay {}", self.exchange),
-            self.connect_timeout,
+            &options.uri,
+            options.connection_properties,
+            format!("relaybus relay {}", options.exchange),
+            options.connect_timeout,
         )?;
-        Ok(RabbitRelay {
-            inner: Arc::new(RelayInner {
-                endpoint,
-                exchange: self.exchange,
-                prefix,
-                partitions: self.partitions,
-                handler_id: self.handler_id,
-                confirm_timeout: self.confirm_timeout,
-                link: tokio::sync::Mutex::new(None),
-                published: AtomicU64::new(0),
-                connections: AtomicU64::new(0),
-            }),
-        })
+        let target = RabbitTarget {
+            endpoint,
+            exchange: options.exchange,
+            prefix,
+            confirm_timeout: options.confirm_timeout,
+            link: tokio::sync::Mutex::new(None),
+        };
+        Ok(Relay::new(self.settings, target))
     }
 }

@@ -64,18 +64,7 @@ pub(crate) fn text(text: &str) -> AMQPValue {
 /// A header value made of free text (an error message): control characters become spaces, and
 /// it is cut at 1024 bytes.
 pub(crate) fn header_text(text: &str) -> AMQPValue {
-    let mut clean: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    if clean.len() > 1024 {
-        let mut cut = 1024;
-        while !clean.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        clean.truncate(cut);
-    }
-    AMQPValue::LongString(LongString::from(clean))
+    AMQPValue::LongString(LongString::from(crate::transport::wire::header_text(text)))
 }
 
 #[cfg(test)]
