@@ -1,7 +1,9 @@
 //! Trace context across the broker: the handler of the consuming service continues the trace
 //! of the span that published the event in the first service, through a NATS JetStream stream.
 //!
-//! The tracing subscriber and the propagator are global, so this file holds one test.
+//! The subscriber is the test's own: set for its thread, on a runtime that runs every task of
+//! the test there, so that the spans of the other tests of the binary, on other threads, never
+//! reach its exporter. The propagator is global; every test that sets one sets this one.
 
 use std::{future::IntoFuture, time::Duration};
 
@@ -28,7 +30,7 @@ impl Event for Shipped {
     const TYPE: &'static str = "transport-test.shipped.v1";
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread")]
 async fn the_consuming_handler_continues_the_publishers_trace() {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let exporter = InMemorySpanExporter::default();
@@ -37,7 +39,7 @@ async fn the_consuming_handler_continues_the_publishers_trace() {
         .build();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("relaybus-tests")));
-    tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+    let _subscriber = tracing::subscriber::set_default(subscriber);
 
     let url = std::env::var("RELAYBUS_TEST_NATS_URL")
         .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());

@@ -1,6 +1,8 @@
 //! Trace context: a handler's span continues the trace of the span that published its event.
 //!
-//! The tracing subscriber and the propagator are global, so this file holds one test.
+//! The subscriber is the test's own: set for its thread, on a runtime that runs every task of
+//! the test there, so that the spans of the other tests of the binary, on other threads, never
+//! reach its exporter. The propagator is global; every test that sets one sets this one.
 
 use std::future::IntoFuture;
 
@@ -16,7 +18,7 @@ use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread")]
 async fn a_handler_continues_the_trace_of_the_span_that_published() {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let exporter = InMemorySpanExporter::default();
@@ -25,7 +27,7 @@ async fn a_handler_continues_the_trace_of_the_span_that_published() {
         .build();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("relaybus-tests")));
-    tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+    let _subscriber = tracing::subscriber::set_default(subscriber);
 
     let db = test_db("trace_context").await;
     let store = store(&db).await;
