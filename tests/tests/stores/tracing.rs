@@ -1,33 +1,23 @@
 //! Trace context: a handler's span continues the trace of the span that published its event.
 //!
-//! The subscriber is the test's own: set for its thread, on a runtime that runs every task of
-//! the test there, so that the spans of the other tests of the binary, on other threads, never
-//! reach its exporter. The propagator is global; every test that sets one sets this one.
+//! The spans are the test's own ([`Traces`]): it runs on a current-thread runtime, under a
+//! subscriber set for its thread.
 
 use std::future::IntoFuture;
 
-use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
-use opentelemetry_sdk::{
-    propagation::TraceContextPropagator,
-    trace::{InMemorySpanExporter, SdkTracerProvider},
-};
+use opentelemetry::trace::TraceContextExt;
 use relaybus::{BoxError, HandlerContext, RelayBus, Subscription};
 use relaybus_harness::test_db;
-use relaybus_tests::support::{OrderPlaced, next, placed, store};
+use relaybus_tests::{
+    support::{OrderPlaced, next, placed, store},
+    traces::Traces,
+};
 use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::layer::SubscriberExt;
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_handler_continues_the_trace_of_the_span_that_published() {
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("relaybus-tests")));
-    let _subscriber = tracing::subscriber::set_default(subscriber);
+    let traces = Traces::capture();
 
     let db = test_db("trace_context").await;
     let store = store(&db).await;
@@ -72,8 +62,7 @@ async fn a_handler_continues_the_trace_of_the_span_that_published() {
         "{traceparent}"
     );
 
-    provider.force_flush().unwrap();
-    let spans = exporter.get_finished_spans().unwrap();
+    let spans = traces.finished();
     let handled: Vec<_> = spans
         .iter()
         .filter(|span| span.name == "relaybus.handle")
