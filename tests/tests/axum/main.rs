@@ -8,3 +8,4 @@ mod ops;
 mod ops_page;
 mod postgres;
 mod shop;
+mod workspace;
