@@ -1,5 +1,5 @@
 //! A consuming service's process killed in the middle of a batch, written once for the three
-//! brokers' test binaries.
+//! brokers' tests.
 //!
 //! The consuming store is a PostgreSQL schema of the test's own (`RELAYBUS_TEST_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`), which the consumer processes

@@ -8,3 +8,4 @@ pub mod hooked;
 pub mod idempotency;
 pub mod limits;
 pub mod support;
+pub mod traces;

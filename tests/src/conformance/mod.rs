@@ -12,7 +12,7 @@
 //! and only there.
 //!
 //! ```text
-//! // tests/tests/conformance.rs
+//! // tests/tests/stores/conformance/mod.rs
 //! async fn mongo_store(test: &'static str) -> (MongoEventStore, TestDb) { .. }
 //! async fn second_instance(db: &TestDb) -> MongoEventStore { .. }
 //!

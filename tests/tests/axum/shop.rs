@@ -25,47 +25,9 @@ use tokio::{
 /// The `example-shop` binary, built once per test process.
 fn binary() -> &'static PathBuf {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        if let Some(path) = std::env::var_os("RELAYBUS_SHOP_BIN") {
-            return PathBuf::from(path);
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        let mut command = Command::new(cargo);
-        // Without what cargo set for this test process, so that build scripts do not rebuild.
-        for (name, _) in std::env::vars_os() {
-            let name = name.to_string_lossy();
-            let set_for_tests = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_EXE_"]
-                .iter()
-                .any(|prefix| name.starts_with(prefix))
-                || [
-                    "CARGO_CRATE_NAME",
-                    "CARGO_PRIMARY_PACKAGE",
-                    "CARGO_TARGET_TMPDIR",
-                    "OUT_DIR",
-                ]
-                .contains(&name.as_ref());
-            if set_for_tests {
-                command.env_remove(name.as_ref());
-            }
-        }
-        let output = command
-            .args([
-                "build",
-                "-p",
-                "example-shop",
-                "--message-format=json-render-diagnostics",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("cargo runs");
-        assert!(output.status.success(), "building example-shop failed");
-        String::from_utf8_lossy(&output.stdout)
-            .lines()
-            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "example-shop")
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo built the example-shop binary")
+    BINARY.get_or_init(|| match std::env::var_os("RELAYBUS_SHOP_BIN") {
+        Some(path) => PathBuf::from(path),
+        None => crate::workspace::build("example-shop", &["-p", "example-shop"]),
     })
 }
 

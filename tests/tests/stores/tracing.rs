@@ -1,31 +1,23 @@
 //! Trace context: a handler's span continues the trace of the span that published its event.
 //!
-//! The tracing subscriber and the propagator are global, so this file holds one test.
+//! The spans are the test's own ([`Traces`]): it runs on a current-thread runtime, under a
+//! subscriber set for its thread.
 
 use std::future::IntoFuture;
 
-use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
-use opentelemetry_sdk::{
-    propagation::TraceContextPropagator,
-    trace::{InMemorySpanExporter, SdkTracerProvider},
-};
+use opentelemetry::trace::TraceContextExt;
 use relaybus::{BoxError, HandlerContext, RelayBus, Subscription};
 use relaybus_harness::test_db;
-use relaybus_tests::support::{OrderPlaced, next, placed, store};
+use relaybus_tests::{
+    support::{OrderPlaced, next, placed, store},
+    traces::Traces,
+};
 use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::layer::SubscriberExt;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread")]
 async fn a_handler_continues_the_trace_of_the_span_that_published() {
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("relaybus-tests")));
-    tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+    let traces = Traces::capture();
 
     let db = test_db("trace_context").await;
     let store = store(&db).await;
@@ -70,8 +62,7 @@ async fn a_handler_continues_the_trace_of_the_span_that_published() {
         "{traceparent}"
     );
 
-    provider.force_flush().unwrap();
-    let spans = exporter.get_finished_spans().unwrap();
+    let spans = traces.finished();
     let handled: Vec<_> = spans
         .iter()
         .filter(|span| span.name == "relaybus.handle")

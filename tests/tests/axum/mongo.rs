@@ -1,9 +1,5 @@
 //! relaybus-axum through the real router (`tower::ServiceExt::oneshot`) on a real replica set:
-//! the request transaction, the extractors, the dispatcher service and the operator routes;
-//! and the shop example's idempotent `POST /orders`, as a process ([`shop`]).
-
-#[path = "axum/shop.rs"]
-mod shop;
+//! the request transaction, the extractors, the dispatcher service and the operator routes.
 
 use std::{
     sync::{Arc, Mutex},

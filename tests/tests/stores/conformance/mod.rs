@@ -1,8 +1,10 @@
 //! The store conformance suite (`relaybus_tests::conformance`) run for every store relaybus
-//! ships, one module per store: `cargo test -p relaybus-tests --test conformance memory` runs
-//! the in-memory store's, which needs no MongoDB. Each module also runs the idempotent requests
-//! suite (`relaybus_tests::idempotency`): relaybus-axum's `IdempotencyLayer` through the router,
-//! on that store.
+//! ships, one module per store: `cargo test -p relaybus-tests --test stores conformance::memory`
+//! runs the in-memory store's, which needs no server. Each module also runs the idempotent
+//! requests suite (`relaybus_tests::idempotency`): relaybus-axum's `IdempotencyLayer` through
+//! the router, on that store.
+
+mod postgres;
 
 /// MongoDB: every test on a database of its own, with a second store instance for the
 /// `_instances` tests.

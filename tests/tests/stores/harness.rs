@@ -231,6 +231,14 @@ async fn crash_child() {
     }
 }
 
+/// The name the test runner of this binary gives [`crash_child`]: its path without the crate.
+fn crash_child_name() -> String {
+    match module_path!().split_once("::") {
+        Some((_crate, module)) => format!("{module}::crash_child"),
+        None => "crash_child".to_owned(),
+    }
+}
+
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
@@ -250,7 +258,7 @@ fn mongods_die_with_a_crashed_process() {
         ));
         let _ = std::fs::remove_file(&report);
         let output = Command::new(std::env::current_exe().expect("current exe"))
-            .args(["--exact", "crash_child", "--ignored", "--nocapture"])
+            .args(["--exact", &crash_child_name(), "--ignored", "--nocapture"])
             .env(CRASH_MODE, mode)
             .env(CRASH_REPORT, &report)
             .env_remove("RELAYBUS_TEST_MONGODB_URI")

@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::future::join_all;
+use futures::{TryStreamExt, future::join_all};
 use mongodb::bson::{Document, doc};
 use relaybus::{ConfigurationError, MongoEventStore};
 use relaybus_harness::{TestDb, test_db};
@@ -141,7 +141,27 @@ async fn a_process_killed_mid_load_frees_its_keys_within_the_lease_duration() {
     assert_eq!(held.len(), 1, "{held:?}");
     assert_eq!(held[0].get_i64("sequence").unwrap(), 1, "{held:?}");
 
-    // The dead process's document is gone; only the test's own store beats.
+    // The dead process's document is gone; only the test's own store beats. The sweep deletes
+    // it right after killing its sessions, which let the publishes through: await its delete.
+    let dead = recorded[0].get("_id").unwrap().clone();
+    let mut deletes = db
+        .db()
+        .collection::<Document>("relaybus_processes")
+        .watch()
+        .pipeline([doc! { "$match": { "operationType": "delete", "documentKey._id": &dead } }])
+        .await
+        .unwrap();
+    if processes(&db)
+        .await
+        .iter()
+        .any(|p| p.get("_id") == Some(&dead))
+    {
+        tokio::time::timeout(LEASE + MARGIN, deletes.try_next())
+            .await
+            .expect("the dead process's document goes")
+            .unwrap()
+            .expect("a delete");
+    }
     let left = processes(&db).await;
     assert_eq!(left.len(), 1, "{left:?}");
     assert_ne!(left[0].get("_id"), recorded[0].get("_id"));

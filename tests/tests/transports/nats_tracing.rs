@@ -1,23 +1,20 @@
 //! Trace context across the broker: the handler of the consuming service continues the trace
 //! of the span that published the event in the first service, through a NATS JetStream stream.
 //!
-//! The tracing subscriber and the propagator are global, so this file holds one test.
+//! The spans are the test's own ([`Traces`]): it runs on a current-thread runtime, under a
+//! subscriber set for its thread.
 
 use std::{future::IntoFuture, time::Duration};
 
 use async_nats::jetstream::{self, stream::StorageType};
-use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
-use opentelemetry_sdk::{
-    propagation::TraceContextPropagator,
-    trace::{InMemorySpanExporter, SdkTracerProvider},
-};
+use opentelemetry::trace::TraceContextExt;
 use relaybus::{
     BoxError, Event, HandlerContext, MemoryEventStore, RelayBus, Subscription,
     transport::nats::{NatsConsumer, NatsRelay},
 };
+use relaybus_tests::traces::Traces;
 use serde::{Deserialize, Serialize};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::layer::SubscriberExt;
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Shipped {
@@ -28,16 +25,9 @@ impl Event for Shipped {
     const TYPE: &'static str = "transport-test.shipped.v1";
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread")]
 async fn the_consuming_handler_continues_the_publishers_trace() {
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("relaybus-tests")));
-    tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+    let traces = Traces::capture();
 
     let url = std::env::var("RELAYBUS_TEST_NATS_URL")
         .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
@@ -127,8 +117,7 @@ async fn the_consuming_handler_continues_the_publishers_trace() {
         1
     );
 
-    provider.force_flush().expect("flush");
-    let spans = exporter.get_finished_spans().expect("spans");
+    let spans = traces.finished();
     let handled: Vec<_> = spans
         .iter()
         .filter(|span| span.name == "relaybus.handle")

@@ -1,9 +1,6 @@
 //! The operator routes behind the page, against a real replica set: the event detail, the
 //! lanes, the dead letters by error, this process's activity, the listing's new filters, the
-//! page and its assets, and the refusals of bad input; and the `relaybus` command line (`cli`).
-
-#[path = "ops/cli.rs"]
-mod cli;
+//! page and its assets, and the refusals of bad input.
 
 use axum::{
     Router,

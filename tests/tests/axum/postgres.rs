@@ -1,7 +1,7 @@
 //! relaybus-axum on the PostgreSQL store, through the real router (`tower::ServiceExt::oneshot`
 //! and a real listener): the request transaction on a `PostgresSession`, the extractors, the
 //! retries of serialization failures and deadlocks, the dispatcher service and the operator
-//! routes. `axum.rs` proves the same on MongoDB.
+//! routes. The `mongo` module proves the same on MongoDB.
 //!
 //! The server is `RELAYBUS_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`);
 //! each test has a schema of its own, and a test fails, never skips, when the server does not
