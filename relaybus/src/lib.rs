@@ -120,9 +120,21 @@ pub use handler::{
     Handler, HandlerArgument, HandlerArguments, HandlerContext, NotTransactional, Permanent,
     RetryPolicy, SessionGuard, Subscription, validate_handler_id,
 };
+// The macros' documentation lives here, where its examples can compile against this crate;
+// the proc-macro crate cannot depend on relaybus, even for its tests, without building the
+// whole driver stack a second time.
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
-pub use relaybus_macros::{event, handler, schedule};
+#[doc = include_str!("../docs/macros/event.md")]
+pub use relaybus_macros::event;
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+#[doc = include_str!("../docs/macros/handler.md")]
+pub use relaybus_macros::handler;
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+#[doc = include_str!("../docs/macros/schedule.md")]
+pub use relaybus_macros::schedule;
 pub use schedule::{MissedTicks, Schedule, Tick};
 pub use state::State;
 #[cfg(feature = "memory")]
