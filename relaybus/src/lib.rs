@@ -90,6 +90,9 @@ pub mod error;
 pub mod event;
 pub mod guide;
 mod handler;
+#[doc(hidden)]
+#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
+pub mod instances;
 pub mod registry;
 pub mod schedule;
 mod state;
