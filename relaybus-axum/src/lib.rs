@@ -113,6 +113,9 @@ mod config;
 mod dispatcher;
 pub mod guide;
 pub mod idempotency;
+#[doc(hidden)]
+#[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
+pub mod instances;
 pub mod ops;
 mod publisher;
 pub mod rejection;
