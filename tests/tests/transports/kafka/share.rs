@@ -82,6 +82,13 @@ impl Shared {
         Shared::Postgres { pool, url, schema }
     }
 
+    fn name(&self) -> &'static str {
+        match self {
+            Shared::Mongo { .. } => "MongoDB",
+            Shared::Postgres { .. } => "PostgreSQL",
+        }
+    }
+
     /// The store's URL and namespace, as the consumer process takes them.
     fn location(&self) -> [String; 2] {
         match self {
@@ -307,7 +314,10 @@ async fn share_and_take_over(shared: &Shared) {
     shared.wait_appended(EVENTS as usize).await;
     consumer_crash::check_once_in_order(&shared.rows().await);
     relaybus_harness::kill_tied(&mut processes[1]);
-    eprintln!("the killed process's partitions were read by the other {took:?} after the kill");
+    eprintln!(
+        "{}: the killed process's partitions were read by the other {took:?} after the kill",
+        shared.name()
+    );
     assert!(
         took <= TAKE_OVER,
         "the killed process's partitions {:?} were read by the other {took:?} after the kill, \
