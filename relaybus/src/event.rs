@@ -422,6 +422,17 @@ pub(crate) fn fnv1a32(bytes: &[u8]) -> u32 {
     hash
 }
 
+/// The 64-bit FNV-1a hash of `bytes`: the same in every process and build.
+#[cfg(feature = "kafka")]
+pub(crate) fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
 /// The number of lanes deliveries are spread over.
 pub const LANE_COUNT: u32 = 256;
 

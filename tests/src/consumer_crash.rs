@@ -160,25 +160,7 @@ impl ConsumerCrash {
         .fetch_all(&self.pool)
         .await
         .expect("read the events");
-        assert_eq!(rows.len(), EVENTS as usize, "every event once");
-        for key in 0..KEYS {
-            let key = format!("k-{key}");
-            let of_key: Vec<(i64, i64)> = rows
-                .iter()
-                .filter(|(k, ..)| *k == key)
-                .map(|(_, sequence, n)| (*sequence, *n))
-                .collect();
-            let numbers: Vec<i64> = of_key.iter().map(|(_, n)| *n).collect();
-            let expected: Vec<i64> = (0..i64::from(EVENTS / KEYS)).collect();
-            assert_eq!(
-                numbers, expected,
-                "the events of {key}, in the store's order"
-            );
-            let first = of_key[0].0;
-            let sequences: Vec<i64> = of_key.iter().map(|(sequence, _)| *sequence).collect();
-            let consecutive: Vec<i64> = (first..first + of_key.len() as i64).collect();
-            assert_eq!(sequences, consecutive, "the sequences of {key}");
-        }
+        check_once_in_order(&rows);
     }
 
     /// Drops the schema.
@@ -187,6 +169,31 @@ impl ConsumerCrash {
             .execute(&self.pool)
             .await
             .expect("drop the test's schema");
+    }
+}
+
+/// Checks that the store's events, as `(key, sequence, n)` in the order of key and sequence,
+/// are every event once, each key's in order: the numbers 0, 1, 2, … under consecutive
+/// sequences of the key.
+pub fn check_once_in_order(rows: &[(String, i64, i64)]) {
+    assert_eq!(rows.len(), EVENTS as usize, "every event once");
+    for key in 0..KEYS {
+        let key = format!("k-{key}");
+        let of_key: Vec<(i64, i64)> = rows
+            .iter()
+            .filter(|(k, ..)| *k == key)
+            .map(|(_, sequence, n)| (*sequence, *n))
+            .collect();
+        let numbers: Vec<i64> = of_key.iter().map(|(_, n)| *n).collect();
+        let expected: Vec<i64> = (0..i64::from(EVENTS / KEYS)).collect();
+        assert_eq!(
+            numbers, expected,
+            "the events of {key}, in the store's order"
+        );
+        let first = of_key[0].0;
+        let sequences: Vec<i64> = of_key.iter().map(|(sequence, _)| *sequence).collect();
+        let consecutive: Vec<i64> = (first..first + of_key.len() as i64).collect();
+        assert_eq!(sequences, consecutive, "the sequences of {key}");
     }
 }
 

@@ -93,6 +93,46 @@ pub(crate) fn check_lease_duration(duration: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Checks a lead role: 1 to 128 bytes without control characters, and a period of 1 ms to 7
+/// days.
+#[cfg(any(feature = "mongodb", feature = "postgres"))]
+pub(crate) fn check_role(role: &str, period: Duration) -> Result<()> {
+    if role.is_empty() {
+        return Err(role_error(role));
+    }
+    check_role_prefix(role)?;
+    if period < Duration::from_millis(1) || period > MAX_LEASE {
+        return Err(InvalidArgumentError::new(
+            "period",
+            format!("{period:?} is out of range; use 1 ms to 7 days"),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Checks the start of a lead role, as a listing takes it: at most 128 bytes without control
+/// characters (an empty one lists every lead).
+#[cfg(any(feature = "mongodb", feature = "postgres"))]
+pub(crate) fn check_role_prefix(prefix: &str) -> Result<()> {
+    if prefix.len() > super::MAX_ROLE_BYTES || prefix.chars().any(char::is_control) {
+        return Err(role_error(prefix));
+    }
+    Ok(())
+}
+
+#[cfg(any(feature = "mongodb", feature = "postgres"))]
+fn role_error(role: &str) -> crate::Error {
+    InvalidArgumentError::new(
+        "role",
+        format!(
+            "{:?} is not a role name; use 1 to 128 bytes without control characters",
+            truncate_for_message(role, 64)
+        ),
+    )
+    .into()
+}
+
 /// `now + duration`, refused when it leaves the range of a timestamp.
 pub(crate) fn add(now: Timestamp, duration: Duration) -> Result<Timestamp> {
     i64::try_from(duration.as_millis())

@@ -27,7 +27,8 @@
 //!   operator page and the delivery gauges.
 //! - [`Operate`]: requeueing, burying and discarding by id; purging. For operators and the
 //!   bus's retention.
-//! - [`Leadership`]: one store instance at a time per role. For the delivery gauges.
+//! - [`Leadership`]: one store instance at a time per role, listed by prefix, and fenced in the
+//!   caller's transaction. For the delivery gauges and the Kafka consumer's partitions.
 //! - [`IdempotentRequests`]: the stored first answers of idempotent requests, in the request's
 //!   transaction. For `relaybus-axum`'s `IdempotencyLayer`.
 //! - [`Limits`]: the slots of handlers' global concurrency and the start counters of their rate
@@ -120,7 +121,7 @@ pub use idempotency::{
     RequestKeyState, StoredResponse, key_problem,
 };
 pub use inspect::Inspect;
-pub use leadership::Leadership;
+pub use leadership::{Lead, Leadership, MAX_ROLE_BYTES};
 #[cfg(any(feature = "mongodb", feature = "postgres", feature = "memory"))]
 pub(crate) use limits::rate_window;
 pub use limits::{Limits, MAX_GLOBAL_CONCURRENCY, Slot, SlotRequest, StartsRequest};

@@ -8,7 +8,7 @@ use futures::stream::BoxStream;
 use super::{
     Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
     DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-    IdempotentRequests, Inspect, LaneReport, Leadership, Limits, Operate, PositionKey,
+    IdempotentRequests, Inspect, LaneReport, Lead, Leadership, Limits, Operate, PositionKey,
     PurgeOptions, Purged, Queue, RequestKey, RequestKeyState, Requeued, Slot, SlotRequest,
     StartsRequest, Statistics, Store, StoreLease, StoredResponse, Transactions, WakeUp,
 };
@@ -156,6 +156,9 @@ unavailable! {
 
     impl Leadership {
         async fn lead(&self, &str, Duration) -> Result<bool>;
+        async fn keep_lead(&self, &mut NoStore, &str, Duration) -> Result<bool>;
+        async fn leads(&self, &str) -> Result<Vec<Lead>>;
+        async fn resign(&self, &str) -> Result<()>;
     }
 
     impl Limits {

@@ -255,3 +255,94 @@ pub async fn one_instance_leads_a_role_at_a_time_across_instances<S: Store>(firs
         S::NAME
     );
 }
+
+/// `keep_lead`, `leads` and `resign`: a lead kept in a transaction is renewed with it, and a
+/// take-over waits for that transaction and then finds the lead renewed; a transaction of an
+/// instance whose lead expired and was taken keeps nothing; each instance lists the leads of a
+/// prefix and which are its own; a resigned lead is free at once.
+pub async fn a_kept_lead_fences_transactions_across_instances<S: Store>(first: &S, second: &S) {
+    use std::time::Duration;
+
+    use relaybus::store::{Lead, transaction};
+
+    let period = Duration::from_secs(2);
+    let keep = async |store: &S, role: &'static str, period: Duration| {
+        transaction::run(store, None, async |session| {
+            store.keep_lead(session, role, period).await
+        })
+        .await
+        .unwrap()
+    };
+    assert!(first.lead("fence/a", period).await.unwrap(), "{}", S::NAME);
+    assert!(second.lead("fence/b", period).await.unwrap(), "{}", S::NAME);
+    assert!(second.lead("other", period).await.unwrap(), "{}", S::NAME);
+    assert!(keep(first, "fence/a", period).await, "{}", S::NAME);
+    assert!(
+        !keep(first, "fence/b", period).await,
+        "{}: kept another instance's lead",
+        S::NAME
+    );
+    assert!(
+        !keep(first, "fence/none", period).await,
+        "{}: kept a lead nobody took",
+        S::NAME
+    );
+    assert_eq!(
+        first.leads("fence/").await.unwrap(),
+        [Lead::new("fence/a", true), Lead::new("fence/b", false)],
+        "{}",
+        S::NAME
+    );
+    assert_eq!(
+        second.leads("fence/").await.unwrap(),
+        [Lead::new("fence/a", false), Lead::new("fence/b", true)],
+        "{}",
+        S::NAME
+    );
+
+    // A take-over of a lead kept in an open transaction waits for it, then finds it renewed.
+    let short = Duration::from_millis(300);
+    assert!(first.lead("fence/a", short).await.unwrap(), "{}", S::NAME);
+    let mut session = first.session().await.unwrap();
+    first.begin(&mut session, None).await.unwrap();
+    assert!(
+        first
+            .keep_lead(&mut session, "fence/a", Duration::from_secs(30))
+            .await
+            .unwrap(),
+        "{}",
+        S::NAME
+    );
+    tokio::time::sleep(short * 2).await;
+    let taker = second.clone();
+    let take_over = tokio::spawn(async move { taker.lead("fence/a", short).await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    first.commit(&mut session).await.unwrap();
+    assert!(
+        !take_over.await.unwrap(),
+        "{}: taken over past a transaction that kept the lead",
+        S::NAME
+    );
+
+    // Once it expired and another instance took it, a transaction keeps nothing.
+    assert!(first.lead("fence/c", short).await.unwrap(), "{}", S::NAME);
+    let taken = async {
+        while !second.lead("fence/c", period).await.unwrap() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(period * 5, taken)
+        .await
+        .unwrap_or_else(|_| panic!("{}: an expired lead is taken over", S::NAME));
+    assert!(
+        !keep(first, "fence/c", period).await,
+        "{}: a stale holder kept the lead",
+        S::NAME
+    );
+
+    // A resigned lead is free at once; resigning another's changes nothing.
+    first.resign("fence/c").await.unwrap();
+    assert!(!first.lead("fence/c", period).await.unwrap(), "{}", S::NAME);
+    second.resign("fence/c").await.unwrap();
+    assert!(first.lead("fence/c", period).await.unwrap(), "{}", S::NAME);
+}

@@ -35,9 +35,10 @@
 //! - [`concurrent_claims_never_share_a_delivery_across_instances`]
 //! - [`relinquish_hands_back_across_instances`]
 //! - [`one_instance_leads_a_role_at_a_time_across_instances`]
+//! - [`a_kept_lead_fences_transactions_across_instances`]
 //! - [`a_schedule_publishes_each_tick_once_across_instances`]
 //!
-//! Every other test runs for every store. Skipped today: none for MongoDB; all six for the
+//! Every other test runs for every store. Skipped today: none for MongoDB; all seven for the
 //! in-memory store (`relaybus::store::memory`), which lives in one process and has no second
 //! instance to open. Takeover, fencing and hand-back between owners of one store instance are
 //! checked for it by the other tests.
@@ -156,6 +157,7 @@ macro_rules! conformance_tests {
             concurrent_claims_never_share_a_delivery_across_instances,
             relinquish_hands_back_across_instances,
             one_instance_leads_a_role_at_a_time_across_instances,
+            a_kept_lead_fences_transactions_across_instances,
             a_schedule_publishes_each_tick_once_across_instances,
         );
     };

@@ -41,6 +41,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+mod share;
+
 const DEFAULT_KAFKA_URL: &str = "127.0.0.1:19092";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -124,7 +126,6 @@ impl Topics {
 
     fn consumer(&self, name: &str) -> KafkaConsumer {
         KafkaConsumer::builder(Arc::clone(&self.client), &self.topic, name)
-            .partitions(self.partitions)
             .batch_records(16)
             .fetch_wait(Duration::from_millis(100))
             .fetch_timeout(Duration::from_secs(2))
@@ -231,7 +232,7 @@ async fn consume<S: Store>(
             "the consumer took {} of {count} records in 30 s: {total:?}",
             total.fetched
         );
-        for partition in 0..consumer.partitions() {
+        for partition in consumer.discover_partitions().await.expect("partitions") {
             let report = consumer
                 .poll(bus, partition)
                 .await
@@ -246,10 +247,10 @@ async fn consume<S: Store>(
     total
 }
 
-/// The stored positions of all the consumer's partitions, added up.
-async fn positions<S: Store>(consumer: &KafkaConsumer, bus: &RelayBus<S>) -> i64 {
+/// The stored positions of the consumer's partitions of `topics`, added up; asks the store only.
+async fn positions<S: Store>(topics: &Topics, consumer: &KafkaConsumer, bus: &RelayBus<S>) -> i64 {
     let mut sum = 0;
-    for partition in 0..consumer.partitions() {
+    for partition in 0..topics.partitions {
         sum += consumer
             .position(bus, partition)
             .await
@@ -484,15 +485,14 @@ async fn a_consumer_stopped_anywhere_resumes_with_one_effect_per_event() {
     let log = Log::default();
     let shipping_bus = shipping(MemoryEventStore::new(), &log);
     let consumer = KafkaConsumer::builder(Arc::clone(&topics.client), &topics.topic, "shipping")
-        .partitions(3)
         .batch_records(4)
         .fetch_wait(Duration::from_millis(50))
         .retry_delay(Duration::from_millis(20))
         .build()
         .unwrap();
     let (mut kills, mut stopped_midway) = (0, 0);
-    while positions(&consumer, &shipping_bus).await < 90 {
-        let before = positions(&consumer, &shipping_bus).await;
+    while positions(&topics, &consumer, &shipping_bus).await < 90 {
+        let before = positions(&topics, &consumer, &shipping_bus).await;
         let running = tokio::spawn({
             let consumer = consumer.clone();
             let bus = shipping_bus.clone();
@@ -502,13 +502,13 @@ async fn a_consumer_stopped_anywhere_resumes_with_one_effect_per_event() {
         // between its fetch and its commit. Looked at every millisecond: a consumer left
         // alone for longer may commit every batch before it is stopped a second time.
         wait_until_every("a commit", Duration::from_millis(1), async || {
-            positions(&consumer, &shipping_bus).await > before
+            positions(&topics, &consumer, &shipping_bus).await > before
         })
         .await;
         running.abort();
         let _ = running.await;
         kills += 1;
-        if positions(&consumer, &shipping_bus).await < 90 {
+        if positions(&topics, &consumer, &shipping_bus).await < 90 {
             stopped_midway += 1;
         }
     }
@@ -524,7 +524,6 @@ async fn a_consumer_stopped_anywhere_resumes_with_one_effect_per_event() {
 
     // Records read again into the same store append nothing new.
     let again = KafkaConsumer::builder(Arc::clone(&topics.client), &topics.topic, "audit")
-        .partitions(3)
         .build()
         .unwrap();
     let report = consume(&again, &shipping_bus, 90).await;
@@ -621,7 +620,7 @@ async fn per_key_order_holds_end_to_end_over_partitions() {
         async move { consumer.run(&bus, shutdown).await }
     });
     wait_until("300 records taken", async || {
-        positions(&consumer, &shipping_bus).await == 300
+        positions(&topics, &consumer, &shipping_bus).await == 300
     })
     .await;
     shutdown.cancel();
@@ -745,7 +744,6 @@ async fn a_paused_broker_delays_but_loses_nothing() {
     let log = Log::default();
     let shipping_bus = shipping(MemoryEventStore::new(), &log);
     let consumer = KafkaConsumer::builder(Arc::clone(&topics.client), &topics.topic, "shipping")
-        .partitions(2)
         .fetch_wait(Duration::from_millis(50))
         .fetch_timeout(Duration::from_millis(300))
         .retry_delay(Duration::from_millis(50))
@@ -760,7 +758,7 @@ async fn a_paused_broker_delays_but_loses_nothing() {
     });
     let first = publish_and_relay(&shop_bus, 5, 10).await;
     wait_until("the first events taken", async || {
-        positions(&consumer, &shipping_bus).await >= 10
+        positions(&topics, &consumer, &shipping_bus).await >= 10
     })
     .await;
 
@@ -775,7 +773,7 @@ async fn a_paused_broker_delays_but_loses_nothing() {
     // Every attempt fails while the broker is paused, each after the produce timeout.
     let run = shop_bus.run_once().await.expect("run");
     assert!(run.other >= 1 && run.completed == 0, "{run:?}");
-    let paused = positions(&consumer, &shipping_bus).await;
+    let paused = positions(&topics, &consumer, &shipping_bus).await;
     broker.resume();
 
     let relayed = shop_bus
@@ -920,6 +918,13 @@ async fn bad_settings_are_refused_with_what_to_do() {
         consumer("c").fetch_wait(Duration::ZERO).build().map(|_| ()),
         "fetch_wait",
     );
+    invalid(
+        consumer("c")
+            .lease(Duration::from_millis(10))
+            .build()
+            .map(|_| ()),
+        "lease",
+    );
 }
 
 /// The store boundary's consumer positions, on every store: written in the caller's
@@ -1050,10 +1055,14 @@ async fn consumer_positions_commit_with_the_transaction_on_every_store() {
         .unwrap();
 }
 
+/// The lease of the consumer processes of the kill test: the killed process's partitions are
+/// free once its leads expired, well within the recovery the test asks for.
+const KILLED_CONSUMER_LEASE_MS: u64 = 1_000;
+
 /// A consumer process killed with SIGKILL while its appends wait inside their transactions:
 /// each partition's offset is written in the transaction of its batch, so a new process
-/// started at once goes on from the last committed one, within seconds; every event once and
-/// each key's in order.
+/// started at once goes on from the last committed one once the killed process's leads
+/// expired, within seconds; every event once and each key's in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_consumer_process_is_caught_up_within_seconds() {
     let topics = Topics::new("killed-consumer", 4).await;
@@ -1067,7 +1076,7 @@ async fn a_killed_consumer_process_is_caught_up_within_seconds() {
             broker_url(),
             topics.topic.clone(),
             "shipping".to_owned(),
-            topics.partitions.to_string(),
+            KILLED_CONSUMER_LEASE_MS.to_string(),
         ],
     )
     .await;

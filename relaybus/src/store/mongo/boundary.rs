@@ -12,8 +12,8 @@ use crate::{
     store::{
         Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
         DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-        Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
-        Statistics, Store, StoreLease, Transactions, WakeUp, position::PositionKey,
+        Inspect, LaneReport, Operate, PurgeOptions, Purged, Queue, Requeued, Statistics, Store,
+        StoreLease, Transactions, WakeUp, position::PositionKey,
     },
     time::Timestamp,
 };
@@ -321,12 +321,6 @@ impl Operate for MongoEventStore {
 
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
         MongoEventStore::requeue(self, ids, bson_date(now)).await
-    }
-}
-
-impl Leadership for MongoEventStore {
-    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
-        MongoEventStore::lead(self, role, period).await
     }
 }
 

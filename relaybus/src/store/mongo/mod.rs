@@ -10,6 +10,7 @@ mod idempotency;
 mod inspect;
 mod key_gate;
 mod lane;
+mod leadership;
 mod lease;
 mod limits;
 mod operator;

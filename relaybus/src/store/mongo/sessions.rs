@@ -56,8 +56,8 @@ const SESSION_IDLE_LIMIT: Duration = Duration::from_secs(31 * 60);
 /// The sessions of one store instance and its heartbeat.
 #[derive(Debug)]
 pub(crate) struct SessionRegistry {
-    /// The id of this instance's document.
-    id: ObjectId,
+    /// The id of this instance's document, and the holder of its leads.
+    pub(super) id: ObjectId,
     /// `None` when crash recovery is off.
     expiry: Option<Duration>,
     /// Session ids by their `id` bytes: the id document and when it was last used.
@@ -173,48 +173,6 @@ async fn heartbeat(store: Weak<StoreInner>, expiry: Duration) {
     // instance on the same client may take them, so nobody may kill them later.
     let _ = processes.delete_one(doc! { field::ID: id }).await;
 }
-
-impl super::MongoEventStore {
-    /// Takes or keeps the lead of `role` for `period`: one document `lead:<role>` in
-    /// `processes`, naming its holder and an expiry by the server's clock.
-    pub(crate) async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
-        let inner = &self.inner;
-        let holder = inner.sessions.id;
-        let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
-        let holder_path = format!("${}", field::HOLDER);
-        // Free (never held, or expired) or ours: take it; otherwise leave it as it is.
-        let ours = doc! { "$or": [
-            { "$eq": [{ "$type": &holder_path }, "missing"] },
-            { "$eq": [&holder_path, holder] },
-            { "$lt": [path::EXPIRES_AT, "$$NOW"] },
-        ] };
-        let taken = inner
-            .processes
-            .find_one_and_update(
-                doc! { field::ID: format!("lead:{role}") },
-                vec![doc! { "$set": {
-                    field::HOLDER: { "$cond": [&ours, holder, &holder_path] },
-                    field::EXPIRES_AT: {
-                        "$cond": [&ours, { "$add": ["$$NOW", period_ms] }, path::EXPIRES_AT],
-                    },
-                } }],
-            )
-            .upsert(true)
-            .return_document(mongodb::options::ReturnDocument::After)
-            .await;
-        match taken {
-            Ok(lead) => {
-                Ok(lead.and_then(|lead| lead.get_object_id(field::HOLDER).ok()) == Some(holder))
-            }
-            // Two instances created the document at once; the other one did.
-            Err(error) if super::error_code(&error) == Some(DUPLICATE_KEY) => Ok(false),
-            Err(error) => Err(error.into()),
-        }
-    }
-}
-
-/// `DuplicateKey`.
-const DUPLICATE_KEY: i32 = 11000;
 
 /// Whether a document found by a sweep expired by the server's clock (computed, never stored).
 const EXPIRED: &str = "expired";

@@ -14,8 +14,8 @@ use crate::{
     store::{
         Append, AppendRequest, Appended, Buried, ClaimRequest, Claimed, ConsumerPositions,
         DeadLetterGroup, DeliveryQuery, DeliveryRecord, Discarded, EventDetail, HandlerStatistics,
-        Inspect, LaneReport, Leadership, Operate, PurgeOptions, Purged, Queue, Requeued,
-        Statistics, Store, Transactions, WakeUp, position::PositionKey,
+        Inspect, LaneReport, Operate, PurgeOptions, Purged, Queue, Requeued, Statistics, Store,
+        Transactions, WakeUp, position::PositionKey,
     },
     time::Timestamp,
 };
@@ -264,11 +264,5 @@ impl Operate for PostgresEventStore {
 
     async fn requeue(&self, ids: &[String], now: Timestamp) -> Result<Requeued> {
         self.requeue_ids(ids, now).await
-    }
-}
-
-impl Leadership for PostgresEventStore {
-    async fn lead(&self, role: &str, period: Duration) -> Result<bool> {
-        self.take_lead(role, period).await
     }
 }

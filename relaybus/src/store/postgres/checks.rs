@@ -2,23 +2,18 @@
 //! PostgreSQL cannot hold, and the text helpers the writes share. Everything here runs before a
 //! query, so refused input writes nothing.
 
-use std::time::Duration;
-
 pub(super) use crate::store::checks::{
     add, check_batch, check_handlers, check_lease_duration, check_limit, check_list_limit,
-    check_owner, check_reason,
+    check_owner, check_reason, check_role,
 };
 use crate::{
-    error::{EventValidationError, InvalidArgumentError, Result, truncate_for_message},
+    error::{EventValidationError, Result, truncate_for_message},
     handler::validate_handler_id,
     store::{
         AppendRequest,
-        checks::{self, MAX_ERROR_BYTES, MAX_HISTORY_ERROR_BYTES, MAX_LEASE, clip_to},
+        checks::{self, MAX_ERROR_BYTES, MAX_HISTORY_ERROR_BYTES, clip_to},
     },
 };
-
-/// The longest lead role name, in bytes.
-const MAX_ROLE_BYTES: usize = 128;
 
 /// A delivery id as text, when it is one this store can have made.
 pub(super) fn parse_id(id: &str) -> Option<i64> {
@@ -37,28 +32,6 @@ pub(super) fn parse_ids(ids: &[String], verb: &str) -> Result<(Vec<i64>, Vec<Str
 /// The listing cursor `after`, refused when it is no delivery id.
 pub(super) fn parse_after(after: &str) -> Result<i64> {
     checks::parse_after(after, parse_id)
-}
-
-/// Checks a lead role: 1 to 128 bytes without control characters.
-pub(super) fn check_role(role: &str, period: Duration) -> Result<()> {
-    if role.is_empty() || role.len() > MAX_ROLE_BYTES || role.chars().any(char::is_control) {
-        return Err(InvalidArgumentError::new(
-            "role",
-            format!(
-                "{:?} is not a role name; use 1 to 128 bytes without control characters",
-                truncate_for_message(role, 64)
-            ),
-        )
-        .into());
-    }
-    if period < Duration::from_millis(1) || period > MAX_LEASE {
-        return Err(InvalidArgumentError::new(
-            "period",
-            format!("{period:?} is out of range; use 1 ms to 7 days"),
-        )
-        .into());
-    }
-    Ok(())
 }
 
 /// Refuses text PostgreSQL cannot store: `text` columns take no NUL character.
@@ -114,6 +87,8 @@ pub(super) fn clip_history_error(message: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]

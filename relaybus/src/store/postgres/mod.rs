@@ -87,7 +87,8 @@
 //!   scope, with an index of its expiry for purge. A transaction takes a key with an advisory
 //!   lock on its id, held until it ends.
 //! - `leads`: one row per [`lead`](crate::store::Leadership::lead) role, with its holder and
-//!   expiry.
+//!   expiry. [`keep_lead`](crate::store::Leadership::keep_lead) updates the row in the caller's
+//!   transaction, whose row lock makes a take-over wait for it.
 //! - `slots`: one row per slot of a handler's global concurrency taken since it was last given
 //!   back, with its holder and expiry ([`Limits`](crate::store::Limits)); `rate_windows`: one
 //!   row per rate-limited handler, with its current window and its starts there.
@@ -213,6 +214,7 @@ mod checks;
 mod claim;
 mod executor;
 mod idempotency;
+mod leadership;
 mod limits;
 mod operator;
 mod session;

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use futures::future::BoxFuture;
 
-use super::broker::{Broker, Position, Settlement};
+use super::broker::{Broker, LeadLost, Position, Settlement};
 use crate::{
     bus::RelayBus,
     error::Error,
@@ -82,6 +82,15 @@ pub(crate) async fn append<B: Broker, S: Store>(
         Ok(committed) => {
             settle_appended::<B>(messages, &mut fates, committed);
             (fates, None)
+        }
+        Err(error) if broker.position().is_some_and(Position::lost) => {
+            // Another process reads the partition now: nothing more of it is appended here.
+            for fate in &mut fates {
+                if matches!(fate, Fate::Decoded(_)) {
+                    *fate = Fate::Retry;
+                }
+            }
+            (fates, Some(error.to_string()))
         }
         Err(error) => {
             tracing::debug!(%error, "appending the batch failed; appending one by one");
@@ -210,7 +219,8 @@ fn settle_appended<B: Broker>(messages: &[B::Message], fates: &mut [Fate], commi
 }
 
 /// Appends `events` (each with its message's offset) in one transaction. With a position, the
-/// transaction reads it first, leaves out the events behind it, and moves it to `next`.
+/// transaction reads it first, leaves out the events behind it, and moves it to `next`; with a
+/// fence too, it first keeps the reader's lead, and writes nothing when that was lost.
 async fn commit<S: Store>(
     bus: &RelayBus<S>,
     position: Option<&Position>,
@@ -234,6 +244,14 @@ async fn commit<S: Store>(
             Box::pin(async move {
                 let key = position.key();
                 let store = bus.store();
+                if let Some(fence) = &position.fence
+                    && !store.keep_lead(session, &fence.role, fence.period).await?
+                {
+                    fence.lost.cancel();
+                    return Err(Error::custom(LeadLost {
+                        role: fence.role.clone(),
+                    }));
+                }
                 let stored = store.consumer_position(session, &key).await?.unwrap_or(0);
                 let envelopes = unique(&events, stored);
                 let appended = if envelopes.is_empty() {
@@ -368,6 +386,7 @@ mod tests {
                 consumer: "shipping".to_owned(),
                 source: "orders".to_owned(),
                 partition: 0,
+                fence: None,
             }),
             ..Recorded::default()
         }

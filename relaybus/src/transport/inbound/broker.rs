@@ -4,6 +4,8 @@
 
 use std::{fmt, future::Future, time::Duration};
 
+use tokio_util::sync::CancellationToken;
+
 use crate::{error::BoxError, store::PositionKey};
 
 /// How a message is settled with the broker once its fate is known.
@@ -25,12 +27,44 @@ pub struct Position {
     pub(crate) consumer: String,
     pub(crate) source: String,
     pub(crate) partition: u32,
+    /// The lead the reader holds on the partition, when processes share the partitions.
+    pub(crate) fence: Option<Fence>,
 }
 
 impl Position {
     pub(crate) fn key(&self) -> PositionKey<'_> {
         PositionKey::new(&self.consumer, &self.source, self.partition)
     }
+
+    /// Whether a transaction found the reader's lead lost.
+    pub(crate) fn lost(&self) -> bool {
+        self.fence
+            .as_ref()
+            .is_some_and(|fence| fence.lost.is_cancelled())
+    }
+}
+
+/// The lead of a partition a reader holds while processes share a topic's partitions: each
+/// append's transaction keeps it first ([`Leadership::keep_lead`](crate::store::Leadership::keep_lead)),
+/// so a reader whose lead another process took appends nothing more, and stops.
+#[derive(Debug, Clone)]
+pub(crate) struct Fence {
+    /// The lead's role.
+    pub(crate) role: String,
+    /// How long a keep renews it for.
+    pub(crate) period: Duration,
+    /// Cancelled by the transaction that found the lead lost: the reader's run stops on it.
+    pub(crate) lost: CancellationToken,
+}
+
+/// A transaction found that another process took the reader's lead over.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the lead {role:?} was taken over by another process; this reader appends nothing more and \
+     stops"
+)]
+pub(crate) struct LeadLost {
+    pub(crate) role: String,
 }
 
 /// What a fetch took: the messages, in the broker's order, and what holds them until the

@@ -16,9 +16,9 @@ mod run;
 #[cfg(feature = "kafka")]
 pub(crate) use append::owned_work;
 pub use batch::{AppendedBatch, InboundBatch};
-#[cfg(feature = "kafka")]
-pub(crate) use broker::Position;
 pub(crate) use broker::{Broker, Settlement};
+#[cfg(feature = "kafka")]
+pub(crate) use broker::{Fence, Position};
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
 pub use report::BatchReport;

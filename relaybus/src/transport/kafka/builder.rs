@@ -1,8 +1,13 @@
 //! The settings of a [`KafkaConsumer`], checked before it is built.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{Arc, atomic::AtomicBool},
+    time::Duration,
+};
 
 use rskafka::client::Client;
+use tokio::sync::watch;
 
 use super::{
     KafkaError,
@@ -11,10 +16,11 @@ use super::{
 };
 use crate::{
     store::MAX_POSITION_NAME_BYTES,
-    transport::settings::{
-        check_batch_size, check_delay, check_partitions, check_range, check_timeout,
-    },
+    transport::settings::{check_batch_size, check_delay, check_range, check_timeout},
 };
+
+/// How long a process's lead on a partition lasts unless renewed, by default: 10 seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
 impl KafkaConsumer {
     /// Starts building a consumer of `topic` named `name`: the name keys its stored offsets,
@@ -28,7 +34,7 @@ impl KafkaConsumer {
             client,
             topic: topic.into(),
             name: name.into(),
-            partitions: 1,
+            lease: DEFAULT_LEASE,
             batch_records: 256,
             batch_bytes: 4 << 20,
             fetch_wait: Duration::from_millis(500),
@@ -45,7 +51,7 @@ pub struct KafkaConsumerBuilder {
     client: Arc<Client>,
     topic: String,
     name: String,
-    partitions: u32,
+    lease: Duration,
     batch_records: usize,
     batch_bytes: i32,
     fetch_wait: Duration,
@@ -59,16 +65,32 @@ impl fmt::Debug for KafkaConsumerBuilder {
         f.debug_struct("KafkaConsumerBuilder")
             .field("topic", &self.topic)
             .field("name", &self.name)
-            .field("partitions", &self.partitions)
+            .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
 }
 
 impl KafkaConsumerBuilder {
-    /// How many partitions the topic has, 1 by default (1 to 1,024): [`run`](KafkaConsumer::run)
-    /// reads partitions `0..partitions`, one task each.
-    pub fn partitions(mut self, partitions: u32) -> Self {
-        self.partitions = partitions;
+    /// Ignored: [`run`](KafkaConsumer::run) reads the partitions the broker's metadata lists,
+    /// and finds those added to the topic while it runs.
+    #[deprecated(
+        note = "the consumer reads the partitions the broker's metadata lists; remove the call"
+    )]
+    pub fn partitions(self, partitions: u32) -> Self {
+        let _ = partitions;
+        self
+    }
+
+    /// How long a process's lead on a partition lasts unless renewed, 10 seconds by default
+    /// ([`DEFAULT_LEASE`]; 100 ms to 1 hour). The processes of one consumer (one name and topic
+    /// on one database) share the topic's partitions through these leads, renewed every third
+    /// of the lease: the partitions of a process that died are read by another within a lease
+    /// and a third of it. Each append's transaction also keeps its reader's lead, so a reader
+    /// that lost it (paused past the lease) appends nothing more. A shorter lease moves a dead
+    /// process's partitions sooner, for more writes to the store: one per partition read and
+    /// per process, three times a lease, and one per batch.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
         self
     }
 
@@ -149,7 +171,12 @@ impl KafkaConsumerBuilder {
                 ),
             ));
         }
-        check_partitions(self.partitions)?;
+        check_range(
+            "lease",
+            self.lease,
+            Duration::from_millis(100)..=Duration::from_secs(3600),
+            "100 ms to 1 hour",
+        )?;
         check_batch_size("batch_records", self.batch_records, MAX_BATCH_RECORDS)?;
         check_range(
             "batch_bytes",
@@ -170,13 +197,15 @@ impl KafkaConsumerBuilder {
                 client: self.client,
                 topic: self.topic,
                 name: self.name,
-                partitions: self.partitions,
+                lease: self.lease,
                 batch_records: self.batch_records,
                 batch_bytes: self.batch_bytes,
                 fetch_wait: self.fetch_wait,
                 fetch_timeout: self.fetch_timeout,
                 retry_delay: self.retry_delay,
                 dead_letter_topic: self.dead_letter_topic,
+                assignment: watch::Sender::new(Vec::new()),
+                running: AtomicBool::new(false),
             }),
         })
     }

@@ -1,16 +1,25 @@
 //! The inbound consumer: reads a topic's partitions and appends their events to the local
 //! store, each batch in one transaction together with the partition's next offset.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use rskafka::{
     client::{Client, partition::PartitionClient},
     record::RecordAndOffset,
 };
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{
     KafkaError,
+    assignment::Assignment,
     partition::PartitionReader,
     relay::{create_topic, partition_client},
 };
@@ -38,6 +47,11 @@ pub const MAX_BATCH_RECORDS: usize = 1_000;
 /// offset after them commit together or not at all, so each record is taken into the store exactly
 /// once, whenever the consumer stops.
 ///
+/// The partitions come from the broker's metadata, and the processes that run the consumer (one
+/// name and topic on one database) share them through leads of the local store
+/// ([`Leadership`](crate::store::Leadership)), each partition read by one process at a time:
+/// see [`run`](Self::run).
+///
 /// Cheap to clone.
 ///
 /// See the [module documentation](super) for the record format and the guarantees.
@@ -55,7 +69,6 @@ pub const MAX_BATCH_RECORDS: usize = 1_000;
 ///     .build()
 ///     .await?;
 /// let consumer = KafkaConsumer::builder(Arc::new(client), "orders.events", "shipping")
-///     .partitions(16)
 ///     .dead_letter_topic("orders.dead")
 ///     .build()?;
 /// let shutdown = CancellationToken::new();
@@ -74,13 +87,17 @@ pub(super) struct ConsumerInner {
     pub(super) client: Arc<Client>,
     pub(super) topic: String,
     pub(super) name: String,
-    pub(super) partitions: u32,
+    pub(super) lease: Duration,
     pub(super) batch_records: usize,
     pub(super) batch_bytes: i32,
     pub(super) fetch_wait: Duration,
     pub(super) fetch_timeout: Duration,
     pub(super) retry_delay: Duration,
     pub(super) dead_letter_topic: Option<String>,
+    /// The partitions the running [`run`](KafkaConsumer::run) reads.
+    pub(super) assignment: watch::Sender<Vec<u32>>,
+    /// Whether a [`run`](KafkaConsumer::run) runs.
+    pub(super) running: AtomicBool,
 }
 
 impl fmt::Debug for KafkaConsumer {
@@ -89,7 +106,7 @@ impl fmt::Debug for KafkaConsumer {
         f.debug_struct("KafkaConsumer")
             .field("topic", &inner.topic)
             .field("name", &inner.name)
-            .field("partitions", &inner.partitions)
+            .field("lease", &inner.lease)
             .field("batch_records", &inner.batch_records)
             .field("dead_letter_topic", &inner.dead_letter_topic)
             .finish_non_exhaustive()
@@ -136,7 +153,7 @@ impl KafkaConsumer {
         bus: &RelayBus<S>,
         partition: u32,
     ) -> Result<BatchReport, KafkaError> {
-        inbound::run_once(&PartitionReader::new(self, bus, partition), bus).await
+        inbound::run_once(&PartitionReader::new(self, bus, partition, None), bus).await
     }
 
     /// The connection to a partition's leader, for a fetch from `offset`.
@@ -199,55 +216,112 @@ impl KafkaConsumer {
         Ok(records)
     }
 
-    /// Consumes every partition until `shutdown` is cancelled, one task per partition: each
-    /// starts from its stored position and takes batch after batch, each appended in one
-    /// transaction of `bus`'s store together with the partition's next offset. Returns every
-    /// batch's report added up.
+    /// Consumes the topic's partitions until `shutdown` is cancelled, sharing them with the
+    /// other processes that run this consumer (its name and topic, on the same database): each
+    /// partition is read by one process at a time, in a task of its own that starts from the
+    /// stored position and takes batch after batch, each appended in one transaction of `bus`'s
+    /// store together with the partition's next offset. Returns every batch's report added up.
     ///
-    /// On shutdown each task stops fetching, finishes the batch it holds (dead-letters,
-    /// appends, commits) and returns; it notices the token at once while it waits for
-    /// records. A fetch or append that fails (the broker or the store is unreachable) is
-    /// logged, and the task tries again from the stored position after the
+    /// The partitions are those the broker's metadata lists for the topic, looked up again
+    /// every third of the [lease](super::KafkaConsumerBuilder::lease), so partitions added to
+    /// the topic are read too. Each process holds a lead of the store
+    /// ([`Leadership`](crate::store::Leadership)) on each partition it reads and one as a
+    /// member, renewed every third of the lease, and reads an even share of the partitions; the
+    /// share moves only when processes come or go. The partitions of a process that died are
+    /// read by another once its leads expired: within the lease and a third. Each append's
+    /// transaction keeps its reader's lead
+    /// ([`keep_lead`](crate::store::Leadership::keep_lead)), so a reader whose lead another
+    /// process took appends nothing more and stops; the new reader goes on from the last
+    /// committed offset. [`assignment`](Self::assignment) tells which partitions this process
+    /// reads.
+    ///
+    /// A store that lives in one process (the in-memory store) leads every role: its consumer
+    /// reads every partition. Leads belong to a store instance, so run one consumer of a name
+    /// and topic per store instance; a second `run` of this consumer while one runs returns at
+    /// once with an empty report (and an error in the log).
+    ///
+    /// On shutdown each reader stops fetching, finishes the batch it holds (dead-letters,
+    /// appends, commits), and the leads are given up, so another process takes the partitions
+    /// at once. A fetch or append that fails (the broker or the store is unreachable) is
+    /// logged, and the reader tries again from the stored position after the
     /// [retry delay](super::KafkaConsumerBuilder::retry_delay).
     ///
     /// # Cancel safety
     ///
     /// Dropping the future instead of cancelling the token loses nothing: a batch whose
-    /// transaction did not commit is taken again from the stored position.
+    /// transaction did not commit is taken again from the stored position. The readers stop
+    /// with the token only, and the leads then expire by themselves.
     pub async fn run<S: Store>(
         &self,
         bus: &RelayBus<S>,
         shutdown: CancellationToken,
     ) -> BatchReport {
-        let mut tasks = tokio::task::JoinSet::new();
-        for partition in 0..self.inner.partitions {
-            let consumer = self.clone();
-            let bus = bus.clone();
-            let shutdown = shutdown.clone();
-            tasks.spawn(async move { consumer.run_partition(&bus, partition, shutdown).await });
+        if self.inner.running.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                topic = self.inner.topic,
+                name = self.inner.name,
+                "this Kafka consumer runs already; a second run would read the same partitions"
+            );
+            return BatchReport::default();
         }
-        let mut total = BatchReport::default();
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok(report) => total.add(report),
-                Err(error) => {
-                    tracing::error!(%error, "a partition task of the Kafka consumer failed")
-                }
-            }
-        }
-        total.next_offset = None;
-        total
+        let _running = Running(&self.inner.running);
+        Assignment::new(self, bus, shutdown).run().await
     }
 
-    /// Consumes one partition until `shutdown` is cancelled: what each task of
-    /// [`run`](Self::run) does.
+    /// The partitions this process reads, as [`run`](Self::run) takes and gives them up: a
+    /// receiver whose value changes with each, sorted (empty while the consumer does not run).
+    pub fn assignment(&self) -> watch::Receiver<Vec<u32>> {
+        self.inner.assignment.subscribe()
+    }
+
+    /// The partitions of the topic, as the broker's metadata lists them.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Topic`] when the broker could not be reached or answered within the
+    /// [fetch timeout](super::KafkaConsumerBuilder::fetch_timeout), or lists no such topic.
+    pub async fn discover_partitions(&self) -> Result<Vec<u32>, KafkaError> {
+        let inner = &self.inner;
+        let failed = |source: BoxError| KafkaError::Topic {
+            topic: inner.topic.clone(),
+            what: "listing its partitions",
+            source,
+        };
+        let topics =
+            match tokio::time::timeout(inner.fetch_timeout, inner.client.list_topics()).await {
+                Ok(Ok(topics)) => topics,
+                Ok(Err(error)) => return Err(failed(error.into())),
+                Err(_) => {
+                    return Err(failed(
+                        format!("no answer within {:?}", inner.fetch_timeout).into(),
+                    ));
+                }
+            };
+        let topic = topics
+            .into_iter()
+            .find(|topic| topic.name == inner.topic)
+            .ok_or_else(|| failed("the broker lists no such topic".into()))?;
+        Ok(topic
+            .partitions
+            .into_iter()
+            .filter_map(|partition| u32::try_from(partition).ok())
+            .collect())
+    }
+
+    /// Consumes one partition until `shutdown` is cancelled, as each reader of
+    /// [`run`](Self::run) does, but without a lead: for a partition this process alone reads.
     pub async fn run_partition<S: Store>(
         &self,
         bus: &RelayBus<S>,
         partition: u32,
         shutdown: CancellationToken,
     ) -> BatchReport {
-        inbound::run(&PartitionReader::new(self, bus, partition), bus, shutdown).await
+        inbound::run(
+            &PartitionReader::new(self, bus, partition, None),
+            bus,
+            shutdown,
+        )
+        .await
     }
 
     /// Creates the dead-letter topic (one partition, replication factor `replication_factor`)
@@ -275,9 +349,13 @@ impl KafkaConsumer {
     pub fn name(&self) -> &str {
         &self.inner.name
     }
+}
 
-    /// The number of partitions read.
-    pub fn partitions(&self) -> u32 {
-        self.inner.partitions
+/// Marks a consumer as not running when its run ends or is dropped.
+struct Running<'a>(&'a AtomicBool);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }

@@ -26,7 +26,8 @@
 //! always takes one partition, and Kafka orders a partition. The publishing bus runs one
 //! delivery of a key at a time for each relay subscription, in the key's order, and the next
 //! starts only after the leader acknowledged the previous one; the consumer reads each
-//! partition in offset order, in one task per partition, and appends each batch in order. So
+//! partition in offset order, in one task per partition (in one process at a time), and appends
+//! each batch in order. So
 //! order holds end to end per key (and per event type: each type has its own relay
 //! subscription, so two events of one key with different types may cross when the first
 //! one's delivery is retried).
@@ -48,6 +49,15 @@
 //!   and writes it in the transaction that appends the batch. A consumer stopped anywhere (before,
 //!   during or after the commit) goes on from the stored offset: the batch's events and the
 //!   offset after them committed together, or neither did. Positions only move forward.
+//! - **One reader per partition across processes.** The consumer reads the partitions the
+//!   broker's metadata lists, and the processes that run it (its name and topic, on one
+//!   database) share them through leads of the local store
+//!   ([`Leadership`](crate::store::Leadership)), renewed every third of the
+//!   [lease](KafkaConsumerBuilder::lease): each reads an even share, and the partitions of a
+//!   process that died are read by another within the lease and a third. Each append's
+//!   transaction keeps its reader's lead first
+//!   ([`keep_lead`](crate::store::Leadership::keep_lead)), so a reader whose lead was taken over
+//!   appends nothing more; see [`KafkaConsumer::run`].
 //! - **Unreadable records never block.** A record that is not a relaybus event (no value, not
 //!   JSON, another format version, an invalid event), or whose event the store refuses, is
 //!   produced to the consumer's [dead-letter topic](KafkaConsumerBuilder::dead_letter_topic)
@@ -70,6 +80,7 @@
 //!   [`run`](KafkaConsumer::run) stops fetching when its token is cancelled, finishes the
 //!   batch it holds (dead letters, append and offset in one commit), and returns.
 
+mod assignment;
 mod builder;
 mod consumer;
 mod error;
@@ -77,7 +88,7 @@ mod partition;
 mod relay;
 mod wire;
 
-pub use builder::KafkaConsumerBuilder;
+pub use builder::{DEFAULT_LEASE, KafkaConsumerBuilder};
 pub use consumer::{KafkaConsumer, MAX_BATCH_RECORDS};
 pub use error::KafkaError;
 pub use relay::{DEFAULT_RELAY_HANDLER_ID, KafkaRelay, KafkaRelayBuilder};

@@ -23,7 +23,7 @@ use crate::{
     bus::RelayBus,
     error::BoxError,
     store::Store,
-    transport::inbound::{Broker, Position, Settlement},
+    transport::inbound::{Broker, Fence, Position, Settlement},
 };
 
 /// One partition of a [`KafkaConsumer`], read into the store of `bus`.
@@ -53,7 +53,14 @@ impl fmt::Debug for Resume {
 }
 
 impl<S: Store> PartitionReader<S> {
-    pub(super) fn new(consumer: &KafkaConsumer, bus: &RelayBus<S>, partition: u32) -> Self {
+    /// A reader of `partition`, fenced by the lead `fence` when the processes of the consumer
+    /// share the partitions.
+    pub(super) fn new(
+        consumer: &KafkaConsumer,
+        bus: &RelayBus<S>,
+        partition: u32,
+        fence: Option<Fence>,
+    ) -> Self {
         let inner = &consumer.inner;
         PartitionReader {
             consumer: consumer.clone(),
@@ -62,6 +69,7 @@ impl<S: Store> PartitionReader<S> {
                 consumer: inner.name.clone(),
                 source: inner.topic.clone(),
                 partition,
+                fence,
             },
             source: format!("{}:{partition}", inner.topic),
             resume: Arc::new(Mutex::new(None)),

@@ -1,7 +1,7 @@
 //! Operator writes: discarding and requeueing dead letters, burying pending deliveries, purging
-//! finished events, and the lead of a periodic role.
+//! finished events.
 
-use std::{collections::HashMap, time::Duration};
+use std::collections::HashMap;
 
 use futures::FutureExt;
 use sqlx::{PgConnection, Row};
@@ -350,26 +350,5 @@ impl PostgresEventStore {
                 return Ok(total);
             }
         }
-    }
-
-    /// Takes or keeps the lead of `role` for `period`, by the server's clock.
-    pub(crate) async fn take_lead(&self, role: &str, period: Duration) -> Result<bool> {
-        checks::check_role(role, period)?;
-        let millis = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
-        let row = sqlx::query(&self.sql(
-            "INSERT INTO {s}.leads (role, holder, expires_at) \
-             VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
-             ON CONFLICT (role) DO UPDATE SET holder = excluded.holder, \
-                 expires_at = excluded.expires_at \
-             WHERE {s}.leads.holder = excluded.holder OR {s}.leads.expires_at <= clock_timestamp() \
-             RETURNING holder",
-        ))
-        .bind(role)
-        .bind(&self.inner.instance)
-        .bind(millis as f64)
-        .fetch_optional(&self.inner.pool)
-        .await
-        .map_err(db_error)?;
-        Ok(row.is_some())
     }
 }
