@@ -19,8 +19,9 @@ use crate::{
     transport::settings::{check_batch_size, check_delay, check_range, check_timeout},
 };
 
-/// How long a process's lead on a partition lasts unless renewed, by default: 10 seconds.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// How long a process's lead on a partition lasts unless renewed, by default: 3 seconds, so that
+/// a crashed process's partitions are read again about 4 seconds later.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(3);
 
 impl KafkaConsumer {
     /// Starts building a consumer of `topic` named `name`: the name keys its stored offsets,
@@ -81,7 +82,7 @@ impl KafkaConsumerBuilder {
         self
     }
 
-    /// How long a process's lead on a partition lasts unless renewed, 10 seconds by default
+    /// How long a process's lead on a partition lasts unless renewed, 3 seconds by default
     /// ([`DEFAULT_LEASE`]; 100 ms to 1 hour). The processes of one consumer (one name and topic
     /// on one database) share the topic's partitions through these leads, renewed every third
     /// of the lease: the partitions of a process that died are read by another within a lease
