@@ -6,8 +6,6 @@
 //! deliveries the end-to-end test runs record their calls in [`CALLS`], keyed by order id so
 //! that the tests do not read each other's calls.
 
-mod ui;
-
 use std::{
     sync::{Mutex, OnceLock},
     time::{Duration, Instant},
