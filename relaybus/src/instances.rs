@@ -16,7 +16,8 @@ pub type Named = Vec<Pin<Box<dyn Future<Output = ()> + Send>>>;
 
 /// The bus's entry points on one store: start and stop, runs, publishing, operator calls.
 fn bus<S: Store>(bus: RelayBus<S>, envelope: EventEnvelope) -> Named {
-    vec![Box::pin(async move {
+    let mut named = consumers(&bus);
+    named.push(Box::pin(async move {
         let store = bus.store().clone();
         let _ = store.setup().await;
         let _ = store.statistics().await;
@@ -33,7 +34,57 @@ fn bus<S: Store>(bus: RelayBus<S>, envelope: EventEnvelope) -> Named {
         let _ = bus.sample_gauges().await;
         let _ = bus.purge_expired().await;
         let _ = bus.shutdown().await;
-    })]
+    }));
+    named
+}
+
+/// The transports' consumers appending to one store: their loops are generic over the store.
+#[allow(unused_variables, unused_mut)] // with no transport feature, nothing is named
+fn consumers<S: Store>(bus: &RelayBus<S>) -> Named {
+    let mut named: Named = Vec::new();
+    #[cfg(feature = "nats")]
+    named.push(Box::pin({
+        use crate::transport::nats::{NatsConsumer, async_nats};
+        let bus = bus.clone();
+        async move {
+            let Ok(client) = async_nats::connect("").await else {
+                return;
+            };
+            let jetstream = async_nats::jetstream::new(client);
+            if let Ok(consumer) = NatsConsumer::builder(jetstream, "", "").build().await {
+                let _ = consumer.run_once(&bus).await;
+                consumer.run(&bus, Default::default()).await;
+            }
+        }
+    }));
+    #[cfg(feature = "rabbitmq")]
+    named.push(Box::pin({
+        use crate::transport::rabbitmq::RabbitConsumer;
+        let bus = bus.clone();
+        async move {
+            if let Ok(consumer) = RabbitConsumer::builder("", "").build().await {
+                let _ = consumer.run_once(&bus).await;
+                consumer.run(&bus, Default::default()).await;
+            }
+        }
+    }));
+    #[cfg(feature = "kafka")]
+    named.push(Box::pin({
+        use crate::transport::kafka::{KafkaConsumer, rskafka::client::ClientBuilder};
+        let bus = bus.clone();
+        async move {
+            let Ok(client) = ClientBuilder::new(Vec::new()).build().await else {
+                return;
+            };
+            if let Ok(consumer) = KafkaConsumer::builder(client.into(), "", "").build() {
+                let _ = consumer.position(&bus, 0).await;
+                let _ = consumer.poll(&bus, 0).await;
+                let _ = consumer.run_partition(&bus, 0, Default::default()).await;
+                consumer.run(&bus, Default::default()).await;
+            }
+        }
+    }));
+    named
 }
 
 /// The MongoDB store's bus.

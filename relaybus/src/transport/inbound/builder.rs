@@ -27,6 +27,8 @@ impl<O: fmt::Debug> fmt::Debug for ConsumerBuilder<O> {
 }
 
 impl<O> ConsumerBuilder<O> {
+    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use these.
+    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     /// The default batch settings, and the broker's own `options`.
     pub(crate) fn new(options: O) -> Self {
         ConsumerBuilder {

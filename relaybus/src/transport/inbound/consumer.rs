@@ -37,10 +37,14 @@ impl<B: Broker> fmt::Debug for Consumer<B> {
 }
 
 impl<B: Broker> Consumer<B> {
+    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use these.
+    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     pub(crate) fn new(broker: B) -> Self {
         Consumer { broker }
     }
 
+    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use these.
+    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     /// The broker's side of the consumer.
     pub(crate) fn broker(&self) -> &B {
         &self.broker
