@@ -427,6 +427,22 @@ impl MongoEventStore {
         Ok(())
     }
 
+    /// Picks from first pages read ahead, in `(dueAt, _id)` order, and passes over what they
+    /// held in any later scan of the claim, which reads their lanes again.
+    pub(super) async fn pick_from_pages(&self, first: FirstPages, scan: &mut Scan) -> Result<()> {
+        let mut page: Vec<Candidate> = first
+            .pages
+            .iter()
+            .flatten()
+            .filter_map(|doc| Candidate::from_raw(doc))
+            .collect();
+        page.sort_by_key(|candidate| (candidate.due_at, candidate.id));
+        let read: Vec<ObjectId> = page.iter().map(|candidate| candidate.id).collect();
+        self.look_up_and_pick(page, scan).await?;
+        scan.picking.passed_over.extend(read);
+        Ok(())
+    }
+
     /// At most `window` due, ready deliveries matching `filter`, in `(dueAt, _id)` order.
     pub(super) async fn page(
         &self,
