@@ -6,9 +6,10 @@
 //!
 //! - **Its lanes.** It reads the lanes the owner holds on this store instance, while it reads
 //!   the first page of the due deliveries of the lanes it held when its last claim ended: of
-//!   only the few its last claim drained deep, when that claim was full and took nothing but
-//!   unkeyed deliveries from them, so that a backlog is drained a few lanes at a time; the
-//!   other lanes are read when those do not fill the claim, and at least once in eight claims.
+//!   only a few, when it knows lanes with unkeyed deliveries due (those its last claim drained
+//!   and left more in, then those the last read of every lane ranked, oldest first), so that a
+//!   backlog is drained a few lanes at a time; the other lanes are read when those do not fill
+//!   the claim, and at least once in eight claims.
 //!   A held lane listing a claim this instance did not hand out is reconciled first
 //!   ([`reconcile`]); lost claims a held lane still lists are charged.
 //! - **Taking** ([`take`]) the owned lanes it does not hold yet, when they are free: after the
@@ -75,7 +76,7 @@ const TAKE_INTERVAL: Duration = Duration::from_millis(250);
 /// reads them, and finds what settled without this instance seeing it (a completion whose
 /// reply was lost, a delivery deleted by hand).
 const READ_LANES_EVERY: u32 = 8;
-/// The most lanes a claim drains deep for the next one to read alone.
+/// The most lanes a claim reads alone: those its last claim drained, then ranked ones.
 const DRAIN_LANES: usize = 8;
 /// Claims in a row that read the draining lanes alone: then one reads every lane again.
 const DRAIN_CLAIMS: u32 = 8;
@@ -367,7 +368,16 @@ impl MongoEventStore {
         let mut draining = std::mem::take(&mut state.draining);
         if state.drained >= DRAIN_CLAIMS {
             draining.clear();
+            state.ranked.clear();
         }
+        // Beside them, the next lanes the last read of every lane ranked.
+        while draining.len() < DRAIN_LANES && !state.ranked.is_empty() {
+            let lane = state.ranked.remove(0);
+            if !draining.contains(&lane) {
+                draining.push(lane);
+            }
+        }
+        draining.sort_unstable();
         let first_lanes = if draining.is_empty() {
             &expected
         } else {
@@ -501,6 +511,7 @@ impl MongoEventStore {
         self.scan_lanes_from(&scanned, handlers, now, &mut scan, first_pages)
             .await?;
         let draining = scan.picking.draining_lanes(DRAIN_LANES);
+        let ranked = scan.ranked.take();
 
         // Free lanes with work, when its own did not fill the claim: at once when it owns
         // none, else once a second at most (a member's free lanes are those of dead members, and
@@ -527,6 +538,7 @@ impl MongoEventStore {
         let Scan {
             picking,
             mut events,
+            ..
         } = scan;
         let Picking { picks, waiting, .. } = picking;
         let keep: HashSet<i32> = owned.clone().unwrap_or_default();
@@ -556,12 +568,17 @@ impl MongoEventStore {
             })
             .collect();
         state.held.sort_unstable();
-        if !recorded.raced {
-            state.draining = draining
-                .into_iter()
-                .filter(|id| state.held.binary_search(id).is_ok())
-                .collect();
-            state.draining.sort_unstable();
+        let held = |id: &i32| state.held.binary_search(id).is_ok();
+        state.draining = draining.into_iter().filter(held).collect();
+        let ranked = ranked.unwrap_or_else(|| std::mem::take(&mut state.ranked));
+        state.ranked = ranked
+            .into_iter()
+            .filter(|id| held(id) && !state.draining.contains(id))
+            .collect();
+        state.draining.sort_unstable();
+        if recorded.raced {
+            state.draining.clear();
+            state.ranked.clear();
         }
         state.known = recorded.all_matched.then(|| {
             let lanes = recorded

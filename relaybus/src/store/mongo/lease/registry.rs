@@ -33,6 +33,10 @@ pub(crate) struct OwnerState {
     /// claim reads them alone first, and the rest of its lanes only when they do not fill it.
     /// Which lanes to read, never what may be handed out.
     pub(crate) draining: Vec<i32>,
+    /// Lanes the last read of every held lane found due unkeyed deliveries in and no claim has
+    /// read alone since, oldest first: the next claims read them a few at a time beside the
+    /// draining lanes.
+    pub(crate) ranked: Vec<i32>,
     /// Claims in a row filled from the draining lanes alone.
     pub(crate) drained: u32,
     /// The lanes the owner held when its last claim ended, as that claim wrote them, when its
