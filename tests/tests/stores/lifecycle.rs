@@ -1932,6 +1932,51 @@ async fn command_counts_are_fixed_whatever_the_batch_size() {
     assert_eq!(completes, vec![3, 3, 3]);
 }
 
+/// With unkeyed deliveries due in a few lanes it knows of (those its last claim left more in,
+/// then those the last read of every lane ranked), a claim reads those lanes alone: their
+/// deliveries, then the events of the picks beside the record, three commands, where reading
+/// every lane takes more. A backlog drains a few lanes at a time.
+#[tokio::test]
+async fn a_backlog_drains_a_few_lanes_at_a_time_reading_only_those() {
+    let db = test_db("drain_few_lanes").await;
+    let (client, count, names) = counting_client(&db).await;
+    let store = store_with(&client, &db, false).await;
+    // 8 deliveries in each of 32 lanes: a claim of 16 empties two lanes.
+    let mut per_lane = [0; 32];
+    let backlog: Vec<EventEnvelope> = (0..)
+        .map(|n| format!("backlog-{n}"))
+        .filter(|id| {
+            let lane = lane_of(None, id) as usize;
+            let room = lane < 32 && per_lane[lane] < 8;
+            if room {
+                per_lane[lane] += 1;
+            }
+            room
+        })
+        .take(256)
+        .map(|id| event(&id, None))
+        .collect();
+    publish(&store, &backlog, &[HANDLER], at(0)).await;
+    for step in 0..6 {
+        names.lock().unwrap().clear();
+        let before = count.load(Ordering::SeqCst);
+        // Claims a millisecond apart, so that parked deliveries are looked up by the first only.
+        let batch = claim(&store, "w", 16, ms(step)).await;
+        let used = count.load(Ordering::SeqCst) - before;
+        let lanes: HashSet<u32> = batch.iter().map(|c| c.lease().lane()).collect();
+        assert_eq!(batch.len(), 16);
+        assert!(lanes.len() <= 8, "step {step}: {lanes:?}");
+        if step > 0 {
+            assert_eq!(used, 3, "step {step}: {:?}", names.lock().unwrap());
+        }
+        let done = store
+            .complete_many(&leases(&batch), ms(step))
+            .await
+            .unwrap();
+        assert!(done.iter().all(|d| *d));
+    }
+}
+
 /// A completion of claims this store instance handed out and has not seen settled reads only
 /// their lanes: the claims noted what it needs of the deliveries. Another instance, which did
 /// not hand them out, reads the deliveries too. Either way a lease completes once, and a lease

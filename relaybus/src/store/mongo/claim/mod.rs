@@ -5,8 +5,12 @@
 //! claim goes through these steps, each in a module of its own:
 //!
 //! - **Its lanes.** It reads the lanes the owner holds on this store instance, while it reads
-//!   the first page of the due deliveries of the lanes it held when its last claim ended. A
-//!   held lane listing a claim this instance did not hand out is reconciled first
+//!   the first page of the due deliveries of the lanes it held when its last claim ended: of
+//!   only a few, when it knows lanes with unkeyed deliveries due (those its last claim drained
+//!   and left more in, then those the last read of every lane ranked, oldest first), so that a
+//!   backlog is drained a few lanes at a time; the other lanes are read when those do not fill
+//!   the claim, and at least once in eight claims.
+//!   A held lane listing a claim this instance did not hand out is reconciled first
 //!   ([`reconcile`]); lost claims a held lane still lists are charged.
 //! - **Taking** ([`take`]) the owned lanes it does not hold yet, when they are free: after the
 //!   member list changed, and otherwise every 250 ms at most. A lane another holder still
@@ -72,6 +76,10 @@ const TAKE_INTERVAL: Duration = Duration::from_millis(250);
 /// reads them, and finds what settled without this instance seeing it (a completion whose
 /// reply was lost, a delivery deleted by hand).
 const READ_LANES_EVERY: u32 = 8;
+/// The most lanes a claim reads alone: those its last claim drained, then ranked ones.
+const DRAIN_LANES: usize = 8;
+/// Claims in a row that read the draining lanes alone: then one reads every lane again.
+const DRAIN_CLAIMS: u32 = 8;
 /// How often a member whose lanes did not fill its claim looks at free lanes.
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -353,21 +361,41 @@ impl MongoEventStore {
         let instance = inner.claims.instance;
         let issued = inner.claims.snapshot();
 
-        // The owner's lanes, read while the first pages of the lanes it kept are.
+        // The owner's lanes, read while the first pages of the lanes it kept are: of the few
+        // its last claim drained deep when there are some, and a claim in DRAIN_CLAIMS reads
+        // them all, so that the oldest due delivery of every lane is looked at.
         let expected = std::mem::take(&mut state.held);
+        let mut draining = std::mem::take(&mut state.draining);
+        if state.drained >= DRAIN_CLAIMS {
+            draining.clear();
+            state.ranked.clear();
+        }
+        // Beside them, the next lanes the last read of every lane ranked.
+        while draining.len() < DRAIN_LANES && !state.ranked.is_empty() {
+            let lane = state.ranked.remove(0);
+            if !draining.contains(&lane) {
+                draining.push(lane);
+            }
+        }
+        draining.sort_unstable();
+        let first_lanes = if draining.is_empty() {
+            &expected
+        } else {
+            &draining
+        };
         let window = page_window(limit);
         let first_pages = async {
-            if expected.is_empty() {
+            if first_lanes.is_empty() {
                 return Ok(None);
             }
             // What this instance handed out in those lanes runs, or ran: left out on the index
             // keys, so that the page holds what may be picked.
             let handed: HashSet<ObjectId> = issued
                 .iter()
-                .filter(|(_, claim)| expected.binary_search(&claim.lane).is_ok())
+                .filter(|(_, claim)| first_lanes.binary_search(&claim.lane).is_ok())
                 .map(|(id, _)| *id)
                 .collect();
-            self.first_pages(&expected, handlers, now, window, &handed)
+            self.first_pages(first_lanes, handlers, now, window, &handed)
                 .await
                 .map(Some)
         };
@@ -467,9 +495,23 @@ impl MongoEventStore {
         scan.picking
             .learn_heads(lowest.keys().cloned().collect(), &lowest);
         // Deliveries unparking sent back to the lanes are not in the pages read before.
-        let first_pages = first_pages?.filter(|_| !unparked);
+        let mut first_pages = first_pages?.filter(|_| !unparked);
+        if !draining.is_empty() {
+            // The draining lanes first; the rest only when they did not fill the claim.
+            let still = draining.iter().all(|id| scanned.binary_search(id).is_ok());
+            if let Some(pages) = first_pages.take().filter(|_| still) {
+                self.pick_from_pages(pages, &mut scan).await?;
+            }
+        }
+        state.drained = if !draining.is_empty() && scan.picking.full() {
+            state.drained + 1
+        } else {
+            0
+        };
         self.scan_lanes_from(&scanned, handlers, now, &mut scan, first_pages)
             .await?;
+        let draining = scan.picking.draining_lanes(DRAIN_LANES);
+        let ranked = scan.ranked.take();
 
         // Free lanes with work, when its own did not fill the claim: at once when it owns
         // none, else once a second at most (a member's free lanes are those of dead members, and
@@ -496,6 +538,7 @@ impl MongoEventStore {
         let Scan {
             picking,
             mut events,
+            ..
         } = scan;
         let Picking { picks, waiting, .. } = picking;
         let keep: HashSet<i32> = owned.clone().unwrap_or_default();
@@ -525,6 +568,18 @@ impl MongoEventStore {
             })
             .collect();
         state.held.sort_unstable();
+        let held = |id: &i32| state.held.binary_search(id).is_ok();
+        state.draining = draining.into_iter().filter(held).collect();
+        let ranked = ranked.unwrap_or_else(|| std::mem::take(&mut state.ranked));
+        state.ranked = ranked
+            .into_iter()
+            .filter(|id| held(id) && !state.draining.contains(id))
+            .collect();
+        state.draining.sort_unstable();
+        if recorded.raced {
+            state.draining.clear();
+            state.ranked.clear();
+        }
         state.known = recorded.all_matched.then(|| {
             let lanes = recorded
                 .lanes

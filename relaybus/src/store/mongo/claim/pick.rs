@@ -25,7 +25,7 @@ pub(super) struct Picking {
     /// The most deliveries the claim hands out.
     pub(super) limit: usize,
     /// Deliveries the owner's lanes list: they run, or ran and are gone (a page read before
-    /// their completion still shows them).
+    /// their completion still shows them); and those of pages read ahead, picked from already.
     pub(super) passed_over: HashSet<ObjectId>,
     /// Keys with a running delivery.
     running_keys: HashSet<KeyOf>,
@@ -36,6 +36,8 @@ pub(super) struct Picking {
     pub(super) picks: Vec<Candidate>,
     /// Deliveries found waiting behind an unfinished predecessor, per key, with their lanes.
     pub(super) waiting: HashMap<KeyOf, Vec<(ObjectId, i32)>>,
+    /// Lanes of due deliveries read after the claim was full.
+    left_over: HashSet<i32>,
 }
 
 impl Picking {
@@ -72,6 +74,23 @@ impl Picking {
                 .values()
                 .flatten()
                 .any(|(_, waits_in)| *waits_in == lane)
+    }
+
+    /// The first `most` lanes that [`drains_unkeyed`](Self::drains_unkeyed) and had due
+    /// deliveries left when the claim was full, in the order of their first picks: the next
+    /// claim reads them alone first.
+    pub(super) fn draining_lanes(&self, most: usize) -> Vec<i32> {
+        let mut lanes: Vec<i32> = Vec::new();
+        for pick in &self.picks {
+            if lanes.len() < most
+                && !lanes.contains(&pick.lane)
+                && self.left_over.contains(&pick.lane)
+                && self.drains_unkeyed(pick.lane)
+            {
+                lanes.push(pick.lane);
+            }
+        }
+        lanes
     }
 
     /// The keys of `page` whose lowest pending delivery the per-key rules need and do not know
@@ -111,10 +130,11 @@ impl Picking {
     /// database access: the lowest pending delivery of each key was looked up before.
     pub(super) fn pick(&mut self, page: Vec<Candidate>) {
         for candidate in page {
-            if self.full() {
-                break;
-            }
             if self.passed_over.contains(&candidate.id) {
+                continue;
+            }
+            if self.full() {
+                self.left_over.insert(candidate.lane);
                 continue;
             }
             let Some(key) = &candidate.key else {
@@ -297,6 +317,33 @@ mod tests {
         assert!(picking.waiting.is_empty());
         pick_page(&mut picking, &page, &HashMap::new());
         assert_eq!(picked(&picking), vec![unkeyed.id]);
+    }
+
+    #[test]
+    fn a_full_claim_drains_the_unkeyed_lanes_it_left_deliveries_in() {
+        let in_lane = |lane, key: Option<&str>| Candidate {
+            lane,
+            ..delivery("h", key, key.map(|_| 1))
+        };
+        let keyed = in_lane(3, Some("k"));
+        // Lane 1 gave picks and keeps one; lane 2 gave all it had; lane 3's pick was keyed.
+        let page = vec![
+            in_lane(1, None),
+            in_lane(2, None),
+            keyed.clone(),
+            in_lane(1, None),
+            in_lane(1, None),
+            in_lane(3, None),
+        ];
+        let mut picking = picking(4);
+        pick_page(&mut picking, &page, &lowest(&[(&keyed, 1)]));
+        assert!(picking.full());
+        assert_eq!(picking.draining_lanes(8), vec![1]);
+        assert!(picking.draining_lanes(0).is_empty());
+        // A claim that was not full left nothing behind.
+        let mut all = self::picking(10);
+        pick_page(&mut all, &page, &lowest(&[(&keyed, 1)]));
+        assert!(all.draining_lanes(8).is_empty());
     }
 
     #[test]

@@ -192,6 +192,9 @@ pub(super) struct Scan {
     pub(super) picking: Picking,
     /// The events read with the deliveries, by event id (none so far: see `events_missing`).
     pub(super) events: HashMap<String, RawDocumentBuf>,
+    /// Of the first read of every lane of a full claim: the lanes it found only unkeyed
+    /// deliveries due in and did not pick from, the lane of the oldest first.
+    pub(super) ranked: Option<Vec<i32>>,
 }
 
 impl Scan {
@@ -199,6 +202,7 @@ impl Scan {
         Scan {
             picking,
             events: HashMap::new(),
+            ranked: None,
         }
     }
 }
@@ -322,6 +326,9 @@ impl MongoEventStore {
             &mut seen,
         )
         .await?;
+        if scan.ranked.is_none() {
+            scan.ranked = Some(unpicked_unkeyed_lanes(&merged, &scan.picking));
+        }
         for (group, due, id) in unfinished {
             if scan.picking.full() {
                 break;
@@ -427,6 +434,22 @@ impl MongoEventStore {
         Ok(())
     }
 
+    /// Picks from first pages read ahead, in `(dueAt, _id)` order, and passes over what they
+    /// held in any later scan of the claim, which reads their lanes again.
+    pub(super) async fn pick_from_pages(&self, first: FirstPages, scan: &mut Scan) -> Result<()> {
+        let mut page: Vec<Candidate> = first
+            .pages
+            .iter()
+            .flatten()
+            .filter_map(|doc| Candidate::from_raw(doc))
+            .collect();
+        page.sort_by_key(|candidate| (candidate.due_at, candidate.id));
+        let read: Vec<ObjectId> = page.iter().map(|candidate| candidate.id).collect();
+        self.look_up_and_pick(page, scan).await?;
+        scan.picking.passed_over.extend(read);
+        Ok(())
+    }
+
     /// At most `window` due, ready deliveries matching `filter`, in `(dueAt, _id)` order.
     pub(super) async fn page(
         &self,
@@ -460,6 +483,28 @@ impl MongoEventStore {
         scan.picking.pick(page);
         Ok(())
     }
+}
+
+/// The lanes of `merged` (in `(dueAt, _id)` order) with only unkeyed deliveries and no picks,
+/// in the order of their first delivery; none when the claim is not full.
+fn unpicked_unkeyed_lanes(merged: &[Candidate], picking: &Picking) -> Vec<i32> {
+    if !picking.full() {
+        return Vec::new();
+    }
+    let keyed: HashSet<i32> = merged
+        .iter()
+        .filter(|candidate| candidate.key.is_some())
+        .map(|candidate| candidate.lane)
+        .collect();
+    let picked: HashSet<i32> = picking.picks.iter().map(|pick| pick.lane).collect();
+    let mut lanes: Vec<i32> = Vec::new();
+    for candidate in merged {
+        let lane = candidate.lane;
+        if !keyed.contains(&lane) && !picked.contains(&lane) && !lanes.contains(&lane) {
+            lanes.push(lane);
+        }
+    }
+    lanes
 }
 
 #[cfg(test)]

@@ -29,6 +29,16 @@ pub(crate) struct OwnerState {
     /// The owned lanes the owner held when its last claim ended: the next claim reads their
     /// first page while it reads its lanes, and uses it if they are still the lanes it scans.
     pub(crate) held: Vec<i32>,
+    /// The few held lanes the last claim drained deep, all unkeyed (sorted): the next
+    /// claim reads them alone first, and the rest of its lanes only when they do not fill it.
+    /// Which lanes to read, never what may be handed out.
+    pub(crate) draining: Vec<i32>,
+    /// Lanes the last read of every held lane found due unkeyed deliveries in and no claim has
+    /// read alone since, oldest first: the next claims read them a few at a time beside the
+    /// draining lanes.
+    pub(crate) ranked: Vec<i32>,
+    /// Claims in a row filled from the draining lanes alone.
+    pub(crate) drained: u32,
     /// The lanes the owner held when its last claim ended, as that claim wrote them, when its
     /// record matched every lane it wrote, with the registry's generation then: the next claim
     /// takes them from here instead of reading them. What they list and this instance handed
