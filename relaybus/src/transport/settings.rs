@@ -99,9 +99,9 @@ impl Default for BatchSettings {
 }
 
 impl BatchSettings {
-    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use these.
-    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     /// Checks the batch size (1 to [`MAX_BATCH_SIZE`]) and the fetch wait (10 ms to 1 minute).
+    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use it.
+    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     pub(crate) fn check(&self) -> Result<(), InvalidSetting> {
         check_batch_size("batch_size", self.batch_size, MAX_BATCH_SIZE)?;
         check_range(

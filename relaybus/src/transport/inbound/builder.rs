@@ -27,9 +27,9 @@ impl<O: fmt::Debug> fmt::Debug for ConsumerBuilder<O> {
 }
 
 impl<O> ConsumerBuilder<O> {
-    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use these.
-    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     /// The default batch settings, and the broker's own `options`.
+    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use it.
+    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     pub(crate) fn new(options: O) -> Self {
         ConsumerBuilder {
             batch: BatchSettings::default(),

@@ -43,9 +43,8 @@ impl<B: Broker> Consumer<B> {
         Consumer { broker }
     }
 
-    // The Kafka consumer reads partitions with a driver of its own; NATS and RabbitMQ use these.
-    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     /// The broker's side of the consumer.
+    #[cfg(any(feature = "nats", feature = "rabbitmq"))]
     pub(crate) fn broker(&self) -> &B {
         &self.broker
     }
